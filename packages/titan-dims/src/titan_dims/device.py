@@ -32,7 +32,7 @@ def detect_device_type() -> str:
     return "cpu"
 
 
-def device_module(device_type: str):  # noqa: ANN201  (a torch submodule such as torch.cuda)
+def device_module(device_type: str):
     """The ``torch.<device_type>`` module (memory stats, synchronize, set_device, ...)."""
     _check_device_type(device_type, source="device_type")
     return getattr(torch, device_type)

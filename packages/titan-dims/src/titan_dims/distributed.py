@@ -132,7 +132,7 @@ def init_distributed(
     return device
 
 
-def set_collective_timeout(timeout: timedelta, groups=None) -> None:  # noqa: ANN001
+def set_collective_timeout(timeout: timedelta, groups=None) -> None:
     """Change the timeout of the default group and of ``groups`` (process groups, or device
     meshes whose every group is changed).
 

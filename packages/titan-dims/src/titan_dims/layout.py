@@ -86,7 +86,7 @@ class MeshLayout:
         """The coordinate of ``rank`` along every mesh dimension."""
         self._check_rank(rank)
         coords: dict[str, int] = {}
-        for name, stride, size in zip(self.dim_names, self._strides, self.dim_sizes):
+        for name, stride, size in zip(self.dim_names, self._strides, self.dim_sizes, strict=True):
             coords[name] = (rank // stride) % size
         return coords
 
@@ -105,11 +105,11 @@ class MeshLayout:
     def _iter_group(self, name: str, rank: int) -> Iterator[int]:
         sources = self.sources(name)
         coords = self.coordinates(rank)
-        strides = dict(zip(self.dim_names, self._strides))
+        strides = dict(zip(self.dim_names, self._strides, strict=True))
         base = rank - sum(coords[d] * strides[d] for d in sources)
         ranges = [range(self._size_of(d)) for d in sources]
         for combo in itertools.product(*ranges):
-            yield base + sum(c * strides[d] for c, d in zip(combo, sources))
+            yield base + sum(c * strides[d] for c, d in zip(combo, sources, strict=True))
 
     @property
     def _strides(self) -> tuple[int, ...]:
