@@ -1,0 +1,39 @@
+"""titan-optim: optimizers over model parts, gradient clipping and LR schedules.
+
+``build_optimizers`` turns an ``OptimizerConfig`` into an ``OptimizersContainer``: one
+``torch.optim`` optimizer per model part (pipeline stage), stepped together, clipped by the
+global gradient norm across DTensor meshes and pipeline stages, and checkpointed as one
+flat dict keyed by parameter FQN. ``build_lr_schedulers`` adds a warmup-stable-decay
+schedule per optimizer. Both containers are ``Stateful`` for ``torch.distributed.checkpoint``.
+"""
+
+from titan_optim.__about__ import __version__
+from titan_optim.clip import NonFiniteGradError, clip_grad_norm_
+from titan_optim.config import OptimizerConfig, OptimizerConfigError, ParamGroupRule
+from titan_optim.container import OptimizersContainer, build_optimizers
+from titan_optim.ft import FTOptimizersContainer
+from titan_optim.in_backward import OptimizerInBackwardError, OptimizersInBackwardContainer
+from titan_optim.lr_scheduler import (
+    LRSchedulerConfig,
+    LRSchedulersContainer,
+    WarmupStableDecay,
+    build_lr_schedulers,
+)
+
+__all__ = [
+    "FTOptimizersContainer",
+    "LRSchedulerConfig",
+    "LRSchedulersContainer",
+    "NonFiniteGradError",
+    "OptimizerConfig",
+    "OptimizerConfigError",
+    "OptimizerInBackwardError",
+    "OptimizersContainer",
+    "OptimizersInBackwardContainer",
+    "ParamGroupRule",
+    "WarmupStableDecay",
+    "__version__",
+    "build_lr_schedulers",
+    "build_optimizers",
+    "clip_grad_norm_",
+]

@@ -1,0 +1,104 @@
+"""``FTOptimizersContainer``: an ``OptimizersContainer`` driven by a torchft ``Manager``.
+
+With torchft, replica groups join and leave while training runs. ``zero_grad`` starts the
+manager's quorum and ``step`` commits only when the manager says every participant's
+gradients were reduced. A recovering peer asks a healthy replica for its optimizer state
+from a background thread, possibly mid-step: computing it then from the optimizers could
+initialise empty optimizer state (``get_optimizer_state_dict`` does that by taking a step
+with lr 0, which also shifts Adam's step count) or read a half-updated lr. So the state
+dict is computed on the training thread after every committed step or load, and the
+manager reads that cache. Before the first committed step there is no cache and no state to
+share (replicas all at step 0 do not heal from each other); a read then computes it.
+
+Needs the ``torchft`` extra (``pip install titan-optim[torchft]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_optim.container import OptimizersContainer
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["FTOptimizersContainer"]
+
+
+class FTOptimizersContainer:
+    """Fault-tolerant wrapper over an ``OptimizersContainer`` (a ``Stateful`` too).
+
+    ``state_key`` registers the cached state with the manager for live recovery under that
+    name; pass ``None`` when the caller registers it itself.
+    """
+
+    def __init__(
+        self,
+        optimizers: OptimizersContainer,
+        manager: Manager,
+        *,
+        state_key: str | None = "optimizer",
+    ) -> None:
+        try:
+            import torchft  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "FTOptimizersContainer needs torchft; install it with "
+                "`pip install titan-optim[torchft]`."
+            ) from e
+        self.optimizers = optimizers
+        self.manager = manager
+        self._cache: dict[str, Any] | None = None
+        if state_key is not None:
+            manager.register_state_dict_fn(state_key, self.load_state_dict, self.state_dict)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner container's param groups."""
+        return self.optimizers.param_groups
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start the manager's quorum for this step, then clear gradients."""
+        self.manager.start_quorum()
+        self.optimizers.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """Step only if the manager commits this step; refresh the cached state if so."""
+        if self.manager.should_commit():
+            self.optimizers.step()
+            self._cache = self.optimizers.state_dict()
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        *,
+        norm_type: float = 2.0,
+        pp_group: dist.ProcessGroup | DeviceMesh | None = None,
+        on_nonfinite: str = "skip",
+    ) -> torch.Tensor:
+        """The inner container's ``clip_grad_norm_``."""
+        return self.optimizers.clip_grad_norm_(
+            max_norm, norm_type=norm_type, pp_group=pp_group, on_nonfinite=on_nonfinite
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as of the last committed step (safe to call from any thread)."""
+        if self._cache is None:
+            self._cache = self.optimizers.state_dict()
+        return self._cache
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the inner container and refresh the cache."""
+        self.optimizers.load_state_dict(state_dict)
+        self._cache = self.optimizers.state_dict()

@@ -1,0 +1,105 @@
+"""Optimizer-in-backward: each parameter steps as soon as its gradient is accumulated.
+
+Every trainable parameter gets its own optimizer, stepped (and its gradient freed) from a
+post-accumulate-grad hook, so at most a few gradients are alive at once. The price: no
+gradient ever coexists with all the others, so a global norm cannot be computed (no
+clipping), and a pipeline schedule's several backward passes per step would step each
+parameter once per microbatch (no pipeline parallelism). Both are refused up front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_optim.build import build_optimizer, group_parameters, warn_fallback
+from titan_optim.config import OptimizerConfig
+from titan_optim.container import OptimizersContainer
+
+__all__ = ["OptimizerInBackwardError", "OptimizersInBackwardContainer"]
+
+
+class OptimizerInBackwardError(RuntimeError):
+    """A feature that cannot work when parameters step during backward."""
+
+
+class OptimizersInBackwardContainer(OptimizersContainer):
+    """An ``OptimizersContainer`` whose optimizers step inside ``backward``.
+
+    ``step`` only runs the hooks and checks that backward did consume every gradient;
+    ``zero_grad`` has nothing left to clear. State dicts are the same flat FQN dicts as the
+    ordinary container's. Parameters must receive their gradients through autograd
+    accumulation (FSDP2 assigns sharded gradients after backward, which bypasses the hook:
+    ``step`` then raises instead of silently not training).
+    """
+
+    def __init__(
+        self,
+        model_parts: Sequence[nn.Module],
+        config: OptimizerConfig,
+        *,
+        pipeline_parallel: bool = False,
+    ) -> None:
+        if pipeline_parallel or len(model_parts) > 1:
+            raise OptimizerInBackwardError(
+                "optimizer.early_step_in_backward=True cannot be used with pipeline "
+                f"parallelism (got {len(model_parts)} model parts, pipeline_parallel="
+                f"{pipeline_parallel}): the schedule runs one backward per microbatch and "
+                "would step every parameter several times per batch. Set "
+                "early_step_in_backward=False or pipeline_parallel_degree=1."
+            )
+        part_optimizers, reasons = [], []
+        self._params: list[nn.Parameter] = []
+        for part in model_parts:
+            opts = []
+            for group in group_parameters(part, config):
+                overrides = {k: v for k, v in group.items() if k != "params"}
+                for param in group["params"]:
+                    opt, reason = build_optimizer([{"params": [param], **overrides}], config)
+                    reasons.append(reason)
+                    param.register_post_accumulate_grad_hook(_stepper(opt))
+                    self._params.append(param)
+                    opts.append(opt)
+            part_optimizers.append(opts)
+        warn_fallback(reasons)
+        super().__init__(model_parts, part_optimizers)
+
+    def _step_optimizers(self) -> None:
+        if any(p.grad is not None for p in self._params):
+            raise OptimizerInBackwardError(
+                "optimizer-in-backward found gradients left after backward: some parameters "
+                "got their gradient without autograd accumulation (e.g. FSDP2's sharded "
+                "gradients), so their hook never stepped them. Set "
+                "optimizer.early_step_in_backward=False for this model."
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: each gradient was freed right after its parameter stepped."""
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        *,
+        norm_type: float = 2.0,
+        pp_group: dist.ProcessGroup | DeviceMesh | None = None,
+        on_nonfinite: str = "skip",
+    ) -> torch.Tensor:
+        """Always raises: the gradients were consumed during backward."""
+        raise OptimizerInBackwardError(
+            "Gradient clipping cannot be used with optimizer.early_step_in_backward=True: "
+            "each parameter stepped during backward, so no global gradient norm exists. "
+            "Turn off clipping (max_norm) or optimizer-in-backward."
+        )
+
+
+def _stepper(opt: torch.optim.Optimizer) -> Any:
+    def hook(param: torch.Tensor) -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return hook

@@ -1,0 +1,208 @@
+"""Warmup-stable-decay learning-rate schedules, one per optimizer of a container.
+
+The schedule multiplies each param group's own lr by a factor that depends only on the
+step, so per-group lrs (from ``ParamGroupRule``) keep their ratios. With ``W`` warmup,
+``S`` stable and ``D`` decay steps out of ``T = W + S + D`` training steps, the factor for
+the lr used by step ``s`` (0-based, i.e. after ``s`` calls to ``step()``) is::
+
+    s <  W        (s + 1) / W                         linear warmup, reaches 1 at s = W - 1
+    s <  W + S    1                                   stable
+    s <  T        m + (1 - m) * curve(p),  p = (s - W - S + 1) / D   in (0, 1]
+    s >= T        m                                   past the end: the minimum
+
+with ``m = min_lr_factor`` and ``curve`` = ``1 - p`` (linear), ``1 - sqrt(p)`` (sqrt) or
+``(1 + cos(pi * p)) / 2`` (cosine); the last training step runs at exactly ``m``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.optim.lr_scheduler import LambdaLR
+
+from titan_optim.config import OptimizerConfigError, check_choice, check_number
+from titan_optim.container import OptimizersContainer
+
+__all__ = [
+    "DECAY_TYPES",
+    "LRSchedulerConfig",
+    "LRSchedulersContainer",
+    "WarmupStableDecay",
+    "build_lr_schedulers",
+]
+
+DECAY_TYPES = ("linear", "sqrt", "cosine")
+"""Shapes of the decay phase."""
+
+
+@dataclass(kw_only=True)
+class LRSchedulerConfig:
+    """How the learning rate moves over training: warmup, stable, decay.
+
+    >>> LRSchedulerConfig(warmup_steps=10, decay_ratio=0.2, decay_type="cosine").min_lr_factor
+    0.0
+    """
+
+    warmup_steps: int = 200
+    """Steps of linear warmup from lr/warmup_steps to the peak lr."""
+    decay_ratio: float | None = None
+    """Fraction of the training steps spent decaying at the end; the steps between warmup
+    and decay stay at the peak. ``None`` decays over every step after warmup."""
+    decay_type: str = "linear"
+    """Decay curve: ``linear``, ``sqrt`` or ``cosine``."""
+    min_lr_factor: float = 0.0
+    """The lr at the end of decay, as a fraction of the peak lr; in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
+            raise OptimizerConfigError(
+                f"lr_scheduler.warmup_steps={self.warmup_steps!r} must be a whole number >= 0."
+            )
+        if self.warmup_steps < 0:
+            raise OptimizerConfigError(
+                f"lr_scheduler.warmup_steps={self.warmup_steps} is not allowed; it must be >= 0."
+            )
+        if self.decay_ratio is not None:
+            self.decay_ratio = check_number(
+                "lr_scheduler.decay_ratio", self.decay_ratio, low=0, high=1
+            )
+        check_choice("lr_scheduler.decay_type", self.decay_type, DECAY_TYPES)
+        self.min_lr_factor = check_number(
+            "lr_scheduler.min_lr_factor", self.min_lr_factor, low=0, high=1
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupStableDecay:
+    """The lr factor of each step (see the module docstring), as resolved for a run.
+
+    A plain callable with only numbers as state, so ``LambdaLR`` can hold and save it.
+    """
+
+    warmup_steps: int
+    stable_steps: int
+    decay_steps: int
+    decay_type: str = "linear"
+    min_lr_factor: float = 0.0
+
+    @classmethod
+    def from_config(cls, config: LRSchedulerConfig, training_steps: int) -> WarmupStableDecay:
+        """Fit ``config`` to ``training_steps``, clamping impossible lengths with one warning."""
+        if isinstance(training_steps, bool) or not isinstance(training_steps, int):
+            raise OptimizerConfigError(
+                f"training.steps={training_steps!r} must be a whole number >= 1."
+            )
+        if training_steps < 1:
+            raise OptimizerConfigError(
+                f"training.steps={training_steps} is not allowed; it must be >= 1."
+            )
+        notes = []
+        warmup = config.warmup_steps
+        if warmup > training_steps:
+            notes.append(
+                f"lr_scheduler.warmup_steps={warmup} is longer than training.steps="
+                f"{training_steps}; warming up over all {training_steps} steps instead"
+            )
+            warmup = training_steps
+        if config.decay_ratio is None:
+            decay = training_steps - warmup
+        else:
+            decay = round(training_steps * config.decay_ratio)
+            if warmup + decay > training_steps:
+                notes.append(
+                    f"warmup ({warmup}) + decay (decay_ratio={config.decay_ratio:g} x "
+                    f"{training_steps} = {decay}) is longer than training.steps="
+                    f"{training_steps}; decaying over the {training_steps - warmup} steps "
+                    "after warmup instead"
+                )
+                decay = training_steps - warmup
+        if notes:
+            warnings.warn("; ".join(notes) + ".", UserWarning, stacklevel=3)
+        return cls(
+            warmup_steps=warmup,
+            stable_steps=training_steps - warmup - decay,
+            decay_steps=decay,
+            decay_type=config.decay_type,
+            min_lr_factor=config.min_lr_factor,
+        )
+
+    def __call__(self, step: int) -> float:
+        w, s, d, m = self.warmup_steps, self.stable_steps, self.decay_steps, self.min_lr_factor
+        if step < w:
+            return (step + 1) / w
+        if step < w + s:
+            return 1.0
+        if step >= w + s + d:
+            return m
+        p = (step - w - s + 1) / d
+        if self.decay_type == "linear":
+            curve = 1.0 - p
+        elif self.decay_type == "sqrt":
+            curve = 1.0 - math.sqrt(p)
+        else:
+            curve = 0.5 * (1.0 + math.cos(math.pi * p))
+        return m + (1.0 - m) * curve
+
+
+class LRSchedulersContainer:
+    """One ``LambdaLR`` per optimizer of an ``OptimizersContainer``, stepped together.
+
+    All schedulers share one step count, so the saved state is that count alone: it loads
+    into a container with a different number of optimizers (another pipeline layout) and
+    sets every group's lr from its own base lr. A ``Stateful`` for checkpointing.
+    """
+
+    def __init__(self, optimizers: OptimizersContainer, schedule: WarmupStableDecay) -> None:
+        self.schedule = schedule
+        self.schedulers = [LambdaLR(opt, schedule) for opt in optimizers]
+
+    def __iter__(self) -> Iterator[LambdaLR]:
+        return iter(self.schedulers)
+
+    def __len__(self) -> int:
+        return len(self.schedulers)
+
+    @property
+    def last_step(self) -> int:
+        """How many times :meth:`step` has been called (since the start of training)."""
+        return self.schedulers[0].last_epoch if self.schedulers else 0
+
+    def step(self) -> None:
+        """Advance every schedule by one step; call once after each optimizer step."""
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        """The current lr of every param group of every optimizer."""
+        return [lr for s in self.schedulers for lr in s.get_last_lr()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step": n}``: the shared step count."""
+        return {"step": self.last_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Move every schedule to the saved step and set the lrs it implies."""
+        step = int(state_dict["step"])
+        for scheduler in self.schedulers:
+            state = scheduler.state_dict()
+            lrs = [base * self.schedule(step) for base in scheduler.base_lrs]
+            # _step_count > 1 tells LambdaLR the optimizer has stepped, as it had when saved.
+            state.update(last_epoch=step, _step_count=step + 1, _last_lr=lrs)
+            scheduler.load_state_dict(state)
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+
+
+def build_lr_schedulers(
+    optimizers: OptimizersContainer,
+    config: LRSchedulerConfig | None = None,
+    *,
+    training_steps: int,
+) -> LRSchedulersContainer:
+    """One warmup-stable-decay scheduler per optimizer in ``optimizers``."""
+    schedule = WarmupStableDecay.from_config(config or LRSchedulerConfig(), training_steps)
+    return LRSchedulersContainer(optimizers, schedule)
