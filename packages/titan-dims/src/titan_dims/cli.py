@@ -24,6 +24,8 @@ from titan_dims.simulate import simulate
 
 __all__ = ["main"]
 
+_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
 _PURPOSE = {
     "pp": "pipeline stages",
     "dp_replicate": "model replicas (DDP / HSDP replicate)",
@@ -81,13 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         dims = ParallelDims(
-            world_size=args.world_size,
-            dp_replicate=args.dp_replicate,
-            dp_shard=args.dp_shard,
-            cp=args.cp,
-            tp=args.tp,
-            pp=args.pp,
-            ep=args.ep,
+            world_size=args.world_size, **{name: getattr(args, name) for name in _DEGREES}
         )
         if args.rank is not None and not 0 <= args.rank < dims.world_size:
             raise ParallelDimsError(
@@ -109,9 +105,7 @@ def _plan(dims: ParallelDims, rank: int | None) -> dict[str, Any]:
     layout = dims.layout
     report: dict[str, Any] = {
         "world_size": dims.world_size,
-        "degrees": {
-            n: getattr(dims, n) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
-        },
+        "degrees": {n: getattr(dims, n) for n in _DEGREES},
         "dims": [
             {"name": n, "size": s} for n, s in zip(layout.dim_names, layout.dim_sizes, strict=True)
         ],
