@@ -1,0 +1,55 @@
+"""titan-models: Llama 3 for PyTorch pretraining and the plans that parallelize it.
+
+``Llama3`` (flavors debugmodel to 405B, built on the meta device, then ``init_weights``),
+``parallelize_llama`` (tensor + sequence parallel, context parallel, activation
+checkpointing, per-block compile, FSDP2/HSDP/DDP, driven by ``titan_dims.ParallelDims`` and
+``ParallelizeConfig``), ``pipeline_llama`` (stages and schedules from
+``torch.distributed.pipelining``) and ``Llama3StateDictAdapter`` (to and from Hugging Face
+``LlamaForCausalLM``).
+"""
+
+from titan_models.__about__ import __version__
+from titan_models.errors import ConfigError
+from titan_models.llama3 import (
+    LLAMA3,
+    LLAMA3_FLAVORS,
+    Llama3,
+    Llama3Args,
+    Llama3StateDictAdapter,
+    RopeScaling,
+    check_parallelism,
+    llama3_args,
+    make_adapter,
+    parallelize_llama,
+    pipeline_llama,
+)
+from titan_models.parallel import (
+    ActivationCheckpointConfig,
+    ParallelizeConfig,
+    Pipeline,
+    PipelineConfig,
+    context_parallel_shard,
+)
+from titan_models.spec import ModelSpec
+
+__all__ = [
+    "LLAMA3",
+    "LLAMA3_FLAVORS",
+    "ActivationCheckpointConfig",
+    "ConfigError",
+    "Llama3",
+    "Llama3Args",
+    "Llama3StateDictAdapter",
+    "ModelSpec",
+    "ParallelizeConfig",
+    "Pipeline",
+    "PipelineConfig",
+    "RopeScaling",
+    "__version__",
+    "check_parallelism",
+    "context_parallel_shard",
+    "llama3_args",
+    "make_adapter",
+    "parallelize_llama",
+    "pipeline_llama",
+]

@@ -1,0 +1,204 @@
+"""Convert Llama 3 state dicts between titan (= torchtitan = Meta) and Hugging Face naming.
+
+Two things differ. Names: ``layers.3.attention.wq.weight`` is HF's
+``model.layers.3.self_attn.q_proj.weight``, and so on. And the order of the query and key
+output channels: titan's RoPE rotates adjacent pairs ``(2i, 2i+1)`` of each head, HF's
+rotates ``(i, i + head_dim/2)``, so ``wq``/``wk`` rows are permuted within every head when
+converting. The adapter needs the model's shape for that (heads, kv heads), which it takes
+from a flavor or from an HF ``config.json``.
+
+The adapter is a structural match of titan-ckpt's state-dict-adapter protocol and is
+registered under the entry-point group ``titan.state_dict_adapters`` as ``llama3``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from titan_models.errors import ConfigError
+from titan_models.llama3.args import Llama3Args, RopeScaling, llama3_args
+
+__all__ = ["Llama3StateDictAdapter", "make_adapter"]
+
+# titan name pattern -> HF name pattern; {} is the layer index.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of each head from interleaved pairs (titan) to the two-halves order (HF)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`_to_half_split`."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class Llama3StateDictAdapter:
+    """Maps full (unsharded) Llama 3 state dicts to and from ``LlamaForCausalLM`` naming."""
+
+    def __init__(self, args: Llama3Args) -> None:
+        self.args = args
+
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """titan names and layouts -> HF's. Unknown keys raise ``KeyError``."""
+        heads = {"wq": self.args.n_heads, "wk": self.args.kv_heads}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            if key in _TOP_NAMES:
+                out[_TOP_NAMES[key]] = value
+                continue
+            match = _TITAN_LAYER.match(key)
+            if match is None or match.group(2) not in _LAYER_NAMES:
+                raise KeyError(f"{key!r} is not a Llama 3 parameter name.")
+            layer, rest = match.groups()
+            proj = rest.split(".")[1]
+            if proj in heads:
+                value = _to_half_split(value, heads[proj])
+            out[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = value
+        return out
+
+    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF names and layouts -> titan's. A checkpoint with tied embeddings (no
+        ``lm_head.weight``, e.g. Llama 3.2 1B/3B) gets ``output.weight`` as a copy of the
+        embedding; rotary ``inv_freq`` buffers are dropped."""
+        heads = {"q_proj": self.args.n_heads, "k_proj": self.args.kv_heads}
+        top = {hf: titan for titan, hf in _TOP_NAMES.items()}
+        layer_names = {hf: titan for titan, hf in _LAYER_NAMES.items()}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in hf_state_dict.items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if key in top:
+                out[top[key]] = value
+                continue
+            match = _HF_LAYER.match(key)
+            if match is None or match.group(2) not in layer_names:
+                raise KeyError(f"{key!r} is not a LlamaForCausalLM parameter name.")
+            layer, rest = match.groups()
+            proj = rest.split(".")[1]
+            if proj in heads:
+                value = _to_interleaved(value, heads[proj])
+            out[f"layers.{layer}.{layer_names[rest]}"] = value
+        if "output.weight" not in out and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"].clone()
+        return out
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` of the equivalent ``LlamaForCausalLM``."""
+        a = self.args
+        config: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": a.dim,
+            "intermediate_size": a.hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_seq_len,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": None,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+        if a.rope_scaling is not None:
+            s = a.rope_scaling
+            config["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }
+        return config
+
+
+def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:
+    """``Llama3Args`` for a ``LlamaForCausalLM`` ``config.json``. The feed-forward size is
+    taken as given (``multiple_of`` = intermediate_size, no multiplier)."""
+    try:
+        dim = hf_config["hidden_size"]
+        n_heads = hf_config["num_attention_heads"]
+        scaling = hf_config.get("rope_scaling") or None
+        # transformers 5 writes rope settings under rope_parameters.
+        rope = hf_config.get("rope_parameters") or {}
+        scaling = scaling or (rope if rope.get("rope_type") == "llama3" else None)
+        theta = hf_config.get("rope_theta", rope.get("rope_theta", 500000.0))
+        if hf_config.get("head_dim", dim // n_heads) != dim // n_heads:
+            raise ConfigError(
+                f"head_dim={hf_config['head_dim']} differs from hidden_size / "
+                f"num_attention_heads = {dim // n_heads}; titan's Llama 3 needs them equal."
+            )
+        args = Llama3Args(
+            dim=dim,
+            n_layers=hf_config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf_config.get("num_key_value_heads", n_heads),
+            vocab_size=hf_config["vocab_size"],
+            multiple_of=hf_config["intermediate_size"],
+            ffn_dim_multiplier=None,
+            norm_eps=hf_config.get("rms_norm_eps", 1e-5),
+            rope_theta=theta,
+            rope_scaling=None
+            if scaling is None
+            else RopeScaling(
+                factor=scaling["factor"],
+                low_freq_factor=scaling["low_freq_factor"],
+                high_freq_factor=scaling["high_freq_factor"],
+                original_max_position_embeddings=scaling["original_max_position_embeddings"],
+            ),
+            max_seq_len=hf_config.get("max_position_embeddings", 131072),
+        )
+    except KeyError as missing:
+        raise ConfigError(f"The HF config has no {missing}; is it a Llama config?") from None
+    if args.hidden_dim != hf_config["intermediate_size"]:
+        # multiple_of=intermediate_size rounds 8/3 x dim up to it only if it is larger.
+        raise ConfigError(
+            f"intermediate_size={hf_config['intermediate_size']} is smaller than 8/3 x "
+            f"hidden_size; titan's Llama 3 cannot express it."
+        )
+    return args
+
+
+def make_adapter(
+    *, flavor: str | None = None, hf_config: Mapping[str, Any] | None = None
+) -> Llama3StateDictAdapter:
+    """The ``titan.state_dict_adapters`` entry point: an adapter for a titan flavor or for an
+    HF ``config.json`` (exactly one of the two)."""
+    if (flavor is None) == (hf_config is None):
+        raise ConfigError(
+            "make_adapter needs exactly one of flavor= (e.g. '8B') or hf_config= "
+            "(a LlamaForCausalLM config.json as a dict) to know the model's head counts."
+        )
+    if flavor is not None:
+        return Llama3StateDictAdapter(llama3_args(flavor))
+    return Llama3StateDictAdapter(args_from_hf_config(hf_config))

@@ -1,0 +1,207 @@
+"""``Llama3Args``: the shape of a Llama 3 model, its published flavors, and what it costs.
+
+Field names follow torchtitan's ``TransformerModelArgs`` so that its flavors and TOML files
+carry over; the flavors reproduce the published shapes (Llama 3.1 8B/70B/405B, Llama 3.2
+1B/3B with untied output weights, and a tiny ``debugmodel`` for tests and smoke runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from titan_models.errors import ConfigError, check_positive_int
+
+__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "RopeScaling", "llama3_args"]
+
+
+@dataclass(kw_only=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling, which stretches the low frequencies so that a model
+    trained on ``original_max_position_embeddings`` tokens works on longer contexts."""
+
+    factor: float = 8.0
+    """How much the lowest frequencies are divided by."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are fully scaled."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """The context length the unscaled frequencies were trained for."""
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"rope_scaling.{name}={value!r} is not allowed; it must be > 0.")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"rope_scaling.high_freq_factor={self.high_freq_factor} must be greater than "
+                f"rope_scaling.low_freq_factor={self.low_freq_factor}."
+            )
+        check_positive_int(
+            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
+        )
+
+
+@dataclass(kw_only=True)
+class Llama3Args:
+    """The hyperparameters of a Llama 3 decoder; everything else (hidden sizes, parameter
+    count, FLOPs) is derived from them."""
+
+    dim: int = 4096
+    """Width of the residual stream (hidden size)."""
+    n_layers: int = 32
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Query heads per attention layer; dim must divide by it."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); ``None`` means n_heads. Must divide n_heads."""
+    vocab_size: int = 128256
+    """Rows of the embedding and output matrices: set it from the tokenizer."""
+    multiple_of: int = 256
+    """The feed-forward hidden size is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """Scales the feed-forward hidden size (8/3 x dim before scaling and rounding)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 500000.0
+    """Base of the rotary position embedding's frequencies."""
+    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
+    """Llama 3.1 frequency scaling; ``None`` for plain RoPE."""
+    max_seq_len: int = 131072
+    """Longest sequence the RoPE table covers; set it to the training sequence length."""
+    depth_init: bool = True
+    """Scale each block's output-projection init by its depth (else by the layer count)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            # A TOML table or an HF config arrives as a dict.
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            check_positive_int(name, getattr(self, name))
+        if self.n_kv_heads is not None:
+            check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"dim={self.dim} must be divisible by n_heads={self.n_heads} "
+                f"(each head gets dim / n_heads channels)."
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.kv_heads} "
+                "(grouped-query attention shares each key/value head among a group of queries)."
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"dim / n_heads = {self.head_dim} must be even: RoPE rotates channel pairs."
+            )
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name}={value!r} is not allowed; it must be > 0.")
+        if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
+            raise ConfigError(
+                f"ffn_dim_multiplier={self.ffn_dim_multiplier!r} is not allowed; it must be "
+                "> 0 or None."
+            )
+
+    # ---------------------------------------------------------------------- derived shapes
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, n_heads when n_kv_heads is None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU hidden size: 2/3 of 4 x dim, times ffn_dim_multiplier, rounded up to a
+        multiple of multiple_of (14336 for 8B)."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    # ------------------------------------------------------------------------- accounting
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        """Parameters of the model these args build (output weights untied)."""
+        d, kv = self.dim, self.kv_heads * self.head_dim
+        attention = 2 * d * d + 2 * d * kv
+        feed_forward = 3 * d * self.hidden_dim
+        block = attention + feed_forward + 2 * d  # two RMSNorm weights
+        embedding = self.vocab_size * d
+        total = self.n_layers * block + d + 2 * embedding  # final norm, embedding, output
+        return total - embedding if exclude_embedding else total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at ``seq_len``: 6 per matmul weight
+        (the embedding lookup is not a matmul) plus the attention scores and their weighted
+        sum, 12 x layers x heads x head_dim x seq_len. The same estimate torchtitan and
+        the PaLM paper use for MFU, so numbers compare across tools."""
+        check_positive_int("seq_len", seq_len)
+        dense = 6 * self.num_params(exclude_embedding=True)
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return dense + attention
+
+
+_LLAMA32_ROPE = RopeScaling(factor=32.0)
+
+LLAMA3_FLAVORS: dict[str, Llama3Args] = {
+    "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, vocab_size=2048, max_seq_len=2048),
+    "1B": Llama3Args(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=_LLAMA32_ROPE,
+    ),
+    "3B": Llama3Args(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=_LLAMA32_ROPE,
+    ),
+    "8B": Llama3Args(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024
+    ),
+    "70B": Llama3Args(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
+    ),
+    "405B": Llama3Args(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+    ),
+}
+"""Published Llama 3 shapes by name. Use :func:`llama3_args` to get an editable copy."""
+
+
+def llama3_args(flavor: str, **overrides: object) -> Llama3Args:
+    """A fresh copy of the named flavor with ``overrides`` applied, e.g.
+    ``llama3_args("8B", vocab_size=tokenizer.n_words, max_seq_len=8192)``."""
+    if flavor not in LLAMA3_FLAVORS:
+        raise ConfigError(
+            f"Unknown Llama 3 flavor {flavor!r}; choose one of "
+            f"{', '.join(map(repr, LLAMA3_FLAVORS))}."
+        )
+    known = {f.name for f in dataclasses.fields(Llama3Args)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(
+            f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
+        )
+    base = LLAMA3_FLAVORS[flavor]
+    scaling = dataclasses.replace(base.rope_scaling) if base.rope_scaling else None
+    return dataclasses.replace(base, rope_scaling=scaling, **overrides)

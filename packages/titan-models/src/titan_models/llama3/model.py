@@ -1,0 +1,226 @@
+"""The Llama 3 decoder: RMSNorm, RoPE with Llama 3.1 scaling, grouped-query attention through
+``scaled_dot_product_attention``, and SwiGLU feed-forward layers.
+
+Parameter names and shapes equal torchtitan's Llama 3, so its checkpoints load unchanged.
+The model knows nothing about parallelism; ``titan_models.llama3.parallelize`` applies the
+plans. Build it on the meta device, parallelize, then materialize:
+
+    with torch.device("meta"):
+        model = Llama3(llama3_args("8B"))
+    ...  # parallelize
+    model.to_empty(device=titan_dims.detect_device_type())
+    model.init_weights()
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from titan_models.llama3.args import Llama3Args, RopeScaling
+
+__all__ = [
+    "Attention",
+    "CausalAttention",
+    "FeedForward",
+    "Llama3",
+    "TransformerBlock",
+    "apply_rope",
+    "rope_table",
+]
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths are divided by ``factor``, short ones kept, and
+    the band in between blends the two linearly in (context length / wavelength)."""
+    context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    # Where each wavelength sits between the two band edges: <= 0 fully scaled, >= 1 kept.
+    blend = (context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blend = blend.clamp(0.0, 1.0)
+    return blend * inv_freq + (1 - blend) * inv_freq / scaling.factor
+
+
+def rope_table(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Cosines and sines of every (position, channel pair): shape
+    ``(max_seq_len, head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is not None:
+        inv_freq = _scaled_inv_freq(inv_freq, scaling)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent channel pair ``(x[2i], x[2i+1])`` of ``x`` (batch, seq, heads,
+    head_dim) by its position's angle: Meta's interleaved layout, which the HF adapter
+    permutes to and from HF's half-split one."""
+    if x.shape[1] > table.shape[0]:
+        raise ValueError(
+            f"Sequence length {x.shape[1]} exceeds the RoPE table's {table.shape[0]} "
+            "positions; build the model with a larger max_seq_len."
+        )
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    # table: (positions, head_dim // 2, 2) -> the first seq positions, broadcast over batch
+    # and heads.
+    cos = table[None, : x.shape[1], None, :, 0]
+    sin = table[None, : x.shape[1], None, :, 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class CausalAttention(nn.Module):
+    """``softmax(q k^T / sqrt(d) + causal mask) v`` over (batch, heads, seq, head_dim), with
+    key/value heads shared by groups of query heads. A module (without parameters) so that a
+    parallelize plan can swap it, e.g. for context-parallel attention."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            # Each key/value head serves n_rep consecutive query heads.
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE on queries and keys.
+
+    Head counts are read off the projections' outputs (``view(..., -1, head_dim)``), so the
+    same code runs on a tensor-parallel shard that holds only some of the heads.
+    """
+
+    def __init__(self, args: Llama3Args) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.inner_attention = CausalAttention()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(functional.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention, then feed-forward."""
+
+    def __init__(self, layer_id: int, args: Llama3Args) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Deeper blocks start with smaller output projections so the residual stream's
+        # variance does not grow with depth.
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+
+class Llama3(nn.Module):
+    """Llama 3: token embedding, ``n_layers`` blocks, final norm and output projection.
+
+    ``layers`` is a ``ModuleDict`` keyed by ``str(index)``: a pipeline stage deletes the
+    blocks it does not own (and sets ``tok_embeddings``/``norm``/``output`` to ``None``),
+    and the remaining parameters keep their names, so checkpoints stay stage-independent.
+    """
+
+    def __init__(self, args: Llama3Args) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from args, so it stays out of checkpoints; rebuilt by init_weights after
+        # a meta-device construction.
+        self.register_buffer("rope", self._rope_table(), persistent=False)
+
+    def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        a = self.args
+        return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
+        without the embedding, ``tokens`` is the previous stage's hidden state; on one
+        without the output, the hidden state is returned."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The whole table goes down: attention slices it to the sequence length it sees,
+        # which under sequence parallel is longer than this (sharded) hidden state's.
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialize every parameter and rebuild the RoPE table (on ``buffer_device``, by
+        default where the table already lives). Works on sharded (DTensor) parameters."""
+        device = buffer_device if buffer_device is not None else self.rope.device
+        self.rope = self._rope_table(device)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            # Logits start with unit-ish scale: std dim^-1/2, cut at 3 sigma.
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

@@ -1,0 +1,169 @@
+"""The plan that parallelizes a Llama 3 model (or one pipeline stage of it).
+
+Order matters and follows torchtitan: tensor parallel first (it replaces parameters by
+DTensors on the ``tp`` mesh), then context parallel (its attention input hook must run
+after TP's, on the gathered sequence), then activation checkpointing and ``torch.compile``
+around each block, then FSDP2/HSDP over ``dp_shard_cp`` (which shards the TP DTensors once
+more) or DDP.
+Every impossible combination is rejected by :func:`check_parallelism` before anything is
+touched.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan_dims import ParallelDims, detect_device_type
+from titan_models.errors import ConfigError
+from titan_models.llama3.args import Llama3Args
+from titan_models.llama3.model import Llama3
+from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_models.parallel.config import ParallelizeConfig
+from titan_models.parallel.context_parallel import apply_context_parallel
+from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
+
+__all__ = ["apply_tp", "check_parallelism", "parallelize_llama"]
+
+
+def check_parallelism(
+    args: Llama3Args,
+    parallel_dims: ParallelDims,
+    config: ParallelizeConfig,
+    *,
+    seq_len: int | None = None,
+) -> None:
+    """Raise ``ConfigError`` if ``args`` cannot be parallelized as asked."""
+    tp = parallel_dims.tp
+    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
+        if heads % tp:
+            raise ConfigError(
+                f"Tensor parallel degree tp={tp} must divide {name}={heads}: each TP rank "
+                f"holds whole attention heads. Choose tp among "
+                f"{[d for d in range(1, heads + 1) if heads % d == 0]}."
+            )
+    seq_len = args.max_seq_len if seq_len is None else seq_len
+    divisor = parallel_dims.seq_len_divisor
+    if seq_len % divisor:
+        raise ConfigError(
+            f"seq_len={seq_len} must be divisible by {divisor} (tp={tp} x cp="
+            f"{parallel_dims.cp} x 2: sequence parallel splits it tp ways, load-balanced "
+            f"context parallel into 2 x cp chunks). Nearest valid: "
+            f"{max(divisor, seq_len // divisor * divisor)}."
+        )
+    if parallel_dims.ep_enabled:
+        raise ConfigError(
+            f"ep={parallel_dims.ep}: Llama 3 is a dense model without experts; set ep=1."
+        )
+    if config.cpu_offload and not parallel_dims.fsdp_enabled:
+        raise ConfigError(
+            "cpu_offload=True offloads FSDP's sharded parameters, but FSDP is off here "
+            f"(dp_shard={parallel_dims.dp_shard}, cp={parallel_dims.cp}); set dp_shard > 1 or "
+            "cpu_offload=False."
+        )
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and tp > 1:
+        raise ConfigError(
+            f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
+            f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
+        )
+
+
+def apply_tp(model: Llama3, tp_mesh, *, loss_parallel: bool) -> None:
+    """Megatron-style tensor parallel with sequence parallel.
+
+    Between blocks the residual stream is sharded along the sequence (``Shard(1)``), so norms
+    run on 1/tp of the tokens; each attention and feed-forward gathers the sequence, runs
+    column-parallel input and row-parallel output projections, and reduce-scatters back.
+    The output projection is column-parallel: with ``loss_parallel`` its logits stay
+    sharded over the vocabulary as a DTensor.
+    """
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, top)
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        # forward(x, rope): gather x along the sequence; rope is a plain, full tensor.
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+def parallelize_llama(
+    model: Llama3,
+    parallel_dims: ParallelDims,
+    config: ParallelizeConfig | None = None,
+    *,
+    seq_len: int | None = None,
+) -> Llama3:
+    """Apply tensor/sequence parallel, context parallel, activation checkpointing, per-block
+    compile and FSDP2 / HSDP / DDP to ``model`` in place (build it on the meta device
+    first), as ``parallel_dims`` and ``config`` say; return it.
+
+    ``seq_len`` (default ``model.args.max_seq_len``) is checked against
+    ``parallel_dims.seq_len_divisor``. Call ``to_empty`` and ``init_weights`` (or load a
+    checkpoint) afterwards. With context parallel, feed each rank its share of the inputs
+    and labels from ``context_parallel_shard``. The loss of a tensor-parallel model with
+    ``loss_parallel`` must be computed inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``.
+    """
+    config = config or ParallelizeConfig()
+    check_parallelism(model.args, parallel_dims, config, seq_len=seq_len)
+    device_type = parallel_dims.device_type or detect_device_type()
+
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel)
+    if parallel_dims.cp_enabled:
+        attentions = [block.attention for block in model.layers.values()]
+        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"))
+    apply_activation_checkpointing(model.layers, config.activation_checkpoint)
+    if config.compile:
+        for block in model.layers.values():
+            # In place: the block keeps its name, so parameter names do not change.
+            block.compile(backend=config.compile_backend, fullgraph=True)
+
+    if parallel_dims.fsdp_enabled:
+        mesh_names = (
+            ("dp_replicate", "dp_shard_cp")
+            if parallel_dims.dp_replicate_enabled
+            else ("dp_shard_cp")
+        )
+        apply_fsdp(
+            model,
+            model.layers,
+            parallel_dims.get_mesh(mesh_names),
+            config,
+            device_type=device_type,
+            pipeline=parallel_dims.pp_enabled,
+        )
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
+    return model

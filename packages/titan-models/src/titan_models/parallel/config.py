@@ -1,0 +1,165 @@
+"""The settings of a parallelize plan that are not parallel degrees (those are
+``titan_dims.ParallelDims``): activation checkpointing, compile, FSDP policies, loss parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan_models.errors import ConfigError, check_choice
+
+__all__ = [
+    "AC_MODES",
+    "DTYPES",
+    "SCHEDULES",
+    "ActivationCheckpointConfig",
+    "ParallelizeConfig",
+    "PipelineConfig",
+]
+
+AC_MODES = ("none", "full", "selective")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_RESHARD = ("default", "always", "never")
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig:
+    """Which activations each block keeps for backward, and which it recomputes."""
+
+    mode: str = "none"
+    """``none`` keeps everything; ``full`` recomputes whole blocks; ``selective`` follows
+    ``selective_option``."""
+    selective_option: str = "2"
+    """With mode ``selective``: a whole number N recomputes every N-th block fully; ``op``
+    keeps the outputs of attention and of every other matmul in all blocks and recomputes
+    the rest (cheap elementwise ops)."""
+
+    def __post_init__(self) -> None:
+        check_choice("activation_checkpoint.mode", self.mode, AC_MODES)
+        option = self.selective_option
+        if option != "op" and not (isinstance(option, str) and option.isdigit() and int(option)):
+            raise ConfigError(
+                f"activation_checkpoint.selective_option={option!r} is not allowed; use 'op' "
+                "or a whole number N >= 1 as a string ('2': every second block)."
+            )
+
+    @property
+    def every_n_blocks(self) -> int | None:
+        """For block-level checkpointing, checkpoint every N-th block; ``None`` for op-level
+        or no checkpointing."""
+        if self.mode == "full":
+            return 1
+        if self.mode == "selective" and self.selective_option != "op":
+            return int(self.selective_option)
+        return None
+
+
+@dataclass(kw_only=True)
+class ParallelizeConfig:
+    """How to parallelize a model beyond the degrees in ``ParallelDims``. The defaults work
+    on any device: nothing compiled, no activation checkpointing, fp32 where bf16 is slow."""
+
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+    """Activation checkpointing of the transformer blocks."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (fullgraph), after TP and AC, before FSDP."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend when ``compile`` is on."""
+    param_dtype: str = "auto"
+    """FSDP's compute dtype for parameters: ``auto`` is bfloat16 on accelerators and on CPUs
+    with bf16 instructions (AVX512-BF16 or AMX), float32 elsewhere (bf16 runs hundreds of times
+    slower there). Applies where FSDP/HSDP is on."""
+    reduce_dtype: str = "float32"
+    """FSDP's dtype for gradient reduction."""
+    reshard_after_forward: str = "default"
+    """FSDP: ``always`` frees gathered parameters after each block's forward (least memory),
+    ``never`` keeps them until backward (fewer all-gathers); ``default`` is ``always``
+    except with pipeline parallel, where many microbatches reuse them."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory."""
+    loss_parallel: bool = True
+    """With tensor parallel, leave the logits sharded over the vocabulary (a DTensor), so the
+    loss is computed under ``torch.distributed.tensor.parallel.loss_parallel()`` without
+    gathering the full logits; ``False`` returns replicated plain logits."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpoint, dict):
+            self.activation_checkpoint = ActivationCheckpointConfig(**self.activation_checkpoint)
+        check_choice("param_dtype", self.param_dtype, DTYPES)
+        check_choice("reduce_dtype", self.reduce_dtype, DTYPES[1:])
+        check_choice("reshard_after_forward", self.reshard_after_forward, _RESHARD)
+        for name in ("compile", "cpu_offload", "loss_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false.")
+
+
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "CSV",
+)
+"""Pipeline schedules by name. Interleaved ones run several stages per rank (looped
+placement), ZBVZeroBubble runs two per rank in a V; ``CSV`` reads the action order of every
+rank from ``PipelineConfig.schedule_csv``."""
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """How a model is split into pipeline stages and scheduled (the degree is
+    ``ParallelDims.pp``)."""
+
+    schedule: str = "1F1B"
+    """GPipe, 1F1B (one stage per rank); Interleaved1F1B, InterleavedZeroBubble (several,
+    looped), ZBVZeroBubble (two, V-shaped); CSV (the order in schedule_csv)."""
+    schedule_csv: str | None = None
+    """With schedule CSV: a file with one row of actions per rank, as torch's
+    ``_PipelineScheduleRuntime`` reads it (e.g. written by ``_dump_csv``)."""
+    microbatch_size: int = 1
+    """Sequences per microbatch; the local batch size must be a multiple of it."""
+    layers_per_stage: int | None = None
+    """Transformer blocks per stage; the stage count is n_layers / layers_per_stage. Default:
+    one stage per rank (two for the multi-stage schedules), layers split evenly."""
+    split_points: list[str] = field(default_factory=list)
+    """Explicit stage boundaries as the first block of each stage after the first, e.g.
+    ``["layers.4", "layers.8"]`` for three stages (torchtitan's spelling)."""
+
+    def __post_init__(self) -> None:
+        check_choice("pipeline.schedule", self.schedule, SCHEDULES)
+        if (self.schedule == "CSV") != (self.schedule_csv is not None):
+            raise ConfigError(
+                f"pipeline.schedule={self.schedule!r} with schedule_csv={self.schedule_csv!r}: "
+                "schedule_csv must be given exactly when schedule is 'CSV'."
+            )
+        if isinstance(self.microbatch_size, bool) or not (
+            isinstance(self.microbatch_size, int) and self.microbatch_size >= 1
+        ):
+            raise ConfigError(
+                f"pipeline.microbatch_size={self.microbatch_size!r} must be a whole number >= 1."
+            )
+        if self.layers_per_stage is not None and self.split_points:
+            raise ConfigError(
+                "Give pipeline.layers_per_stage or pipeline.split_points, not both "
+                f"(got {self.layers_per_stage} and {self.split_points})."
+            )
+        if self.layers_per_stage is not None and not (
+            isinstance(self.layers_per_stage, int) and self.layers_per_stage >= 1
+        ):
+            raise ConfigError(
+                f"pipeline.layers_per_stage={self.layers_per_stage!r} must be a whole number >= 1."
+            )
+        for point in self.split_points:
+            if not (isinstance(point, str) and point.startswith("layers.") and point[7:].isdigit()):
+                raise ConfigError(
+                    f"pipeline.split_points entry {point!r} must name a block, like 'layers.4'."
+                )
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the schedule runs more than one stage per rank."""
+        return self.schedule not in SINGLE_STAGE_SCHEDULES

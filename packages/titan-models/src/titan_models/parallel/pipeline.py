@@ -1,0 +1,152 @@
+"""Pipeline parallel, model-independent parts: which blocks each stage holds, which stages
+each rank runs, the schedule, and one training step through it.
+
+Stages are placed *looped* (rank r runs stages r, r + pp, ...) except for ZBVZeroBubble,
+whose stages run in a *V* (rank r runs r and 2 pp - 1 - r, so rank 0 holds both the first
+and the last stage).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
+from torch.distributed.tensor import DTensor
+
+from titan_models.errors import ConfigError
+from titan_models.parallel.config import PipelineConfig
+
+__all__ = ["Pipeline", "build_schedule", "split_blocks", "stages_of_rank"]
+
+_SCHEDULE_CLASSES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "CSV": _PipelineScheduleRuntime,
+}
+
+
+def split_blocks(n_layers: int, pp: int, config: PipelineConfig) -> list[list[int]]:
+    """The block indices of every stage, in stage order. Raises ``ConfigError`` when the
+    split cannot work with ``pp`` ranks and the schedule."""
+    if config.split_points:
+        starts = [int(p.split(".")[1]) for p in config.split_points]
+        if starts != sorted(set(starts)) or starts[0] <= 0 or starts[-1] >= n_layers:
+            raise ConfigError(
+                f"pipeline.split_points={config.split_points} must name increasing blocks "
+                f"between layers.1 and layers.{n_layers - 1}."
+            )
+        bounds = [0, *starts, n_layers]
+        stages = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    else:
+        if config.layers_per_stage is not None:
+            if n_layers % config.layers_per_stage:
+                raise ConfigError(
+                    f"pipeline.layers_per_stage={config.layers_per_stage} does not divide "
+                    f"n_layers={n_layers}."
+                )
+            num_stages = n_layers // config.layers_per_stage
+        else:
+            num_stages = pp * (2 if config.multi_stage else 1)
+        if num_stages > n_layers:
+            raise ConfigError(
+                f"{num_stages} pipeline stages need at least as many blocks, but the model "
+                f"has n_layers={n_layers}; lower pp or use a single-stage schedule."
+            )
+        base, extra = divmod(n_layers, num_stages)
+        sizes = [base + (i < extra) for i in range(num_stages)]
+        starts = [sum(sizes[:i]) for i in range(num_stages)]
+        stages = [list(range(s, s + n)) for s, n in zip(starts, sizes, strict=True)]
+
+    num_stages = len(stages)
+    per_rank = num_stages // pp
+    if num_stages % pp:
+        raise ConfigError(f"{num_stages} pipeline stages cannot be spread evenly over pp={pp}.")
+    if not config.multi_stage and per_rank != 1:
+        raise ConfigError(
+            f"pipeline.schedule={config.schedule!r} runs one stage per rank, but the split "
+            f"makes {num_stages} stages for pp={pp}; use an interleaved schedule or "
+            f"{pp} stages."
+        )
+    if config.schedule == "ZBVZeroBubble" and per_rank != 2:
+        raise ConfigError(
+            f"ZBVZeroBubble runs exactly two stages per rank; the split makes {num_stages} "
+            f"stages for pp={pp}."
+        )
+    return stages
+
+
+def stages_of_rank(pp_rank: int, pp: int, num_stages: int, *, v_shape: bool) -> list[int]:
+    """The stage indices ``pp_rank`` runs, in increasing order."""
+    per_rank = num_stages // pp
+    if v_shape:
+        return sorted({pp_rank, num_stages - 1 - pp_rank})
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def build_schedule(
+    stages: Sequence[PipelineStage],
+    config: PipelineConfig,
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> _PipelineSchedule:
+    """The schedule ``config`` names over this rank's ``stages``. Gradients are divided by
+    the number of microbatches, so a mean loss per microbatch gives the batch mean's
+    gradient."""
+    cls = _SCHEDULE_CLASSES[config.schedule]
+    target = list(stages) if config.multi_stage else stages[0]
+    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    if config.schedule == "CSV":
+        schedule._load_csv(config.schedule_csv)
+    return schedule
+
+
+@dataclass
+class Pipeline:
+    """This rank's share of a pipelined model and the schedule that runs it."""
+
+    schedule: _PipelineSchedule
+    """Runs forward and backward of all microbatches through the stages."""
+    model_parts: list[nn.Module]
+    """The modules of this rank's stages, in stage order (give all to the optimizer)."""
+    stage_ids: list[int]
+    """Which stages this rank runs."""
+    has_first_stage: bool
+    """Whether this rank feeds the inputs."""
+    has_last_stage: bool
+    """Whether this rank computes the loss."""
+
+    def step(
+        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Forward and backward of one batch. Ranks with the first stage pass ``inputs``,
+        ranks with the last pass ``targets`` (others may pass them too: they are ignored).
+        Returns the mean microbatch loss (a plain tensor) on the last stage's rank, ``None``
+        elsewhere. With tensor parallel and ``loss_parallel``, call it inside
+        ``torch.distributed.tensor.parallel.loss_parallel()``."""
+        kwargs = {}
+        losses: list[torch.Tensor] = []
+        if self.has_last_stage:
+            kwargs = {"target": targets, "losses": losses}
+        args = (inputs,) if self.has_first_stage else ()
+        self.schedule.step(*args, **kwargs)
+        if not self.has_last_stage:
+            return None
+        # Under loss parallel each microbatch loss is a replicated DTensor.
+        plain = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
+        return torch.stack([loss.detach() for loss in plain]).mean()

@@ -1,0 +1,40 @@
+"""``ModelSpec``: what a trainer needs to know about a model family, in one small object.
+
+titan-train finds specs through the entry-point group ``titan.models`` (this package
+registers ``llama3``), so a model defined in another distribution trains the same way once
+installed. A spec holds only references; nothing is built until the trainer asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModelSpec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A model family: its flavors, its module class, its parallelize plan and its
+    Hugging Face state-dict adapter."""
+
+    name: str
+    """The name the trainer selects it by (``--model.name``)."""
+    flavors: Mapping[str, Any]
+    """Flavor name -> model args (a dataclass the model class takes)."""
+    model_cls: Callable[[Any], nn.Module]
+    """Builds the model from args: ``model_cls(args)``; call it under ``torch.device("meta")``."""
+    parallelize_fn: Callable[..., nn.Module]
+    """``parallelize_fn(model, parallel_dims, parallelize_config, *, seq_len=None)``."""
+    state_dict_adapter: Callable[..., Any]
+    """``state_dict_adapter(*, flavor=None, hf_config=None)`` -> an object with ``to_hf``,
+    ``from_hf`` and ``hf_config``."""
+    args_fn: Callable[..., Any]
+    """``args_fn(flavor, **overrides)`` -> a fresh copy of the flavor's args."""
+    pipeline_fn: Callable[..., Any] | None = None
+    """``pipeline_fn(model, parallel_dims, pipeline_config, parallelize_config, *,
+    local_batch_size, loss_fn, device=None, seq_len=None)`` -> a ``Pipeline``; ``None`` if
+    the family cannot be pipelined."""

@@ -1,0 +1,192 @@
+"""Train the tiny Llama 3 for a few steps under each named parallel layout; rank 0 writes
+``{layout: [loss per step]}`` to ``<out_dir>/losses.json``.
+
+Run: torchrun --nproc-per-node N parallel_train.py OUT_DIR LAYOUT [LAYOUT ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import tiny
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titan_dims import ParallelDims, init_distributed
+from titan_models import (
+    Llama3,
+    ParallelizeConfig,
+    PipelineConfig,
+    context_parallel_shard,
+    parallelize_llama,
+    pipeline_llama,
+)
+from titan_models.llama3.model import CausalAttention
+from titan_models.parallel import ContextParallelAttention
+
+_AC_OP = {"activation_checkpoint": {"mode": "selective", "selective_option": "op"}}
+_AC_FULL = {"activation_checkpoint": {"mode": "full"}}
+
+# name -> (ParallelDims degrees, ParallelizeConfig fields, PipelineConfig fields or None)
+LAYOUTS = {
+    "fsdp": ({"dp_shard": 2}, {}, None),
+    "fsdp_ac_op": ({"dp_shard": 2}, _AC_OP, None),
+    "fsdp_offload": ({"dp_shard": 2}, {"cpu_offload": True}, None),
+    "ddp": ({"dp_replicate": 2, "dp_shard": 1}, {}, None),
+    "tp": ({"tp": 2, "dp_shard": 1}, {}, None),
+    "tp_replicated_logits": ({"tp": 2, "dp_shard": 1}, {"loss_parallel": False}, None),
+    "hsdp": ({"dp_replicate": 2, "dp_shard": 2}, {}, None),
+    "fsdp_tp": ({"dp_shard": 2, "tp": 2}, _AC_FULL, None),
+    # Pipelines run the 4-block model: interleaved schedules put 2 stages on each rank.
+    "pp_gpipe": ({"pp": 2, "dp_shard": 1}, {}, {"schedule": "GPipe"}),
+    "pp_1f1b": ({"pp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
+    "pp_interleaved_1f1b": ({"pp": 2, "dp_shard": 1}, {}, {"schedule": "Interleaved1F1B"}),
+    "pp_interleaved_zb": ({"pp": 2, "dp_shard": 1}, {}, {"schedule": "InterleavedZeroBubble"}),
+    "pp_zbv": ({"pp": 2, "dp_shard": 1}, {}, {"schedule": "ZBVZeroBubble"}),
+    # One stage per rank (layers_per_stage=2), 1F1B order written out by hand.
+    "pp_csv": ({"pp": 2, "dp_shard": 1}, {}, {"schedule": "CSV", "layers_per_stage": 2}),
+    "pp_fsdp": ({"pp": 2, "dp_shard": 2}, {}, {"schedule": "1F1B"}),
+    "pp_tp_loss_parallel": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
+    "cp": ({"cp": 2, "dp_shard": 1}, {}, None),
+    "fsdp_cp": ({"dp_shard": 2, "cp": 2}, _AC_OP, None),
+    "tp_cp": ({"tp": 2, "cp": 2, "dp_shard": 1}, {}, None),
+    "pp_tp": (
+        {"pp": 2, "tp": 2, "dp_shard": 1},
+        {"loss_parallel": False},
+        {"schedule": "Interleaved1F1B"},
+    ),
+}
+
+
+# Rows: pipeline ranks; cells: <stage>F<microbatch> forward, <stage>B<microbatch> backward.
+CSV_1F1B = "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"
+
+
+def _load_reference(model: torch.nn.Module, n_layers: int) -> None:
+    """Materialize and overwrite the random init with the reference weights: the full state
+    dict is sharded into whatever DTensors the plan made (keys of absent stages ignored)."""
+    model.to_empty(device="cpu")
+    model.init_weights()
+    full = tiny.reference_state_dict(n_layers)
+    mine = set(model.state_dict())
+    set_model_state_dict(
+        model,
+        {k: v for k, v in full.items() if k in mine},
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def train(layout: str, out_dir: Path) -> list[float]:
+    degrees, overrides, pipeline = LAYOUTS[layout]
+    dims = ParallelDims(world_size=dist.get_world_size(), device_type="cpu", **degrees)
+    config = ParallelizeConfig(param_dtype="float32", **overrides)
+    n_layers = 4 if pipeline is not None else 2
+    with torch.device("meta"):
+        model = Llama3(tiny.tiny_args(n_layers))
+    shards = dims.dp_degree
+    rows = tiny.BATCH // shards
+    start = dims.dp_rank() * rows if dims.dp_enabled else 0
+
+    if pipeline is None:
+        parallelize_llama(model, dims, config, seq_len=tiny.SEQ)
+        parts = [model]
+    else:
+        if pipeline["schedule"] == "CSV":
+            csv = out_dir / f"schedule_rank{dist.get_rank()}.csv"
+            csv.write_text(CSV_1F1B)
+            pipeline = {**pipeline, "schedule_csv": str(csv)}
+        pipe = pipeline_llama(
+            model,
+            dims,
+            PipelineConfig(**pipeline),
+            config,
+            local_batch_size=rows,
+            loss_fn=tiny.cross_entropy,
+            device="cpu",
+            seq_len=tiny.SEQ,
+        )
+        parts = pipe.model_parts
+    for part in parts:
+        _load_reference(part, n_layers)
+    optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=tiny.LR)
+
+    inputs, labels = tiny.batches()
+    losses = []
+    for step in range(tiny.STEPS):
+        x = inputs[step, start : start + rows]
+        y = labels[step, start : start + rows]
+        if dims.cp_enabled:
+            cp_rank = dims.get_mesh("cp").get_local_rank()
+            x, y = (context_parallel_shard(t, cp_rank, dims.cp) for t in (x, y))
+        if pipeline is None:
+            logits = model(x)
+            parallel_loss = isinstance(logits, DTensor)
+            with loss_parallel() if parallel_loss else contextlib.nullcontext():
+                loss = tiny.cross_entropy(logits, y)
+                loss.backward()
+            value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        else:
+            # The last stage's loss_fn sees vocab-sharded DTensor logits under TP.
+            with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
+                loss = pipe.step(x, y)
+            # Only the last stage's rank has the loss: sum over the pipeline group.
+            value = torch.zeros(()) if loss is None else loss
+            value = value.detach().clone()
+            dist.all_reduce(value, group=dims.get_mesh("pp").get_group())
+        optimizer.step()
+        optimizer.zero_grad()
+        value = value.detach().clone()
+        if dims.dp_cp_enabled:
+            # Each dp x cp rank holds the same number of tokens: the mean of their means.
+            dist.all_reduce(value, group=dims.get_mesh("dp_cp").get_group())
+            value /= dims.dp_degree * dims.cp
+        losses.append(value.item())
+    return losses
+
+
+def cp_attention_errors() -> list[float]:
+    """Max |difference| of output, dq, dk, dv between context-parallel attention (cp = world)
+    and plain causal attention of the whole sequence, with GQA (4 query, 2 kv heads)."""
+    dims = ParallelDims(
+        world_size=dist.get_world_size(), cp=dist.get_world_size(), device_type="cpu"
+    )
+    cp_mesh = dims.get_mesh("cp")
+    rank, cp = cp_mesh.get_local_rank(), cp_mesh.size()
+    generator = torch.Generator().manual_seed(5)
+    q, k, v, grad = (
+        torch.randn(2, h, 32, 16, generator=generator, dtype=torch.float64) for h in (4, 2, 2, 4)
+    )
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = CausalAttention()(*full)
+    reference.backward(grad)
+    local = [context_parallel_shard(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+    out = ContextParallelAttention(cp_mesh)(*local)
+    out.backward(context_parallel_shard(grad, rank, cp, dim=2))
+    errors = [(out - context_parallel_shard(reference, rank, cp, dim=2)).abs().max()]
+    for mine, ref in zip(local, full, strict=True):
+        errors.append((mine.grad - context_parallel_shard(ref.grad, rank, cp, dim=2)).abs().max())
+    result = torch.stack(errors)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    return result.tolist()
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    init_distributed(device_type="cpu")
+    results = {
+        layout: cp_attention_errors() if layout == "cp_attention" else train(layout, out_dir)
+        for layout in sys.argv[2:]
+    }
+    if dist.get_rank() == 0:
+        (out_dir / "losses.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

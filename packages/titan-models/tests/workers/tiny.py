@@ -1,0 +1,64 @@
+"""The tiny model, data and training loop that the distributed tests and their single-process
+reference share. Imported by the worker scripts (by path) and by conftest.py."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional
+
+from titan_models import Llama3, Llama3Args, RopeScaling
+
+BATCH = 4
+SEQ = 32
+STEPS = 3
+LR = 3e-3
+
+
+def tiny_args(n_layers: int = 2) -> Llama3Args:
+    """dim 64, n_layers blocks (2; 4 for pipeline tests), 4 query / 2 key-value heads,
+    vocab 256; RoPE scaling active
+    (original context 16 < SEQ) so the scaled path is exercised."""
+    return Llama3Args(
+        dim=64,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        max_seq_len=SEQ,
+        rope_scaling=RopeScaling(original_max_position_embeddings=16),
+    )
+
+
+def reference_state_dict(n_layers: int = 2) -> dict[str, torch.Tensor]:
+    """The same initial weights on every rank and in every test."""
+    torch.manual_seed(0)
+    model = Llama3(tiny_args(n_layers))
+    model.init_weights()
+    return model.state_dict()
+
+
+def batches() -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and labels, shape (STEPS, BATCH, SEQ)."""
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (STEPS, BATCH, SEQ + 1), generator=generator)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def train_single_process(n_layers: int = 2) -> list[float]:
+    """Per-step losses of plain single-process training on the full batch."""
+    model = Llama3(tiny_args(n_layers))
+    model.load_state_dict(reference_state_dict(n_layers))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    inputs, labels = batches()
+    losses = []
+    for step in range(STEPS):
+        loss = cross_entropy(model(inputs[step]), labels[step])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
