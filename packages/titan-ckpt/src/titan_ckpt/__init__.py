@@ -1,0 +1,45 @@
+"""titan-ckpt: a checkpoint manager for PyTorch pretraining.
+
+``CheckpointManager`` saves the model parts (flattened by fully-qualified name, so checkpoints
+reshard across parallel layouts) and any ``Stateful`` states as DCP checkpoints in
+``<folder>/step-<N>/``; a step becomes loadable only when its commit marker, which holds a
+manifest of file sizes and checksums, is written. ``StateDictAdapter`` is the seam through which
+model packages provide Hugging Face conversion.
+"""
+
+from titan_ckpt.__about__ import __version__
+from titan_ckpt.adapter import ADAPTER_ENTRY_POINT_GROUP, StateDictAdapter, load_state_dict_adapter
+from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
+from titan_ckpt.layout import (
+    COMMIT_MARKER,
+    CheckpointIntegrityError,
+    Manifest,
+    read_manifest,
+    scan_steps,
+    verify_step,
+)
+from titan_ckpt.manager import CheckpointManager
+from titan_ckpt.states import ModelState, OptimizerState
+from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
+
+__all__ = [
+    "ADAPTER_ENTRY_POINT_GROUP",
+    "COMMIT_MARKER",
+    "CheckpointConfig",
+    "CheckpointConfigError",
+    "CheckpointIntegrityError",
+    "CheckpointManager",
+    "FsspecStorage",
+    "LocalStorage",
+    "Manifest",
+    "ModelState",
+    "OptimizerState",
+    "StateDictAdapter",
+    "Storage",
+    "__version__",
+    "load_state_dict_adapter",
+    "read_manifest",
+    "scan_steps",
+    "storage_for",
+    "verify_step",
+]

@@ -1,0 +1,92 @@
+"""How each ``async_mode`` maps onto DCP's async save, and the checks it needs up front.
+
+- ``async``: DCP writes from a background thread after a blocking copy of the state to CPU
+  memory (the copy is the only time training waits).
+- ``async_with_pinned_mem``: staging itself runs in the background (``maybe_wait_for_staging``
+  waits for it before the next optimizer step) into pinned memory where an accelerator exists,
+  and a separate process writes, so the writer never holds the trainer's GIL. On a CPU-only
+  machine there is nothing to pin: staging uses plain (shared) memory and this is logged once.
+
+A single process without ``torch.distributed`` writes from a thread (DCP's writer process
+joins the trainer's process group, so it needs one). The writer process is started with
+``spawn``, which re-imports the launching script; a script without an
+``if __name__ == "__main__":`` guard would start training again inside it and hang.
+``check_main_guard`` refuses that before the first save instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import sys
+
+import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+__all__ = ["check_main_guard", "make_stager"]
+
+logger = logging.getLogger("titan_ckpt")
+
+
+def make_stager(
+    async_mode: str, *, distributed: bool
+) -> tuple[AsyncCheckpointerType, DefaultStager | None]:
+    """The DCP executor type and stager for an async mode (``disabled`` is not async)."""
+    if async_mode == "async":
+        # Synchronous staging: the copy to CPU happens before async_save returns, so training
+        # may change its tensors as soon as save() returns.
+        no_extras = StagingOptions(False, False, False, False)
+        return AsyncCheckpointerType.THREAD, DefaultStager(no_extras)
+    accelerator = torch.accelerator.is_available()
+    if not accelerator:
+        logger.info(
+            "checkpoint.async_mode=async_with_pinned_mem on a machine without an accelerator: "
+            "nothing to pin, staging into ordinary shared memory in the background instead."
+        )
+    options = StagingOptions(
+        use_pinned_memory=accelerator,
+        use_shared_memory=True,
+        use_async_staging=True,
+        use_non_blocking_copy=accelerator,
+    )
+    if not distributed:
+        # DCP's writer process joins the trainer's process group; a single process without
+        # one writes from a thread instead (staging stays in the background either way).
+        logger.info(
+            "checkpoint.async_mode=async_with_pinned_mem without a process group: writing from "
+            "a background thread instead of a process."
+        )
+        return AsyncCheckpointerType.THREAD, DefaultStager(options)
+    return AsyncCheckpointerType.PROCESS, DefaultStager(options)
+
+
+def check_main_guard() -> None:
+    """Raise if the running script lacks the ``__main__`` guard a spawned writer needs."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    # Interactive sessions, ``python -c`` and ``python -m pkg`` (run with a __spec__, imported by
+    # name in the child) are not re-executed as scripts.
+    if path is None or getattr(main, "__spec__", None) is not None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return  # cannot tell; do not refuse what may well be fine
+    if not any(_is_main_guard(node) for node in tree.body):
+        raise RuntimeError(
+            f"checkpoint.async_mode=async_with_pinned_mem writes from a spawned process, which "
+            f're-imports {path}; that script has no `if __name__ == "__main__":` guard, so the '
+            "process would run the training code again and hang. Put the script's top-level "
+            "code under that guard, or use async_mode='async' (a thread)."
+        )
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    names = [node.test.left, *node.test.comparators]
+    return any(isinstance(n, ast.Name) and n.id == "__name__" for n in names) and any(
+        isinstance(n, ast.Constant) and n.value == "__main__" for n in names
+    )

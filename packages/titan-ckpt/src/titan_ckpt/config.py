@@ -1,0 +1,166 @@
+"""``CheckpointConfig``: when and what the CheckpointManager saves and loads, as a config section.
+
+Field names and defaults follow torchtitan's ``[checkpoint]`` section so that its TOML files
+carry over; ``verify_checksums`` is ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = ["ASYNC_MODES", "EXPORT_DTYPES", "CheckpointConfig", "CheckpointConfigError"]
+
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Names under which the manager stores the states it is given; the model's own keys sit at the
+# top level beside them (see CheckpointManager), so no model FQN may use one of these names.
+MODEL = "model"
+
+
+class CheckpointConfigError(ValueError):
+    """A checkpoint setting that cannot work, naming the key, the value and what is allowed."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoint policy of a run: folder, interval, retention, async mode, first and last save."""
+
+    enable: bool = False
+    """Save checkpoints and resume from them; off, save() and load() do nothing."""
+    folder: str = "checkpoint"
+    """Where step-<N>/ directories go: a local path or an fsspec URL (scheme://...)."""
+    interval: int = 500
+    """Save every this many steps."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """disabled: save blocks; async: a background thread writes; async_with_pinned_mem: a
+    background process writes from a staged copy (pinned memory where an accelerator exists)."""
+    keep_latest_k: int = 10
+    """Keep this many newest committed steps and delete older ones; 0 keeps all; 1 is refused."""
+    load_step: int = -1
+    """Step to resume from; -1 takes the newest committed step."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """States not to restore on resume, e.g. ["dataloader", "lr_scheduler"]; never "model"."""
+    initial_load_path: str | None = None
+    """Checkpoint to start from when the folder holds none: a step directory, a checkpoint
+    folder (its newest committed step), or a Hugging Face folder with initial_load_in_hf."""
+    initial_load_model_only: bool = True
+    """Take only the model from initial_load_path, not optimizer and other training state."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face safetensors folder, read through the state-dict
+    adapter; needs initial_load_model_only."""
+    last_save_model_only: bool = True
+    """The save of the last step holds the model alone (a final export, not a resume point)."""
+    last_save_in_hf: bool = False
+    """Also write the last save as Hugging Face safetensors (step-<N>/hf/) through the
+    state-dict adapter; needs last_save_model_only."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the model tensors in a model-only last save."""
+    create_seed_checkpoint: bool = False
+    """This run only writes the initial model as step-0 (model only, one process) and stops."""
+    enable_first_step_checkpoint: bool = False
+    """Also save after step 1, to prove checkpointing works on new storage early."""
+    load_only: bool = False
+    """Load checkpoints but never save any (evaluation, debugging)."""
+    enable_ft_dataloader_checkpoints: bool = True
+    """With a torchft manager: each replica group also saves its own dataloader state."""
+    verify_checksums: bool = False
+    """Check every file's sha256 against the manifest on load; sizes are always checked."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "enable",
+            "initial_load_model_only",
+            "initial_load_in_hf",
+            "last_save_model_only",
+            "last_save_in_hf",
+            "create_seed_checkpoint",
+            "enable_first_step_checkpoint",
+            "load_only",
+            "enable_ft_dataloader_checkpoints",
+            "verify_checksums",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise CheckpointConfigError(f"checkpoint.{name}={value!r} must be true or false.")
+        _check_int("interval", self.interval, minimum=1)
+        _check_int("keep_latest_k", self.keep_latest_k, minimum=0)
+        if self.keep_latest_k == 1:
+            raise CheckpointConfigError(
+                "checkpoint.keep_latest_k=1 is not allowed: while the newest step is still being "
+                "written, the one before it is the only complete checkpoint, so at least 2 must "
+                "be kept. Use 0 (keep all) or >= 2."
+            )
+        _check_int("load_step", self.load_step, minimum=-1)
+        if not isinstance(self.folder, str) or not self.folder:
+            raise CheckpointConfigError(
+                f"checkpoint.folder={self.folder!r} must be a non-empty path or fsspec URL."
+            )
+        if self.async_mode not in ASYNC_MODES:
+            raise CheckpointConfigError(
+                f"checkpoint.async_mode={self.async_mode!r} is not one of {', '.join(ASYNC_MODES)}."
+            )
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise CheckpointConfigError(
+                f"checkpoint.export_dtype={self.export_dtype!r} is not one of "
+                f"{', '.join(EXPORT_DTYPES)}."
+            )
+        if isinstance(self.exclude_from_loading, str):
+            # A comma-separated CLI value, as torchtitan accepts it.
+            self.exclude_from_loading = [
+                s.strip() for s in self.exclude_from_loading.split(",") if s.strip()
+            ]
+        if not all(isinstance(s, str) for s in self.exclude_from_loading):
+            raise CheckpointConfigError(
+                f"checkpoint.exclude_from_loading={self.exclude_from_loading!r} must be a list of "
+                "state names."
+            )
+        if MODEL in self.exclude_from_loading:
+            raise CheckpointConfigError(
+                f"checkpoint.exclude_from_loading={self.exclude_from_loading!r} names 'model': "
+                "a resume always restores the model. To start from fresh weights, point "
+                "checkpoint.folder at an empty folder instead."
+            )
+        if self.initial_load_path is not None and (
+            not isinstance(self.initial_load_path, str) or not self.initial_load_path
+        ):
+            raise CheckpointConfigError(
+                f"checkpoint.initial_load_path={self.initial_load_path!r} must be a non-empty "
+                "path, or unset."
+            )
+        if self.initial_load_in_hf and not self.initial_load_model_only:
+            raise CheckpointConfigError(
+                "checkpoint.initial_load_in_hf=true needs checkpoint.initial_load_model_only=true: "
+                "a Hugging Face folder holds model weights only."
+            )
+        if self.initial_load_in_hf and self.initial_load_path is None:
+            raise CheckpointConfigError(
+                "checkpoint.initial_load_in_hf=true needs checkpoint.initial_load_path, the "
+                "Hugging Face folder to read."
+            )
+        if self.last_save_in_hf and not self.last_save_model_only:
+            raise CheckpointConfigError(
+                "checkpoint.last_save_in_hf=true needs checkpoint.last_save_model_only=true: "
+                "safetensors hold tensors only, not optimizer or training state."
+            )
+        if self.create_seed_checkpoint and not self.enable:
+            raise CheckpointConfigError(
+                "checkpoint.create_seed_checkpoint=true needs checkpoint.enable=true."
+            )
+
+    @property
+    def export_torch_dtype(self) -> torch.dtype:
+        """``export_dtype`` as a ``torch.dtype``."""
+        return EXPORT_DTYPES[self.export_dtype]
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointConfigError(
+            f"checkpoint.{name}={value!r} must be a whole number >= {minimum}."
+        )
+    if value < minimum:
+        raise CheckpointConfigError(f"checkpoint.{name}={value} must be >= {minimum}.")

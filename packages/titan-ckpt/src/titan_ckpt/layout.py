@@ -1,0 +1,181 @@
+"""The on-disk layout: ``<folder>/step-<N>/``, its commit marker and manifest, and discovery.
+
+A step directory is a DCP checkpoint. It becomes loadable only when rank 0 writes
+``titan-commit.json`` into it, after DCP finished (DCP's coordinator writes ``.metadata`` only
+once every rank reported its files written, so the marker implies every rank's data is on
+storage). The marker is also the manifest: every other file's size and sha256, so a damaged
+step is reported by file name instead of failing deep inside a tensor read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from titan_ckpt.storage import Storage
+
+__all__ = [
+    "COMMIT_MARKER",
+    "CheckpointIntegrityError",
+    "Manifest",
+    "StepScan",
+    "hash_files",
+    "read_manifest",
+    "scan_steps",
+    "step_dir",
+    "verify_step",
+    "write_commit",
+]
+
+logger = logging.getLogger("titan_ckpt")
+
+COMMIT_MARKER = "titan-commit.json"
+FORMAT = "titan-ckpt/1"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointIntegrityError(RuntimeError):
+    """A committed step whose files do not match its manifest (missing, resized, altered)."""
+
+
+def step_dir(storage: Storage, folder: str, step: int) -> str:
+    """The directory of step ``step`` under ``folder``."""
+    return storage.join(folder, f"step-{step}")
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """What the commit marker records about a step."""
+
+    step: int
+    """Training step of the checkpoint."""
+    world_size: int
+    """Processes that wrote it."""
+    states: list[str]
+    """Top-level states saved ("model" plus e.g. "optimizer", "dataloader")."""
+    model_only: bool
+    """Whether only the model was saved (seed checkpoint, last save)."""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Relative path -> {"size": bytes, "sha256": hex digest}."""
+    created: float = 0.0
+    """Unix time of the commit."""
+
+    def to_json(self) -> bytes:
+        body = {"format": FORMAT, **self.__dict__}
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        body = json.loads(data)
+        if body.pop("format", None) != FORMAT:
+            raise ValueError(f"not a {FORMAT} commit marker")
+        return cls(**body)
+
+
+def _sha256(storage: Storage, path: str) -> str:
+    digest = hashlib.sha256()
+    with storage.open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(storage: Storage, directory: str, *, prefix: str = "") -> dict[str, dict]:
+    """Size and sha256 of the files in ``directory`` whose names start with ``prefix``."""
+    out = {}
+    for rel in storage.walk_files(directory):
+        name = rel.rsplit("/", 1)[-1]
+        if rel == COMMIT_MARKER or name.startswith(".tmp-") or not rel.startswith(prefix):
+            continue
+        path = storage.join(directory, rel)
+        out[rel] = {"size": storage.size(path), "sha256": _sha256(storage, path)}
+    return out
+
+
+def write_commit(
+    storage: Storage,
+    directory: str,
+    manifest: Manifest,
+    hashed: dict[str, dict] | None = None,
+) -> Manifest:
+    """Fill the manifest from the files in ``directory`` and write the commit marker last.
+
+    ``hashed`` holds entries other ranks computed for their own files; the rest are hashed
+    here.
+    """
+    hashed = hashed or {}
+    for rel in storage.walk_files(directory):
+        name = rel.rsplit("/", 1)[-1]
+        if rel == COMMIT_MARKER or name.startswith(".tmp-"):
+            continue
+        if rel in hashed:
+            manifest.files[rel] = hashed[rel]
+        else:
+            path = storage.join(directory, rel)
+            manifest.files[rel] = {"size": storage.size(path), "sha256": _sha256(storage, path)}
+    manifest.created = time.time()
+    storage.write_atomic(storage.join(directory, COMMIT_MARKER), manifest.to_json())
+    return manifest
+
+
+def read_manifest(storage: Storage, directory: str) -> Manifest | None:
+    """The commit marker of ``directory``, or None if it has none (not committed)."""
+    path = storage.join(directory, COMMIT_MARKER)
+    if not storage.exists(path):
+        return None
+    with storage.open(path, "rb") as f:
+        return Manifest.from_json(f.read())
+
+
+def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:
+    """Raise ``CheckpointIntegrityError`` naming every file that differs from the manifest."""
+    problems: list[str] = []
+    for rel, info in sorted(manifest.files.items()):
+        path = storage.join(directory, rel)
+        if not storage.exists(path):
+            problems.append(f"{rel}: missing")
+            continue
+        size = storage.size(path)
+        if size != info["size"]:
+            problems.append(f"{rel}: {size} bytes, the manifest says {info['size']}")
+        elif checksums and _sha256(storage, path) != info["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest (contents changed)")
+    if problems:
+        raise CheckpointIntegrityError(
+            f"Checkpoint {directory} is damaged: " + "; ".join(problems) + ". Load an earlier "
+            "step (checkpoint.load_step) or restore these files."
+        )
+
+
+@dataclass
+class StepScan:
+    """Step directories under a folder, split by whether they carry a commit marker."""
+
+    committed: list[int]
+    uncommitted: list[int]
+
+
+def scan_steps(storage: Storage, folder: str) -> StepScan:
+    """Find ``step-<N>`` directories; uncommitted ones are reported in the log, never used."""
+    committed, uncommitted = [], []
+    for name in storage.list(folder):
+        m = _STEP_RE.match(name)
+        if m is None:
+            continue
+        step = int(m.group(1))
+        marker = storage.join(folder, name, COMMIT_MARKER)
+        (committed if storage.exists(marker) else uncommitted).append(step)
+    if uncommitted:
+        logger.warning(
+            "Ignoring uncommitted checkpoint directories in %s (interrupted or in-progress "
+            "saves): %s",
+            folder,
+            ", ".join(f"step-{s}" for s in sorted(uncommitted)),
+        )
+    return StepScan(sorted(committed), sorted(uncommitted))

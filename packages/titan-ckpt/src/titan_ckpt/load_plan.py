@@ -1,0 +1,129 @@
+"""Deciding what ``CheckpointManager.load`` reads, on rank 0, before anything is read.
+
+The order: the newest committed step of the run's own folder (or ``load_step``); else
+``initial_load_path`` (a step directory, a folder of steps, or a Hugging Face folder); else a
+fresh start. The chosen step is checked against its manifest (sizes, checksums on request) and
+against the model (every FQN present, same shapes), so a wrong or damaged checkpoint is
+refused with its name before any rank reads a tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
+from titan_ckpt.layout import (
+    CheckpointIntegrityError,
+    read_manifest,
+    scan_steps,
+    step_dir,
+    verify_step,
+)
+from titan_ckpt.states import ModelState
+from titan_ckpt.storage import Storage
+
+__all__ = ["LoadPlan", "plan_load"]
+
+logger = logging.getLogger("titan_ckpt")
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A checkpoint to load, agreed by every rank."""
+
+    kind: str
+    """"resume" (the run's folder), "initial" (initial_load_path) or "hf" (a HF folder)."""
+    directory: str
+    """The step directory or Hugging Face folder."""
+    manifest_json: bytes | None
+    """Its commit marker, if it has one."""
+
+
+def plan_load(
+    storage: Storage, config: CheckpointConfig, model: ModelState, *, step: int, checksums: bool
+) -> LoadPlan | Exception | None:
+    """What to load: a plan, None for a fresh start, or the error every rank should raise."""
+    try:
+        scan = scan_steps(storage, config.folder)
+        if scan.committed:
+            if step == -1:
+                step = scan.committed[-1]
+            newer = [s for s in scan.committed if s > step]
+            if newer and step in scan.committed:
+                logger.warning(
+                    "Resuming from step %d while newer committed steps %s exist; saving "
+                    "those steps again will replace them",
+                    step,
+                    newer,
+                )
+            elif step not in scan.committed:
+                note = ""
+                if step in scan.uncommitted:
+                    note = " (present but uncommitted: an interrupted save)"
+                return CheckpointConfigError(
+                    f"checkpoint.load_step={step} is not a committed checkpoint in "
+                    f"{config.folder}{note}; committed steps: {scan.committed}."
+                )
+            return _checked(
+                storage, model, "resume", step_dir(storage, config.folder, step), checksums
+            )
+        if step != -1:
+            return CheckpointConfigError(
+                f"checkpoint.load_step={step}, but {config.folder} holds no committed "
+                "checkpoint. Use -1 to start fresh, or point checkpoint.folder elsewhere."
+            )
+        path = config.initial_load_path
+        if path is None:
+            return None
+        if not storage.exists(path):
+            return CheckpointConfigError(f"checkpoint.initial_load_path={path!r} does not exist.")
+        if config.initial_load_in_hf:
+            return LoadPlan("hf", path, None)
+        if not storage.exists(storage.join(path, ".metadata")):
+            inner = scan_steps(storage, path).committed
+            if not inner:
+                return CheckpointConfigError(
+                    f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
+                    "(no .metadata) nor a folder of committed step-<N> checkpoints."
+                )
+            path = step_dir(storage, path, inner[-1])
+        return _checked(storage, model, "initial", path, checksums)
+    except Exception as e:  # delivered to every rank, raised there
+        return e
+
+
+def _checked(
+    storage: Storage, model: ModelState, kind: str, directory: str, checksums: bool
+) -> LoadPlan:
+    manifest = read_manifest(storage, directory)
+    if manifest is None:
+        if kind == "resume":
+            raise CheckpointIntegrityError(f"{directory} lost its commit marker")
+        logger.warning("%s has no titan commit marker; loading it unverified", directory)
+    else:
+        verify_step(storage, directory, manifest, checksums=checksums)
+    _check_model_matches(storage, model, directory)
+    return LoadPlan(kind, directory, None if manifest is None else manifest.to_json())
+
+
+def _check_model_matches(storage: Storage, model: ModelState, directory: str) -> None:
+    """Refuse a checkpoint of a different model (missing keys, other shapes) up front."""
+    saved = storage.dcp_reader(directory).read_metadata().state_dict_metadata
+    missing, shapes = [], []
+    for fqn, tensor in model.state_dict().items():
+        meta = saved.get(fqn)
+        if meta is None:
+            missing.append(fqn)
+        elif hasattr(meta, "size") and tuple(meta.size) != tuple(tensor.shape):
+            shapes.append(f"{fqn} {tuple(meta.size)} in the checkpoint, {tuple(tensor.shape)}")
+    if missing or shapes:
+        detail = []
+        if missing:
+            detail.append(f"missing model keys {missing[:5]} (of {len(missing)})")
+        if shapes:
+            detail.append("shape mismatches: " + "; ".join(shapes[:5]))
+        raise CheckpointConfigError(
+            f"{directory} does not hold this model: {', '.join(detail)}. Check that the "
+            "model configuration matches the one that wrote the checkpoint."
+        )

@@ -1,0 +1,529 @@
+"""``CheckpointManager``: save and resume a training run with DCP, atomically and verifiably.
+
+The checkpoint of a step is one DCP state dict: the model's tensors flattened by
+fully-qualified name at the top level (over all model parts), beside one entry per other
+state (``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, ...). That is
+torchtitan's layout, so checkpoints move between the two, and a model-only checkpoint has the
+same keys as the model part of a full one.
+
+Invariants the code below keeps:
+- A step is loadable only once ``titan-commit.json`` exists in it; rank 0 writes it after DCP
+  finished on every rank (DCP's ``.metadata`` is written after all ranks reported), with the
+  manifest of every file. Discovery, integrity checks and errors are decided on rank 0 and
+  broadcast, so every rank loads the same step or raises the same error.
+- At most one save is in flight: a new save, a load and ``close()`` first finish the previous
+  one (including its commit).
+- Retention deletes committed steps only, in a background thread on rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from titan_ckpt.adapter import StateDictAdapter
+from titan_ckpt.asyncmode import check_main_guard, make_stager
+from titan_ckpt.config import MODEL, CheckpointConfig, CheckpointConfigError
+from titan_ckpt.ft import DATALOADER, FaultTolerance
+from titan_ckpt.hf import load_hf, require_safetensors, save_hf
+from titan_ckpt.layout import (
+    COMMIT_MARKER,
+    CheckpointIntegrityError,
+    Manifest,
+    hash_files,
+    read_manifest,
+    step_dir,
+    verify_step,
+    write_commit,
+)
+from titan_ckpt.load_plan import plan_load
+from titan_ckpt.purge import Purger
+from titan_ckpt.states import ModelState
+from titan_ckpt.storage import Storage, storage_for
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger("titan_ckpt")
+
+HF_SUBDIR = "hf"
+
+
+class CheckpointManager:
+    """Saves ``model_parts`` and named ``Stateful`` states every ``interval`` steps; resumes.
+
+    Args:
+        config: the checkpoint policy.
+        model_parts: the model, or its pipeline stages (each keeps its original FQNs).
+        states: other state to save, by name: anything with ``state_dict()`` and
+            ``load_state_dict()`` (optimizer container, LR schedulers, dataloader, train
+            state). ``None`` values are skipped, so an optional dataloader can be passed as is.
+            A dataloader saved at one world size loads at another only if it has an attribute
+            ``supports_resharding = True``.
+        state_dict_adapter: converts the model to and from Hugging Face names; needed for
+            ``last_save_in_hf`` and ``initial_load_in_hf``.
+        storage: where checkpoints live; default from ``config.folder`` (local, or fsspec URL).
+        process_group: the ranks that checkpoint together; default all. Async modes create a
+            dedicated gloo group so background collectives never interleave with training's.
+        ft_manager: a torchft ``Manager``: registers state-dict callbacks for live recovery;
+            only participating rank 0 writes the shared checkpoint (see ``titan_ckpt.ft``).
+        ft_replica_id: this replica group's id; names its dataloader checkpoint folder.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        model_parts: nn.Module | Sequence[nn.Module],
+        states: Mapping[str, Any] | None = None,
+        state_dict_adapter: StateDictAdapter | None = None,
+        storage: Storage | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        ft_manager: Any | None = None,
+        ft_replica_id: str | int | None = None,
+    ) -> None:
+        self.config = config
+        self.model = ModelState(model_parts)
+        self.states = {k: v for k, v in (states or {}).items() if v is not None}
+        self.adapter = state_dict_adapter
+        self.storage = storage if storage is not None else storage_for(config.folder)
+        self.folder = config.folder
+        self.last_loaded_step: int | None = None
+        self._pending: Future | None = None
+        self._staging: Future | None = None
+        self._purger: Purger | None = None
+        self._ft_purger: Purger | None = None
+        self._committer: ThreadPoolExecutor | None = None
+        self._stager = None
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = 0
+        self.pg = process_group
+        self._validate()
+        self.ft: FaultTolerance | None = None
+        if ft_manager is not None:
+            self.ft = FaultTolerance(
+                ft_manager,
+                ft_replica_id,
+                model=self.model,
+                states=self.states,
+                dataloader_checkpoints=config.enable_ft_dataloader_checkpoints,
+            )
+        if not config.enable:
+            return
+
+        if self._distributed and config.async_mode != "disabled":
+            # Collective over the default group: every rank constructs a manager.
+            ranks = dist.get_process_group_ranks(process_group) if process_group else None
+            self.pg = dist.new_group(ranks=ranks, backend="gloo")
+        # "Rank 0" below is rank 0 of the checkpointing group: it plans loads and commits.
+        self._rank = dist.get_rank(self.pg) if self._distributed else 0
+        if config.async_mode != "disabled":
+            self._async_type, self._stager = make_stager(
+                config.async_mode, distributed=self._distributed
+            )
+            if self._rank == 0:
+                self._committer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-commit")
+        if self._rank == 0 and config.keep_latest_k > 0 and not config.load_only:
+            self._purger = Purger(self.storage, self.folder, config.keep_latest_k)
+            if self.ft is not None and self.ft.dataloader_checkpoints:
+                replica = self.ft.replica_folder(self.storage.join, self.folder)
+                self._ft_purger = Purger(self.storage, replica, config.keep_latest_k)
+        logger.info("Checkpointing to %s (async_mode=%s)", self.folder, config.async_mode)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        cfg = self.config
+        for name, state in self.states.items():
+            if name == MODEL:
+                raise CheckpointConfigError(
+                    "states['model'] is reserved: pass the model as model_parts=."
+                )
+            if not (callable(getattr(state, "state_dict", None))) or not callable(
+                getattr(state, "load_state_dict", None)
+            ):
+                raise TypeError(
+                    f"states[{name!r}] is a {type(state).__name__}, which lacks state_dict() "
+                    "and load_state_dict(); wrap it in an object that has both."
+                )
+        clash = sorted(self.states.keys() & self.model.state_dict().keys())
+        if clash:
+            raise CheckpointConfigError(
+                f"State names {clash} equal model parameter names; rename those states."
+            )
+        known = {*self.states, DATALOADER, "optimizer", "lr_scheduler", "train_state"}
+        unknown = [s for s in cfg.exclude_from_loading if s not in known]
+        if unknown:
+            raise CheckpointConfigError(
+                f"checkpoint.exclude_from_loading names {unknown}, which are not states of this "
+                f"run; the states are {sorted(self.states)}."
+            )
+        if not cfg.enable:
+            return
+        if (cfg.last_save_in_hf or cfg.initial_load_in_hf) and self.adapter is None:
+            key = "last_save_in_hf" if cfg.last_save_in_hf else "initial_load_in_hf"
+            raise CheckpointConfigError(
+                f"checkpoint.{key}=true needs state_dict_adapter=: the model's conversion to "
+                "Hugging Face names (titan-models provides one per model)."
+            )
+        if cfg.last_save_in_hf:
+            require_safetensors("checkpoint.last_save_in_hf")
+        if cfg.initial_load_in_hf:
+            require_safetensors("checkpoint.initial_load_in_hf")
+        if cfg.create_seed_checkpoint and self._distributed and dist.get_world_size() > 1:
+            raise CheckpointConfigError(
+                f"checkpoint.create_seed_checkpoint=true runs in one process, but the world "
+                f"size is {dist.get_world_size()}; run it with a single process (no torchrun)."
+            )
+        if cfg.async_mode == "async_with_pinned_mem" and self._distributed:
+            check_main_guard()  # the writer is a spawned process only with a process group
+        if self.storage.exists(self.folder) and not self.storage.is_dir(self.folder):
+            raise CheckpointConfigError(
+                f"checkpoint.folder={self.folder!r} exists and is not a directory."
+            )
+
+    # ------------------------------------------------------------------ collectives
+    def _agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        if not self._distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, group=self.pg, group_src=0)
+        return box[0]
+
+    @contextlib.contextmanager
+    def _quiet_single_process(self):
+        """DCP warns on every call in a process without torch.distributed; that is our intent."""
+        with warnings.catch_warnings():
+            if not self._distributed:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier(group=self.pg)
+
+    def _world_size(self) -> int:
+        return dist.get_world_size() if self._distributed else 1
+
+    # ------------------------------------------------------------------ saving
+    def should_save(self, curr_step: int, *, last_step: bool = False) -> bool:
+        """Whether ``save(curr_step, last_step=...)`` would write a checkpoint."""
+        cfg = self.config
+        if not cfg.enable or cfg.load_only:
+            return False
+        if cfg.create_seed_checkpoint:
+            return curr_step == 0
+        if last_step or curr_step % cfg.interval == 0:
+            return True
+        return curr_step == 1 and cfg.enable_first_step_checkpoint
+
+    def save(self, curr_step: int, *, last_step: bool = False, force: bool = False) -> bool:
+        """Checkpoint step ``curr_step`` if the policy says so (or ``force``); True if saved.
+
+        In ``disabled`` mode the step is committed when this returns. In async modes this
+        returns after staging; the write and commit finish in the background (the last step
+        and a seed checkpoint are always written synchronously).
+        """
+        if not (force and self.config.enable) and not self.should_save(
+            curr_step, last_step=last_step
+        ):
+            return False
+        self.wait()  # saves never overlap
+        begin = time.monotonic()
+        cfg = self.config
+        model_only = cfg.create_seed_checkpoint or (last_step and cfg.last_save_model_only)
+        shared_states = self._shared_states()
+        if self.ft is not None:
+            if self.ft.dataloader_checkpoints and not model_only:
+                replica = self.ft.replica_folder(self.storage.join, self.folder)
+                self._write_sync(
+                    step_dir(self.storage, replica, curr_step),
+                    {DATALOADER: self.states[DATALOADER]},
+                    self._manifest(curr_step, [DATALOADER], model_only=False),
+                    self._ft_purger,
+                )
+            if not self.ft.is_writer():
+                return True  # another replica group writes the shared checkpoint
+        directory = step_dir(self.storage, self.folder, curr_step)
+
+        if model_only:
+            dtype = cfg.export_torch_dtype if last_step else None
+            state: dict[str, Any] = self.model.export(dtype) if dtype else self.model.state_dict()
+        else:
+            state = {**self.model.state_dict(), **shared_states}
+        names = [MODEL] + ([] if model_only else sorted(shared_states))
+        manifest = self._manifest(curr_step, names, model_only=model_only)
+        synchronous = cfg.async_mode == "disabled" or last_step or cfg.create_seed_checkpoint
+        if synchronous:
+            hf = last_step and cfg.last_save_in_hf
+            self._write_sync(directory, state, manifest, self._purger, hf=hf)
+            logger.info("Saved %s in %.2f s", directory, time.monotonic() - begin)
+            return True
+
+        self._clear_step(directory)
+        with self._quiet_single_process():
+            response = dcp.async_save(
+                state,
+                storage_writer=self.storage.dcp_writer(directory),
+                process_group=self.pg,
+                async_checkpointer_type=self._async_type,
+                async_stager=self._stager,
+                no_dist=not self._distributed,
+            )
+        if isinstance(response, Future):
+            upload, self._staging = response, None
+        else:
+            upload, self._staging = response.upload_completion, response.staging_completion
+        if self._committer is not None:  # rank 0 commits once the upload finished everywhere
+            self._pending = self._committer.submit(self._commit_after, upload, directory, manifest)
+        else:
+            self._pending = upload
+        seconds = time.monotonic() - begin
+        logger.info("Staged %s in %.2f s; writing in the background", directory, seconds)
+        return True
+
+    def _shared_states(self) -> dict[str, Any]:
+        """States in the shared checkpoint: all, less a dataloader saved per replica group."""
+        if self.ft is not None and self.ft.dataloader_checkpoints:
+            return {k: v for k, v in self.states.items() if k != DATALOADER}
+        return self.states
+
+    def _manifest(self, step: int, states: list[str], *, model_only: bool) -> Manifest:
+        return Manifest(
+            step=step, world_size=self._world_size(), states=states, model_only=model_only
+        )
+
+    def _write_sync(
+        self,
+        directory: str,
+        state: dict[str, Any],
+        manifest: Manifest,
+        purger: Purger | None,
+        *,
+        hf: bool = False,
+    ) -> None:
+        """Write and commit one step; when this returns on any rank, the step is committed."""
+        self._clear_step(directory)
+        with self._quiet_single_process():
+            dcp.save(
+                state,
+                storage_writer=self.storage.dcp_writer(directory),
+                process_group=self.pg,
+                no_dist=not self._distributed,
+            )
+        if hf:
+            assert self.adapter is not None  # checked in _validate
+            hf_dir = self.storage.join(directory, HF_SUBDIR)
+            save_hf(self.storage, hf_dir, self.model, self.adapter, self.config.export_torch_dtype)
+        # Every rank hashes the data files it wrote (DCP's filesystem writer names them
+        # __<rank>_<n>.distcp), so the commit costs one rank's share, not the whole state.
+        own = hash_files(self.storage, directory, prefix=f"__{self._rank}_")
+        if self._distributed:
+            parts = [None] * dist.get_world_size(self.pg) if self._rank == 0 else None
+            dist.gather_object(own, parts, group=self.pg, group_dst=0)
+            own = {k: v for part in parts or [] for k, v in part.items()}
+        if self._rank == 0:
+            self._commit(directory, manifest, purger, hashed=own)
+        self._barrier()
+
+    def _clear_step(self, directory: str) -> None:
+        """Remove what a previous attempt left at ``directory`` before writing it again."""
+        if self._rank == 0 and self.storage.exists(directory):
+            if read_manifest(self.storage, directory) is not None:
+                logger.warning("Replacing committed checkpoint %s", directory)
+                self.storage.remove(self.storage.join(directory, COMMIT_MARKER))
+            self.storage.remove(directory)
+        self._barrier()
+
+    def _commit(
+        self,
+        directory: str,
+        manifest: Manifest,
+        purger: Purger | None,
+        hashed: dict[str, dict] | None = None,
+    ) -> None:
+        write_commit(self.storage, directory, manifest, hashed)
+        logger.info("Committed %s (%d files)", directory, len(manifest.files))
+        if purger is not None:
+            purger.request()
+
+    def _commit_after(self, upload: Future, directory: str, manifest: Manifest) -> None:
+        upload.result()  # raises if any rank failed to write: then nothing is committed
+        self._commit(directory, manifest, self._purger)
+
+    def maybe_wait_for_staging(self) -> None:
+        """Block until the last async save no longer reads the training tensors.
+
+        Call before the optimizer step that follows a save: with background staging
+        (``async_with_pinned_mem``) the copy may still be running.
+        """
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed."""
+        self.maybe_wait_for_staging()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """Finish the save in flight and pending deletions; stop background threads."""
+        try:
+            self.wait()
+        finally:
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None
+            for purger in (self._purger, self._ft_purger):
+                if purger is not None:
+                    purger.close()
+            self._purger = self._ft_purger = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ loading
+    def load(self, step: int | None = None, *, verify_checksums: bool | None = None) -> bool:
+        """Restore the newest committed step (or ``step``, default ``config.load_step``).
+
+        With no committed step in the folder, starts from ``config.initial_load_path`` if
+        set. Returns False when there is nothing to load (a fresh run).
+        """
+        cfg = self.config
+        if not cfg.enable:
+            return False
+        self.wait()
+        step = cfg.load_step if step is None else step
+        checksums = cfg.verify_checksums if verify_checksums is None else verify_checksums
+        plan = None
+        if self._rank == 0:
+            plan = plan_load(self.storage, cfg, self.model, step=step, checksums=checksums)
+        plan = self._agree(plan)
+        if isinstance(plan, Exception):
+            raise plan
+        if plan is None:
+            logger.info("No checkpoint in %s and no initial_load_path: starting fresh", self.folder)
+            return False
+        kind, directory, manifest_json = plan.kind, plan.directory, plan.manifest_json
+        begin = time.monotonic()
+        if kind == "hf":
+            assert self.adapter is not None  # checked in _validate
+            load_hf(self.storage, directory, self.model, self.adapter)
+            self._barrier()
+            logger.info("Loaded Hugging Face weights from %s", directory)
+            return True
+        manifest = Manifest.from_json(manifest_json) if manifest_json else None
+        names = self._states_to_load(kind, directory, manifest)
+        model_sd = self.model.state_dict()
+        state = {**model_sd, **{n: self.states[n] for n in names}}
+        reader = self.storage.dcp_reader(directory)
+        with self._quiet_single_process():
+            dcp.load(
+                state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
+            )
+        self.model.load_state_dict({k: state[k] for k in model_sd})
+        if manifest is not None:
+            self.last_loaded_step = manifest.step
+        if self._loads_replica_dataloader(kind, manifest):
+            assert manifest is not None  # _loads_replica_dataloader checks it
+            self._load_replica_dataloader(manifest.step, checksums)
+            names.append(DATALOADER)
+        logger.info(
+            "Loaded %s (%s) in %.2f s",
+            directory,
+            ", ".join([MODEL, *names]),
+            time.monotonic() - begin,
+        )
+        return True
+
+    def _loads_replica_dataloader(self, kind: str, manifest: Manifest | None) -> bool:
+        return (
+            self.ft is not None
+            and self.ft.dataloader_checkpoints
+            and kind == "resume"
+            and manifest is not None
+            and not manifest.model_only
+            and DATALOADER not in self.config.exclude_from_loading
+        )
+
+    def _load_replica_dataloader(self, step: int, checksums: bool) -> None:
+        """Load this replica group's dataloader state saved at ``step``."""
+        assert self.ft is not None
+        replica = self.ft.replica_folder(self.storage.join, self.folder)
+        directory = step_dir(self.storage, replica, step)
+
+        def plan() -> Exception | None:
+            manifest = read_manifest(self.storage, directory)
+            if manifest is None:
+                return CheckpointConfigError(
+                    f"Replica group {self.ft.replica_id} has no committed dataloader checkpoint "
+                    f"at step {step} ({directory}); add 'dataloader' to "
+                    "checkpoint.exclude_from_loading to restart its data stream."
+                )
+            try:
+                verify_step(self.storage, directory, manifest, checksums=checksums)
+            except CheckpointIntegrityError as e:
+                return e
+            return None
+
+        error = self._agree(plan() if self._rank == 0 else None)
+        if error is not None:
+            raise error
+        with self._quiet_single_process():
+            dcp.load(
+                {DATALOADER: self.states[DATALOADER]},
+                storage_reader=self.storage.dcp_reader(directory),
+                process_group=self.pg,
+                no_dist=not self._distributed,
+            )
+
+    def _states_to_load(self, kind: str, directory: str, manifest: Manifest | None) -> list[str]:
+        cfg = self.config
+        if kind == "initial" and cfg.initial_load_model_only:
+            return []
+        if manifest is not None and manifest.model_only:
+            if kind == "resume" and manifest.step != 0:
+                logger.warning(
+                    "%s is a model-only checkpoint (a final export): resuming the model only; "
+                    "optimizer and other states start fresh",
+                    directory,
+                )
+            return []
+        names = [n for n in sorted(self._shared_states()) if n not in cfg.exclude_from_loading]
+        if manifest is None:
+            return names
+        missing = [n for n in names if n not in manifest.states]
+        if missing:
+            raise CheckpointConfigError(
+                f"{directory} holds no {missing} state (it has {manifest.states}); add "
+                f"{missing} to checkpoint.exclude_from_loading to start them fresh."
+            )
+        if (
+            DATALOADER in names
+            and manifest.world_size != self._world_size()
+            and not getattr(self.states[DATALOADER], "supports_resharding", False)
+        ):
+            raise CheckpointConfigError(
+                f"{directory} was written by {manifest.world_size} ranks, this run has "
+                f"{self._world_size()}, and the dataloader "
+                f"({type(self.states[DATALOADER]).__name__}) does not declare "
+                "supports_resharding. Add 'dataloader' to checkpoint.exclude_from_loading to "
+                "restart the data stream, or resume at the original world size."
+            )
+        return names

@@ -1,0 +1,64 @@
+"""Retention: delete committed steps beyond the newest ``keep_latest_k``, off the training path.
+
+Runs on one rank, in a daemon thread fed by a queue. A deletion removes the commit marker
+first, so a step that is half deleted (crash, permission error) is uncommitted, never a
+damaged "committed" step. A failure is logged and the thread carries on with the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from titan_ckpt.layout import COMMIT_MARKER, scan_steps, step_dir
+from titan_ckpt.storage import Storage
+
+__all__ = ["Purger"]
+
+logger = logging.getLogger("titan_ckpt")
+
+_STOP = object()
+
+
+class Purger:
+    """Background deletion of old committed steps under one folder."""
+
+    def __init__(self, storage: Storage, folder: str, keep_latest_k: int) -> None:
+        if keep_latest_k < 2:
+            raise ValueError(f"keep_latest_k={keep_latest_k}: the purger keeps at least 2.")
+        self.storage, self.folder, self.keep = storage, folder, keep_latest_k
+        self.failures: list[str] = []
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="titan-ckpt-purge", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Ask for a purge pass; returns at once."""
+        self._queue.put(None)
+
+    def close(self) -> None:
+        """Finish every pass already requested, then stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while self._queue.get() is not _STOP:
+            try:
+                self._purge_once()
+            except Exception as e:  # the thread must outlive any one failed pass
+                logger.exception("Checkpoint purge pass in %s failed", self.folder)
+                self.failures.append(f"{self.folder}: {e}")
+
+    def _purge_once(self) -> None:
+        committed = scan_steps(self.storage, self.folder).committed
+        for step in committed[: max(0, len(committed) - self.keep)]:
+            directory = step_dir(self.storage, self.folder, step)
+            try:
+                self.storage.remove(self.storage.join(directory, COMMIT_MARKER))
+                self.storage.remove(directory)
+                logger.info("Deleted checkpoint %s (keep_latest_k=%d)", directory, self.keep)
+            except Exception as e:
+                logger.warning("Could not delete checkpoint %s: %s", directory, e)
+                self.failures.append(f"{directory}: {e}")

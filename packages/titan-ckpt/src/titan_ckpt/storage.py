@@ -1,0 +1,198 @@
+"""The storage seam: where checkpoint directories live.
+
+Everything the manager does to storage outside DCP itself (listing steps, the commit marker,
+the manifest, retention) goes through a ``Storage``: a local filesystem by default, or any
+fsspec filesystem for a ``scheme://`` URL. DCP's own reader and writer come from the same
+object, so a new backend is one subclass.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from typing import IO
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+__all__ = ["FsspecStorage", "LocalStorage", "Storage", "storage_for"]
+
+
+class Storage(ABC):
+    """Files and directories addressed by path strings; ``join`` builds the paths."""
+
+    @abstractmethod
+    def list(self, path: str) -> list[str]:
+        """Names (not paths) of the entries directly under ``path``; [] if it does not exist."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory exists at ``path``."""
+
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Delete the file or the whole directory tree at ``path``."""
+
+    @abstractmethod
+    def open(self, path: str, mode: str = "rb") -> IO:
+        """Open a file for reading or writing (binary or text, as ``mode`` says)."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size of the file at ``path`` in bytes."""
+
+    @abstractmethod
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a directory."""
+
+    @abstractmethod
+    def makedirs(self, path: str) -> None:
+        """Create ``path`` and its parents; fine if it exists."""
+
+    @abstractmethod
+    def dcp_writer(self, path: str) -> StorageWriter:
+        """A DCP storage writer for the checkpoint directory ``path``."""
+
+    @abstractmethod
+    def dcp_reader(self, path: str) -> StorageReader:
+        """A DCP storage reader for the checkpoint directory ``path``."""
+
+    def join(self, *parts: str) -> str:
+        """Join path components with ``/``."""
+        return "/".join([p.rstrip("/") for p in parts[:-1]] + [parts[-1]])
+
+    def walk_files(self, path: str) -> list[str]:
+        """Every file under ``path``, as paths relative to it with ``/`` separators."""
+        out: list[str] = []
+        for name in sorted(self.list(path)):
+            full = self.join(path, name)
+            if self.is_dir(full):
+                out.extend(f"{name}/{sub}" for sub in self.walk_files(full))
+            else:
+                out.append(name)
+        return out
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` so that readers see the old state or all of it, never a part."""
+        with self.open(path, "wb") as f:
+            f.write(data)
+
+
+class LocalStorage(Storage):
+    """The local (or network-mounted) filesystem."""
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def remove(self, path: str) -> None:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+    def open(self, path: str, mode: str = "rb") -> IO:
+        return open(path, mode)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def dcp_writer(self, path: str) -> StorageWriter:
+        return FileSystemWriter(path)
+
+    def dcp_reader(self, path: str) -> StorageReader:
+        return FileSystemReader(path)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        # Write beside the target, flush to disk, then rename: a crash leaves either no file
+        # or the complete one, and the directory entry is synced so the rename survives too.
+        directory = os.path.dirname(path) or "."
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem (``s3://``, ``gs://``, ``memory://``, ...); needs ``fsspec``."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            from fsspec.core import url_to_fs
+        except ImportError:
+            raise ImportError(
+                f"checkpoint.folder={url!r} is a URL, which needs fsspec: pip install fsspec "
+                "(plus the filesystem's package, e.g. s3fs for s3://)."
+            ) from None
+        self.fs, _ = url_to_fs(url)
+        self.protocol = url.split("://", 1)[0]
+
+    def _url(self, path: str) -> str:
+        return path if "://" in path else f"{self.protocol}://{path}"
+
+    def list(self, path: str) -> list[str]:
+        if not self.fs.exists(path):
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def remove(self, path: str) -> None:
+        self.fs.rm(path, recursive=True)
+
+    def open(self, path: str, mode: str = "rb") -> IO:
+        return self.fs.open(path, mode)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def is_dir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def dcp_writer(self, path: str) -> StorageWriter:
+        # DCP's fsspec writer lives in a private module in every torch release so far.
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(self._url(path))
+
+    def dcp_reader(self, path: str) -> StorageReader:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(self._url(path))
+
+
+def storage_for(path: str) -> Storage:
+    """``FsspecStorage`` for a ``scheme://`` URL (``file://`` included), else ``LocalStorage``."""
+    return FsspecStorage(path) if "://" in path else LocalStorage()

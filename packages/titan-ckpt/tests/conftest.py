@@ -1,0 +1,70 @@
+"""Test helpers: launching worker scripts under torchrun, and the workers' shared module."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(
+    script: str, nproc: int, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """Run ``workers/<script>`` on ``nproc`` gloo ranks; returns the finished process."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1",
+        "--master-port", str(_free_port()),
+        "--monitor-interval", "0.1",
+        str(WORKERS / script), *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_results(out_dir: Path, name: str, nproc: int) -> list[dict]:
+    return [json.loads((out_dir / f"{name}-rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def load_common() -> ModuleType:
+    """The workers' ``common`` module, imported by path (tests run in importlib mode)."""
+    spec = importlib.util.spec_from_file_location("titan_ckpt_test_common", WORKERS / "common.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def common() -> ModuleType:
+    """The workers' shared module (tiny model, data, Stateful train state)."""
+    return load_common()
+
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """``run_torchrun`` as a fixture: test modules cannot import conftest in importlib mode."""
+    return run_torchrun
+
+
+@pytest.fixture(scope="session")
+def results():
+    """``read_results`` as a fixture."""
+    return read_results

@@ -1,0 +1,70 @@
+"""Async modes in one process (CPU): save returns after staging, the written step holds the
+values at save time even if training changes them at once, saves never overlap, close()
+drains. The writer process of async_with_pinned_mem is exercised in test_distributed.py."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from titan_ckpt import CheckpointConfig, CheckpointManager, scan_steps, storage_for
+from titan_ckpt.asyncmode import check_main_guard
+
+# DCP's background writer warns that it runs without torch.distributed: in one process, it does.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_save_keeps_values_at_save_time(common, tmp_path, mode, caplog):
+    model = common.make_model()
+    config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1, async_mode=mode)
+    with caplog.at_level(logging.INFO, logger="titan_ckpt"):
+        manager = CheckpointManager(config, model_parts=model)
+    if mode == "async_with_pinned_mem":
+        assert "nothing to pin" in caplog.text
+    snapshots = {}
+    for step in (1, 2, 3):
+        assert manager.save(step)  # the previous save is finished (and committed) first
+        snapshots[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        manager.maybe_wait_for_staging()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(2.0)  # training moves on while the write runs
+    manager.close()
+    assert scan_steps(storage_for(str(tmp_path)), str(tmp_path)).committed == [1, 2, 3]
+
+    for step in (1, 3):
+        fresh = common.make_model(seed=5)
+        reader = CheckpointManager(
+            CheckpointConfig(enable=True, folder=str(tmp_path), load_step=step),
+            model_parts=fresh,
+        )
+        assert reader.load()
+        assert all(torch.equal(v, snapshots[step][k]) for k, v in fresh.state_dict().items())
+
+
+def test_last_step_save_is_synchronous(common, tmp_path):
+    model = common.make_model()
+    config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=10, async_mode="async")
+    manager = CheckpointManager(config, model_parts=model)
+    manager.save(7, last_step=True)
+    # Committed on return, without close(): the last save does not run in the background.
+    assert scan_steps(storage_for(str(tmp_path)), str(tmp_path)).committed == [7]
+    manager.close()
+
+
+def test_main_guard_check_refuses_unguarded_script(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nprint('training')\n")
+    fake_main = types.ModuleType("__main__")
+    fake_main.__file__ = str(script)
+    fake_main.__spec__ = None
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    with pytest.raises(RuntimeError, match=r"train.py; that script has no `if __name__"):
+        check_main_guard()
+    script.write_text("def main():\n    pass\n\nif __name__ == '__main__':\n    main()\n")
+    check_main_guard()

@@ -1,0 +1,66 @@
+"""CheckpointConfig: torchtitan's keys and defaults, and one clear error per bad value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_ckpt import CheckpointConfig, CheckpointConfigError
+
+
+def test_defaults_match_torchtitan():
+    c = CheckpointConfig()
+    assert (c.enable, c.folder, c.interval, c.async_mode) == (False, "checkpoint", 500, "disabled")
+    assert (c.keep_latest_k, c.load_step, c.exclude_from_loading) == (10, -1, [])
+    assert (c.initial_load_path, c.initial_load_model_only, c.initial_load_in_hf) == (
+        None,
+        True,
+        False,
+    )
+    assert (c.last_save_model_only, c.last_save_in_hf, c.export_dtype) == (True, False, "float32")
+    assert (c.create_seed_checkpoint, c.enable_first_step_checkpoint, c.load_only) == (
+        False,
+        False,
+        False,
+    )
+    assert c.export_torch_dtype is torch.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"keep_latest_k": 1}, r"keep_latest_k=1 is not allowed.*at least 2"),
+        ({"keep_latest_k": -3}, r"keep_latest_k=-3 must be >= 0"),
+        ({"interval": 0}, r"interval=0 must be >= 1"),
+        ({"interval": 2.5}, r"interval=2.5 must be a whole number"),
+        ({"load_step": -2}, r"load_step=-2 must be >= -1"),
+        ({"async_mode": "fast"}, r"async_mode='fast' is not one of disabled, async, async_with"),
+        ({"export_dtype": "int8"}, r"export_dtype='int8' is not one of float32, bfloat16"),
+        ({"exclude_from_loading": ["model"]}, r"names 'model'.*always restores the model"),
+        ({"folder": ""}, r"folder='' must be a non-empty"),
+        ({"enable": "yes"}, r"enable='yes' must be true or false"),
+        ({"last_save_in_hf": True, "last_save_model_only": False}, r"needs .*last_save_model_only"),
+        (
+            {
+                "initial_load_in_hf": True,
+                "initial_load_path": "x",
+                "initial_load_model_only": False,
+            },
+            r"needs checkpoint.initial_load_model_only=true",
+        ),
+        ({"initial_load_in_hf": True}, r"needs checkpoint.initial_load_path"),
+        ({"create_seed_checkpoint": True}, r"create_seed_checkpoint=true needs .*enable=true"),
+    ],
+)
+def test_bad_values_are_refused_naming_key_and_value(kwargs, match):
+    with pytest.raises(CheckpointConfigError, match=match):
+        CheckpointConfig(**kwargs)
+
+
+def test_exclude_from_loading_accepts_a_comma_separated_string():
+    c = CheckpointConfig(exclude_from_loading="dataloader, lr_scheduler")
+    assert c.exclude_from_loading == ["dataloader", "lr_scheduler"]
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(CheckpointConfigError, ValueError)
