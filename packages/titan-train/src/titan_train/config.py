@@ -1,0 +1,210 @@
+"""``JobConfig``: every setting of a training run, as TOML sections.
+
+Each section is the config dataclass of the package that builds the thing it configures
+(``parallelism`` is ``titan_dims.ParallelismConfig``, ``optimizer`` is
+``titan_optim.OptimizerConfig``, ``checkpoint`` is ``titan_ckpt.CheckpointConfig``...);
+the sections owned here describe the job, the model choice, the training loop and
+communication. Section and key names follow torchtitan's; the few torchtitan keys that live
+elsewhere here are translated on load (``TORCHTITAN_KEYS``), so a torchtitan TOML needs few
+edits.
+
+Precedence: ``--section.key value`` on the command line > the TOML file given by
+``--job.config_file`` (which may ``extends = "base.toml"``) > these defaults. The defaults
+train the Llama 3 debug model on the embedded corpus, on whatever device exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from titan_ckpt import CheckpointConfig
+from titan_dims import ParallelismConfig
+from titan_models import ParallelizeConfig, PipelineConfig
+from titan_optim import LRSchedulerConfig, OptimizerConfig
+from titan_train.config_loader import ConfigError, load_config, to_dict
+from titan_train.metrics import MetricsConfig
+
+__all__ = [
+    "TORCHTITAN_KEYS",
+    "CommConfig",
+    "ConfigError",
+    "JobConfig",
+    "JobSection",
+    "ModelSection",
+    "TrainingConfig",
+    "parse_job_config",
+]
+
+
+def _positive(section: str, **values: int | float) -> None:
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{section}.{key}={value!r} is not allowed; it must be > 0.")
+
+
+@dataclass(kw_only=True)
+class JobSection:
+    """The run itself: where its outputs go."""
+
+    config_file: str | None = None
+    """A TOML file to read first (it may name a base file with ``extends = "base.toml"``)."""
+    dump_folder: str = "./outputs"
+    """Folder for this run's checkpoints, TensorBoard files and metrics log."""
+    description: str = "Llama 3 debug model on the embedded corpus"
+    """A line describing the run, printed at start."""
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    """Which model to train."""
+
+    name: str = "llama3"
+    """A model registered under the ``titan.models`` entry-point group (``titan-train
+    list-models``)."""
+    flavor: str = "debugmodel"
+    """One of the model's flavors (sizes), e.g. debugmodel, 1B, 8B, 70B."""
+    tokenizer_path: str | None = None
+    """A tiktoken BPE file (Llama 3 ``tokenizer.model`` format) or a Hugging Face
+    ``tokenizer.json``; empty means the small tokenizer shipped with titan-train."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """The training loop: data, batch sizes, steps, clipping, seeding."""
+
+    dataset: str = "embedded"
+    """``embedded`` (Python's own documentation, shipped with every Python), a local
+    json/jsonl/parquet/txt file or folder, or a Hugging Face hub name."""
+    dataset_path: str | None = None
+    """Where the dataset's files are, when ``dataset`` is a hub name or format name."""
+    local_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks; -1 means local_batch_size
+    x the data-parallel degree. Larger values accumulate gradients."""
+    seq_len: int = 512
+    """Tokens per sequence."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this (0 turns clipping off)."""
+    steps: int = 30
+    """Optimizer steps to train for."""
+    seed: int = 0
+    """Seed of the weight initialization (equal on every rank)."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower; for bit-for-bit reproducibility checks)."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps, and never in between."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "training",
+            local_batch_size=self.local_batch_size,
+            seq_len=self.seq_len,
+            steps=self.steps,
+            gc_freq=self.gc_freq,
+        )
+        if self.global_batch_size != -1:
+            _positive("training", global_batch_size=self.global_batch_size)
+        if self.max_norm < 0:
+            raise ConfigError(
+                f"training.max_norm={self.max_norm} is not allowed; it must be >= 0 "
+                "(0 turns clipping off)."
+            )
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """Collective-communication timeouts."""
+
+    init_timeout_seconds: int = 300
+    """Timeout of the first collectives (start-up, first step, compilation)."""
+    train_timeout_seconds: int = 100
+    """Timeout of every collective after the first step: a hung rank fails the job after this."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "comm",
+            init_timeout_seconds=self.init_timeout_seconds,
+            train_timeout_seconds=self.train_timeout_seconds,
+        )
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """A titan training run. Every option is ``--section.key value`` on the command line."""
+
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    parallelize: ParallelizeConfig = field(default_factory=ParallelizeConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(
+        default_factory=lambda: LRSchedulerConfig(warmup_steps=5)
+    )
+    checkpoint: CheckpointConfig = field(
+        default_factory=lambda: CheckpointConfig(
+            enable=True, interval=10, last_save_model_only=False
+        )
+    )
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The merged config as TOML-ready values (what ``titan-train config --print`` shows)."""
+        return to_dict(self)
+
+
+TORCHTITAN_KEYS: Mapping[str, str] = {
+    "activation_checkpoint.mode": "parallelize.activation_checkpoint.mode",
+    "activation_checkpoint.selective_ac_option": (
+        "parallelize.activation_checkpoint.selective_option"
+    ),
+    "compile.enable": "parallelize.compile",
+    "compile.backend": "parallelize.compile_backend",
+    "parallelism.fsdp_reshard_after_forward": "parallelize.reshard_after_forward",
+    "parallelism.disable_loss_parallel": "!parallelize.loss_parallel",
+    "parallelism.pipeline_parallel_schedule": "pipeline.schedule",
+    "parallelism.pipeline_parallel_schedule_csv": "pipeline.schedule_csv",
+    "parallelism.pipeline_parallel_microbatch_size": "pipeline.microbatch_size",
+    "parallelism.pipeline_parallel_layers_per_stage": "pipeline.layers_per_stage",
+    "parallelism.pipeline_parallel_split_points": "pipeline.split_points",
+    "training.mixed_precision_param": "parallelize.param_dtype",
+    "training.mixed_precision_reduce": "parallelize.reduce_dtype",
+    "model.hf_assets_path": "model.tokenizer_path",
+}
+"""torchtitan TOML key -> where it lives here (``!`` negates a boolean). Applied when a TOML
+file is read, so torchtitan configs load with few edits."""
+
+
+def translate_torchtitan(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Move torchtitan-only keys of a TOML dict to their titan places (see TORCHTITAN_KEYS)."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+    for old, new in TORCHTITAN_KEYS.items():
+        section, key = old.split(".", 1)
+        if not isinstance(out.get(section), dict) or key not in out[section]:
+            continue
+        value = out[section].pop(key)
+        if not out[section] and section in ("activation_checkpoint", "compile"):
+            del out[section]
+        negate = new.startswith("!")
+        path = new.lstrip("!").split(".")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = (not value) if negate and isinstance(value, bool) else value
+    return out
+
+
+def parse_job_config(argv: Sequence[str] | None = None, *, prog: str = "titan-train") -> JobConfig:
+    """The ``JobConfig`` of a command line (TOML file, then ``--section.key`` overrides)."""
+    return load_config(
+        JobConfig,
+        argv,
+        prog=prog,
+        description=JobConfig.__doc__,
+        translate=translate_torchtitan,
+    )

@@ -1,0 +1,203 @@
+"""Load a config dataclass tree from defaults, TOML files and the command line.
+
+Precedence: ``--section.key value`` on the command line > the TOML file (which may name a
+base file it extends, recursively) > the dataclasses' defaults. TOML is checked strictly
+against the dataclasses before anything runs: an unknown section or key, a value of the
+wrong type, or a value a section's own validation refuses is one ``ConfigError`` naming the
+file, the section, the key, the value and what is allowed. The command line goes through
+``tyro``, which gives ``--help`` with every option and its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["ConfigError", "load_config", "read_toml", "to_dict"]
+
+T = TypeVar("T")
+EXTENDS_KEY = "extends"
+"""A top-level TOML key naming a base file (relative to this one) whose values this file
+overrides."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with where it came from and how to fix it."""
+
+
+def read_toml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a TOML file, merged over the base files it ``extends``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {str(path)!r} does not exist (or is not a file).")
+    resolved = path.resolve()
+    if resolved in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, resolved))
+        raise ConfigError(f"Config files extend each other in a loop: {chain}.")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}.") from None
+    base = data.pop(EXTENDS_KEY, None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: '{EXTENDS_KEY}' must be a file name, got {base!r}.")
+    merged = read_toml(resolved.parent / base, _seen=(*_seen, resolved))
+    return _deep_merge(merged, data)
+
+
+def load_config(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    config_file_flag: str = "--job.config_file",
+    prog: str | None = None,
+    description: str | None = None,
+    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> T:
+    """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named by
+    ``config_file_flag`` in ``argv`` (passed through ``translate`` first, e.g. to move keys
+    of another tool's spelling), and the other ``--section.key value`` arguments.
+
+    Raises ``ConfigError`` for bad TOML content; ``tyro`` exits with status 2 (after one
+    message) for bad command-line arguments, and prints ``--help``.
+    """
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_file = _find_flag(argv, config_file_flag)
+    values = read_toml(config_file) if config_file else {}
+    if translate is not None:
+        values = translate(values)
+    default = from_dict(cls, values, source=config_file or "defaults")
+    return tyro.cli(
+        cls,
+        default=default,
+        args=argv,
+        prog=prog,
+        description=description,
+        use_underscores=True,
+    )
+
+
+def from_dict(cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "") -> T:
+    """Instantiate dataclass ``cls`` from nested ``values``, checking every key and type."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        where = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(_unknown_key_message(source, prefix, key, sorted(known)))
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: [{where}] must be a table of keys, got {value!r}.")
+            kwargs[key] = from_dict(hint, value, source=source, prefix=f"{where}.")
+        else:
+            kwargs[key] = _check_type(value, hint, source=source, where=where)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A config dataclass tree as plain TOML-ready values (``None`` entries dropped)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif isinstance(value, list | tuple):
+            out[f.name] = [to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
+        elif value is not None:
+            out[f.name] = value
+    return out
+
+
+def _check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, option, source=source, where=where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0])
+    if origin is typing.Literal:
+        if value not in args:
+            allowed = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{source}: {where} = {value!r} is not one of {allowed}.")
+        return value
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {where} must be a list, got {value!r}.")
+        item = args[0] if args else Any
+        checked = [
+            _check_type(v, item, source=source, where=f"{where}[{i}]") for i, v in enumerate(value)
+        ]
+        return tuple(checked) if origin is tuple or hint is tuple else checked
+    if hint is Any:
+        return value
+    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+        return from_dict(hint, value, source=source, prefix=f"{where}.")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{source}: {where} must be true or false, got {value!r}.")
+    if hint in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{source}: {where} must be a number, got {value!r}.")
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise ConfigError(
+            f"{source}: {where} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})."
+        )
+    return value
+
+
+def _type_name(hint: type) -> str:
+    return {int: "a whole number", float: "a number", str: "a string"}.get(hint, hint.__name__)
+
+
+def _unknown_key_message(source: str, prefix: str, key: str, known: list[str]) -> str:
+    what = "section" if not prefix else "key"
+    where = f"{prefix}{key}"
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" Did you mean {prefix}{close[0]}?" if close else ""
+    scope = f"[{prefix.rstrip('.')}]" if prefix else "the file"
+    return f"{source}: unknown {what} {where!r}.{hint} Allowed in {scope}: {', '.join(known)}."
+
+
+def _find_flag(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), left in place so
+    that the command line still shows it (tyro accepts it as an ordinary field)."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{flag} needs a file name.")
+            return argv[i + 1]
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,152 @@
+"""Document sources: the embedded corpus, local files and hub datasets, read as text in a
+fixed order that can restart at any document index.
+
+Every source streams (``datasets`` with ``streaming=True``): nothing is copied into a cache,
+and a hub dataset starts without downloading all of it. Restarting at document ``i`` skips
+``i`` rows without tokenizing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from titan_train.data.config import DataConfig, DataError
+from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
+
+__all__ = ["DocumentSource", "open_documents"]
+
+logger = logging.getLogger(__name__)
+
+_FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".csv": "csv",
+}
+_COMPRESSED = {".gz", ".bz2", ".xz", ".zst"}
+_HUB_ALIASES = {"c4": ("allenai/c4", "en"), "c4_test": ("allenai/c4", "en")}
+
+
+class DocumentSource(Protocol):
+    """Documents in a fixed order."""
+
+    name: str
+
+    def iter_from(self, index: int) -> Iterator[str]:
+        """The documents from ``index`` (0-based) on; none if ``index`` is past the end."""
+        ...
+
+
+class _ListSource:
+    def __init__(self, name: str, documents: list[str]) -> None:
+        self.name = name
+        self.documents = documents
+
+    def iter_from(self, index: int) -> Iterator[str]:
+        return iter(self.documents[index:])
+
+
+class _HFSource:
+    """A streaming ``datasets.IterableDataset``; ``text_column`` checked on the first row."""
+
+    def __init__(self, name: str, dataset: Any, text_column: str) -> None:
+        self.name = name
+        self.dataset = dataset
+        self.text_column = text_column
+
+    def iter_from(self, index: int) -> Iterator[str]:
+        rows = self.dataset.skip(index) if index else self.dataset
+        for row in rows:
+            try:
+                text = row[self.text_column]
+            except KeyError:
+                raise DataError(
+                    f"dataset {self.name!r} has no column {self.text_column!r}; its columns are "
+                    f"{sorted(row)}. Set training.text_column to one of them."
+                ) from None
+            yield text if isinstance(text, str) else str(text)
+
+
+def _format_of(path: Path) -> str | None:
+    """The builder for a data file by its extension (``.json.gz`` counts as ``.json``)."""
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in _COMPRESSED:
+        suffixes = suffixes[:-1]
+    return _FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+def _local_files(path: Path, fmt: str | None) -> tuple[str, list[str]]:
+    """The ``datasets`` builder name and the sorted data files of a local file or folder."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    found = {_format_of(p) for p in files} - {None}
+    if fmt is None:
+        if len(found) != 1:
+            kinds = ", ".join(sorted(_FORMATS))
+            what = "files of several formats" if found else f"no {kinds} files"
+            raise DataError(f"{os.fspath(path)!r} holds {what}; give one format ({kinds}).")
+        fmt = found.pop()
+    chosen = [os.fspath(p) for p in files if _format_of(p) == fmt or path.is_file()]
+    if not chosen:
+        raise DataError(f"{os.fspath(path)!r} holds no {fmt} files.")
+    return fmt, chosen
+
+
+def _load_streaming(builder: str, **kwargs: Any) -> Any:
+    import datasets
+
+    return datasets.load_dataset(builder, split="train", streaming=True, **kwargs)
+
+
+def open_documents(config: DataConfig) -> DocumentSource:
+    """The document source ``config.dataset`` / ``config.dataset_path`` name."""
+    name, path = config.dataset, config.dataset_path
+    if name == EMBEDDED_DATASET and not path:
+        return _ListSource(EMBEDDED_DATASET, embedded_documents())
+
+    fmt = name if name in set(_FORMATS.values()) else None
+    hub_name, subset = _HUB_ALIASES.get(name, (name, None))
+    target = path or name
+    local = Path(target).expanduser()
+    if path and fmt is None and name != EMBEDDED_DATASET and local.is_dir():
+        # A local copy of a hub dataset's repository: datasets reads its layout and configs.
+        try:
+            dataset = _load_streaming(os.fspath(local), name=subset)
+        except Exception as e:
+            raise DataError(f"cannot read {path!r} as a copy of {hub_name!r}: {e}") from e
+        return _HFSource(path, dataset, config.text_column)
+    if local.exists():
+        builder, files = _local_files(local, fmt)
+        kwargs: dict[str, Any] = {"data_files": files}
+        if builder == "text":
+            kwargs["sample_by"] = "paragraph"  # a blank line ends a document
+        try:
+            dataset = _load_streaming(builder, **kwargs)
+        except Exception as e:  # datasets raises many kinds; the message is what matters
+            raise DataError(f"cannot read {target!r} as {builder}: {e}") from e
+        return _HFSource(target, dataset, "text" if builder == "text" else config.text_column)
+    if path or fmt is not None or _format_of(local) or target.startswith((".", "/", "~")):
+        raise DataError(
+            f"training.dataset_path={target!r} does not exist; give an existing file or "
+            "folder, or training.dataset='embedded' for the built-in corpus."
+            if path
+            else f"training.dataset={target!r}: no such file or folder."
+        )
+
+    logger.info("loading %r from the Hugging Face hub (streaming)", hub_name)
+    try:
+        dataset = _load_streaming(hub_name, name=subset)
+    except Exception as e:
+        raise DataError(
+            f"training.dataset={target!r} is not a local file or folder, and loading "
+            f"{hub_name!r} from the Hugging Face hub failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Without a network use "
+            "training.dataset='embedded' or a local json/jsonl/parquet/txt file."
+        ) from e
+    return _HFSource(hub_name, dataset, config.text_column)

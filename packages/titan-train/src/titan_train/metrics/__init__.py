@@ -1,0 +1,23 @@
+"""Metrics: a console line, TensorBoard scalars, a JSONL file and optional Weights & Biases
+every ``log_freq`` steps, with throughput, TFLOPs and MFU against a device's peak FLOP/s
+(a table for GPUs, a short matmul probe on CPU)."""
+
+from titan_train.metrics.config import MetricsConfig, MetricsError
+from titan_train.metrics.flops import (
+    GPU_PEAK_BF16_FLOPS,
+    gpu_peak_flops,
+    measure_cpu_matmul_flops,
+    peak_flops,
+)
+from titan_train.metrics.logger import MetricsLogger, memory_gib
+
+__all__ = [
+    "GPU_PEAK_BF16_FLOPS",
+    "MetricsConfig",
+    "MetricsError",
+    "MetricsLogger",
+    "gpu_peak_flops",
+    "measure_cpu_matmul_flops",
+    "memory_gib",
+    "peak_flops",
+]

@@ -1,0 +1,235 @@
+"""``MetricsLogger``: the training run's numbers, every ``log_freq`` steps, to the console,
+TensorBoard, a JSONL file and (optionally) Weights & Biases.
+
+Throughput, MFU and the data-loading share are averaged over the steps since the last
+report, so one slow step (a checkpoint save, a compile) shows up once and then washes out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from titan_train.metrics.config import MetricsConfig, MetricsError
+from titan_train.metrics.flops import peak_flops
+
+__all__ = ["MetricsLogger", "memory_gib"]
+
+logger = logging.getLogger(__name__)
+
+_COLORS = {"step": "\033[36m", "loss": "\033[32m", "tps": "\033[34m", "mfu": "\033[35m"}
+_RESET = "\033[0m"
+_COLOR_TERMINAL = sys.stderr.isatty()
+"""Whether the console line may use ANSI colors (logging writes to stderr)."""
+
+
+def memory_gib(device: torch.device | str | None = None) -> tuple[float, str]:
+    """(GiB, what was measured): peak reserved memory of a CUDA device since the last call,
+    else this process's resident set size."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        used = torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return used / 2**30, "reserved"
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "RSS"
+    except (OSError, ValueError, IndexError):  # not Linux: peak RSS in KiB (bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**30 if os.uname().sysname == "Darwin" else 2**20), "peak RSS"
+
+
+class MetricsLogger:
+    """Reports a training run's metrics every ``config.log_freq`` steps.
+
+    Args:
+        config: what to report and where.
+        dump_folder: the job's output folder; TensorBoard and JSONL files go under it.
+        rank: this process's global rank; only rank 0 writes files unless
+            ``config.save_for_all_ranks``. Every rank logs the console line (at INFO).
+        flops_per_token: training FLOPs per token of the model (forward + backward); 0
+            leaves TFLOPs and MFU out.
+        device: the training device, for memory and the peak FLOP/s of MFU.
+        total_steps: steps of the whole run, for the ETA.
+    """
+
+    def __init__(
+        self,
+        config: MetricsConfig | None = None,
+        *,
+        dump_folder: str | os.PathLike[str] = ".",
+        rank: int = 0,
+        flops_per_token: float = 0.0,
+        device: torch.device | str | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        self.config = config if config is not None else MetricsConfig()
+        self.rank = rank
+        self.flops_per_token = flops_per_token
+        self.device = torch.device(device if device is not None else "cpu")
+        self.total_steps = total_steps
+        self.peak_flops = None
+        if flops_per_token > 0:
+            self.peak_flops = self.config.peak_flops or peak_flops(self.device)
+        self._window = {"steps": 0, "tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
+        writes = rank == 0 or self.config.save_for_all_ranks
+        suffix = "" if rank == 0 else f"_rank{rank}"
+        self._tensorboard = None
+        self._jsonl = None
+        self._wandb = None
+        if writes and self.config.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            folder = os.path.join(dump_folder, self.config.save_tb_folder)
+            if self.config.save_for_all_ranks:
+                folder = os.path.join(folder, f"rank_{rank}")
+            self._tensorboard = SummaryWriter(log_dir=folder)
+        if writes and self.config.enable_jsonl:
+            root, ext = os.path.splitext(self.config.save_jsonl_file)
+            path = os.path.join(dump_folder, root + suffix + ext)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        if writes and self.config.enable_wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise MetricsError(
+                    "metrics.enable_wandb=True needs the wandb package: "
+                    "pip install 'titan-train[wandb]', or set metrics.enable_wandb=false."
+                ) from e
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "titan"),
+                dir=os.fspath(dump_folder),
+                name=f"rank{rank}" if self.config.save_for_all_ranks else None,
+            )
+
+    def should_log(self, step: int) -> bool:
+        """Whether ``step`` is a reporting step: the first, every ``log_freq``-th, the last."""
+        return step == 1 or step % self.config.log_freq == 0 or step == self.total_steps
+
+    def log(
+        self,
+        *,
+        step: int,
+        loss: float,
+        tokens: int,
+        step_seconds: float,
+        data_seconds: float = 0.0,
+        grad_norm: float | None = None,
+        lr: float | None = None,
+        extra: Mapping[str, float] | None = None,
+    ) -> dict[str, Any] | None:
+        """Account one optimizer step; on reporting steps write everywhere and return the
+        record (else ``None``).
+
+        Args:
+            step: the step just finished (1-based).
+            loss: its loss (averaged over data-parallel ranks if the caller did so).
+            tokens: tokens this rank processed in the step (all micro-batches).
+            step_seconds: wall time of the whole step, data loading included.
+            data_seconds: the part of it spent waiting for batches.
+            grad_norm: total gradient norm before clipping, if computed.
+            lr: learning rate of the step.
+            extra: more scalars to record (e.g. ``{"validation/loss": 2.3}``).
+        """
+        window = self._window
+        window["steps"] += 1
+        window["tokens"] += tokens
+        window["seconds"] += step_seconds
+        window["data_seconds"] += data_seconds
+        if not self.should_log(step):
+            return None
+
+        seconds = max(window["seconds"], 1e-12)
+        tps = window["tokens"] / seconds
+        memory, memory_kind = memory_gib(self.device)
+        record: dict[str, Any] = {"step": step, "loss": float(loss)}
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        if lr is not None:
+            record["lr"] = float(lr)
+        record["tps"] = tps
+        if self.flops_per_token > 0:
+            record["tflops"] = self.flops_per_token * tps / 1e12
+            if self.peak_flops:
+                record["mfu_pct"] = 100 * self.flops_per_token * tps / self.peak_flops
+        record["memory_gib"] = memory
+        record["data_pct"] = 100 * window["data_seconds"] / seconds
+        record["step_s"] = seconds / window["steps"]
+        if self.total_steps is not None:
+            record["eta_s"] = max(self.total_steps - step, 0) * record["step_s"]
+        record.update({k: float(v) for k, v in (extra or {}).items()})
+        self._window = {"steps": 0, "tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
+
+        logger.info("%s", self._console_line(record, memory_kind))
+        self._write(step, record)
+        return record
+
+    def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Write scalars outside the training step (e.g. validation) to every backend."""
+        values = {k: float(v) for k, v in values.items()}
+        logger.info("step %d  %s", step, "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        self._write(step, {"step": step, **values})
+
+    def _write(self, step: int, record: Mapping[str, Any]) -> None:
+        scalars = {k: v for k, v in record.items() if k != "step"}
+        if self._tensorboard is not None:
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def _console_line(self, r: Mapping[str, Any], memory_kind: str) -> str:
+        def paint(key: str, text: str) -> str:
+            # Colors only on a terminal: piped logs and CI output stay plain text.
+            if self.config.disable_color_printing or key not in _COLORS or not _COLOR_TERMINAL:
+                return text
+            return f"{_COLORS[key]}{text}{_RESET}"
+
+        parts = [paint("step", f"step {r['step']:>5}"), paint("loss", f"loss {r['loss']:8.4f}")]
+        if "grad_norm" in r:
+            parts.append(f"grad_norm {r['grad_norm']:7.4f}")
+        if "lr" in r:
+            parts.append(f"lr {r['lr']:.2e}")
+        parts.append(paint("tps", f"tps {r['tps']:,.0f}"))
+        if "tflops" in r:
+            parts.append(f"tflops {r['tflops']:.3g}")
+        if "mfu_pct" in r:
+            parts.append(paint("mfu", f"mfu {r['mfu_pct']:.1f}%"))
+        parts.append(f"memory {r['memory_gib']:.2f}GiB ({memory_kind})")
+        parts.append(f"data {r['data_pct']:.1f}%")
+        if "eta_s" in r:
+            parts.append(f"eta {timedelta(seconds=round(r['eta_s']))}")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        """Flush and close every backend; safe to call twice."""
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,36 @@
+"""Tokenizers: tiktoken BPE files (Llama 3 format), Hugging Face ``tokenizer.json``, and a
+small BPE trainer whose output titan-train ships as its default 2,048-token tokenizer.
+
+``load_tokenizer(path)`` picks the right class; ``load_tokenizer()`` is the shipped one.
+"""
+
+from titan_train.tokenizer.base import Tokenizer, TokenizerError
+from titan_train.tokenizer.bpe_trainer import train_bpe
+from titan_train.tokenizer.hf import HuggingFaceTokenizer
+from titan_train.tokenizer.load import (
+    DEFAULT_NUM_SPECIAL_TOKENS,
+    default_tokenizer_path,
+    load_tokenizer,
+)
+from titan_train.tokenizer.tiktoken_bpe import (
+    LLAMA3_PATTERN,
+    TiktokenTokenizer,
+    llama3_special_tokens,
+    read_tiktoken_bpe,
+    write_tiktoken_bpe,
+)
+
+__all__ = [
+    "DEFAULT_NUM_SPECIAL_TOKENS",
+    "LLAMA3_PATTERN",
+    "HuggingFaceTokenizer",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "TokenizerError",
+    "default_tokenizer_path",
+    "llama3_special_tokens",
+    "load_tokenizer",
+    "read_tiktoken_bpe",
+    "train_bpe",
+    "write_tiktoken_bpe",
+]

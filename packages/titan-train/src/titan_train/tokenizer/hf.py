@@ -1,0 +1,94 @@
+"""A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library.
+
+BOS and EOS come from a ``tokenizer_config.json`` beside the file when there is one (its
+``bos_token`` / ``eos_token``), else from the first known name the vocabulary contains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from titan_train.tokenizer.base import TokenizerError
+
+__all__ = ["HuggingFaceTokenizer"]
+
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]", "<|endoftext|>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
+
+
+def _config_token(config: dict, key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older files
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HuggingFaceTokenizer:
+    """A ``tokenizer.json`` file; ``encode`` adds no special tokens besides the BOS/EOS asked.
+
+    Args:
+        path: the ``tokenizer.json`` file.
+        bos_token: name of the beginning-of-text token; default from ``tokenizer_config.json``
+            or a known name (``<|begin_of_text|>``, ``<s>``, ...).
+        eos_token: name of the end-of-text token; found the same way.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._tokenizer = _HFTokenizer.from_file(self.path)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise TokenizerError(f"cannot read {self.path!r} as a tokenizer.json: {e}") from e
+        config: dict = {}
+        config_path = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        self._bos_id = self._find(bos_token or _config_token(config, "bos_token"), _BOS_NAMES)
+        self._eos_id = self._find(eos_token or _config_token(config, "eos_token"), _EOS_NAMES)
+
+    def _find(self, name: str | None, fallbacks: tuple[str, ...]) -> int:
+        for candidate in (name,) if name else fallbacks:
+            token_id = self._tokenizer.token_to_id(candidate)
+            if token_id is not None:
+                return token_id
+        wanted = repr(name) if name else f"any of {', '.join(fallbacks)}"
+        raise TokenizerError(
+            f"{self.path} has no token {wanted}; pass bos_token/eos_token names it has."
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int:
+        """Id of the beginning-of-text token."""
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        """Id of the end-of-text token."""
+        return self._eos_id
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Ids of ``text`` without the file's post-processor; then BOS/EOS if asked."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self._bos_id] if bos else []) + ids + ([self._eos_id] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``, special tokens kept."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HuggingFaceTokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -1,0 +1,122 @@
+"""The titan-train command: subcommands, and 40+ bad configurations that must each end with
+one clear message and exit status 2 before anything is written."""
+
+import tomllib
+
+import pytest
+import torch.distributed as dist
+
+from titan_train.cli import main
+
+# (arguments, text the one error message must contain)
+BAD_COMMAND_LINES = [
+    (["--training.steps", "abc"], "--training.steps"),
+    (["--training.steps", "0"], "training.steps=0 is not allowed"),
+    (["--training.local_batch_size", "-1"], "training.local_batch_size=-1"),
+    (["--training.seq_len", "0"], "training.seq_len=0"),
+    (["--training.max_norm", "-1"], "training.max_norm=-1.0"),
+    (["--training.global_batch_size", "0"], "training.global_batch_size=0"),
+    (["--training.gc_freq", "0"], "training.gc_freq=0"),
+    (["--optimizer.name", "Adamw"], "optimizer.name"),
+    (["--optimizer.lr", "-1"], "optimizer.lr"),
+    (["--optimizer.betas", "1.5", "0.9"], "optimizer.betas"),
+    (["--optimizer.implementation", "turbo"], "optimizer.implementation"),
+    (["--optimizer.eps", "-1"], "optimizer.eps"),
+    (["--lr_scheduler.decay_type", "exp"], "decay_type"),
+    (["--lr_scheduler.warmup_steps", "-1"], "warmup_steps"),
+    (["--lr_scheduler.min_lr_factor", "2"], "min_lr_factor"),
+    (["--checkpoint.async_mode", "sometimes"], "--checkpoint.async_mode"),
+    (["--checkpoint.keep_latest_k", "1"], "keep_latest_k"),
+    (["--checkpoint.interval", "0"], "interval"),
+    (["--checkpoint.exclude_from_loading", "model"], "exclude_from_loading"),
+    (["--checkpoint.export_dtype", "int8"], "--checkpoint.export_dtype"),
+    (["--parallelism.tensor_parallel_degree", "0"], "parallelism.tensor_parallel_degree=0"),
+    (["--parallelism.data_parallel_shard_degree", "-3"], "data_parallel_shard_degree=-3"),
+    (["--parallelize.param_dtype", "float8"], "param_dtype"),
+    (["--parallelize.activation_checkpoint.mode", "partial"], "activation_checkpoint.mode"),
+    (["--parallelize.activation_checkpoint.selective_option", "x"], "selective_option"),
+    (["--parallelize.reshard_after_forward", "sometimes"], "reshard_after_forward"),
+    (["--pipeline.schedule", "Fancy"], "pipeline.schedule"),
+    (["--pipeline.microbatch_size", "0"], "pipeline.microbatch_size"),
+    (["--metrics.log_freq", "0"], "log_freq"),
+    (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds=0"),
+    (["--comm.train_timeout_seconds", "-5"], "comm.train_timeout_seconds=-5"),
+    (["--no.such.option", "1"], "--no.such.option"),
+    (["--nproc-per-node", "zero"], "--nproc-per-node needs a whole number"),
+    (["--job.config_file"], "--job.config_file needs a file name"),
+    # Refused once the layout, model and data are known, still before any work:
+    (["--parallelism.tensor_parallel_degree", "2"], "does not divide world_size(1)"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "does not divide world_size(1)"),
+    (["--training.global_batch_size", "12"], "must be a multiple of local_batch_size"),
+    (["--model.name", "gpt5"], "model.name='gpt5' is not a registered model"),
+    (["--model.flavor", "13B"], "model.flavor='13B' is not a flavor of llama3"),
+    (["--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
+    (["--training.dataset", "/no/such/data.jsonl"], "/no/such/data.jsonl"),
+    (["--training.seq_len", "101"], "seq_len=101 must be divisible by 2"),
+]
+
+BAD_FILES = [
+    ("[trainng]\nsteps = 3\n", "unknown section 'trainng'"),
+    ("[training]\nstepz = 3\n", "unknown key 'training.stepz'"),
+    ("[training]\nsteps = 'ten'\n", "training.steps must be a whole number"),
+    ("[training\n", "is not valid TOML"),
+    ('extends = "missing.toml"\n', "does not exist"),
+]
+
+
+def _run(args, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["train", "--job.dump_folder", str(out), *args])
+    err = capsys.readouterr().err
+    return code, err, out
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_COMMAND_LINES, ids=lambda v: str(v)[:40])
+def test_bad_command_line_exits_2(args, message, tmp_path, capsys):
+    try:
+        code, err, out = _run(args, tmp_path, capsys)
+    except SystemExit as exit_info:  # tyro's own parse errors
+        code, err, out = exit_info.code, capsys.readouterr().err, tmp_path / "out"
+    assert code == 2
+    assert message in err
+    assert not out.exists(), "a refused configuration must write nothing"
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("toml", "message"), BAD_FILES, ids=lambda v: str(v)[:30])
+def test_bad_config_file_exits_2(toml, message, tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    code, err, out = _run(["--job.config_file", str(path)], tmp_path, capsys)
+    assert code == 2
+    assert err.startswith("titan-train: error: ")
+    assert message in err
+    assert not out.exists()
+
+
+def test_at_least_forty_bad_configurations_are_covered():
+    assert len(BAD_COMMAND_LINES) + len(BAD_FILES) >= 40
+
+
+def test_config_prints_the_merged_config_as_toml(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text("[training]\nsteps = 7\n")
+    assert main(["config", "--print", "--job.config_file", str(path), "--optimizer.lr", "0.5"]) == 0
+    merged = tomllib.loads(capsys.readouterr().out)
+    assert merged["training"]["steps"] == 7
+    assert merged["optimizer"]["lr"] == 0.5
+    assert merged["model"] == {"name": "llama3", "flavor": "debugmodel"}
+
+
+def test_list_models(capsys):
+    assert main(["list-models"]) == 0
+    assert capsys.readouterr().out.startswith("llama3: debugmodel, ")
+
+
+def test_help(capsys):
+    assert main(["--help"]) == 0
+    assert "titan-train --nproc-per-node 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    assert "--training.local_batch_size" in capsys.readouterr().out

@@ -1,0 +1,133 @@
+"""JobConfig loading: defaults, TOML (with extends and torchtitan keys), CLI overrides, and
+one clear error for each kind of bad input."""
+
+import tomllib
+
+import pytest
+
+from titan_train.config import JobConfig, parse_job_config, translate_torchtitan
+from titan_train.config_loader import ConfigError, read_toml
+from titan_train.toml_writer import dumps
+
+
+def test_defaults_train_the_debug_model_on_embedded_data():
+    config = parse_job_config([])
+    assert (config.model.name, config.model.flavor) == ("llama3", "debugmodel")
+    assert config.training.dataset == "embedded"
+    assert config.parallelism.data_parallel_shard_degree == -1
+    assert config.checkpoint.enable
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text("[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 0.01\n")
+    child = tmp_path / "child.toml"
+    child.write_text('extends = "base.toml"\n[training]\nsteps = 9\n')
+    config = parse_job_config(
+        [
+            "--job.config_file",
+            str(child),
+            "--optimizer.lr",
+            "0.5",
+            "--training.local_batch_size",
+            "3",
+        ]
+    )
+    assert config.training.steps == 9  # child over base
+    assert config.training.seq_len == 128  # from base
+    assert config.optimizer.lr == 0.5  # CLI over file
+    assert config.training.local_batch_size == 3
+    assert config.job.config_file == str(child)
+
+
+def test_torchtitan_keys_are_translated(tmp_path):
+    path = tmp_path / "tt.toml"
+    path.write_text(
+        "[activation_checkpoint]\nmode = 'full'\n[compile]\nenable = true\n"
+        "[parallelism]\ntensor_parallel_degree = 2\ndisable_loss_parallel = true\n"
+        "pipeline_parallel_schedule = 'GPipe'\n"
+    )
+    config = parse_job_config(["--job.config_file", str(path)])
+    assert config.parallelize.activation_checkpoint.mode == "full"
+    assert config.parallelize.compile is True
+    assert config.parallelize.loss_parallel is False
+    assert config.pipeline.schedule == "GPipe"
+    assert config.parallelism.tensor_parallel_degree == 2
+
+
+def test_translation_leaves_titan_keys_alone():
+    values = {"training": {"steps": 3}, "parallelism": {"tensor_parallel_degree": 2}}
+    assert translate_torchtitan(values) == values
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[trainng]\nsteps = 3\n", "unknown section 'trainng'. Did you mean training?"),
+        ("[training]\nstepz = 3\n", "unknown key 'training.stepz'. Did you mean training.steps?"),
+        ("[training]\nsteps = 'ten'\n", "training.steps must be a whole number, got 'ten'"),
+        ("[training]\nsteps = 0\n", "training.steps=0 is not allowed; it must be > 0"),
+        ("[training]\ndeterministic = 1\n", "training.deterministic must be true or false"),
+        ("training = 3\n", "[training] must be a table of keys"),
+        (
+            "[checkpoint]\nasync_mode = 'sometimes'\n",
+            "checkpoint.async_mode = 'sometimes' is not one of",
+        ),
+        ("[parallelism]\ntensor_parallel_degree = 0\n", "parallelism.tensor_parallel_degree=0"),
+        ("[optimizer]\nname = 'Adamw'\n", "optimizer.name"),
+        ("[training\n", "is not valid TOML"),
+    ],
+)
+def test_bad_toml_is_one_clear_error(tmp_path, toml, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as error:
+        parse_job_config(["--job.config_file", str(path)])
+    assert message in str(error.value)
+    assert str(path) in str(error.value)
+
+
+def test_extends_loop_and_missing_files(tmp_path):
+    (tmp_path / "a.toml").write_text('extends = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match="extend each other in a loop"):
+        read_toml(tmp_path / "a.toml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_toml(tmp_path / "missing.toml")
+
+
+def test_bad_cli_values_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job_config(["--training.steps", "many"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job_config(["--training.local_batch_size", "-4"])
+    assert exit_info.value.code == 2
+    assert "training.local_batch_size=-4 is not allowed" in capsys.readouterr().err
+
+
+def test_merged_config_round_trips_through_toml(tmp_path):
+    config = parse_job_config(["--training.steps", "11", "--optimizer.betas", "0.8", "0.99"])
+    text = dumps(config.to_dict())
+    path = tmp_path / "merged.toml"
+    path.write_text(text)
+    again = parse_job_config(["--job.config_file", str(path)])
+    again.job.config_file = None
+    assert again == config
+    assert tomllib.loads(text)["training"]["steps"] == 11
+
+
+def test_help_lists_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job_config(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--training.steps",
+        "--optimizer.lr",
+        "--checkpoint.interval",
+        "--parallelism.tensor_parallel_degree",
+        "--metrics.log_freq",
+    ):
+        assert option in out
+    assert isinstance(JobConfig(), JobConfig)
