@@ -68,3 +68,46 @@ def torchrun():
 def results():
     """``read_results`` as a fixture."""
     return read_results
+
+
+@pytest.fixture(scope="session")
+def saved_folder(tmp_path_factory, common) -> Path:
+    """A checkpoint folder written by ``CheckpointManager`` in one process: step-1 and step-2
+    (model, AdamW state, train state), plus an uncommitted step-3 as a crash would leave."""
+    import torch
+
+    from titan_ckpt import CheckpointConfig, CheckpointManager, OptimizerState
+
+    folder = tmp_path_factory.mktemp("cli") / "ckpt"
+    model = common.make_model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_state = common.TrainState()
+    manager = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(folder), interval=1, keep_latest_k=0,
+                         last_save_model_only=False),
+        model_parts=[model],
+        states={"optimizer": OptimizerState(model, opt), "train_state": train_state},
+    )  # fmt: skip
+    for step in (1, 2):
+        common.train_steps(model, opt, range(step, step + 1), rank=0)
+        train_state.step = step
+        manager.save(step)
+    manager.close()
+    (folder / "step-3").mkdir()
+    return folder
+
+
+@pytest.fixture
+def titan_ckpt(capsys):
+    """Run ``titan-ckpt ARGS...`` in this process; returns (exit status, stdout, stderr)."""
+    from titan_ckpt.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse's own usage errors and --help
+            code = int(exit_.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -1,0 +1,222 @@
+"""The ``titan-ckpt`` command: inspect, verify, diff and convert checkpoints.
+
+    titan-ckpt inspect outputs/checkpoint              # every step: committed?, size, age
+    titan-ckpt inspect outputs/checkpoint/step-1000 --json
+    titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged
+    titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
+    titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
+
+Works on DCP step directories (ours, with a commit marker, or torchtitan's plain ones),
+safetensors files and folders (Hugging Face included) and torch.save files. Bad usage prints
+one ``titan-ckpt: error: ...`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from titan_ckpt.__about__ import __version__
+
+__all__ = ["main"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"titan-ckpt: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="titan-ckpt",
+        description="Inspect, verify, diff and convert checkpoints (DCP, safetensors, HF, "
+        "torch.save).",
+    )
+    parser.add_argument("--version", action="version", version=f"titan-ckpt {__version__}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="list steps, or every key's shape, dtype, bytes and sharding",
+        description="For a checkpoint folder: its steps, committed or not, size and age. For "
+        "a DCP step, safetensors file or folder, or torch.save file: every key's shape, dtype "
+        "and bytes (DCP: shards and ranks), grouped by top-level state with totals, reading "
+        "metadata only unless --stats.",
+    )
+    inspect.add_argument("path", help="checkpoint folder, step directory or file")
+    inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+    inspect.add_argument(
+        "--stats", action="store_true", help="load tensors: min, max, mean, std, NaN/Inf counts"
+    )
+
+    verify = commands.add_parser(
+        "verify",
+        help="check the commit marker, manifest, shard coverage and readability",
+        description="Exit 0 if intact, 1 if damaged (naming files and keys), 2 on bad usage. "
+        "A DCP step without a titan commit marker (e.g. torchtitan's) gets every check but the "
+        "manifest's sizes and checksums.",
+    )
+    verify.add_argument("path", help="step directory, checkpoint folder or file")
+    verify.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    diff = commands.add_parser(
+        "diff",
+        help="compare two checkpoints key by key (any formats)",
+        description="Keys only on one side, shape/dtype changes and per-tensor max abs and "
+        "relative differences. Exit 0 if equal within |a-b| <= atol + rtol*|b| (default: "
+        "bit-exact), 1 if different.",
+    )
+    diff.add_argument("a", help="first checkpoint")
+    diff.add_argument("b", help="second checkpoint")
+    diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    diff.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    _filters(diff)
+    diff.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    convert = commands.add_parser(
+        "convert",
+        help="convert between DCP, torch.save, safetensors and HF folders",
+        description="Stream SRC into DST in another format. DST is written beside itself "
+        "under a temporary name and renamed at the end; an existing non-empty DST is refused "
+        "unless --overwrite.",
+    )
+    convert.add_argument("src", help="DCP step, safetensors file/folder, HF folder or torch file")
+    convert.add_argument("dst", help="output directory (a file for torch and *.safetensors)")
+    convert.add_argument(
+        "--to", required=True, choices=["dcp", "torch", "safetensors", "hf"], help="output format"
+    )
+    convert.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors")
+    convert.add_argument(
+        "--model-only",
+        action="store_true",
+        help="keep only model keys (drop optimizer, dataloader, ...)",
+    )
+    _filters(convert)
+    convert.add_argument("--model", help="state-dict adapter for HF (e.g. llama3)")
+    convert.add_argument("--flavor", help="model flavor for --to hf (e.g. debugmodel, 8B)")
+    convert.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)",
+    )
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    convert.add_argument("--json", action="store_true", help="print a JSON summary")
+    return parser
+
+
+def _filters(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="only keys matching this glob (repeatable)",
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="drop keys matching this glob (repeatable)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``titan-ckpt``; returns the exit status."""
+    from titan_ckpt.convert import ConvertError
+    from titan_ckpt.sources import CheckpointFormatError, CheckpointReadError
+
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except (CheckpointFormatError, ConvertError, FileNotFoundError, LookupError) as error:
+        print(f"titan-ckpt: error: {error}", file=sys.stderr)
+        return 2
+    except CheckpointReadError as error:
+        print(f"titan-ckpt: error: {error} (run titan-ckpt verify on it)", file=sys.stderr)
+        return 1
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from titan_ckpt.inspection import inspect_path, render
+
+    report = inspect_path(args.path, stats=args.stats)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from titan_ckpt.verify import verify_path
+
+    report = verify_path(args.path)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{'OK' if report['ok'] else 'DAMAGED'}: {args.path}")
+        for problem in report["problems"]:
+            print(f"  damaged: {problem}")
+        for note in report["notes"]:
+            print(f"  note: {note}")
+    return 0 if report["ok"] else 1
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from titan_ckpt.diff import diff_paths, render_diff
+
+    if args.atol < 0 or args.rtol < 0:
+        print("titan-ckpt: error: --atol and --rtol must be >= 0.", file=sys.stderr)
+        return 2
+    report = diff_paths(
+        args.a, args.b, atol=args.atol, rtol=args.rtol, include=args.include, exclude=args.exclude
+    )
+    print(json.dumps(report, indent=2) if args.json else render_diff(report))
+    return 0 if report["equal"] else 1
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from titan_ckpt.convert import ConvertOptions, convert, parse_size
+
+    options = ConvertOptions(
+        to=args.to,
+        dtype=_DTYPES[args.dtype] if args.dtype else None,
+        model_only=args.model_only,
+        include=args.include,
+        exclude=args.exclude,
+        model=args.model,
+        flavor=args.flavor,
+        max_shard_size=parse_size(args.max_shard_size),
+        overwrite=args.overwrite,
+    )
+    summary = convert(args.src, args.dst, options)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(
+            f"wrote {summary['dst']} ({summary['to']}): {summary['keys']} keys, "
+            f"{summary['bytes'] / (1 << 20):.1f} MiB in {summary['seconds']:.2f} s"
+        )
+    return 0
+
+
+_COMMANDS = {"inspect": _inspect, "verify": _verify, "diff": _diff, "convert": _convert}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,547 @@
+"""Reading any checkpoint format entry by entry: DCP, safetensors (file, folder, HF), torch.save.
+
+Every format is seen as a flat mapping of dotted keys to entries: a tensor (key, shape, dtype,
+bytes, and for DCP its shards) or a non-tensor object. ``entries()`` reads metadata only;
+``read(keys)`` loads just those keys, so the commands stream a checkpoint in bounded memory.
+Model tensors sit at the top level by FQN; other states under their names, as DCP lays them out.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import struct
+import warnings
+import zipfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from titan_ckpt.layout import COMMIT_MARKER
+
+__all__ = [
+    "CheckpointFormatError",
+    "CheckpointReadError",
+    "DcpSource",
+    "Entry",
+    "SafetensorsSource",
+    "Source",
+    "TorchSource",
+    "batches",
+    "detect",
+    "group_of",
+    "open_source",
+]
+
+STATE_GROUPS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+DCP_METADATA = ".metadata"
+OBJECT_PREFIX = "titan.object:"  # safetensors __metadata__ key of a non-tensor entry
+_RANK_RE = re.compile(r"^__(\d+)_")
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+# safetensors dtype names <-> torch dtypes (the format's own spelling).
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+class CheckpointFormatError(ValueError):
+    """The path is not a checkpoint this tool reads (a usage error, exit status 2)."""
+
+
+class CheckpointReadError(RuntimeError):
+    """Stored data that cannot be read back (a damaged checkpoint, exit status 1)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def group_of(key: str) -> str:
+    """The top-level state a key belongs to: its first component, or ``model`` for FQNs."""
+    head = key.split(".", 1)[0]
+    return head if head in STATE_GROUPS else "model"
+
+
+@dataclass
+class Entry:
+    """One key of a checkpoint: a tensor (shape and dtype set) or a non-tensor object."""
+
+    key: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    nbytes: int
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    """DCP only: {"offsets", "sizes", "file", "rank"} per stored chunk."""
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape or ():
+            n *= s
+        return n
+
+
+class Source:
+    """A checkpoint opened for reading; subclasses fill ``entries`` and implement ``read``."""
+
+    format = "?"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.entries: dict[str, Entry] = {}
+        self.info: dict[str, Any] = {}
+
+    def read(self, keys: list[str]) -> dict[str, Any]:
+        """Load ``keys``: tensors as CPU tensors of the stored dtype, objects as themselves."""
+        raise NotImplementedError
+
+    def files(self) -> list[str]:
+        """The data files, relative to ``path`` (or ``path`` itself for a single file)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def largest_tensor_bytes(self) -> int:
+        return max((e.nbytes for e in self.entries.values() if e.is_tensor), default=0)
+
+
+def batches(source: Source, keys: Iterable[str], budget: int) -> Iterator[list[str]]:
+    """Groups of keys whose tensors together take at most ``budget`` bytes (or one tensor).
+
+    Reading a group at a time amortizes DCP's per-load planning over many small tensors while
+    holding at most ``budget`` bytes (callers pass about the largest tensor's size).
+    """
+    group: list[str] = []
+    size = 0
+    for key in keys:
+        n = source.entries[key].nbytes
+        if group and size + n > budget:
+            yield group
+            group, size = [], 0
+        group.append(key)
+        size += n
+    if group:
+        yield group
+
+
+# --- DCP -----------------------------------------------------------------------------------
+
+
+class DcpSource(Source):
+    """A torch.distributed.checkpoint directory (ours or torchtitan's): ``.metadata`` + data."""
+
+    format = "dcp"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        meta_path = os.path.join(path, DCP_METADATA)
+        if not os.path.exists(meta_path):
+            raise FileNotFoundError(f"{meta_path} is missing: DCP cannot read this step.")
+        self._reader = FileSystemReader(path)
+        self.metadata = self._reader.read_metadata()
+        # One metadata read for every later load: DCP would re-read and unpickle it per call.
+        self._reader.read_metadata = lambda *a, **k: self.metadata  # type: ignore[method-assign]
+        storage = self.metadata.storage_data or {}
+        by_fqn: dict[str, list[tuple[Any, Any]]] = {}
+        for index, info in storage.items():
+            by_fqn.setdefault(index.fqn, []).append((index, info))
+        for key, md in self.metadata.state_dict_metadata.items():
+            stored = by_fqn.get(key, [])
+            if isinstance(md, TensorStorageMetadata):
+                dtype = md.properties.dtype
+                shape = tuple(md.size)
+                entry = Entry(key, shape, dtype, 0)
+                entry.nbytes = entry.numel * dtype.itemsize
+                where = {tuple(i.offset): info for i, info in stored if i.offset is not None}
+                for chunk in md.chunks:
+                    info = where.get(tuple(chunk.offsets))
+                    entry.shards.append(
+                        {
+                            "offsets": list(chunk.offsets),
+                            "sizes": list(chunk.sizes),
+                            "file": info.relative_path if info else None,
+                            "rank": _rank(info.relative_path) if info else None,
+                            "offset": info.offset if info else None,
+                            "length": info.length if info else None,
+                            "transforms": list(info.transform_descriptors or ()) if info else [],
+                        }
+                    )
+            else:
+                entry = Entry(key, None, None, sum(info.length for _, info in stored))
+                entry.shards = [
+                    {
+                        "file": info.relative_path,
+                        "rank": _rank(info.relative_path),
+                        "offset": info.offset,
+                        "length": info.length,
+                    }
+                    for _, info in stored
+                ]
+            self.entries[key] = entry
+
+    def files(self) -> list[str]:
+        names = {s["file"] for e in self.entries.values() for s in e.shards if s.get("file")}
+        return sorted(names)
+
+    def _whole_chunk(self, key: str) -> dict[str, Any] | None:
+        """The storage entry of a tensor stored as one untransformed chunk, else None."""
+        e = self.entries[key]
+        if not e.is_tensor or len(e.shards) != 1:
+            return None
+        s = e.shards[0]
+        if s["file"] is None or any(s["offsets"]) or tuple(s["sizes"]) != e.shape:
+            return None
+        return s if not s.get("transforms") else None
+
+    def _read_whole(self, key: str, s: dict[str, Any]) -> torch.Tensor:
+        # DCP stores each chunk as a torch.save record at [offset, offset + length) of the
+        # file. Loading that record directly skips DCP's copy into a preallocated tensor, so
+        # a tensor costs its own bytes once instead of twice.
+        e = self.entries[key]
+        try:
+            with open(os.path.join(self.path, s["file"]), "rb") as f:
+                record = _FileSlice(f, s["offset"], s["length"])
+                t = _load_contiguous_record(record, e)
+                if t is None:
+                    record.seek(0)
+                    t = torch.load(record, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise CheckpointReadError(
+                f"{self.path}: cannot read {key} from {s['file']}: {type(error).__name__}: "
+                f"{str(error)[:200]}"
+            ) from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != e.shape or t.dtype != e.dtype:
+            raise CheckpointReadError(
+                f"{self.path}: {key} in {s['file']} is not the {list(e.shape or ())} "
+                f"{e.dtype} tensor .metadata describes."
+            )
+        return t
+
+    def read(self, keys: list[str]) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        out: dict[str, Any] = {}
+        rest = []
+        for key in keys:
+            whole = self._whole_chunk(key)
+            if whole is None:
+                rest.append(key)
+            else:
+                out[key] = self._read_whole(key, whole)
+        if not rest:
+            return out
+        keys = rest
+        state: dict[str, Any] = out
+        for key in keys:
+            e = self.entries[key]
+            state[key] = torch.empty(e.shape, dtype=e.dtype) if e.is_tensor else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in one process"
+            try:
+                dcp.load(state, storage_reader=self._reader, no_dist=True)
+            except CheckpointException as error:  # a BaseException: make it an ordinary one
+                causes = [f"{type(e).__name__}: {e}" for e in error.failures.values()]
+                shown = ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "")
+                raise CheckpointReadError(
+                    f"{self.path}: DCP could not read {shown}: {'; '.join(causes)[:300]}"
+                ) from None
+        return state
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable window [offset, offset + length) of an open binary file."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+
+def _load_contiguous_record(record: _FileSlice, e: Entry) -> torch.Tensor | None:
+    """Read a torch.save record's tensor bytes straight into a new tensor, or None if the
+    record is not one plain little-endian contiguous tensor stored uncompressed.
+
+    ``torch.load`` from a file object stages the storage through a buffer of its own size, so
+    this halves the peak memory of reading a large tensor. The pickle is still parsed (to the
+    meta device, without data) to check shape, dtype and strides.
+    """
+    meta = torch.load(record, map_location="meta", weights_only=True)
+    if (
+        not isinstance(meta, torch.Tensor)
+        or tuple(meta.shape) != e.shape
+        or meta.dtype != e.dtype
+        or not meta.is_contiguous()
+        or meta.storage_offset() != 0
+        or e.nbytes == 0
+    ):
+        return None
+    record.seek(0)
+    with zipfile.ZipFile(record) as archive:
+        infos = archive.infolist()
+        data = [i for i in infos if re.search(r"/data/\d+$", i.filename)]
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if order and archive.read(order[0]).strip() != b"little":
+            return None
+        if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        info = data[0]
+        if info.file_size != e.nbytes:
+            return None
+        record.seek(info.header_offset)
+        local = record.read(30)
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+    record.seek(info.header_offset + 30 + name_len + extra_len)
+    t = torch.empty(e.shape, dtype=e.dtype)
+    view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = record.readinto(view[done:])
+        if not got:
+            raise OSError(f"record of {e.key} ends after {done} of {len(view)} bytes")
+        done += got
+    return t
+
+
+def _rank(file_name: str) -> int | None:
+    m = _RANK_RE.match(os.path.basename(file_name))
+    return int(m.group(1)) if m else None
+
+
+# --- safetensors ---------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset where its data starts."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointFormatError(f"{path} is too short to be a safetensors file.")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise CheckpointFormatError(f"{path}: a {n}-byte header; not a safetensors file.")
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+class SafetensorsSource(Source):
+    """A ``.safetensors`` file, or a folder of them (sharded with an index, or an HF folder)."""
+
+    format = "safetensors"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        if os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            self.root = path
+            if os.path.exists(os.path.join(path, "config.json")):
+                self.format = "hf"
+                with open(os.path.join(path, "config.json")) as f:
+                    self.info["config"] = json.load(f)
+        else:
+            names = [os.path.basename(path)]
+            self.root = os.path.dirname(path) or "."
+        self._files = names
+        self._where: dict[str, tuple[str, dict[str, Any], int]] = {}
+        self.objects: dict[str, str] = {}
+        for name in names:
+            full = os.path.join(self.root, name)
+            header, start = read_safetensors_header(full)
+            meta = header.pop("__metadata__", None) or {}
+            for k, v in meta.items():
+                if k.startswith(OBJECT_PREFIX):
+                    self.objects[k[len(OBJECT_PREFIX) :]] = v
+                else:
+                    self.info.setdefault("metadata", {})[k] = v
+            for key, spec in header.items():
+                if spec["dtype"] not in ST_DTYPES:
+                    raise CheckpointFormatError(f"{full}: {key} has unknown dtype {spec['dtype']}.")
+                dtype = ST_DTYPES[spec["dtype"]]
+                begin, end = spec["data_offsets"]
+                self._where[key] = (name, spec, start)
+                self.entries[key] = Entry(
+                    key,
+                    tuple(spec["shape"]),
+                    dtype,
+                    end - begin,
+                    shards=[{"file": name, "offset": start + begin, "length": end - begin}],
+                )
+        for key, blob in self.objects.items():
+            self.entries[key] = Entry(key, None, None, len(blob))
+        self.entries = dict(sorted(self.entries.items()))
+
+    def files(self) -> list[str]:
+        return list(self._files)
+
+    def read(self, keys: list[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in keys:
+            if key in self.objects:
+                out[key] = decode_object(self.objects[key])
+                continue
+            name, spec, start = self._where[key]
+            begin, end = spec["data_offsets"]
+            with open(os.path.join(self.root, name), "rb") as f:
+                f.seek(start + begin)
+                buf = bytearray(end - begin)
+                if f.readinto(buf) != len(buf):
+                    raise OSError(f"{name}: truncated while reading {key}")
+            e = self.entries[key]
+            t = (
+                torch.frombuffer(buf, dtype=torch.uint8)
+                if buf
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            out[key] = t.view(e.dtype).reshape(e.shape)
+        return out
+
+
+def encode_object(value: Any) -> str:
+    """A non-tensor entry as text for safetensors' ``__metadata__`` (torch.save, base64)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def decode_object(text: str) -> Any:
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
+
+
+# --- torch.save ----------------------------------------------------------------------------
+
+
+class TorchSource(Source):
+    """A ``torch.save`` file of a (nested) state dict, memory-mapped so reads are lazy."""
+
+    format = "torch"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        try:
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise CheckpointFormatError(
+                f"{path} is not a readable torch.save file of tensors and plain values: {error}"
+            ) from None
+        if not isinstance(obj, dict):
+            raise CheckpointFormatError(
+                f"{path} holds a {type(obj).__name__}, not a state dict (a dict)."
+            )
+        self._values: dict[str, Any] = {}
+        _flatten(obj, "", self._values)
+        for key, value in self._values.items():
+            if isinstance(value, torch.Tensor):
+                self.entries[key] = Entry(
+                    key, tuple(value.shape), value.dtype, value.numel() * value.element_size()
+                )
+            else:
+                self.entries[key] = Entry(key, None, None, len(repr(value)))
+
+    def files(self) -> list[str]:
+        return [os.path.basename(self.path)]
+
+    def read(self, keys: list[str]) -> dict[str, Any]:
+        return {k: self._values[k] for k in keys}
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+    # Dicts nest by name, as DCP flattens them; lists and other values are leaves.
+    if isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}{k}.", out)
+    else:
+        out[prefix[:-1]] = obj
+
+
+# --- detection -----------------------------------------------------------------------------
+
+
+def detect(path: str) -> str:
+    """``dcp``, ``safetensors``, ``hf``, ``torch`` or ``folder`` (of ``step-<N>`` dirs)."""
+    if not os.path.exists(path):
+        raise CheckpointFormatError(f"{path} does not exist.")
+    if os.path.isfile(path):
+        if path.endswith(".safetensors"):
+            return "safetensors"
+        return "torch"
+    names = os.listdir(path)
+    if DCP_METADATA in names or COMMIT_MARKER in names or any(n.endswith(".distcp") for n in names):
+        return "dcp"
+    if any(n.endswith(".safetensors") for n in names):
+        return "hf" if "config.json" in names else "safetensors"
+    if any(_STEP_RE.match(n) for n in names):
+        return "folder"
+    raise CheckpointFormatError(
+        f"{path} is not a checkpoint: no .metadata (DCP), *.safetensors, or step-<N>/ "
+        "directories in it. Pass a step directory, a checkpoint folder, a safetensors file or "
+        "folder, or a torch.save file."
+    )
+
+
+def open_source(path: str) -> Source:
+    """Open ``path`` for reading by its detected format (not a folder of steps)."""
+    kind = detect(path)
+    if kind == "dcp":
+        return DcpSource(path)
+    if kind in ("safetensors", "hf"):
+        return SafetensorsSource(path)
+    if kind == "torch":
+        return TorchSource(path)
+    raise CheckpointFormatError(
+        f"{path} is a checkpoint folder (step-<N>/ directories); pass one step, e.g. "
+        f"{os.path.join(path, 'step-<N>')}."
+    )

@@ -1,0 +1,181 @@
+"""``titan-ckpt verify``: is a checkpoint intact, and if not, which files and keys are damaged.
+
+For a DCP step: the titan commit marker and its manifest (every file's size and sha256, via
+``layout.verify_step``); DCP's ``.metadata`` itself; that every tensor's chunks cover it exactly
+once (no gap, no overlap, none out of bounds); that every chunk's bytes lie inside an existing
+file; and that every entry loads. A plain DCP directory without a marker (torchtitan's) gets
+all but the manifest check. Safetensors and torch.save files are checked for readability.
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import combinations
+from typing import Any
+
+from titan_ckpt.layout import CheckpointIntegrityError, read_manifest, scan_steps, verify_step
+from titan_ckpt.sources import (
+    DCP_METADATA,
+    DcpSource,
+    Source,
+    batches,
+    detect,
+    open_source,
+)
+from titan_ckpt.storage import LocalStorage
+
+__all__ = ["verify_path"]
+
+NO_MANIFEST = "no titan manifest: checked metadata and readability only"
+
+
+def verify_path(path: str) -> dict[str, Any]:
+    """``{"path", "ok", "problems": [...], "notes": [...]}`` (a folder: one per step)."""
+    kind = detect(path)
+    if kind == "folder":
+        scan = scan_steps(LocalStorage(), path)
+        steps = [_verify_one(os.path.join(path, f"step-{s}"), "dcp") for s in scan.committed]
+        notes = [f"step-{s}: uncommitted (interrupted or in progress), not checked"
+                 for s in scan.uncommitted]  # fmt: skip
+        return {
+            "path": path,
+            "ok": all(s["ok"] for s in steps),
+            "problems": [
+                f"{os.path.basename(s['path'])}: {p}" for s in steps for p in s["problems"]
+            ],
+            "notes": notes,
+            "steps": steps,
+        }
+    return _verify_one(path, kind)
+
+
+def _verify_one(path: str, kind: str) -> dict[str, Any]:
+    problems: list[str] = []
+    notes: list[str] = []
+    if kind == "dcp":
+        _check_manifest(path, problems, notes)
+        if not os.path.exists(os.path.join(path, DCP_METADATA)):
+            problems.append(f"{DCP_METADATA}: missing (DCP's index of every key and file)")
+            return _result(path, problems, notes)
+    try:
+        source = open_source(path)
+    except Exception as error:  # unreadable metadata, header or pickle
+        what = DCP_METADATA if kind == "dcp" else "the checkpoint's header"
+        problems.append(f"{what}: unreadable ({type(error).__name__}: {_short(error)})")
+        return _result(path, problems, notes)
+    try:
+        if isinstance(source, DcpSource):
+            _check_coverage(source, problems)
+        _check_bounds(source, problems)
+        _check_readable(source, problems)
+    finally:
+        source.close()
+    return _result(path, problems, notes)
+
+
+def _result(path: str, problems: list[str], notes: list[str]) -> dict[str, Any]:
+    return {"path": path, "ok": not problems, "problems": problems, "notes": notes}
+
+
+def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
+    storage = LocalStorage()
+    try:
+        manifest = read_manifest(storage, path)
+    except ValueError as error:
+        problems.append(f"titan-commit.json: unreadable ({error})")
+        return
+    if manifest is None:
+        notes.append(NO_MANIFEST)
+        return
+    try:
+        verify_step(storage, path, manifest, checksums=True)
+    except CheckpointIntegrityError as error:
+        detail = str(error).split(" is damaged: ", 1)[-1].rsplit(". Load an earlier", 1)[0]
+        problems.extend(detail.split("; "))
+    notes.append(f"titan manifest: {len(manifest.files)} files checked (size and sha256)")
+
+
+def _check_coverage(source: DcpSource, problems: list[str]) -> None:
+    """Each tensor's chunks must tile it: inside its bounds, disjoint, volumes summing to it."""
+    for key, e in source.entries.items():
+        if not e.is_tensor:
+            continue
+        shape = e.shape or ()
+        boxes = []
+        for s in e.shards:
+            lo, n = s["offsets"], s["sizes"]
+            if len(lo) != len(shape) or any(
+                o < 0 or o + k > d for o, k, d in zip(lo, n, shape, strict=True)
+            ):
+                problems.append(
+                    f"{key}: shard at offsets {lo} sizes {n} exceeds shape {list(shape)}"
+                )
+            boxes.append((lo, n))
+        volume = sum(_numel(n) for _, n in boxes)
+        overlaps = [(a, b) for a, b in combinations(boxes, 2) if _overlap(a, b)]
+        if overlaps:
+            (a, _), (b, _) = overlaps[0]
+            problems.append(f"{key}: shards at offsets {a} and {b} overlap")
+        elif volume != e.numel:
+            problems.append(
+                f"{key}: shards cover {volume} of {e.numel} elements (a shard is missing from "
+                ".metadata)"
+            )
+
+
+def _numel(sizes: list[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _overlap(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) -> bool:
+    (ao, an), (bo, bn) = a, b
+    if _numel(an) == 0 or _numel(bn) == 0:
+        return False
+    return all(x < y + m and y < x + k for x, k, y, m in zip(ao, an, bo, bn, strict=True))
+
+
+def _check_bounds(source: Source, problems: list[str]) -> None:
+    """Every stored chunk must lie inside an existing file; name the keys a file loses."""
+    root = source.path if os.path.isdir(source.path) else os.path.dirname(source.path) or "."
+    sizes: dict[str, int | None] = {}
+    lost: dict[str, list[str]] = {}
+    for key, e in source.entries.items():
+        for s in e.shards:
+            name = s.get("file")
+            if name is None:
+                problems.append(f"{key}: a shard has no storage entry in {DCP_METADATA}")
+                continue
+            if name not in sizes:
+                full = os.path.join(root, name)
+                sizes[name] = os.path.getsize(full) if os.path.exists(full) else None
+            size = sizes[name]
+            if size is None or s["offset"] + s["length"] > size:
+                lost.setdefault(name, []).append(key)
+    for name, keys in sorted(lost.items()):
+        what = "missing" if sizes[name] is None else f"truncated ({sizes[name]} bytes)"
+        shown = ", ".join(sorted(set(keys))[:8]) + (" ..." if len(set(keys)) > 8 else "")
+        problems.append(f"{name}: {what}; holds data of {len(set(keys))} key(s): {shown}")
+
+
+def _check_readable(source: Source, problems: list[str]) -> None:
+    """Load every entry, a bounded batch at a time; on failure, retry one by one to name keys."""
+    if problems:
+        return  # already damaged: loading would only repeat the file errors above
+    budget = max(source.largest_tensor_bytes(), 64 << 20)
+    for group in batches(source, list(source.entries), budget):
+        try:
+            source.read(group)
+        except Exception:
+            for key in group:
+                try:
+                    source.read([key])
+                except Exception as error:
+                    problems.append(f"{key}: unreadable ({type(error).__name__}: {_short(error)})")
+
+
+def _short(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[-1][:200] if text else ""
