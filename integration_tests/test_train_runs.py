@@ -3,7 +3,8 @@
 Each run is launched the way a user launches it (``titan-train --nproc-per-node N ...``)
 and checked through what it leaves on disk: the metrics JSONL, TensorBoard event files and
 committed checkpoints. Runs that resume start from a copy of another run's folder with its
-last checkpoint removed, so they continue from step 10.
+last checkpoint removed, so they continue from step 10. Every layout validates on the same
+4 x 64-token sequences at steps 10 and 20, so validation losses compare across layouts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ TINY = [
     "--checkpoint.interval", "10",
     # fp32 everywhere, so that sharded runs can match the single process closely.
     "--parallelize.param_dtype", "float32",
+    "--validation.enable",
+    "--validation.freq", "10",
+    "--validation.steps", "1",
+    "--validation.seq_len", "64",
 ]  # fmt: skip
+VALIDATE_4 = ("--validation.local_batch_size", "4")
+"""Validation batch of the layouts with one data-parallel rank (4 sequences per step)."""
 
 
 @dataclass(frozen=True)
@@ -40,24 +47,67 @@ class Run:
 
 
 RUNS = {
-    "single": Run(1, ("--training.local_batch_size", "4")),
-    "resume": Run(1, ("--training.local_batch_size", "4"), resume_from="single"),
+    "single": Run(1, ("--training.local_batch_size", "4", *VALIDATE_4)),
+    "resume": Run(1, ("--training.local_batch_size", "4", *VALIDATE_4), resume_from="single"),
     "fsdp": Run(
-        2, ("--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2")
+        2,
+        (
+            "--training.local_batch_size", "2",
+            "--parallelism.data_parallel_shard_degree", "2",
+            "--validation.local_batch_size", "2",
+        ),
     ),
-    "fsdp_to_single": Run(1, ("--training.local_batch_size", "4"), resume_from="fsdp"),
+    "fsdp_to_single": Run(1, ("--training.local_batch_size", "4", *VALIDATE_4), resume_from="fsdp"),
     "tp": Run(
         2,
         (
-            "--training.local_batch_size",
-            "4",
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-            "--parallelism.tensor_parallel_degree",
-            "2",
+            "--training.local_batch_size", "4",
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.tensor_parallel_degree", "2",
+            *VALIDATE_4,
         ),
     ),
-}
+    # Each rank feeds its load-balanced half of every sequence (training and validation).
+    "cp": Run(
+        2,
+        (
+            "--training.local_batch_size", "4",
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.context_parallel_degree", "2",
+            *VALIDATE_4,
+        ),
+    ),
+    # Pipeline stages 0-2 | 3-5 of the 6 blocks, one microbatch per sequence.
+    "pp": Run(
+        2,
+        (
+            "--training.local_batch_size", "4",
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.pipeline_parallel_degree", "2",
+            "--pipeline.schedule", "1F1B",
+            *VALIDATE_4,
+        ),
+    ),
+    # pp 2 x FSDP 2, and the batch of 4 as 2 accumulation steps of 1 sequence per rank:
+    # accumulation runs as more microbatches of one schedule step. Also records traces.
+    "pp_fsdp": Run(
+        4,
+        (
+            "--training.local_batch_size", "1",
+            "--training.global_batch_size", "4",
+            "--parallelism.data_parallel_shard_degree", "2",
+            "--parallelism.pipeline_parallel_degree", "2",
+            "--validation.local_batch_size", "2",
+            "--profiling.enable_profiling",
+            "--profiling.profile_freq", "10",
+            "--profiling.profiler_warmup", "1",
+        ),
+    ),
+    # Checkpoints of the TP and PP layouts resume in one process: tensor-parallel shards and
+    # pipeline-stage parts all come back as one model, with optimizer, schedule and data.
+    "tp_to_single": Run(1, ("--training.local_batch_size", "4"), resume_from="tp"),
+    "pp_to_single": Run(1, ("--training.local_batch_size", "4"), resume_from="pp"),
+}  # fmt: skip
 
 
 def titan_train(*args: str) -> None:
@@ -92,9 +142,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
-def losses(folder: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(folder: Path, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in records(folder) if key in r}
 
 
 def test_single_process_trains_and_checkpoints(runs):
@@ -125,14 +178,61 @@ def test_fsdp_on_two_ranks_matches_one_process(runs):
     assert [fsdp[s] for s in single] == pytest.approx(list(single.values()), rel=2e-3)
 
 
-def test_two_rank_checkpoint_resumes_on_one_rank(runs):
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "pp"])
+def test_two_rank_checkpoint_resumes_on_one_rank(runs, layout):
     # Model, optimizer, schedule and data position all reshard from 2 ranks to 1: the
     # continuation follows the 2-rank run's own curve.
-    fsdp, resumed = losses(runs["fsdp"]), losses(runs["fsdp_to_single"])
+    source, resumed = losses(runs[layout]), losses(runs[f"{layout}_to_single"])
     assert sorted(resumed) == list(range(11, STEPS + 1))
-    assert [resumed[s] for s in resumed] == pytest.approx([fsdp[s] for s in resumed], rel=1e-4)
+    assert [resumed[s] for s in resumed] == pytest.approx([source[s] for s in resumed], rel=1e-4)
 
 
 def test_tensor_parallel_matches_one_process(runs):
     single, tp = losses(runs["single"]), losses(runs["tp"])
     assert [tp[s] for s in range(1, 4)] == pytest.approx([single[s] for s in range(1, 4)], rel=1e-5)
+
+
+def test_context_parallel_matches_one_process(runs):
+    single, cp = losses(runs["single"]), losses(runs["cp"])
+    assert [cp[s] for s in range(1, 4)] == pytest.approx([single[s] for s in range(1, 4)], rel=1e-5)
+
+
+def test_pipeline_parallel_matches_one_process(runs):
+    single = losses(runs["single"])
+    for name in ("pp", "pp_fsdp"):
+        curve = losses(runs[name])
+        assert sorted(curve) == list(range(1, STEPS + 1)), name
+        assert [curve[s] for s in range(1, 4)] == pytest.approx(
+            [single[s] for s in range(1, 4)], rel=1e-5
+        ), name
+        assert [curve[s] for s in single] == pytest.approx(list(single.values()), rel=2e-3), name
+        # One checkpoint over every stage of every rank.
+        assert (runs[name] / "checkpoint" / f"step-{STEPS}" / ".metadata").is_file(), name
+
+
+def test_validation_loss_at_steps_10_and_20_equal_across_layouts(runs):
+    reference = losses(runs["single"], "validation/loss")
+    assert sorted(reference) == [10, 20]
+    for name in ("fsdp", "tp", "cp", "pp", "pp_fsdp"):
+        other = losses(runs[name], "validation/loss")
+        assert sorted(other) == [10, 20], name
+        assert [other[s] for s in (10, 20)] == pytest.approx(
+            [reference[s] for s in (10, 20)], rel=1e-4
+        ), name
+    # The resumed run validates at step 20 on the very same weights.
+    assert losses(runs["resume"], "validation/loss") == {20: reference[20]}
+    events = EventAccumulator(str(runs["pp"] / "tb"))
+    events.Reload()
+    scalars = events.Scalars("validation/loss")
+    assert [s.step for s in scalars] == [10, 20]
+    assert scalars[0].value == pytest.approx(losses(runs["pp"], "validation/loss")[10], rel=1e-6)
+
+
+def test_profiler_writes_a_chrome_trace_per_rank(runs):
+    # profile_freq 10, warmup 1, active 1: steps 10 and 20 are recorded.
+    traces = runs["pp_fsdp"] / "profile_traces"
+    assert sorted(p.name for p in traces.iterdir()) == ["iteration_10", "iteration_20"]
+    for rank in range(4):
+        trace = json.loads((traces / "iteration_10" / f"rank{rank}_trace.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert "aten::mm" in names, rank  # the recorded step's matmuls

@@ -25,6 +25,8 @@ from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train.config_loader import ConfigError, load_config, to_dict
 from titan_train.metrics import MetricsConfig
+from titan_train.profiling import ProfilingConfig
+from titan_train.validation import ValidationConfig
 
 __all__ = [
     "TORCHTITAN_KEYS",
@@ -151,6 +153,8 @@ class JobConfig:
         )
     )
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,16 +4,18 @@ run(config)
   1. process group and device (titan-dims detects them: gloo on CPU, NCCL on CUDA)
   2. parallel layout (ParallelDims) and batch arithmetic, checked before any work
   3. tokenizer and a stateful, data-parallel-sharded dataloader
-  4. model on the meta device -> parallelize -> allocate -> init weights
+  4. model on the meta device -> parallelize (or split into pipeline stages) -> allocate
+     -> init weights
   5. optimizers and LR schedules over the model parts
   6. checkpoint manager over model, optimizer, schedules, dataloader, train state; resume
-  7. loop: batches -> forward/backward (gradient accumulation) -> clip -> step -> log
-     -> checkpoint
+  7. loop: batches -> forward/backward (gradient accumulation, or pipeline microbatches)
+     -> clip -> step -> log -> validate -> checkpoint, under the profiler
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -32,10 +34,12 @@ from titan_optim import build_lr_schedulers, build_optimizers
 from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
 from titan_train.metrics import MetricsLogger
+from titan_train.profiling import Profiler
 from titan_train.registry import load_model_spec
 from titan_train.tokenizer import load_tokenizer
+from titan_train.validation import Validator
 
-__all__ = ["TrainState", "run"]
+__all__ = ["TrainState", "cross_entropy_loss", "run"]
 
 logger = logging.getLogger("titan_train")
 
@@ -62,6 +66,11 @@ class BatchPlan:
     local_batch_size: int
     global_batch_size: int
     accumulation_steps: int
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``(batch, seq, vocab)`` logits, computed in fp32."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
@@ -98,11 +107,6 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
 
     # 2. Layout and batch arithmetic: every impossible combination fails here, before work.
     dims = ParallelDims.from_config(config.parallelism, world_size, device_type=device.type)
-    if dims.pp_enabled:
-        raise ConfigError(
-            "parallelism.pipeline_parallel_degree > 1 is not supported by the titan-train loop "
-            "yet (titan-models' pipeline_llama is); use data, tensor or context parallelism."
-        )
     batches = plan_batches(config, dims)
     spec = load_model_spec(config.model.name)
     if config.model.flavor not in spec.flavors:
@@ -110,8 +114,14 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             f"model.flavor={config.model.flavor!r} is not a flavor of {spec.name}; choose "
             f"from {', '.join(spec.flavors)}."
         )
+    if dims.pp_enabled and spec.pipeline_fn is None:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp}: model {spec.name!r} cannot be "
+            "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
+        )
 
-    # 3. Tokenizer and data.
+    # 3. Tokenizer, training data and validation (which checks its batch against the
+    # pipeline's microbatches here, before any work).
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     dp_rank = dims.dp_rank(rank)
     dataloader = build_dataloader(
@@ -121,20 +131,61 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
         dp_degree=dims.dp_degree,
     )
 
+    loss_context = _loss_context(dims, config)
+    shard_sequence = _context_parallel_sharding(dims)
+    validator = None
+    if config.validation.enable:
+        validator = Validator(
+            config.validation,
+            tokenizer,
+            dims=dims,
+            dp_rank=dp_rank,
+            device=device,
+            loss_fn=cross_entropy_loss,
+            loss_context=loss_context,
+            shard_sequence=shard_sequence,
+            pipeline_microbatches=(
+                batches.local_batch_size
+                * batches.accumulation_steps
+                // config.pipeline.microbatch_size
+                if dims.pp_enabled
+                else None
+            ),
+        )
+
     # 4. Model: meta -> parallelize -> allocate -> init. Same seed everywhere, so every
     # rank initializes its shards of the same full model.
-    args = spec.args_fn(
-        config.model.flavor, vocab_size=tokenizer.vocab_size, max_seq_len=training.seq_len
-    )
+    longest = max(training.seq_len, config.validation.seq_len if validator else 0)
+    args = spec.args_fn(config.model.flavor, vocab_size=tokenizer.vocab_size, max_seq_len=longest)
     torch.manual_seed(training.seed)
     if training.deterministic:
         torch.use_deterministic_algorithms(True)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = spec.parallelize_fn(model, dims, config.parallelize, seq_len=training.seq_len)
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device)
-    model.train()
+    pipeline = None
+    if dims.pp_enabled:
+        # Gradient accumulation runs as more microbatches of one schedule step: the
+        # schedule divides gradients by its microbatch count, which then spans the whole
+        # step's batch.
+        pipeline = spec.pipeline_fn(
+            model,
+            dims,
+            config.pipeline,
+            config.parallelize,
+            local_batch_size=batches.local_batch_size * batches.accumulation_steps,
+            loss_fn=cross_entropy_loss,
+            device=device,
+            seq_len=training.seq_len,
+        )
+        model_parts = pipeline.model_parts
+    else:
+        model_parts = [
+            spec.parallelize_fn(model, dims, config.parallelize, seq_len=training.seq_len)
+        ]
+    for part in model_parts:
+        part.to_empty(device=device)
+        part.init_weights(buffer_device=device)
+        part.train()
     flops_per_token = args.flops_per_token(training.seq_len)
     logger.info(
         "%s %s: %s parameters, %s; %d x %d tokens per step (%d accumulation steps)",
@@ -148,7 +199,7 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
     )
 
     # 5. Optimizers and schedules.
-    optimizers = build_optimizers([model], config.optimizer)
+    optimizers = build_optimizers(model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, training_steps=training.steps)
 
     # 6. Checkpointing and resume.
@@ -159,7 +210,7 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
     )
     checkpointer = CheckpointManager(
         checkpoint_config,
-        model_parts=[model],
+        model_parts=model_parts,
         states={
             "optimizer": optimizers,
             "lr_scheduler": schedulers,
@@ -191,8 +242,15 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
 
     # 7. The loop.
     loss_group = dims.get_mesh("dp_cp").get_group() if dims.dp_cp_enabled else None
-    loss_context = _loss_context(dims, config)
+    pp_group = dims.get_mesh("pp") if dims.pp_enabled else None
     batch_iter = iter(dataloader)
+    profiler = Profiler(
+        config.profiling,
+        dump_folder=config.job.dump_folder,
+        rank=rank,
+        device=device,
+        step=train_state.step,
+    )
     gc.disable()
     try:
         while train_state.step < training.steps:
@@ -200,44 +258,43 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             step_started = time.perf_counter()
             if train_state.step % training.gc_freq == 0:
                 gc.collect(1)
-            data_seconds = 0.0
-            loss_sum = torch.zeros((), device=device)
-            for _ in range(batches.accumulation_steps):
-                fetched = time.perf_counter()
-                inputs, labels = next(batch_iter)
-                inputs, labels = inputs.to(device), labels.to(device)
-                data_seconds += time.perf_counter() - fetched
-                with loss_context():
-                    logits = model(inputs)
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.flatten(0, 1).float(), labels.flatten()
-                    )
-                    (loss / batches.accumulation_steps).backward()
-                loss = loss.detach()
-                # Under loss parallel the loss is a replicated DTensor; log its plain value.
-                loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
-                train_state.tokens_seen += labels.numel() * dims.dp_degree
-            grad_norm = (
-                optimizers.clip_grad_norm_(training.max_norm) if training.max_norm > 0 else None
+            micro_batches, data_seconds = _next_batches(
+                batch_iter, batches.accumulation_steps, device
             )
+            tokens = sum(labels.numel() for _, labels in micro_batches)
+            if shard_sequence is not None:
+                micro_batches = [(shard_sequence(x), shard_sequence(y)) for x, y in micro_batches]
+            if pipeline is None:
+                loss = _forward_backward(model_parts[0], micro_batches, loss_context)
+            else:
+                loss = _pipeline_forward_backward(pipeline, micro_batches, loss_context, pp_group)
+            train_state.tokens_seen += tokens * dims.dp_degree
+            grad_norm = None
+            if training.max_norm > 0:
+                grad_norm = optimizers.clip_grad_norm_(training.max_norm, pp_group=pp_group)
             checkpointer.maybe_wait_for_staging()
             optimizers.step()
             schedulers.step()
             optimizers.zero_grad()
 
-            loss_value = loss_sum / batches.accumulation_steps
             if loss_group is not None:
-                dist.all_reduce(loss_value, op=dist.ReduceOp.AVG, group=loss_group)
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=loss_group)
             metrics.log(
                 step=train_state.step,
-                loss=loss_value.item(),
+                loss=loss.item(),
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 lr=schedulers.get_last_lr()[0],
-                tokens=labels.numel() * batches.accumulation_steps,
+                tokens=tokens,
                 step_seconds=time.perf_counter() - step_started,
                 data_seconds=data_seconds,
             )
+            if validator is not None and validator.should_validate(
+                train_state.step, training.steps
+            ):
+                validation_loss = validator.validate(model_parts, pipeline)
+                metrics.log_scalars(train_state.step, {"validation/loss": validation_loss})
             checkpointer.save(train_state.step, last_step=train_state.step == training.steps)
+            profiler.step()
             if train_state.step == 1:
                 # Start-up is over: from now on a hung rank should fail fast.
                 set_collective_timeout(
@@ -246,10 +303,66 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
                 )
     finally:
         gc.enable()
+        profiler.close()
         checkpointer.close()
         metrics.close()
     dist.barrier()
     return train_state
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _next_batches(batch_iter: Any, count: int, device: torch.device) -> tuple[list[Batch], float]:
+    """The next ``count`` (inputs, labels) batches on ``device``, and seconds spent waiting."""
+    started = time.perf_counter()
+    out = []
+    for _ in range(count):
+        inputs, labels = next(batch_iter)
+        out.append((inputs.to(device), labels.to(device)))
+    return out, time.perf_counter() - started
+
+
+def _forward_backward(
+    model: torch.nn.Module, micro_batches: list[Batch], loss_context: Any
+) -> torch.Tensor:
+    """Forward and backward of each micro-batch, gradients accumulated as the mean over
+    them; returns the mean loss (a plain tensor)."""
+    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
+    for inputs, labels in micro_batches:
+        with loss_context():
+            loss = cross_entropy_loss(model(inputs), labels)
+            (loss / len(micro_batches)).backward()
+        loss = loss.detach()
+        # Under loss parallel the loss is a replicated DTensor; log its plain value.
+        loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return loss_sum / len(micro_batches)
+
+
+def _pipeline_forward_backward(
+    pipeline: Any, micro_batches: list[Batch], loss_context: Any, pp_group: Any
+) -> torch.Tensor:
+    """One schedule step over all micro-batches (concatenated: the schedule splits them
+    into its microbatches); returns the mean loss on every pipeline rank."""
+    inputs = torch.cat([inputs for inputs, _ in micro_batches])
+    labels = torch.cat([labels for _, labels in micro_batches])
+    with loss_context():
+        loss = pipeline.step(inputs, labels)
+    # Only the last stage's rank has the loss: the others add zeros.
+    loss = torch.zeros((), device=labels.device) if loss is None else loss.detach().clone()
+    dist.all_reduce(loss, group=pp_group.get_group())
+    return loss
+
+
+def _context_parallel_sharding(dims: ParallelDims) -> Any:
+    # Under context parallel each rank feeds its load-balanced share of every sequence
+    # (inputs and labels alike); attention gathers the rest. None without CP.
+    if not dims.cp_enabled:
+        return None
+    from titan_models import context_parallel_shard
+
+    cp_rank = dims.get_mesh("cp").get_local_rank()
+    return functools.partial(context_parallel_shard, cp_rank=cp_rank, cp=dims.cp)
 
 
 def _loss_context(dims: ParallelDims, config: JobConfig):

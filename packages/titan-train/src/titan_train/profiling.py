@@ -1,0 +1,176 @@
+"""Profiling: ``torch.profiler`` traces of a few steps every ``profile_freq`` steps, and
+CUDA memory snapshots.
+
+The profiler runs on a schedule: in each window of ``profile_freq`` steps it waits, warms up
+for ``profiler_warmup`` steps and records ``profiler_active`` steps, then writes one Chrome
+trace per rank to ``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json``
+(open it in Perfetto or ``chrome://tracing``). Memory snapshots record the CUDA caching
+allocator's history and dump it every ``profile_freq`` steps to
+``<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle``
+(view it at https://pytorch.org/memory_viz); CUDA only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+from titan_train.config_loader import ConfigError
+
+__all__ = ["Profiler", "ProfilingConfig"]
+
+logger = logging.getLogger("titan_train")
+
+
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    """torch.profiler traces and CUDA memory snapshots (torchtitan's ``[profiling]`` keys)."""
+
+    enable_profiling: bool = False
+    """Record torch.profiler traces."""
+    save_traces_folder: str = "profile_traces"
+    """Folder under ``job.dump_folder`` for the traces."""
+    profile_freq: int = 10
+    """Record a trace in every window of this many steps."""
+    profiler_warmup: int = 3
+    """Steps the profiler warms up (runs, discards) before recording."""
+    profiler_active: int = 1
+    """Steps recorded per trace."""
+    enable_memory_snapshot: bool = False
+    """Record CUDA allocator history and dump snapshots (ignored, with a warning, off CUDA)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder under ``job.dump_folder`` for the memory snapshots."""
+
+    def __post_init__(self) -> None:
+        for key in ("profile_freq", "profiler_active"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"profiling.{key}={value!r} is not allowed; it must be > 0.")
+        if isinstance(self.profiler_warmup, bool) or not isinstance(self.profiler_warmup, int):
+            raise ConfigError(
+                f"profiling.profiler_warmup={self.profiler_warmup!r} is not allowed; it must "
+                "be an int >= 0."
+            )
+        if self.profiler_warmup < 0 or self.profiler_warmup + self.profiler_active > (
+            self.profile_freq
+        ):
+            raise ConfigError(
+                f"profiling.profiler_warmup={self.profiler_warmup} + profiler_active="
+                f"{self.profiler_active} must be >= 0 and fit in profile_freq="
+                f"{self.profile_freq}; raise profile_freq or lower the others."
+            )
+
+
+class Profiler:
+    """Traces and snapshots for the loop: recording starts when it is built; call ``step()``
+    once per finished training step and ``close()`` at the end (or use it as a context
+    manager). Does nothing when both are off.
+
+    Args:
+        config: the ``[profiling]`` section.
+        dump_folder: the job's output folder.
+        rank: this process's global rank (names the files).
+        device: the training device (memory snapshots need CUDA).
+        step: the step training starts after (non-zero on resume), so windows stay
+            aligned with step numbers.
+    """
+
+    def __init__(
+        self,
+        config: ProfilingConfig,
+        *,
+        dump_folder: str,
+        rank: int,
+        device: torch.device,
+        step: int = 0,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = device
+        self.traces_folder = os.path.join(dump_folder, config.save_traces_folder)
+        self.memory_folder = os.path.join(dump_folder, config.save_memory_snapshot_folder)
+        self._step = step
+        self._start_step = step
+        self._torch_profiler: torch.profiler.profile | None = None
+        self._recording_memory = False
+        self._start()
+
+    def _start(self) -> None:
+        config = self.config
+        if config.enable_memory_snapshot:
+            if self.device.type == "cuda":
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                self._recording_memory = True
+            else:
+                logger.warning(
+                    "profiling.enable_memory_snapshot needs a CUDA device (this run is on "
+                    "%s); no memory snapshots are recorded.",
+                    self.device.type,
+                )
+        if config.enable_profiling:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._torch_profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=self._action,
+                on_trace_ready=self._write_trace,
+                record_shapes=True,
+            )
+            self._torch_profiler.start()
+
+    def _action(self, profiler_step: int) -> torch.profiler.ProfilerAction:
+        # The profiler counts its own steps from 0; windows are defined on training steps
+        # (profiler step 0 is training step start + 1), so they end on multiples of
+        # profile_freq also after a resume.
+        config = self.config
+        position = (self._start_step + profiler_step) % config.profile_freq  # 0 .. freq-1
+        last = config.profile_freq - 1
+        if position == last:
+            return torch.profiler.ProfilerAction.RECORD_AND_SAVE
+        if position >= last - config.profiler_active + 1:
+            return torch.profiler.ProfilerAction.RECORD
+        if position >= last - config.profiler_active - config.profiler_warmup + 1:
+            return torch.profiler.ProfilerAction.WARMUP
+        return torch.profiler.ProfilerAction.NONE
+
+    def step(self) -> None:
+        """Account one finished training step; writes a trace or snapshot when one is due."""
+        self._step += 1
+        if self._torch_profiler is not None:
+            self._torch_profiler.step()
+        if self._recording_memory and self._step % self.config.profile_freq == 0:
+            folder = os.path.join(self.memory_folder, f"iteration_{self._step}")
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
+            with open(path, "wb") as f:
+                pickle.dump(torch.cuda.memory._snapshot(), f)
+
+    def _write_trace(self, prof: torch.profiler.profile) -> None:
+        # Called from step() right after a window's last active step, and from close()
+        # when training ends inside a window: that partial window is not written.
+        if self._step % self.config.profile_freq:
+            return
+        folder = os.path.join(self.traces_folder, f"iteration_{self._step}")
+        os.makedirs(folder, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_trace.json"))
+        logger.info("Wrote the profiler trace of step %d to %s", self._step, folder)
+
+    def close(self) -> None:
+        """Stop recording; safe to call twice."""
+        if self._torch_profiler is not None:
+            self._torch_profiler.stop()
+            self._torch_profiler = None
+        if self._recording_memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording_memory = False
+
+    def __enter__(self) -> Profiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
