@@ -7,6 +7,7 @@ Run: torchrun --nproc-per-node N parallel_train.py OUT_DIR LAYOUT [LAYOUT ...]
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import sys
 from pathlib import Path
@@ -185,6 +186,7 @@ def main() -> None:
     }
     if dist.get_rank() == 0:
         (out_dir / "losses.json").write_text(json.dumps(results))
+    gc.collect()  # free FSDP state (it holds gloo work) while the group exists
     dist.destroy_process_group()
 
 

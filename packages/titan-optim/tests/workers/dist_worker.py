@@ -15,6 +15,7 @@ Rank 0 writes ``OUT/<phase>.json``; the pytest side asserts on it.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import sys
 from pathlib import Path
@@ -215,6 +216,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             (out / f"{phase}.json").write_text(json.dumps(gathered))
     finally:
+        gc.collect()  # free FSDP state (it holds gloo work) while the group exists
         dist.destroy_process_group()
 
 

@@ -97,6 +97,9 @@ def run(config: JobConfig) -> TrainState:
     try:
         return _train(config, device)
     finally:
+        # Free the model, optimizers and checkpointer first: FSDP state holds gloo work, and
+        # gloo work destroyed during interpreter shutdown can abort the process.
+        gc.collect()
         dist.destroy_process_group()
 
 
