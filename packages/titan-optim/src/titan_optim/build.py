@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import (
+    _get_foreach_kernels_supported_devices,
+    _get_fused_kernels_supported_devices,
+)
 
 from titan_optim.config import OptimizerConfig
 
@@ -24,19 +28,10 @@ _CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "SGD": torch.optim.SGD,
 }
 
-# What torch 2.7+ has fused kernels for (torch.utils._foreach_utils keeps the live list; it is
-# private, so we read it when present and fall back to what 2.13 reports).
-try:
-    from torch.utils._foreach_utils import (
-        _get_foreach_kernels_supported_devices,
-        _get_fused_kernels_supported_devices,
-    )
-
-    _FUSED_DEVICES = tuple(_get_fused_kernels_supported_devices())
-    _FOREACH_DEVICES = tuple(_get_foreach_kernels_supported_devices())
-except ImportError:  # pragma: no cover - depends on torch internals
-    _FUSED_DEVICES = ("mps", "cuda", "xpu", "hpu", "cpu", "mtia", "privateuseone")
-    _FOREACH_DEVICES = ("cuda", "xpu", "mtia", "privateuseone")
+# Which devices torch has fused and foreach optimizer kernels for, as torch itself reports it
+# (private helpers, present in every torch this package supports).
+_FUSED_DEVICES = tuple(_get_fused_kernels_supported_devices())
+_FOREACH_DEVICES = tuple(_get_foreach_kernels_supported_devices())
 
 
 def group_parameters(model: nn.Module, config: OptimizerConfig) -> list[dict[str, Any]]:
