@@ -9,8 +9,11 @@ from titan_dims.testing import run_torchrun
 
 def test_runs_a_script_on_every_rank(tmp_path):
     script = tmp_path / "hello.py"
+    # One write(2) per rank: both ranks share the pipe, and under PYTHONUNBUFFERED (as in CI)
+    # print() issues a write per argument, which interleaves the two ranks' lines.
     script.write_text(
-        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+        "import os\n"
+        "os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())\n"
     )
     out = run_torchrun(script, 2, timeout=120).stdout
     assert sorted(line for line in out.splitlines() if line.startswith("rank")) == [
