@@ -28,6 +28,7 @@ from titan_models.parallel import (
     ParallelizeConfig,
     Pipeline,
     PipelineConfig,
+    context_parallel_batch,
     context_parallel_shard,
 )
 from titan_models.spec import ModelSpec
@@ -47,6 +48,7 @@ __all__ = [
     "RopeScaling",
     "__version__",
     "check_parallelism",
+    "context_parallel_batch",
     "context_parallel_shard",
     "llama3_args",
     "make_adapter",

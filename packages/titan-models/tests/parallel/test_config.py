@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan_models import ActivationCheckpointConfig, ConfigError, ParallelizeConfig
-from titan_models.parallel import cpu_has_fast_bf16, resolve_param_dtype
+from titan_models.parallel import auto_param_dtype, cpu_has_fast_bf16, resolve_param_dtype
 
 
 def test_defaults_are_valid_and_conservative():
@@ -14,6 +14,7 @@ def test_defaults_are_valid_and_conservative():
     assert config.activation_checkpoint.mode == "none"
     assert not config.compile
     assert config.loss_parallel
+    assert config.cp_attention == "auto"
 
 
 @pytest.mark.parametrize(
@@ -23,6 +24,8 @@ def test_defaults_are_valid_and_conservative():
         ({"reduce_dtype": "auto"}, "reduce_dtype='auto'"),
         ({"reshard_after_forward": "sometimes"}, "reshard_after_forward"),
         ({"compile": "yes"}, "compile='yes' must be true or false"),
+        ({"cp_attention": "ring"}, "cp_attention='ring' is not allowed; choose one of 'auto'"),
+        ({"cp_rotate_method": "ring"}, "cp_rotate_method='ring'.*'allgather', 'alltoall'"),
     ],
 )
 def test_bad_parallelize_settings(kwargs, match):
@@ -52,8 +55,26 @@ def test_nested_table_becomes_a_config():
     )
 
 
-def test_param_dtype_per_device():
-    assert resolve_param_dtype("auto", "cuda") == torch.bfloat16
-    expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    assert resolve_param_dtype("auto", "cpu") == expected
+@pytest.mark.parametrize(
+    ("device_type", "cpu_fast_bf16", "expected"),
+    [
+        ("cpu", False, torch.float32),
+        ("cpu", True, torch.bfloat16),
+        ("cuda", False, torch.bfloat16),
+        ("cuda", True, torch.bfloat16),
+        ("xpu", False, torch.bfloat16),
+    ],
+)
+def test_auto_param_dtype_per_device(device_type, cpu_fast_bf16, expected):
+    """bf16 where it is fast (accelerators, CPUs with bf16 instructions), fp32 elsewhere;
+    the CPU capability is an input, so both CPU kinds are tested on any machine."""
+    assert auto_param_dtype(device_type, cpu_fast_bf16) == expected
+    assert resolve_param_dtype("auto", device_type, cpu_fast_bf16=cpu_fast_bf16) == expected
+
+
+def test_param_dtype_names_and_this_machine():
     assert resolve_param_dtype("float32", "cuda") == torch.float32
+    assert resolve_param_dtype("bfloat16", "cpu", cpu_fast_bf16=False) == torch.bfloat16
+    assert resolve_param_dtype("float16", "cpu") == torch.float16
+    # Without the capability given, this machine's CPU is asked.
+    assert resolve_param_dtype("auto", "cpu") == auto_param_dtype("cpu", cpu_has_fast_bf16())

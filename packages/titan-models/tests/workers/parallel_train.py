@@ -1,5 +1,6 @@
 """Train the tiny Llama 3 for a few steps under each named parallel layout; rank 0 writes
-``{layout: [loss per step]}`` to ``<out_dir>/losses.json``.
+``{layout: [loss per step]}`` to ``<out_dir>/losses.json``, plus ``"<layout>.<what>"`` entries
+for what some layouts observe (compiled calls, dtypes).
 
 Run: torchrun --nproc-per-node N parallel_train.py OUT_DIR LAYOUT [LAYOUT ...]
 """
@@ -24,12 +25,13 @@ from titan_models import (
     Llama3,
     ParallelizeConfig,
     PipelineConfig,
+    context_parallel_batch,
     context_parallel_shard,
     parallelize_llama,
     pipeline_llama,
 )
 from titan_models.llama3.model import CausalAttention
-from titan_models.parallel import ContextParallelAttention
+from titan_models.parallel import ContextParallelAttention, RingContextParallelAttention
 
 _AC_OP = {"activation_checkpoint": {"mode": "selective", "selective_option": "op"}}
 _AC_FULL = {"activation_checkpoint": {"mode": "full"}}
@@ -39,6 +41,13 @@ LAYOUTS = {
     "fsdp": ({"dp_shard": 2}, {}, None),
     "fsdp_ac_op": ({"dp_shard": 2}, _AC_OP, None),
     "fsdp_offload": ({"dp_shard": 2}, {"cpu_offload": True}, None),
+    "fsdp_compile": (
+        {"dp_shard": 2},
+        {"compile": True, "compile_backend": tiny.COUNTING_BACKEND},
+        None,
+    ),
+    # bf16 compute, fp32 master weights and gradient reduction.
+    "fsdp_bf16": ({"dp_shard": 2}, {"param_dtype": "bfloat16", "reduce_dtype": "float32"}, None),
     "ddp": ({"dp_replicate": 2, "dp_shard": 1}, {}, None),
     "tp": ({"tp": 2, "dp_shard": 1}, {}, None),
     "tp_replicated_logits": ({"tp": 2, "dp_shard": 1}, {"loss_parallel": False}, None),
@@ -55,6 +64,8 @@ LAYOUTS = {
     "pp_fsdp": ({"pp": 2, "dp_shard": 2}, {}, {"schedule": "1F1B"}),
     "pp_tp_loss_parallel": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
     "cp": ({"cp": 2, "dp_shard": 1}, {}, None),
+    "cp_ring": ({"cp": 2, "dp_shard": 1}, {"cp_attention": "titan_ring"}, None),
+    "fsdp_cp_ring": ({"dp_shard": 2, "cp": 2}, {"cp_attention": "titan_ring"}, None),
     "fsdp_cp": ({"dp_shard": 2, "cp": 2}, _AC_OP, None),
     "tp_cp": ({"tp": 2, "cp": 2, "dp_shard": 1}, {}, None),
     "pp_tp": (
@@ -83,10 +94,11 @@ def _load_reference(model: torch.nn.Module, n_layers: int) -> None:
     )
 
 
-def train(layout: str, out_dir: Path) -> list[float]:
+def train(layout: str, out_dir: Path, observed: dict[str, list]) -> list[float]:
+    """Per-step losses of ``layout``; what it observed goes to ``observed`` (see ``main``)."""
     degrees, overrides, pipeline = LAYOUTS[layout]
     dims = ParallelDims(world_size=dist.get_world_size(), device_type="cpu", **degrees)
-    config = ParallelizeConfig(param_dtype="float32", **overrides)
+    config = ParallelizeConfig(**{"param_dtype": "float32", **overrides})
     n_layers = 4 if pipeline is not None else 2
     with torch.device("meta"):
         model = Llama3(tiny.tiny_args(n_layers))
@@ -116,30 +128,42 @@ def train(layout: str, out_dir: Path) -> list[float]:
     for part in parts:
         _load_reference(part, n_layers)
     optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=tiny.LR)
+    # The dtype every block computes in: the output of its feed-forward.
+    activation_dtypes = set()
+    blocks = [block for part in parts for block in part.layers.values()]
+    for block in blocks:
+        block.feed_forward.register_forward_hook(
+            lambda module, args, out: activation_dtypes.add(str(out.dtype))
+        )
+    compiled_before = tiny.COMPILED["calls"]
 
     inputs, labels = tiny.batches()
     losses = []
     for step in range(tiny.STEPS):
         x = inputs[step, start : start + rows]
         y = labels[step, start : start + rows]
-        if dims.cp_enabled:
-            cp_rank = dims.get_mesh("cp").get_local_rank()
-            x, y = (context_parallel_shard(t, cp_rank, dims.cp) for t in (x, y))
+        # Under context parallel: this rank's share of the sequence, as a trainer does it.
+        cp_batch = context_parallel_batch(x, y, parallel_dims=dims, config=config)
         if pipeline is None:
-            logits = model(x)
-            parallel_loss = isinstance(logits, DTensor)
-            with loss_parallel() if parallel_loss else contextlib.nullcontext():
-                loss = tiny.cross_entropy(logits, y)
-                loss.backward()
+            with cp_batch as (x, y):
+                logits = model(x)
+                parallel_loss = isinstance(logits, DTensor)
+                with loss_parallel() if parallel_loss else contextlib.nullcontext():
+                    loss = tiny.cross_entropy(logits, y)
+                    loss.backward()
             value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         else:
             # The last stage's loss_fn sees vocab-sharded DTensor logits under TP.
-            with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
+            with (
+                cp_batch as (x, y),
+                loss_parallel() if dims.tp_enabled else contextlib.nullcontext(),
+            ):
                 loss = pipe.step(x, y)
             # Only the last stage's rank has the loss: sum over the pipeline group.
             value = torch.zeros(()) if loss is None else loss
             value = value.detach().clone()
             dist.all_reduce(value, group=dims.get_mesh("pp").get_group())
+        grad_dtypes = {str(p.grad.dtype) for part in parts for p in part.parameters()}
         optimizer.step()
         optimizer.zero_grad()
         value = value.detach().clone()
@@ -148,10 +172,17 @@ def train(layout: str, out_dir: Path) -> list[float]:
             dist.all_reduce(value, group=dims.get_mesh("dp_cp").get_group())
             value /= dims.dp_degree * dims.cp
         losses.append(value.item())
+    observed["activation_dtypes"] = sorted(activation_dtypes)
+    observed["param_dtypes"] = sorted({str(p.dtype) for part in parts for p in part.parameters()})
+    observed["grad_dtypes"] = sorted(grad_dtypes)
+    observed["compiled_calls"] = [tiny.COMPILED["calls"] - compiled_before]
+    observed["inner_attention"] = sorted(
+        {type(block.attention.inner_attention).__name__ for block in blocks}
+    )
     return losses
 
 
-def cp_attention_errors() -> list[float]:
+def cp_attention_errors(attention_cls: type = ContextParallelAttention) -> list[float]:
     """Max |difference| of output, dq, dk, dv between context-parallel attention (cp = world)
     and plain causal attention of the whole sequence, with GQA (4 query, 2 kv heads)."""
     dims = ParallelDims(
@@ -167,7 +198,7 @@ def cp_attention_errors() -> list[float]:
     reference = CausalAttention()(*full)
     reference.backward(grad)
     local = [context_parallel_shard(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-    out = ContextParallelAttention(cp_mesh)(*local)
+    out = attention_cls(cp_mesh)(*local)
     out.backward(context_parallel_shard(grad, rank, cp, dim=2))
     errors = [(out - context_parallel_shard(reference, rank, cp, dim=2)).abs().max()]
     for mine, ref in zip(local, full, strict=True):
@@ -180,10 +211,18 @@ def cp_attention_errors() -> list[float]:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     init_distributed(device_type="cpu")
-    results = {
-        layout: cp_attention_errors() if layout == "cp_attention" else train(layout, out_dir)
-        for layout in sys.argv[2:]
-    }
+    tiny.register_counting_backend()
+    results = {}
+    for layout in sys.argv[2:]:
+        if layout == "cp_attention":
+            results[layout] = cp_attention_errors()
+            continue
+        if layout == "cp_ring_attention":
+            results[layout] = cp_attention_errors(RingContextParallelAttention)
+            continue
+        observed = {}
+        results[layout] = train(layout, out_dir, observed)
+        results.update({f"{layout}.{what}": value for what, value in observed.items()})
     if dist.get_rank() == 0:
         (out_dir / "losses.json").write_text(json.dumps(results))
     gc.collect()  # free FSDP state (it holds gloo work) while the group exists

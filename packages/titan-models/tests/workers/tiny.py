@@ -13,6 +13,12 @@ SEQ = 32
 STEPS = 3
 LR = 3e-3
 
+COUNTING_BACKEND = "titan_tests_counting_inductor"
+"""A ``torch.compile`` backend name: inductor, counting into ``COMPILED``."""
+COMPILED = {"graphs": 0, "calls": 0}
+"""Graphs the counting backend compiled, and calls of the compiled code (one per forward of
+a compiled module) since this module was loaded."""
+
 
 def tiny_args(n_layers: int = 2) -> Llama3Args:
     """dim 64, n_layers blocks (2; 4 for pipeline tests), 4 query / 2 key-value heads,
@@ -52,6 +58,11 @@ def train_single_process(n_layers: int = 2) -> list[float]:
     """Per-step losses of plain single-process training on the full batch."""
     model = Llama3(tiny_args(n_layers))
     model.load_state_dict(reference_state_dict(n_layers))
+    return train_steps(model)
+
+
+def train_steps(model: torch.nn.Module) -> list[float]:
+    """Per-step losses of training ``model`` (already holding its weights) in one process."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     inputs, labels = batches()
     losses = []
@@ -62,3 +73,29 @@ def train_single_process(n_layers: int = 2) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def register_counting_backend() -> str:
+    """Register ``COUNTING_BACKEND`` (once per process) and return its name: inductor, with
+    every graph it compiles and every call of compiled code counted in ``COMPILED``."""
+    from torch._dynamo import list_backends, register_backend
+    from torch._inductor.compile_fx import compile_fx
+
+    if COUNTING_BACKEND in list_backends(exclude_tags=()):
+        return COUNTING_BACKEND
+
+    def counting_inductor(graph, example_inputs):
+        compiled = compile_fx(graph, example_inputs)
+        COMPILED["graphs"] += 1
+
+        def run(*args):
+            COMPILED["calls"] += 1
+            return compiled(*args)
+
+        # Inductor's code may take its inputs as one list ("boxed") so it can free them
+        # early; keep that calling convention.
+        run._boxed_call = getattr(compiled, "_boxed_call", False)
+        return run
+
+    register_backend(counting_inductor, name=COUNTING_BACKEND)
+    return COUNTING_BACKEND

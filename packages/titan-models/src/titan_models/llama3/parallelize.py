@@ -26,7 +26,7 @@ from titan_models.llama3.args import Llama3Args
 from titan_models.llama3.model import Llama3
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import ParallelizeConfig
-from titan_models.parallel.context_parallel import apply_context_parallel
+from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
 from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
 
 __all__ = ["apply_tp", "check_parallelism", "parallelize_llama"]
@@ -57,6 +57,9 @@ def check_parallelism(
             f"context parallel into 2 x cp chunks). Nearest valid: "
             f"{max(divisor, seq_len // divisor * divisor)}."
         )
+    if parallel_dims.cp_enabled:
+        # Raises for torch's context parallel on a device it has no kernels for.
+        resolve_cp_attention(config.cp_attention, parallel_dims.device_type or detect_device_type())
     if parallel_dims.ep_enabled:
         raise ConfigError(
             f"ep={parallel_dims.ep}: Llama 3 is a dense model without experts; set ep=1."
@@ -130,10 +133,10 @@ def parallelize_llama(
 
     ``seq_len`` (default ``model.args.max_seq_len``) is checked against
     ``parallel_dims.seq_len_divisor``. Call ``to_empty`` and ``init_weights`` (or load a
-    checkpoint) afterwards. With context parallel, feed each rank its share of the inputs
-    and labels from ``context_parallel_shard``. The loss of a tensor-parallel model with
-    ``loss_parallel`` must be computed inside
-    ``torch.distributed.tensor.parallel.loss_parallel()``.
+    checkpoint) afterwards. With context parallel, run each step's forward and backward
+    inside ``context_parallel_batch``, which hands each rank its share of the inputs and
+    labels. The loss of a tensor-parallel model with ``loss_parallel`` must be computed
+    inside ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
     config = config or ParallelizeConfig()
     check_parallelism(model.args, parallel_dims, config, seq_len=seq_len)
@@ -143,7 +146,8 @@ def parallelize_llama(
         apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel)
     if parallel_dims.cp_enabled:
         attentions = [block.attention for block in model.layers.values()]
-        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"))
+        implementation = resolve_cp_attention(config.cp_attention, device_type)
+        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), implementation)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint)
     if config.compile:
         for block in model.layers.values():

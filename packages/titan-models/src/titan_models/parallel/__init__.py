@@ -1,4 +1,5 @@
-"""Model-independent parallelize building blocks: configs, activation checkpointing, FSDP/DDP."""
+"""Model-independent parallelize building blocks: configs, activation checkpointing, context
+parallel (all-gather, ring, torch's), FSDP/DDP, pipelines."""
 
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import (
@@ -9,17 +10,22 @@ from titan_models.parallel.config import (
 )
 from titan_models.parallel.context_parallel import (
     ContextParallelAttention,
+    TorchContextParallelAttention,
     apply_context_parallel,
+    context_parallel_batch,
     context_parallel_positions,
     context_parallel_shard,
+    resolve_cp_attention,
 )
 from titan_models.parallel.data_parallel import (
     apply_ddp,
     apply_fsdp,
+    auto_param_dtype,
     cpu_has_fast_bf16,
     resolve_param_dtype,
 )
 from titan_models.parallel.pipeline import Pipeline, build_schedule, split_blocks, stages_of_rank
+from titan_models.parallel.ring_attention import RingContextParallelAttention
 
 __all__ = [
     "SCHEDULES",
@@ -28,14 +34,19 @@ __all__ = [
     "ParallelizeConfig",
     "Pipeline",
     "PipelineConfig",
+    "RingContextParallelAttention",
+    "TorchContextParallelAttention",
     "apply_activation_checkpointing",
     "apply_context_parallel",
     "apply_ddp",
     "apply_fsdp",
+    "auto_param_dtype",
     "build_schedule",
+    "context_parallel_batch",
     "context_parallel_positions",
     "context_parallel_shard",
     "cpu_has_fast_bf16",
+    "resolve_cp_attention",
     "resolve_param_dtype",
     "split_blocks",
     "stages_of_rank",

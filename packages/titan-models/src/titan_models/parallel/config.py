@@ -1,5 +1,6 @@
 """The settings of a parallelize plan that are not parallel degrees (those are
-``titan_dims.ParallelDims``): activation checkpointing, compile, FSDP policies, loss parallel.
+``titan_dims.ParallelDims``): activation checkpointing, compile, FSDP policies, loss parallel,
+the context-parallel attention.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from titan_models.errors import ConfigError, check_choice
 
 __all__ = [
     "AC_MODES",
+    "CP_ATTENTIONS",
+    "CP_ROTATE_METHODS",
     "DTYPES",
     "SCHEDULES",
     "ActivationCheckpointConfig",
@@ -20,6 +23,8 @@ __all__ = [
 AC_MODES = ("none", "full", "selective")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _RESHARD = ("default", "always", "never")
+CP_ATTENTIONS = ("auto", "titan", "titan_ring", "torch")
+CP_ROTATE_METHODS = ("allgather", "alltoall")
 
 
 @dataclass(kw_only=True)
@@ -83,6 +88,16 @@ class ParallelizeConfig:
     """With tensor parallel, leave the logits sharded over the vocabulary (a DTensor), so the
     loss is computed under ``torch.distributed.tensor.parallel.loss_parallel()`` without
     gathering the full logits; ``False`` returns replicated plain logits."""
+    cp_attention: str = "auto"
+    """Context parallel's attention: ``titan`` all-gathers keys and values and runs on any
+    device; ``titan_ring`` passes them around a ring instead (same results, K/V memory of
+    2/cp of the sequence, cp sequential exchanges); ``torch`` is torch's
+    ``context_parallel`` (ring attention on the flash/efficient SDPA kernels, CUDA only);
+    ``auto`` is ``torch`` on CUDA and ``titan`` elsewhere. Whichever, run each training step
+    inside ``context_parallel_batch``."""
+    cp_rotate_method: str = "allgather"
+    """With ``cp_attention`` torch: how key/value shards reach the other ranks, ``allgather``
+    or ``alltoall`` (torch's ``set_rotate_method``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpoint, dict):
@@ -90,6 +105,8 @@ class ParallelizeConfig:
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("reduce_dtype", self.reduce_dtype, DTYPES[1:])
         check_choice("reshard_after_forward", self.reshard_after_forward, _RESHARD)
+        check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
+        check_choice("cp_rotate_method", self.cp_rotate_method, CP_ROTATE_METHODS)
         for name in ("compile", "cpu_offload", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false.")

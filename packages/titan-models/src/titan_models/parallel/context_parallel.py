@@ -1,18 +1,32 @@
-"""Context parallel that trains on any device: load-balanced sequence sharding and causal
-attention over all-gathered keys and values.
+"""Context parallel: load-balanced sequence sharding and causal attention across the ``cp``
+ranks, by one of three implementations (``ParallelizeConfig.cp_attention``).
 
-torch 2.13's ``context_parallel`` has no CPU sharding rule for SDPA and FlexAttention has no
-CPU backward, so this is our own. The sequence is cut into ``2 x cp`` chunks and rank r
-holds chunks r and ``2 cp - 1 - r``: under a causal mask an early chunk is cheap and a late
-one expensive, so every rank gets the same amount of work. In attention, each rank
-all-gathers K and V from the ``cp`` group (backward: reduce-scatter of their gradients) and
-attends its own queries to every key at an earlier or equal global position.
+``titan`` trains on any device. torch 2.13's ``context_parallel`` has no CPU sharding rule
+for SDPA and FlexAttention has no CPU backward, so this one is our own. The sequence is cut
+into ``2 x cp`` chunks and rank r holds chunks r and ``2 cp - 1 - r``: under a causal mask
+an early chunk is cheap and a late one expensive, so every rank gets the same amount of
+work. In attention, each rank all-gathers K and V from the ``cp`` group (backward:
+reduce-scatter of their gradients) and attends its own queries to every key at an earlier
+or equal global position. Memory: each rank holds the full sequence's K/V per layer for the
+duration of one attention.
 
-Memory: each rank holds the full sequence's K/V per layer for the duration of one
-attention; a ring with an online-softmax merge would hold 2/cp of it, and is future work.
+``titan_ring`` is ours with a ring instead of the all-gather (see
+:mod:`titan_models.parallel.ring_attention`).
+
+``torch`` is torch's ``context_parallel`` (CUDA only): while its context is open it shards
+the batch in place, with the same chunk order as ours, and replaces SDPA by ring attention
+on the flash/efficient kernels, overlapping the K/V exchange with compute. ``auto`` picks
+it on CUDA. All three rotate each token by the RoPE angle of its global position through
+the same attention input hook, so no model buffer needs sharding.
+
+A trainer runs each step inside :func:`context_parallel_batch`, which does what the chosen
+implementation needs, so it never branches on it.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,12 +34,40 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import functional
 
+from titan_dims import ParallelDims, detect_device_type
+from titan_models.errors import ConfigError, check_choice
+from titan_models.parallel.config import CP_ATTENTIONS, ParallelizeConfig
+
 __all__ = [
+    "TORCH_CP_DEVICES",
     "ContextParallelAttention",
+    "TorchContextParallelAttention",
     "apply_context_parallel",
+    "context_parallel_batch",
     "context_parallel_positions",
     "context_parallel_shard",
+    "resolve_cp_attention",
 ]
+
+TORCH_CP_DEVICES = ("cuda",)
+"""Device types where torch 2.13's ``context_parallel`` has SDPA kernels to shard."""
+
+
+def resolve_cp_attention(choice: str, device_type: str) -> str:
+    """The implementation ``cp_attention=choice`` means on ``device_type``: ``"torch"``,
+    ``"titan"`` or ``"titan_ring"``. ``auto`` is torch's on CUDA and ours elsewhere;
+    ``torch`` on any other device raises ``ConfigError``."""
+    check_choice("cp_attention", choice, CP_ATTENTIONS)
+    if choice == "auto":
+        return "torch" if device_type in TORCH_CP_DEVICES else "titan"
+    if choice == "torch" and device_type not in TORCH_CP_DEVICES:
+        raise ConfigError(
+            f"cp_attention='torch' cannot run on device {device_type!r}: torch's "
+            "context_parallel only shards the CUDA SDPA kernels (flash, efficient, cuDNN). "
+            f"Choose cp_attention among {', '.join(map(repr, CP_ATTENTIONS))}; 'titan', "
+            f"'titan_ring' and 'auto' run on {device_type!r}."
+        )
+    return choice
 
 
 def context_parallel_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -113,12 +155,103 @@ def _rope_for_positions(cp_rank: int, cp: int):
     return hook
 
 
-def apply_context_parallel(attentions: list[nn.Module], cp_mesh: DeviceMesh) -> None:
+# Open torch context_parallel contexts (entered through context_parallel_batch).
+_torch_cp_depth = 0
+
+
+class TorchContextParallelAttention(nn.Module):
+    """Causal SDPA (GQA heads repeated) for torch's ``context_parallel``, which swaps SDPA for
+    ring attention while its context is open. Outside :func:`context_parallel_batch` it
+    raises rather than silently attend within this rank's shard only."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not _torch_cp_depth:
+            raise RuntimeError(
+                "This model uses torch's context parallel (cp_attention='torch', or 'auto' on "
+                "CUDA): run its forward and backward inside titan_models.context_parallel_batch."
+            )
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        # is_causal (not a mask): torch's ring attention handles exactly this case.
+        return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def apply_context_parallel(
+    attentions: list[nn.Module], cp_mesh: DeviceMesh, implementation: str = "titan"
+) -> None:
     """Make every attention module (``forward(x, rope)`` with an ``inner_attention``)
-    context-parallel over ``cp_mesh``: its inputs are this rank's load-balanced share of
-    the sequence (see :func:`context_parallel_shard`). Apply after tensor parallel, whose
-    input hook must see the sequence first."""
+    context-parallel over ``cp_mesh`` with ``implementation`` (``titan``, ``titan_ring`` or
+    ``torch``, see :func:`resolve_cp_attention`): its inputs are this rank's load-balanced
+    share of the sequence (see :func:`context_parallel_batch`). Apply after tensor parallel,
+    whose input hook must see the sequence first."""
+    # Imported here: the ring module builds on this one's sharding.
+    from titan_models.parallel.ring_attention import RingContextParallelAttention
+
     cp, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     for attention in attentions:
-        attention.inner_attention = ContextParallelAttention(cp_mesh)
+        if implementation == "torch":
+            attention.inner_attention = TorchContextParallelAttention()
+        elif implementation == "titan_ring":
+            attention.inner_attention = RingContextParallelAttention(cp_mesh)
+        else:
+            attention.inner_attention = ContextParallelAttention(cp_mesh)
+        # torch's load balancing puts the same chunks on each rank as ours.
         attention.register_forward_pre_hook(_rope_for_positions(cp_rank, cp))
+
+
+@contextlib.contextmanager
+def context_parallel_batch(
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    parallel_dims: ParallelDims,
+    config: ParallelizeConfig,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Open context parallel for one step's forward and backward, and yield this rank's
+    ``(inputs, labels)``: the load-balanced share of their sequence (dim 1). Run the forward
+    and the backward (or a pipeline's ``step``) inside the ``with`` block.
+
+    Give every rank of a ``cp`` group the same full-length batch. With our attentions this
+    only shards it; with torch's it also opens torch's ``context_parallel`` (which shards
+    in place, so it gets copies) for the duration. Without context parallel this yields
+    ``inputs, labels`` unchanged. The caller's tensors are never modified.
+    """
+    if not parallel_dims.cp_enabled:
+        yield inputs, labels
+        return
+    cp = parallel_dims.cp
+    # Both checks raise before any communication. A sequence that does not split into
+    # 2 x cp chunks would make torch silently drop load balancing.
+    context_parallel_positions(inputs.shape[1], 0, cp)
+    device_type = parallel_dims.device_type or detect_device_type()
+    implementation = resolve_cp_attention(config.cp_attention, device_type)
+    cp_mesh = parallel_dims.get_mesh("cp")
+    if implementation != "torch":
+        cp_rank = cp_mesh.get_local_rank()
+        yield (
+            context_parallel_shard(inputs, cp_rank, cp),
+            context_parallel_shard(labels, cp_rank, cp),
+        )
+        return
+
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    global _torch_cp_depth
+    set_rotate_method(config.cp_rotate_method)
+    # torch resizes its buffers in place: give it copies, which need no restoring. The RoPE
+    # table is not among them: the attention input hook picks its rows by global position.
+    inputs, labels = inputs.clone(), labels.clone()
+    with context_parallel(
+        cp_mesh,
+        buffers=[inputs, labels],
+        buffer_seq_dims=[1, 1],
+        no_restore_buffers={inputs, labels},
+    ):
+        _torch_cp_depth += 1
+        try:
+            yield inputs, labels
+        finally:
+            _torch_cp_depth -= 1

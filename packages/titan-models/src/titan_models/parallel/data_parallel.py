@@ -10,7 +10,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from titan_models.parallel.config import ParallelizeConfig
 
-__all__ = ["apply_ddp", "apply_fsdp", "cpu_has_fast_bf16", "resolve_param_dtype"]
+__all__ = [
+    "apply_ddp",
+    "apply_fsdp",
+    "auto_param_dtype",
+    "cpu_has_fast_bf16",
+    "resolve_param_dtype",
+]
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -21,12 +27,23 @@ def cpu_has_fast_bf16() -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
-    """The dtype ``param_dtype=name`` means on ``device_type``; ``auto`` picks bfloat16 on
-    accelerators and fast-bf16 CPUs, float32 on other CPUs."""
+def auto_param_dtype(device_type: str, cpu_fast_bf16: bool) -> torch.dtype:
+    """What ``param_dtype="auto"`` means: bfloat16 on accelerators (any ``device_type`` but
+    ``cpu``) and on CPUs with bf16 instructions (``cpu_fast_bf16``), float32 on other CPUs."""
+    if device_type != "cpu" or cpu_fast_bf16:
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_param_dtype(
+    name: str, device_type: str, *, cpu_fast_bf16: bool | None = None
+) -> torch.dtype:
+    """The dtype ``param_dtype=name`` means on ``device_type`` (see :func:`auto_param_dtype`);
+    ``cpu_fast_bf16`` defaults to asking this machine's CPU (:func:`cpu_has_fast_bf16`)."""
     if name == "auto":
-        fast = device_type != "cpu" or cpu_has_fast_bf16()
-        return torch.bfloat16 if fast else torch.float32
+        if cpu_fast_bf16 is None:
+            cpu_fast_bf16 = device_type == "cpu" and cpu_has_fast_bf16()
+        return auto_param_dtype(device_type, cpu_fast_bf16)
     return getattr(torch, name)
 
 
