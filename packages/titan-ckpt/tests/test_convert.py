@@ -133,3 +133,52 @@ def test_console_script_module_and_help(tmp_path):
     assert proc.returncode == 0
     assert "--max-shard-size" in proc.stdout
     assert "--overwrite" in proc.stdout
+
+
+def test_streamed_outputs_load_with_plain_torch(tmp_path, titan_ckpt):
+    """DCP and torch.save outputs are written tensor by tensor (titan_ckpt.streaming); they
+    must be what dcp.save and torch.save write: loadable by dcp.load, dcp_to_torch_save and
+    torch.load (memory-mapped too), with valid zip CRCs. The input has the awkward cases: a
+    transposed view, a slice of a larger storage, bf16, an empty tensor, a list holding a
+    tensor, nested dicts."""
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    g = torch.Generator().manual_seed(0)
+    src = {
+        "w": torch.randn(300, 7, generator=g),
+        "t": torch.randn(10, 10, generator=g).t(),
+        "piece": torch.arange(100.0)[10:20],
+        "nested": {"half": torch.ones(2, dtype=torch.bfloat16), "empty": torch.empty(0, 3)},
+        "listed": [torch.arange(5), 3],
+        "step": 9,
+    }
+    torch.save(src, tmp_path / "src.pt")
+    for args in (("src.pt", "a.pt", "torch"), ("src.pt", "dcp", "dcp"), ("dcp", "b.pt", "torch")):
+        code, _, err = titan_ckpt("convert", *(tmp_path / a for a in args[:2]), "--to", args[2])
+        assert code == 0, err
+    for name in ("a.pt", "b.pt"):
+        assert zipfile.ZipFile(tmp_path / name).testzip() is None  # every CRC-32 is right
+        loaded = torch.load(tmp_path / name, weights_only=True)
+        mapped = torch.load(tmp_path / name, weights_only=True, mmap=True)
+        for key in ("w", "t", "piece", "nested.half", "nested.empty"):
+            expected = src[key] if "." not in key else src["nested"][key.split(".")[1]]
+            assert torch.equal(loaded[key], expected), (name, key)
+            assert torch.equal(mapped[key], expected), (name, key)
+        assert loaded["step"] == 9
+    assert torch.equal(
+        torch.load(tmp_path / "a.pt", weights_only=True)["listed"][0], torch.arange(5)
+    )
+    assert titan_ckpt("diff", tmp_path / "src.pt", tmp_path / "a.pt")[0] == 0
+    assert titan_ckpt("diff", tmp_path / "dcp", tmp_path / "b.pt")[0] == 0
+
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "ref.pt")
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert torch.equal(ref["t"], src["t"])
+    assert torch.equal(ref["listed"][0], torch.arange(5))  # DCP flattened the list
+    target = {"w": torch.empty(300, 7), "nested": {"half": torch.zeros(2, dtype=torch.bfloat16)}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert torch.equal(target["w"], src["w"])
+    assert torch.equal(target["nested"]["half"], src["nested"]["half"])

@@ -1,27 +1,51 @@
-"""torchft hooks, with a stand-in for torchft's Manager (its two methods the manager calls):
-one replica group writes the shared checkpoint, every group its own dataloader state, and
-the registered state-dict callbacks carry a live recovery between groups."""
+"""torchft integration against a real ``torchft.Manager`` (torchft 0.2) and a local lighthouse.
+
+The main test runs two replica groups, each a 1-rank group in its own process
+(``workers/ft_replica.py``), against one lighthouse with ``min_replicas=2``: a healthy group
+that trained 4 steps and a fresh one. In their common quorum torchft heals the fresh group
+from its peer over its HTTP checkpoint transport, using the state-dict callbacks that the
+CheckpointManager registered; then both take one step (gradients averaged by torchft's
+allreduce), commit it and save. That proves, with torchft's own machinery:
+
+- the recovery state is model, optimizer, LR scheduler and train state, not the dataloader
+  (the healed group has its peer's weights, AdamW steps, LR and step count, and its own data
+  position);
+- only the group at participating rank 0 writes the shared ``step-N`` (each group reports the
+  directories DCP wrote for it), which here is the healed one;
+- each group writes its own dataloader checkpoint under ``ft-replica-<id>/step-N``, and a
+  restarted group resumes the shared state plus its own data position.
+
+Skipped where the optional ``torchft`` extra is not installed.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, scan_steps, storage_for
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    OptimizerState,
+    scan_steps,
+    storage_for,
+)
+from titan_ckpt.sources import DcpSource
 
+# torchft 0.2.0 logs through the deprecated Logger.warn; that is its business, not ours.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 
-class ReplicaGroupManager:
-    """The part of ``torchft.Manager`` the CheckpointManager uses."""
-
-    def __init__(self, participating_rank: int | None) -> None:
-        self.rank = participating_rank
-        self.load_fn = self.save_fn = None
-
-    def participating_rank(self) -> int | None:
-        return self.rank
-
-    def set_state_dict_fns(self, load_state_dict, state_dict) -> None:
-        self.load_fn, self.save_fn = load_state_dict, state_dict
+WORKER = Path(__file__).parent / "workers" / "ft_replica.py"
 
 
 class Position:
@@ -37,80 +61,195 @@ class Position:
         self.value = sd["value"]
 
 
-def replica(common, folder, replica_id, participating_rank, seed=0):
-    model = common.make_model(seed)
-    data, train_state = Position(), common.TrainState()
-    ft = ReplicaGroupManager(participating_rank)
-    manager = CheckpointManager(
-        CheckpointConfig(enable=True, folder=str(folder), interval=2),
+@pytest.fixture(scope="module")
+def torchft():
+    return pytest.importorskip("torchft")
+
+
+@pytest.fixture(scope="module")
+def two_groups(torchft, tmp_path_factory):
+    """Run the healthy and the recovering replica group; returns (folder, results by role)."""
+    from torchft._torchft import LighthouseServer
+
+    out = tmp_path_factory.mktemp("ft")
+    folder = out / "ckpt"
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        # Group 0 starts fresh, group 1 is ahead: group 0 heals from group 1, and (ids sort
+        # replica_0 < replica_1) is then participating rank 0, the writer.
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKER),
+                    str(out),
+                    str(folder),
+                    lighthouse.address(),
+                    str(index),
+                    role,
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for index, role in ((0, "recovering"), (1, "healthy"))
+        ]
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        lighthouse.shutdown()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-4000:]
+    results = {r: json.loads((out / f"ft-{r}.json").read_text()) for r in ("recovering", "healthy")}
+    return folder, results
+
+
+@pytest.fixture
+def manager(torchft):
+    """A real torchft Manager: one replica group of one rank, its own local lighthouse."""
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    mgr = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(),
+        min_replica_size=1,
+        load_state_dict=None,
+        state_dict=None,
+        replica_id="titan-ckpt-test",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse.address(),
+        use_async_quorum=False,
+        timeout=timedelta(seconds=10),
+    )
+    yield mgr
+    mgr.shutdown()
+    lighthouse.shutdown()
+
+
+def test_peer_recovery_carries_everything_but_the_dataloader(two_groups):
+    _, results = two_groups
+    healed = dict(results["recovering"]["healed"])
+    # Right after the quorum, before any step: the peer's weights, bit for bit.
+    assert healed.pop("weights") == results["healthy"]["healed"]["weights"]
+    assert healed == {
+        "train_state_step": 4,
+        "lr_last": [0.0025],  # StepLR(step_size=2, gamma=0.5) after 4 steps from 0.01
+        "opt_steps": [4] * 6,  # AdamW's step count of each of the 6 parameters
+        "data_value": 100,  # its own position, not the peer's 101
+    }
+    for r in results.values():
+        assert (r["committed"], r["step"]) == (True, 5)
+    # Same weights after healing plus one averaged step: the peer's, exactly.
+    assert results["recovering"]["weights"] == results["healthy"]["weights"]
+
+
+def test_the_recovery_state_is_registered_with_the_manager(manager, common, tmp_path):
+    """What torchft would send a recovering peer (its ``_manager_state_dict``, as its
+    checkpoint transport does): our callbacks' state, without the dataloader."""
+    model = common.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(tmp_path)),
         model_parts=model,
-        states={"dataloader": data, "train_state": train_state},
-        ft_manager=ft,
-        ft_replica_id=replica_id,
+        states={
+            "optimizer": OptimizerState(model, opt),
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2),
+            "dataloader": Position(3),
+            "train_state": common.TrainState(),
+        },
+        ft_manager=manager,
+        ft_replica_id=0,
     )
-    return model, data, train_state, ft, manager
+    sent = manager._manager_state_dict()["user"]
+    assert list(sent) == ["titan_ckpt"]
+    assert sorted(sent["titan_ckpt"]) == ["lr_scheduler", "model", "optimizer", "train_state"]
+    assert sent["titan_ckpt"]["model"].keys() == model.state_dict().keys()
 
 
-def test_one_writer_and_per_replica_dataloaders(common, tmp_path):
-    groups = [replica(common, tmp_path, i, participating_rank=i) for i in (0, 1)]
-    for i, (_, data, train_state, _, manager) in enumerate(groups):
-        data.value, train_state.step = 100 + i, 2
-        assert manager.save(2)
-        manager.close()
-    assert scan_steps(storage_for(str(tmp_path)), str(tmp_path)).committed == [2]
-    for i in (0, 1):
-        folder = str(tmp_path / f"ft-replica-{i}")
-        assert scan_steps(storage_for(folder), folder).committed == [2]
-
-    # A restarted replica group 1 resumes the shared state and its own data position.
-    model, data, train_state, _, manager = replica(common, tmp_path, 1, 1, seed=3)
-    assert manager.load()
-    assert (data.value, train_state.step) == (101, 2)
-    writer = groups[0][0]
-    assert all(torch.equal(v, writer.state_dict()[k]) for k, v in model.state_dict().items())
+def test_only_participating_rank_zero_writes_the_shared_checkpoint(two_groups):
+    folder, results = two_groups
+    writer, other = results["recovering"], results["healthy"]
+    assert (writer["participating_rank"], other["participating_rank"]) == (0, 1)
+    assert writer["dcp_writes"] == ["ft-replica-0/step-5", "step-5"]
+    assert other["dcp_writes"] == ["ft-replica-1/step-5"]
+    assert scan_steps(storage_for(str(folder)), str(folder)).committed == [5]
+    shared = DcpSource(str(folder / "step-5"))
+    assert not any(k.startswith("dataloader") for k in shared.entries)
+    stored = shared.read([k for k in writer["weights"]])
+    for key, values in writer["weights"].items():
+        assert stored[key].flatten().tolist() == values
 
 
-def test_state_dict_callbacks_heal_a_peer_without_its_dataloader(common, tmp_path):
-    healthy_model, healthy_data, healthy_state, healthy_ft, _ = replica(common, tmp_path, 0, 0)
-    healthy_state.step, healthy_data.value = 7, 70
-    sick_model, sick_data, sick_state, sick_ft, _ = replica(common, tmp_path, 1, 1, seed=5)
-    sick_ft.load_fn(healthy_ft.save_fn())  # what torchft does over the network
-    assert sick_state.step == 7
-    assert sick_data.value == 0  # each group keeps its own data position
-    assert all(
-        torch.equal(v, healthy_model.state_dict()[k]) for k, v in sick_model.state_dict().items()
+def test_each_group_keeps_its_own_dataloader_and_resumes_it(two_groups, manager, common):
+    folder, _ = two_groups
+    for index in (0, 1):
+        replica = folder / f"ft-replica-{index}"
+        assert scan_steps(storage_for(str(replica)), str(replica)).committed == [5]
+        assert DcpSource(str(replica / "step-5")).read(["dataloader.value"]) == {
+            "dataloader.value": 100 + index
+        }
+    # A restarted group 1 (a new torchft Manager) resumes the shared state and its data.
+    model, data, train_state = common.make_model(seed=9), Position(), common.TrainState()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    restarted = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(folder)),
+        model_parts=model,
+        states={
+            "optimizer": OptimizerState(model, opt),
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+            "dataloader": data,
+            "train_state": train_state,
+        },
+        ft_manager=manager,
+        ft_replica_id=1,
     )
+    assert restarted.load()
+    restarted.close()
+    assert (data.value, train_state.step) == (101, 5)
+    assert opt.state_dict()["state"][0]["step"].item() == 5
 
 
-def test_missing_replica_dataloader_checkpoint_is_refused(common, tmp_path):
-    *_, manager = replica(common, tmp_path, 0, 0)
-    manager.save(2)
-    manager.close()
-    *_, stranger = replica(common, tmp_path, 5, 1)
+def test_missing_replica_dataloader_checkpoint_is_refused(two_groups, manager, common):
+    folder, _ = two_groups
+    stranger = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(folder)),
+        model_parts=common.make_model(),
+        states={"dataloader": Position(), "train_state": common.TrainState()},
+        ft_manager=manager,
+        ft_replica_id=5,
+    )
     with pytest.raises(ValueError, match=r"Replica group 5 has no committed dataloader"):
         stranger.load()
 
 
-def test_ft_manager_needs_a_replica_id_with_a_dataloader(common, tmp_path):
+def test_ft_manager_needs_a_replica_id_with_a_dataloader(manager, common, tmp_path):
     with pytest.raises(ValueError, match="ft_replica_id is needed"):
         CheckpointManager(
             CheckpointConfig(enable=True, folder=str(tmp_path)),
             model_parts=common.make_model(),
             states={"dataloader": Position()},
-            ft_manager=ReplicaGroupManager(0),
+            ft_manager=manager,
         )
 
 
-def test_without_ft_dataloader_checkpoints_the_dataloader_is_shared(common, tmp_path):
+def test_without_ft_dataloader_checkpoints_the_dataloader_is_shared(manager, common, tmp_path):
     data = Position(42)
-    manager = CheckpointManager(
+    writer = CheckpointManager(
         CheckpointConfig(enable=True, folder=str(tmp_path), enable_ft_dataloader_checkpoints=False),
         model_parts=common.make_model(),
         states={"dataloader": data},
-        ft_manager=ReplicaGroupManager(0),
+        ft_manager=manager,
     )
-    manager.save(500)
-    manager.close()
+    manager.start_quorum()  # a quorum of this one group: participating rank 0
+    assert manager.participating_rank() == 0
+    writer.save(500, force=True)
+    writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-500"]
     data.value = 0
     reader = CheckpointManager(
@@ -120,3 +259,13 @@ def test_without_ft_dataloader_checkpoints_the_dataloader_is_shared(common, tmp_
     )
     assert reader.load()
     assert data.value == 42
+
+
+def test_a_non_manager_is_refused(common, tmp_path):
+    # Something the real manager cannot show: what an object that is not one gets.
+    with pytest.raises(TypeError, match=r"without participating_rank\(\)"):
+        CheckpointManager(
+            CheckpointConfig(enable=True, folder=str(tmp_path)),
+            model_parts=common.make_model(),
+            ft_manager=object(),
+        )

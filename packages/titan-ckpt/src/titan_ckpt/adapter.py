@@ -4,6 +4,12 @@ titan-ckpt knows no model. A model package implements ``StateDictAdapter`` struc
 need not import this module) and registers a factory under the entry-point group
 ``titan.state_dict_adapters``: name = model name (e.g. ``llama3``), value = a callable
 ``(*, flavor=None, hf_config=None) -> StateDictAdapter``.
+
+The factory gets one of the two descriptions of the model: ``flavor``, a name the model
+package defines, or ``hf_config``, a Hugging Face ``config.json`` as a dict (from an HF
+folder, or from ``titan-ckpt convert --hf-config FILE`` for shapes no flavor has). A factory
+that cannot build an adapter from what it got raises ``ValueError`` (or ``KeyError``) saying
+why; ``titan-ckpt convert`` reports that as a usage error naming the adapter and the input.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ one ``titan-ckpt: error: ...`` line and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 from collections.abc import Sequence
@@ -112,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--model", help="state-dict adapter for HF (e.g. llama3)")
     convert.add_argument("--flavor", help="model flavor for --to hf (e.g. debugmodel, 8B)")
     convert.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="a Hugging Face config.json describing the model, instead of --flavor (shapes no "
+        "flavor has); to HF it is also the base of the written config.json, from HF it "
+        "replaces SRC's",
+    )
+    convert.add_argument(
         "--max-shard-size",
         default="5GB",
         help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)",
@@ -144,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from titan_ckpt.sources import CheckpointFormatError, CheckpointReadError
 
     args = _parser().parse_args(argv)
+    _unmap_freed_buffers()
     try:
         return _COMMANDS[args.command](args)
     except (CheckpointFormatError, ConvertError, FileNotFoundError, LookupError) as error:
@@ -152,6 +161,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointReadError as error:
         print(f"titan-ckpt: error: {error} (run titan-ckpt verify on it)", file=sys.stderr)
         return 1
+
+
+def _unmap_freed_buffers() -> None:
+    """Make freed tensor buffers leave the process (glibc only; elsewhere a no-op).
+
+    glibc serves an allocation from its own heap, not a fresh mapping, once it is below a
+    threshold that it raises to the largest block freed so far (up to 32 MiB), and a freed
+    heap block need not go back to the OS. Streaming many same-sized tensors then grows the
+    resident memory by several tensors that are no longer held. A fixed 1 MiB threshold
+    gives every larger buffer its own mapping, unmapped when the tensor is freed, so the
+    command's peak memory is what it holds: one batch of tensors, not the allocator's slack.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_mmap_threshold = -3  # malloc.h's M_MMAP_THRESHOLD
+    mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(1 << 20))
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -201,6 +230,7 @@ def _convert(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         model=args.model,
         flavor=args.flavor,
+        hf_config=args.hf_config,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
     )

@@ -1,12 +1,16 @@
 """``titan-ckpt convert``: between DCP, torch.save, safetensors and Hugging Face folders.
 
-Tensors stream from the source a bounded batch at a time (about the largest tensor's bytes),
-so converting to safetensors or HF holds at most about twice the largest tensor. DCP and
-torch.save outputs are written by one ``dcp.save`` / ``torch.save`` call, which needs the whole
-state at once: tensors from a safetensors or torch.save source are then memory-mapped views
-of the source file, not copies; from a DCP source they are loaded. Model-aware HF conversion
-goes through a registered ``StateDictAdapter`` (``--model``), whose methods take whole state
-dicts, so the model's weights are held once in memory.
+Tensors stream from the source a bounded batch at a time (about the largest tensor's bytes)
+into every output format, so a conversion holds about one largest tensor besides the
+interpreter, whatever the checkpoint's size:
+
+- safetensors: the header is written from the tensors' shapes and dtypes, then the data;
+- DCP and torch.save: the file layout is planned by torch over stand-in tensors without data,
+  and each tensor's bytes are written when it arrives (``titan_ckpt.streaming``).
+
+Model-aware HF conversion goes through a registered ``StateDictAdapter`` (``--model``), built
+from ``--flavor`` or a Hugging Face config (``--hf-config`` or the HF folder's config.json).
+Its methods take whole state dicts, so an HF conversion holds the model's weights once.
 
 The output is written into a temporary sibling of the destination and renamed into place at
 the end: a failed conversion leaves nothing behind.
@@ -22,6 +26,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,19 +35,17 @@ import torch
 from titan_ckpt.layout import Manifest, read_manifest, write_commit
 from titan_ckpt.sources import (
     OBJECT_PREFIX,
-    ST_DTYPES,
     TORCH_TO_ST,
-    SafetensorsSource,
     Source,
-    TorchSource,
     batches,
     encode_object,
     group_of,
     open_source,
 )
 from titan_ckpt.storage import LocalStorage
+from titan_ckpt.streaming import TensorSpec, save_dcp_streaming, save_torch_streaming
 
-__all__ = ["ConvertError", "ConvertOptions", "convert", "parse_size"]
+__all__ = ["ConvertError", "ConvertOptions", "convert", "parse_size", "read_hf_config"]
 
 TARGETS = ("dcp", "torch", "safetensors", "hf")
 INDEX_NAME = "model.safetensors.index.json"
@@ -72,6 +75,9 @@ class ConvertOptions:
     """State-dict adapter name for HF conversion (e.g. llama3)."""
     flavor: str | None = None
     """Model flavor the adapter needs to write HF (head counts, config.json)."""
+    hf_config: str | None = None
+    """A Hugging Face ``config.json`` describing the model instead of a flavor (for shapes no
+    flavor has): the adapter is built from it, for either direction."""
     max_shard_size: int = 5 << 30
     """Largest safetensors file; more goes into numbered shards with an index json."""
     overwrite: bool = False
@@ -84,11 +90,14 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
     """Convert ``src`` into ``dst``; returns a summary (keys, bytes, seconds)."""
     if options.to not in TARGETS:
         raise ConvertError(f"--to {options.to!r}: choose one of {', '.join(TARGETS)}.")
-    if options.to == "hf" and not (options.model and options.flavor):
+    if options.to == "hf" and not (options.model and (options.flavor or options.hf_config)):
         raise ConvertError(
             "--to hf needs --model (an installed state-dict adapter, e.g. llama3) and --flavor "
-            "(e.g. debugmodel, 8B) to name the Hugging Face layout and write config.json."
+            "(e.g. debugmodel, 8B) or --hf-config (a Hugging Face config.json) to name the "
+            "Hugging Face layout and write config.json."
         )
+    if options.flavor is not None and options.hf_config is not None:
+        raise ConvertError("Give --flavor or --hf-config, not both: each describes the model.")
     if options.to == "torch" and dst.endswith("/"):
         raise ConvertError(f"--to torch writes one file; {dst!r} names a directory.")
     _check_destination(dst, options.overwrite)
@@ -160,26 +169,58 @@ def _selected(source: Source, options: ConvertOptions, *, hf_model: bool) -> lis
 
 
 def _adapter(source: Source, options: ConvertOptions) -> Any:
-    """The state-dict adapter when SRC or DST is an HF model folder and --model is given."""
+    """The state-dict adapter when SRC or DST is an HF model folder and --model is given.
+
+    Built from --flavor, else from --hf-config, else (from HF) from SRC's config.json. A
+    safetensors source without config.json counts as HF weights when --flavor or
+    --hf-config says what model they are."""
     if options.model is None:
-        if options.to == "hf" or (source.format == "hf" and options.flavor):
-            raise ConvertError("--flavor needs --model (the adapter to use).")
+        if options.flavor is not None or options.hf_config is not None:
+            flag = "--flavor" if options.flavor is not None else "--hf-config"
+            raise ConvertError(f"{flag} needs --model (the adapter to use).")
         return None
     from titan_ckpt.adapter import load_state_dict_adapter
 
-    if options.to != "hf" and source.format != "hf":
+    described = options.flavor is not None or options.hf_config is not None
+    from_hf = source.format == "hf" or (source.format == "safetensors" and described)
+    if options.to != "hf" and not from_hf:
         raise ConvertError(
             f"--model converts to or from a Hugging Face folder; {source.path} is "
             f"{source.format} and --to is {options.to}."
         )
     if options.to == "hf" and source.format == "hf":
         raise ConvertError("SRC is already a Hugging Face folder; use --to safetensors to copy.")
+    if options.flavor is not None:
+        where, kwargs = f"--flavor {options.flavor}", {"flavor": options.flavor}
+    elif options.hf_config is not None:
+        where, kwargs = options.hf_config, {"hf_config": read_hf_config(options.hf_config)}
+    else:
+        where = f"{source.path}/config.json"
+        kwargs = {"hf_config": source.info.get("config")}
     try:
-        if options.flavor is not None:
-            return load_state_dict_adapter(options.model, flavor=options.flavor)
-        return load_state_dict_adapter(options.model, hf_config=source.info.get("config"))
-    except LookupError as error:
+        return load_state_dict_adapter(options.model, **kwargs)
+    except (ValueError, KeyError, TypeError) as error:
+        # An adapter that cannot describe this model (or does not take hf_config=).
+        raise ConvertError(
+            f"The {options.model!r} adapter cannot be built from {where}: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+    except LookupError as error:  # no adapter of that name is installed
         raise ConvertError(str(error)) from None
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` as a dict; ConvertError if it is not one."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as error:
+        raise ConvertError(f"--hf-config {path}: {error.strerror or error}.") from None
+    except ValueError as error:
+        raise ConvertError(f"--hf-config {path} is not JSON: {error}.") from None
+    if not isinstance(config, dict):
+        raise ConvertError(f"--hf-config {path} holds a {type(config).__name__}, not an object.")
+    return config
 
 
 # --- streaming -----------------------------------------------------------------------------
@@ -350,7 +391,9 @@ def _write_hf(
     specs = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
     written = _write_shards(out, specs, iter(hf.items()), {}, options.max_shard_size)
     with open(os.path.join(out, "config.json"), "w") as f:
-        config = dict(adapter.hf_config())
+        # From --hf-config: its keys that the adapter does not set (token ids, ...) stay.
+        given = read_hf_config(options.hf_config) if options.hf_config is not None else {}
+        config = {**given, **adapter.hf_config()}
         if options.dtype is not None:
             config["torch_dtype"] = str(options.dtype).removeprefix("torch.")
         else:
@@ -364,56 +407,37 @@ def _write_hf(
 # --- DCP / torch.save ----------------------------------------------------------------------
 
 
-def _whole(source: Source, keys: list[str], options: ConvertOptions, adapter: Any) -> dict:
-    """Every selected value at once (DCP and torch.save writers take a whole state dict)."""
-    if isinstance(source, SafetensorsSource) and adapter is None:
-        state = _mapped_safetensors(source, keys)
-        return {k: _cast(v, options.dtype) for k, v in state.items()}
-    if isinstance(source, TorchSource):  # memory-mapped already
-        return {k: _cast(v, options.dtype) for k, v in source.read(keys).items()}
-    state = dict(_stream(source, keys, options))
+def _planned(
+    source: Source, keys: list[str], options: ConvertOptions, adapter: Any
+) -> tuple[dict[str, TensorSpec], dict[str, Any], Iterator[tuple[str, Any]]]:
+    """What a DCP or torch.save writer needs: every tensor's (shape, dtype) up front, the
+    non-tensor values (small), and the tensors as a bounded stream."""
     if adapter is not None:
-        state = {k: _cast(v, options.dtype) for k, v in adapter.from_hf(state).items()}
-    return state
-
-
-def _mapped_safetensors(source: SafetensorsSource, keys: list[str]) -> dict[str, Any]:
-    """Tensors viewing the memory-mapped files (read-only pages the OS can drop), objects."""
-    state: dict[str, Any] = {}
-    maps: dict[str, torch.Tensor] = {}
-    for key in keys:
-        if key in source.objects:
-            state.update(source.read([key]))
-            continue
-        name, spec, start = source._where[key]
-        if name not in maps:
-            path = os.path.join(source.root, name)
-            maps[name] = torch.from_file(
-                path, shared=False, size=os.path.getsize(path), dtype=torch.uint8
-            )
-        begin, end = spec["data_offsets"]
-        e = source.entries[key]
-        flat = maps[name][start + begin : start + end]
-        state[key] = flat.view(ST_DTYPES[spec["dtype"]]).reshape(e.shape or ())
-    return state
+        # Adapters convert whole state dicts: the model is held once (HF -> native).
+        native = adapter.from_hf(dict(_stream(source, keys, options)))
+        native = {k: _cast(v, options.dtype) for k, v in native.items()}
+        specs = {k: (tuple(v.shape), v.dtype) for k, v in native.items()}
+        return specs, {}, iter(native.items())
+    object_keys = [k for k in keys if not source.entries[k].is_tensor]
+    objects = source.read(object_keys) if object_keys else {}
+    tensor_keys = [k for k in keys if source.entries[k].is_tensor]
+    specs = {
+        k: (source.entries[k].shape or (), _out_dtype(source, k, options.dtype))
+        for k in tensor_keys
+    }
+    return specs, objects, _stream(source, tensor_keys, options)
 
 
 def _write_dcp(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    state = _whole(source, keys, options, adapter)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to save in one process"
-        dcp.save(state, storage_writer=LocalStorage().dcp_writer(out), no_dist=True)
+    specs, objects, values = _planned(source, keys, options, adapter)
+    written = save_dcp_streaming(out, specs, objects, values)
     step = 0
     if source.format == "dcp":
         previous = read_manifest(LocalStorage(), source.path)
         step = previous.step if previous else 0
-    groups = sorted({group_of(k) for k in state})
+    groups = sorted({group_of(k) for k in [*specs, *objects]})
     manifest = Manifest(
         step=step,
         world_size=1,
@@ -421,19 +445,15 @@ def _write_dcp(
         model_only=groups == ["model"],
     )
     write_commit(LocalStorage(), out, manifest)
-    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return written
 
 
 def _write_torch(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    state = _whole(source, keys, options, adapter)
-    for key, value in state.items():
-        # A view of a memory-mapped safetensors file would make torch.save write the whole file.
-        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() != value.nbytes:
-            state[key] = value.clone()
-    torch.save(state, out)
-    return os.path.getsize(out)
+    specs, objects, values = _planned(source, keys, options, adapter)
+    order = list(specs) + list(objects) if adapter is not None else keys
+    return save_torch_streaming(out, order, specs, objects, values)
 
 
 _WRITERS = {

@@ -1,7 +1,7 @@
 """torchft integration: replica groups that train on, heal from peers, and checkpoint once.
 
 With a torchft ``Manager`` (or anything with its ``participating_rank()`` and
-``set_state_dict_fns()``), the CheckpointManager
+``register_state_dict_fn()``, or the older ``set_state_dict_fns()``), the CheckpointManager
 
 - registers state-dict callbacks, so a recovering replica group copies model, optimizer, LR
   scheduler and train state live from a healthy peer (the dataloader is each group's own);
@@ -22,6 +22,8 @@ from titan_ckpt.states import ModelState
 __all__ = ["DATALOADER", "FaultTolerance"]
 
 DATALOADER = "dataloader"
+FT_STATE_KEY = "titan_ckpt"
+"""The key of our callbacks in torchft's recovery state (``Manager.register_state_dict_fn``)."""
 
 
 class FaultTolerance:
@@ -36,12 +38,21 @@ class FaultTolerance:
         states: dict[str, Any],
         dataloader_checkpoints: bool,
     ) -> None:
-        for method in ("participating_rank", "set_state_dict_fns"):
-            if not callable(getattr(ft_manager, method, None)):
-                raise TypeError(
-                    f"ft_manager is a {type(ft_manager).__name__} without {method}(); pass a "
-                    "torchft.Manager."
-                )
+        register = getattr(ft_manager, "register_state_dict_fn", None)
+        legacy = getattr(ft_manager, "set_state_dict_fns", None)
+        missing = [
+            name
+            for name, ok in (
+                ("participating_rank", callable(getattr(ft_manager, "participating_rank", None))),
+                ("register_state_dict_fn", callable(register) or callable(legacy)),
+            )
+            if not ok
+        ]
+        if missing:
+            raise TypeError(
+                f"ft_manager is a {type(ft_manager).__name__} without {'() or '.join(missing)}(); "
+                "pass a torchft.Manager."
+            )
         self.dataloader_checkpoints = dataloader_checkpoints and DATALOADER in states
         if self.dataloader_checkpoints and replica_id is None:
             raise ValueError(
@@ -53,7 +64,10 @@ class FaultTolerance:
         self.replica_id = replica_id
         self.model = model
         self.states = states
-        ft_manager.set_state_dict_fns(self.load_state_dict, self.state_dict)
+        if callable(register):  # torchft >= 0.2; set_state_dict_fns is deprecated there
+            register(FT_STATE_KEY, self.load_state_dict, self.state_dict)
+        else:
+            legacy(self.load_state_dict, self.state_dict)
 
     def is_writer(self) -> bool:
         """Whether this replica group writes the shared checkpoint."""

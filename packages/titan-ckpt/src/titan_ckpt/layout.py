@@ -37,7 +37,7 @@ logger = logging.getLogger("titan_ckpt")
 COMMIT_MARKER = "titan-commit.json"
 FORMAT = "titan-ckpt/1"
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_HASH_CHUNK = 8 << 20
+_HASH_CHUNK = 1 << 20
 
 
 class CheckpointIntegrityError(RuntimeError):
@@ -79,10 +79,13 @@ class Manifest:
 
 
 def _sha256(storage: Storage, path: str) -> str:
+    # One reused buffer: hashing a large file costs _HASH_CHUNK bytes, not two fresh chunks.
     digest = hashlib.sha256()
+    buffer = bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
     with storage.open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 

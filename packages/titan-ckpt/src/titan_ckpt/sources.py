@@ -462,17 +462,29 @@ def decode_object(text: str) -> Any:
 
 
 class TorchSource(Source):
-    """A ``torch.save`` file of a (nested) state dict, memory-mapped so reads are lazy."""
+    """A ``torch.save`` file of a (nested) state dict, read one tensor at a time.
+
+    The file is loaded to the meta device first (no data), which gives every storage's offset
+    in the file; ``read`` then reads just those bytes into fresh tensors. Memory-mapping the
+    file instead would be lazy too, but every page read stays mapped, and counted in the
+    process's resident memory, until the whole file is closed. Files torch cannot place that
+    way (the legacy format, big-endian data, tensors inside lists) are memory-mapped or, for
+    the legacy format, loaded whole.
+    """
 
     format = "torch"
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
+        self._offsets: dict[str, int] = {}
         try:
-            try:
-                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-                obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = self._load_layout(path)
+            self._lazy = obj is not None
+            if obj is None:
+                try:
+                    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                    obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:
             raise CheckpointFormatError(
                 f"{path} is not a readable torch.save file of tensors and plain values: {error}"
@@ -491,11 +503,81 @@ class TorchSource(Source):
             else:
                 self.entries[key] = Entry(key, None, None, len(repr(value)))
 
+    @staticmethod
+    def _load_layout(path: str) -> Any:
+        """The state dict with meta tensors whose storages know their file offsets, or None
+        when that does not describe the file's data (then the caller maps it)."""
+        try:
+            with zipfile.ZipFile(path) as archive:
+                order = [n for n in archive.namelist() if n.endswith("/byteorder")]
+                if order and archive.read(order[0]).strip() != b"little":
+                    return None
+        except zipfile.BadZipFile:
+            return None  # the legacy format
+        obj = torch.load(path, map_location="meta", weights_only=True)
+        if not isinstance(obj, dict):
+            return obj  # refused by the caller
+        flat: dict[str, Any] = {}
+        _flatten(obj, "", flat)
+        for value in flat.values():
+            if isinstance(value, torch.Tensor):
+                if getattr(value.untyped_storage(), "_checkpoint_offset", None) is None:
+                    return None
+            elif _holds_tensor(value):
+                return None  # read() returns such values whole: map the file instead
+        return obj
+
     def files(self) -> list[str]:
         return [os.path.basename(self.path)]
 
     def read(self, keys: list[str]) -> dict[str, Any]:
-        return {k: self._values[k] for k in keys}
+        if not self._lazy:
+            return {k: self._values[k] for k in keys}
+        out: dict[str, Any] = {}
+        with open(self.path, "rb") as f:
+            for key in keys:
+                value = self._values[key]
+                out[key] = _read_storage(f, value) if isinstance(value, torch.Tensor) else value
+        return out
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _read_storage(f: Any, meta: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor ``meta`` describes, read from its storage's bytes in the file ``f``."""
+    storage = meta.untyped_storage()
+    nbytes = storage.nbytes()
+    whole = meta.is_contiguous() and meta.storage_offset() == 0 and meta.nbytes == nbytes
+    if whole:
+        out = torch.empty(meta.shape, dtype=meta.dtype)
+    else:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+    f.seek(storage._checkpoint_offset)
+    done = 0
+    while done < nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise CheckpointReadError(
+                f"{f.name}: the data of a {list(meta.shape)} {meta.dtype} tensor ends after "
+                f"{done} of {nbytes} bytes (a truncated file?)"
+            )
+        done += got
+    if whole:
+        return out
+    # A view into a larger storage (a slice, a transpose): rebuild it, then keep its own bytes.
+    t = torch.empty(0, dtype=meta.dtype).set_(
+        out.untyped_storage(), meta.storage_offset(), meta.shape, meta.stride()
+    )
+    return t.clone()
 
 
 def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
