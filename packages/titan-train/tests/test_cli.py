@@ -8,6 +8,9 @@ import torch.distributed as dist
 
 from titan_train.cli import main
 
+REPLICA_2 = ["--fault_tolerance.replica_id", "2"]
+MIN_3 = ["--fault_tolerance.min_replica_size", "3"]
+
 # (arguments, text the one error message must contain)
 BAD_COMMAND_LINES = [
     (["--training.steps", "abc"], "--training.steps"),
@@ -43,6 +46,17 @@ BAD_COMMAND_LINES = [
     (["--validation.steps", "0"], "validation.steps=0"),
     (["--profiling.profile_freq", "2"], "fit in profile_freq=2"),
     (["--profiling.profiler_active", "0"], "profiling.profiler_active=0"),
+    (["--fault_tolerance.enable"], "fault_tolerance.group_size=0 is not allowed"),
+    (
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", *REPLICA_2],
+        "fault_tolerance.replica_id=2 is out of range",
+    ),
+    (
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", *MIN_3],
+        "min_replica_size=3 is not",
+    ),
+    (["--fault_tolerance.process_group_timeout_ms", "0"], "process_group_timeout_ms=0"),
+    (["--fault_tolerance.process_group", "mpi"], "--fault_tolerance.process_group"),
     (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds=0"),
     (["--comm.train_timeout_seconds", "-5"], "comm.train_timeout_seconds=-5"),
     (["--no.such.option", "1"], "--no.such.option"),
@@ -56,7 +70,11 @@ BAD_COMMAND_LINES = [
     (["--model.flavor", "13B"], "model.flavor='13B' is not a flavor of llama3"),
     (["--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
     (["--training.dataset", "/no/such/data.jsonl"], "/no/such/data.jsonl"),
-    (["--training.seq_len", "101"], "seq_len=101 must be divisible by 2"),
+    (["--training.seq_len", "101"], "training.seq_len=101 must be divisible by 2"),
+    (
+        ["--validation.enable", "--validation.seq_len", "101"],
+        "validation.seq_len=101 must be divisible by 2",
+    ),
 ]
 
 BAD_FILES = [

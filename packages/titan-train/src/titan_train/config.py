@@ -24,6 +24,7 @@ from titan_dims import ParallelismConfig
 from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train.config_loader import ConfigError, load_config, to_dict
+from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
 from titan_train.profiling import ProfilingConfig
 from titan_train.validation import ValidationConfig
@@ -154,6 +155,7 @@ class JobConfig:
     )
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
 

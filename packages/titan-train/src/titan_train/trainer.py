@@ -10,6 +10,10 @@ run(config)
   6. checkpoint manager over model, optimizer, schedules, dataloader, train state; resume
   7. loop: batches -> forward/backward (gradient accumulation, or pipeline microbatches)
      -> clip -> step -> log -> validate -> checkpoint, under the profiler
+
+With ``fault_tolerance.enable`` the run is one replica group of a torchft job (see
+``titan_train.fault_tolerance``): data is sharded over all groups, gradients are averaged
+across them before clipping, and the optimizer steps only on steps the manager commits.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from titan_dims import ParallelDims, init_distributed, set_collective_timeout
 from titan_optim import build_lr_schedulers, build_optimizers
 from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
+from titan_train.fault_tolerance import ReplicaGroup, check_fault_tolerance
 from titan_train.metrics import MetricsLogger
 from titan_train.profiling import Profiler
 from titan_train.registry import load_model_spec
@@ -89,6 +94,25 @@ def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
     return BatchPlan(local, global_batch, global_batch // per_micro_step)
 
 
+def check_seq_lens(config: JobConfig, dims: ParallelDims) -> None:
+    """Raise ``ConfigError`` unless ``training.seq_len`` (and ``validation.seq_len`` when
+    validation is on) is a multiple of the layout's ``seq_len_divisor``."""
+    divisor = dims.seq_len_divisor
+    lengths = [("training", config.training.seq_len)]
+    if config.validation.enable:
+        lengths.append(("validation", config.validation.seq_len))
+    for section, seq_len in lengths:
+        if seq_len % divisor:
+            below = seq_len // divisor * divisor
+            allowed = " or ".join(str(n) for n in (below, below + divisor) if n > 0)
+            raise ConfigError(
+                f"{section}.seq_len={seq_len} must be divisible by {divisor} = "
+                f"tensor_parallel_degree ({dims.tp}) x context_parallel_degree ({dims.cp}) x 2 "
+                "(sequence parallel splits a sequence tp ways, load-balanced context parallel "
+                f"into 2 x cp chunks); e.g. {allowed}."
+            )
+
+
 def run(config: JobConfig) -> TrainState:
     """Train as ``config`` says; returns the final train state. The process group it starts
     is destroyed on the way out, also when training fails."""
@@ -106,7 +130,6 @@ def run(config: JobConfig) -> TrainState:
 def _train(config: JobConfig, device: torch.device) -> TrainState:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _setup_logging(rank)
-    training, comm = config.training, config.comm
 
     # 2. Layout and batch arithmetic: every impossible combination fails here, before work.
     dims = ParallelDims.from_config(config.parallelism, world_size, device_type=device.type)
@@ -122,16 +145,49 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             f"parallelism.pipeline_parallel_degree={dims.pp}: model {spec.name!r} cannot be "
             "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
         )
+    check_seq_lens(config, dims)
+    ft_config = config.fault_tolerance
+    check_fault_tolerance(
+        ft_config, dims, create_seed_checkpoint=config.checkpoint.create_seed_checkpoint
+    )
+    replicas = (
+        ReplicaGroup(ft_config, device=device, rank=rank, world_size=world_size)
+        if ft_config.enable
+        else None
+    )
+    try:
+        return _build_and_train(config, device, dims, batches, spec, replicas)
+    finally:
+        if replicas is not None:
+            replicas.close()
+
+
+def _build_and_train(
+    config: JobConfig,
+    device: torch.device,
+    dims: ParallelDims,
+    batches: BatchPlan,
+    spec: Any,
+    replicas: ReplicaGroup | None,
+) -> TrainState:
+    rank = dist.get_rank()
+    training, comm = config.training, config.comm
 
     # 3. Tokenizer, training data and validation (which checks its batch against the
     # pipeline's microbatches here, before any work).
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     dp_rank = dims.dp_rank(rank)
+    # With torchft, data is sharded over the data-parallel ranks of every replica group.
+    data_rank, data_degree = (
+        (dp_rank, dims.dp_degree)
+        if replicas is None
+        else replicas.data_parallel(dp_rank, dims.dp_degree)
+    )
     dataloader = build_dataloader(
         config.training,
         tokenizer,
-        dp_rank=dp_rank,
-        dp_degree=dims.dp_degree,
+        dp_rank=data_rank,
+        dp_degree=data_degree,
     )
 
     loss_context = _loss_context(dims, config)
@@ -204,6 +260,8 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
     # 5. Optimizers and schedules.
     optimizers = build_optimizers(model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, training_steps=training.steps)
+    if replicas is not None:
+        optimizers = replicas.wrap_optimizers(optimizers)
 
     # 6. Checkpointing and resume.
     train_state = TrainState()
@@ -221,6 +279,8 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             "train_state": train_state,
         },
         state_dict_adapter=spec.state_dict_adapter(flavor=config.model.flavor),
+        ft_manager=None if replicas is None else replicas.manager,
+        ft_replica_id=None if replicas is None else replicas.replica_id,
     )
     checkpointer.load()
     if config.checkpoint.create_seed_checkpoint:
@@ -234,9 +294,15 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             checkpoint_config.folder,
         )
         return train_state
+    # Each replica group reports its own numbers, in its own folder.
+    output_folder = (
+        config.job.dump_folder
+        if replicas is None
+        else os.path.join(config.job.dump_folder, f"ft-replica-{replicas.replica_id}")
+    )
     metrics = MetricsLogger(
         config.metrics,
-        dump_folder=config.job.dump_folder,
+        dump_folder=output_folder,
         rank=rank,
         flops_per_token=flops_per_token,
         device=device,
@@ -249,7 +315,7 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
     batch_iter = iter(dataloader)
     profiler = Profiler(
         config.profiling,
-        dump_folder=config.job.dump_folder,
+        dump_folder=output_folder,
         rank=rank,
         device=device,
         step=train_state.step,
@@ -261,6 +327,9 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             step_started = time.perf_counter()
             if train_state.step % training.gc_freq == 0:
                 gc.collect(1)
+            # Clearing gradients at the start of the step also starts torchft's quorum
+            # for it, which then runs during the forward pass.
+            optimizers.zero_grad()
             micro_batches, data_seconds = _next_batches(
                 batch_iter, batches.accumulation_steps, device
             )
@@ -271,14 +340,17 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
                 loss = _forward_backward(model_parts[0], micro_batches, loss_context)
             else:
                 loss = _pipeline_forward_backward(pipeline, micro_batches, loss_context, pp_group)
-            train_state.tokens_seen += tokens * dims.dp_degree
+            replica_groups = 1
+            if replicas is not None:
+                replicas.average_gradients(model_parts)
+                replica_groups = replicas.participants()
+            train_state.tokens_seen += tokens * dims.dp_degree * replica_groups
             grad_norm = None
             if training.max_norm > 0:
                 grad_norm = optimizers.clip_grad_norm_(training.max_norm, pp_group=pp_group)
             checkpointer.maybe_wait_for_staging()
             optimizers.step()
             schedulers.step()
-            optimizers.zero_grad()
 
             if loss_group is not None:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=loss_group)

@@ -1,0 +1,243 @@
+"""Fault tolerance with torchft: several replica groups train one model as one data-parallel
+job, and a failed group drops out (and heals from its peers on return) without stopping
+the others.
+
+Each replica group is an ordinary titan run (one process or a torchrun job, any layout but
+pipeline parallel) started with the same config and its own ``fault_tolerance.replica_id``.
+A torchft lighthouse (``torchft_lighthouse``) decides every step which groups take part.
+Per step, in every group:
+
+- ``zero_grad`` starts the step's quorum (titan-optim's ``FTOptimizersContainer``);
+- after backward, each gradient's local tensor is averaged over the participating groups
+  through the torchft ``Manager`` (every group has the same layout, so local shards line
+  up), before clipping, so every group clips and steps the same gradient;
+- the optimizer steps only when the manager commits the step;
+- data is sharded over all groups: global data-parallel rank
+  ``replica_id x local dp degree + local dp rank``, degree ``group_size x local dp degree``;
+- one group (participating rank 0) writes the shared checkpoint, each its own dataloader
+  state (titan-ckpt's ``ft_manager``), and its metrics under
+  ``<dump_folder>/ft-replica-<replica_id>/``.
+
+Needs the ``torchft`` extra: ``pip install 'titan-train[torchft]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_dims import ParallelDims
+from titan_train.config_loader import ConfigError
+
+__all__ = [
+    "LIGHTHOUSE_ENV",
+    "FaultToleranceConfig",
+    "ReplicaGroup",
+    "check_fault_tolerance",
+    "lighthouse_address",
+]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+"""The environment variable torchft reads the lighthouse address from."""
+
+INSTALL_HINT = "pip install 'titan-train[torchft]'"
+
+
+@dataclass(kw_only=True)
+class FaultToleranceConfig:
+    """Replica groups coordinated by torchft (keys as torchtitan's ``[fault_tolerance]``)."""
+
+    enable: bool = False
+    """Train as one replica group of a torchft job (needs the ``torchft`` extra)."""
+    process_group: Literal["gloo", "nccl"] | None = None
+    """Backend of the gradient averaging across replica groups; unset means nccl on CUDA,
+    gloo otherwise (torchtitan's default is always gloo)."""
+    process_group_timeout_ms: int = 10000
+    """Timeout of that process group's operations, in milliseconds."""
+    replica_id: int = 0
+    """This replica group's index, 0 to group_size - 1."""
+    group_size: int = 0
+    """How many replica groups the job has (at full strength); must be set when enabled."""
+    min_replica_size: int = 1
+    """Fewest replica groups a step may proceed with."""
+    lighthouse: str | None = None
+    """The lighthouse address, e.g. ``http://host:29510``; unset reads ``TORCHFT_LIGHTHOUSE``
+    as torchft does (titan's key)."""
+
+    def __post_init__(self) -> None:
+        timeout = self.process_group_timeout_ms
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
+            raise ConfigError(
+                f"fault_tolerance.process_group_timeout_ms={timeout!r} is not allowed; it "
+                "must be a whole number of milliseconds > 0."
+            )
+        if not self.enable:
+            return
+        if self.group_size < 1:
+            raise ConfigError(
+                f"fault_tolerance.group_size={self.group_size} is not allowed with "
+                "fault_tolerance.enable=true; set it to the number of replica groups (>= 1)."
+            )
+        if not 0 <= self.replica_id < self.group_size:
+            raise ConfigError(
+                f"fault_tolerance.replica_id={self.replica_id} is out of range: with "
+                f"group_size={self.group_size} it must be 0 to {self.group_size - 1}."
+            )
+        if not 1 <= self.min_replica_size <= self.group_size:
+            raise ConfigError(
+                f"fault_tolerance.min_replica_size={self.min_replica_size} is not allowed; it "
+                f"must be 1 to group_size={self.group_size}."
+            )
+        try:
+            import torchft  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "fault_tolerance.enable=true needs torchft, which is not installed: "
+                f"{INSTALL_HINT}, or set fault_tolerance.enable=false."
+            ) from None
+
+
+def lighthouse_address(config: FaultToleranceConfig, environ: Any = None) -> str:
+    """The lighthouse address: ``config.lighthouse``, else ``$TORCHFT_LIGHTHOUSE``; raises
+    ``ConfigError`` when neither is set."""
+    environ = os.environ if environ is None else environ
+    address = config.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise ConfigError(
+            "fault_tolerance.enable=true needs the torchft lighthouse's address: set "
+            f"{LIGHTHOUSE_ENV}=http://<host>:<port> (as torchft reads it) or "
+            "fault_tolerance.lighthouse; start one with `torchft_lighthouse`."
+        )
+    return address
+
+
+def check_fault_tolerance(
+    config: FaultToleranceConfig,
+    dims: ParallelDims,
+    *,
+    create_seed_checkpoint: bool = False,
+    environ: Any = None,
+) -> None:
+    """Raise ``ConfigError`` if ``config`` (when enabled) cannot run with layout ``dims``,
+    with ``checkpoint.create_seed_checkpoint``, or without a lighthouse to talk to; checked
+    before any work."""
+    if not config.enable:
+        return
+    if create_seed_checkpoint:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint=true cannot be combined with "
+            "fault_tolerance.enable=true: write the seed checkpoint once without fault "
+            "tolerance, then start every replica group from it (checkpoint.initial_load_path)."
+        )
+    if dims.pp_enabled:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp} cannot be combined with "
+            "fault_tolerance.enable=true (titan averages whole gradients across replica "
+            "groups, not pipeline stages); use pipeline_parallel_degree=1 or "
+            "fault_tolerance.enable=false."
+        )
+    lighthouse_address(config, environ)
+
+
+class ReplicaGroup:
+    """This process's part of a torchft replica group: the ``Manager`` and what the
+    trainer does with it.
+
+    Args:
+        config: the ``[fault_tolerance]`` section (enabled).
+        device: the training device (picks the process group backend when unset).
+        rank: this process's rank in its replica group (the ordinary global rank).
+        world_size: processes in the replica group.
+    """
+
+    def __init__(
+        self,
+        config: FaultToleranceConfig,
+        *,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        import torchft
+        from torch.distributed import TCPStore
+
+        self.config = config
+        self.replica_id = config.replica_id
+        # torchft's structured loggers write empty messages with the data in `extra`, for
+        # handlers attached to them; on the console they are blank lines.
+        for name in ("torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).propagate = False
+        timeout = timedelta(milliseconds=config.process_group_timeout_ms)
+        backend = config.process_group or ("nccl" if device.type == "cuda" else "gloo")
+        pg = (
+            torchft.ProcessGroupNCCL(timeout=timeout)
+            if backend == "nccl"
+            else torchft.ProcessGroupGloo(timeout=timeout)
+        )
+        # The manager keeps its rendezvous keys in the replica group's store: torchrun's
+        # (MASTER_ADDR/MASTER_PORT) or, in a plain one-process run, one of our own.
+        self._store = None
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:
+            self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "localhost", self._store.port
+        self.manager = torchft.Manager(
+            pg=pg,
+            min_replica_size=config.min_replica_size,
+            load_state_dict=None,
+            state_dict=None,
+            use_async_quorum=True,
+            replica_id=f"titan_ft_{config.replica_id}",
+            store_addr=store_addr,
+            store_port=store_port,
+            rank=rank,
+            world_size=world_size,
+            lighthouse_addr=lighthouse_address(config),
+            # Every group starts from the same weights (same seed and layout, or the same
+            # checkpoint), so step 0 needs no copy; a group that joins later heals anyway.
+            init_sync=False,
+        )
+
+    def data_parallel(self, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+        """The (rank, degree) the dataloader shards by: this group's ranks after those of
+        the groups with smaller ids."""
+        return self.replica_id * dp_degree + dp_rank, self.config.group_size * dp_degree
+
+    def wrap_optimizers(self, optimizers: Any) -> Any:
+        """``optimizers`` driven by the manager (quorum on ``zero_grad``, commit on
+        ``step``). Their state reaches recovering peers through the checkpointer's
+        callbacks, so it is not registered a second time."""
+        from titan_optim import FTOptimizersContainer
+
+        return FTOptimizersContainer(optimizers, self.manager, state_key=None)
+
+    @torch.no_grad()
+    def average_gradients(self, model_parts: Iterable[nn.Module]) -> None:
+        """Average every gradient's local tensor over the participating replica groups."""
+        works = []
+        for part in model_parts:
+            for param in part.parameters():
+                grad = param.grad
+                if grad is None:
+                    continue
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                works.append(self.manager.allreduce(local))
+        for work in works:
+            work.wait()
+
+    def participants(self) -> int:
+        """Replica groups taking part in this step."""
+        return self.manager.num_participants()
+
+    def close(self) -> None:
+        """Stop the manager's servers."""
+        self.manager.shutdown(wait=False)
