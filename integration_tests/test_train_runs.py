@@ -77,6 +77,17 @@ RUNS = {
             *VALIDATE_4,
         ),
     ),
+    # The same with the ring attention: K/V blocks pass around the cp ranks.
+    "cp_ring": Run(
+        2,
+        (
+            "--training.local_batch_size", "4",
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.context_parallel_degree", "2",
+            "--parallelize.cp_attention", "titan_ring",
+            *VALIDATE_4,
+        ),
+    ),
     # Pipeline stages 0-2 | 3-5 of the 6 blocks, one microbatch per sequence.
     "pp": Run(
         2,
@@ -192,8 +203,9 @@ def test_tensor_parallel_matches_one_process(runs):
     assert [tp[s] for s in range(1, 4)] == pytest.approx([single[s] for s in range(1, 4)], rel=1e-5)
 
 
-def test_context_parallel_matches_one_process(runs):
-    single, cp = losses(runs["single"]), losses(runs["cp"])
+@pytest.mark.parametrize("name", ["cp", "cp_ring"])
+def test_context_parallel_matches_one_process(runs, name):
+    single, cp = losses(runs["single"]), losses(runs[name])
     assert [cp[s] for s in range(1, 4)] == pytest.approx([single[s] for s in range(1, 4)], rel=1e-5)
 
 
@@ -213,7 +225,7 @@ def test_pipeline_parallel_matches_one_process(runs):
 def test_validation_loss_at_steps_10_and_20_equal_across_layouts(runs):
     reference = losses(runs["single"], "validation/loss")
     assert sorted(reference) == [10, 20]
-    for name in ("fsdp", "tp", "cp", "pp", "pp_fsdp"):
+    for name in ("fsdp", "tp", "cp", "cp_ring", "pp", "pp_fsdp"):
         other = losses(runs[name], "validation/loss")
         assert sorted(other) == [10, 20], name
         assert [other[s] for s in (10, 20)] == pytest.approx(

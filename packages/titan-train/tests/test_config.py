@@ -45,13 +45,14 @@ def test_torchtitan_keys_are_translated(tmp_path):
     path.write_text(
         "[activation_checkpoint]\nmode = 'full'\n[compile]\nenable = true\n"
         "[parallelism]\ntensor_parallel_degree = 2\ndisable_loss_parallel = true\n"
-        "pipeline_parallel_schedule = 'GPipe'\n"
+        "pipeline_parallel_schedule = 'GPipe'\ncontext_parallel_rotate_method = 'alltoall'\n"
     )
     config = parse_job_config(["--job.config_file", str(path)])
     assert config.parallelize.activation_checkpoint.mode == "full"
     assert config.parallelize.compile is True
     assert config.parallelize.loss_parallel is False
     assert config.pipeline.schedule == "GPipe"
+    assert config.parallelize.cp_rotate_method == "alltoall"
     assert config.parallelism.tensor_parallel_degree == 2
 
 

@@ -173,6 +173,7 @@ TORCHTITAN_KEYS: Mapping[str, str] = {
     "compile.backend": "parallelize.compile_backend",
     "parallelism.fsdp_reshard_after_forward": "parallelize.reshard_after_forward",
     "parallelism.disable_loss_parallel": "!parallelize.loss_parallel",
+    "parallelism.context_parallel_rotate_method": "parallelize.cp_rotate_method",
     "parallelism.pipeline_parallel_schedule": "pipeline.schedule",
     "parallelism.pipeline_parallel_schedule_csv": "pipeline.schedule_csv",
     "parallelism.pipeline_parallel_microbatch_size": "pipeline.microbatch_size",

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_ckpt import CheckpointManager
 from titan_dims import ParallelDims, init_distributed, set_collective_timeout
+from titan_models import context_parallel_batch
 from titan_optim import build_lr_schedulers, build_optimizers
 from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
@@ -191,7 +192,11 @@ def _build_and_train(
     )
 
     loss_context = _loss_context(dims, config)
-    shard_sequence = _context_parallel_sharding(dims)
+    # Opens context parallel (whichever attention parallelize.cp_attention chose) around a
+    # forward and backward, yielding this rank's share of the batch; a no-op without CP.
+    sequence_context = functools.partial(
+        context_parallel_batch, parallel_dims=dims, config=config.parallelize
+    )
     validator = None
     if config.validation.enable:
         validator = Validator(
@@ -202,7 +207,7 @@ def _build_and_train(
             device=device,
             loss_fn=cross_entropy_loss,
             loss_context=loss_context,
-            shard_sequence=shard_sequence,
+            sequence_context=sequence_context,
             pipeline_microbatches=(
                 batches.local_batch_size
                 * batches.accumulation_steps
@@ -334,12 +339,14 @@ def _build_and_train(
                 batch_iter, batches.accumulation_steps, device
             )
             tokens = sum(labels.numel() for _, labels in micro_batches)
-            if shard_sequence is not None:
-                micro_batches = [(shard_sequence(x), shard_sequence(y)) for x, y in micro_batches]
             if pipeline is None:
-                loss = _forward_backward(model_parts[0], micro_batches, loss_context)
+                loss = _forward_backward(
+                    model_parts[0], micro_batches, loss_context, sequence_context
+                )
             else:
-                loss = _pipeline_forward_backward(pipeline, micro_batches, loss_context, pp_group)
+                loss = _pipeline_forward_backward(
+                    pipeline, micro_batches, loss_context, sequence_context, pp_group
+                )
             replica_groups = 1
             if replicas is not None:
                 replicas.average_gradients(model_parts)
@@ -399,13 +406,16 @@ def _next_batches(batch_iter: Any, count: int, device: torch.device) -> tuple[li
 
 
 def _forward_backward(
-    model: torch.nn.Module, micro_batches: list[Batch], loss_context: Any
+    model: torch.nn.Module,
+    micro_batches: list[Batch],
+    loss_context: Any,
+    sequence_context: Any,
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch, gradients accumulated as the mean over
     them; returns the mean loss (a plain tensor)."""
     loss_sum = torch.zeros((), device=micro_batches[0][1].device)
-    for inputs, labels in micro_batches:
-        with loss_context():
+    for whole_inputs, whole_labels in micro_batches:
+        with sequence_context(whole_inputs, whole_labels) as (inputs, labels), loss_context():
             loss = cross_entropy_loss(model(inputs), labels)
             (loss / len(micro_batches)).backward()
         loss = loss.detach()
@@ -415,29 +425,22 @@ def _forward_backward(
 
 
 def _pipeline_forward_backward(
-    pipeline: Any, micro_batches: list[Batch], loss_context: Any, pp_group: Any
+    pipeline: Any,
+    micro_batches: list[Batch],
+    loss_context: Any,
+    sequence_context: Any,
+    pp_group: Any,
 ) -> torch.Tensor:
     """One schedule step over all micro-batches (concatenated: the schedule splits them
     into its microbatches); returns the mean loss on every pipeline rank."""
-    inputs = torch.cat([inputs for inputs, _ in micro_batches])
-    labels = torch.cat([labels for _, labels in micro_batches])
-    with loss_context():
+    whole_inputs = torch.cat([inputs for inputs, _ in micro_batches])
+    whole_labels = torch.cat([labels for _, labels in micro_batches])
+    with sequence_context(whole_inputs, whole_labels) as (inputs, labels), loss_context():
         loss = pipeline.step(inputs, labels)
     # Only the last stage's rank has the loss: the others add zeros.
     loss = torch.zeros((), device=labels.device) if loss is None else loss.detach().clone()
     dist.all_reduce(loss, group=pp_group.get_group())
     return loss
-
-
-def _context_parallel_sharding(dims: ParallelDims) -> Any:
-    # Under context parallel each rank feeds its load-balanced share of every sequence
-    # (inputs and labels alike); attention gathers the rest. None without CP.
-    if not dims.cp_enabled:
-        return None
-    from titan_models import context_parallel_shard
-
-    cp_rank = dims.get_mesh("cp").get_local_rank()
-    return functools.partial(context_parallel_shard, cp_rank=cp_rank, cp=dims.cp)
 
 
 def _loss_context(dims: ParallelDims, config: JobConfig):

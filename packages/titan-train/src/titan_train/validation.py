@@ -11,7 +11,7 @@ every rank reports the same number.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +79,9 @@ class Validator:
         loss_fn: ``loss_fn(logits, labels)`` -> mean loss of a batch.
         loss_context: a context-manager factory the loss must be computed in (loss
             parallel under tensor parallelism).
-        shard_sequence: under context parallelism, maps a whole (batch, seq) tensor to this
-            rank's share of the sequence; ``None`` otherwise.
+        sequence_context: ``sequence_context(inputs, labels)`` is a context manager around a
+            forward that yields this rank's share of the whole (batch, seq) tensors (context
+            parallel, see ``titan_models.context_parallel_batch``); ``None`` feeds them whole.
         pipeline_microbatches: with pipeline parallelism, the schedule's number of
             microbatches (the validation batch is split into as many); ``None`` otherwise.
     """
@@ -95,7 +96,11 @@ class Validator:
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         loss_context: Callable[[], contextlib.AbstractContextManager[Any]],
-        shard_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        sequence_context: Callable[
+            [torch.Tensor, torch.Tensor],
+            contextlib.AbstractContextManager[tuple[torch.Tensor, torch.Tensor]],
+        ]
+        | None = None,
         pipeline_microbatches: int | None = None,
     ) -> None:
         if pipeline_microbatches and config.local_batch_size % pipeline_microbatches:
@@ -110,7 +115,7 @@ class Validator:
         self.device = device
         self.loss_fn = loss_fn
         self.loss_context = loss_context
-        self.shard_sequence = shard_sequence
+        self.sequence_context = sequence_context or _whole_batch
         data = DataConfig(
             dataset=config.dataset,
             dataset_path=config.dataset_path,
@@ -146,10 +151,8 @@ class Validator:
         for inputs, labels in self.dataloader:
             if self.config.steps != -1 and batches == self.config.steps:
                 break
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            if self.shard_sequence is not None:
-                inputs, labels = self.shard_sequence(inputs), self.shard_sequence(labels)
-            with self.loss_context():
+            whole = inputs.to(self.device), labels.to(self.device)
+            with self.sequence_context(*whole) as (inputs, labels), self.loss_context():
                 if pipeline is None:
                     loss = self.loss_fn(model_parts[0](inputs), labels)
                 else:
@@ -171,6 +174,13 @@ class Validator:
                 mean, op=dist.ReduceOp.AVG, group=self.dims.get_mesh("dp_cp").get_group()
             )
         return float(mean)
+
+
+@contextlib.contextmanager
+def _whole_batch(
+    inputs: torch.Tensor, labels: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    yield inputs, labels
 
 
 def _pipeline_eval_loss(
