@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch.nn import functional
 
@@ -73,6 +74,22 @@ def test_rope_rotates_pairs_and_preserves_norms():
     # Channel pair 0 of position 3 turns by 3 radians (inverse frequency 1).
     angle = torch.atan2(y[0, 3, 0, 1], y[0, 3, 0, 0]) - torch.atan2(x[0, 3, 0, 1], x[0, 3, 0, 0])
     assert math.isclose(math.remainder(angle.item() - 3.0, 2 * math.pi), 0.0, abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_traced_path_equals_eager_path_forward_and_backward(dtype):
+    # Under torch.compile apply_rope takes real arithmetic (inductor fuses it), in eager a
+    # complex multiply; both must rotate identically. backend="eager" runs the traced path
+    # without inductor.
+    table = rope_table(16, 32, 500000.0)
+    x = torch.randn(2, 32, 4, 16, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 32, 4, 16, dtype=dtype)
+    eager = apply_rope(x, table)
+    (eager_grad,) = torch.autograd.grad(eager, x, grad)
+    traced = torch.compile(apply_rope, backend="eager", fullgraph=True)(x, table)
+    (traced_grad,) = torch.autograd.grad(traced, x, grad)
+    assert torch.equal(traced, eager)
+    torch.testing.assert_close(traced_grad, eager_grad, rtol=0, atol=1e-6)
 
 
 def test_llama31_scaling_slows_only_low_frequencies():
