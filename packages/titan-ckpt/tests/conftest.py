@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -111,3 +113,24 @@ def titan_ckpt(capsys):
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def install_adapters(tmp_path_factory, monkeypatch) -> Path:
+    """Install workers/llama_adapters.py as a distribution on sys.path for this test: its
+    dist-info declares the ``test-llama`` and ``test-llama-streaming`` entry points (group
+    ``titan.state_dict_adapters``), so titan-ckpt finds them as it finds any adapter.
+    Returns the site directory (put it on PYTHONPATH for child processes)."""
+    site = tmp_path_factory.mktemp("site")
+    shutil.copy(WORKERS / "llama_adapters.py", site / "titan_test_llama.py")
+    info = site / "titan_test_llama-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: titan-test-llama\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[titan.state_dict_adapters]\n"
+        "test-llama = titan_test_llama:make_adapter\n"
+        "test-llama-streaming = titan_test_llama:make_streaming_adapter\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    return site

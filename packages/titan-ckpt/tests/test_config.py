@@ -24,6 +24,7 @@ def test_defaults_match_torchtitan():
         False,
     )
     assert c.export_torch_dtype is torch.float32
+    assert c.hf_max_shard_size == 5 << 30  # ours: torchtitan writes one file
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,8 @@ def test_defaults_match_torchtitan():
         ),
         ({"initial_load_in_hf": True}, r"needs checkpoint.initial_load_path"),
         ({"create_seed_checkpoint": True}, r"create_seed_checkpoint=true needs .*enable=true"),
+        ({"hf_max_shard_size": 0}, r"hf_max_shard_size=0 must be >= 1"),
+        ({"hf_max_shard_size": "5GB"}, r"hf_max_shard_size='5GB' must be a whole number"),
     ],
 )
 def test_bad_values_are_refused_naming_key_and_value(kwargs, match):

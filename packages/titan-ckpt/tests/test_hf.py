@@ -1,8 +1,12 @@
-"""Hugging Face export at the last save and import at the first load, through an adapter
-defined here (renames keys like a model package's adapter would)."""
+"""Hugging Face export at the last save and import at the first load in one process: through
+an adapter defined here with whole dicts only (renames keys like a model package's adapter
+would; titan-ckpt's fallback path), and through the streaming renaming adapter of
+workers/common.py into sharded files on an fsspec URL. A folder that does not fit the model
+is refused before any tensor is read. (Two FSDP2 ranks: test_hf_sharded.py.)"""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -83,3 +87,72 @@ def test_hf_folder_without_safetensors_is_refused(common, tmp_path):
     )
     with pytest.raises(FileNotFoundError, match=r"holds no \*.safetensors files"):
         manager.load()
+
+
+def test_sharded_export_and_import_through_an_fsspec_url(common, tmp_path):
+    pytest.importorskip("fsspec")
+    url = f"file://{tmp_path}/run"
+    model = common.make_model()
+    adapter = common.StreamingRenamingAdapter()
+    config = CheckpointConfig(enable=True, folder=url, last_save_in_hf=True, hf_max_shard_size=4096)
+    manager = CheckpointManager(config, model_parts=model, state_dict_adapter=adapter)
+    manager.save(2, last_step=True)
+    manager.close()
+    hf_dir = tmp_path / "run" / "step-2" / "hf"
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sorted(p.name for p in hf_dir.iterdir()) == sorted(
+        [*files, "config.json", "model.safetensors.index.json"]
+    )
+
+    fresh = common.make_model(seed=4)
+    loader = CheckpointManager(
+        CheckpointConfig(enable=True, folder=f"file://{tmp_path}/fresh",
+                         initial_load_path=f"file://{hf_dir}", initial_load_in_hf=True),
+        model_parts=fresh,
+        state_dict_adapter=adapter,
+    )  # fmt: skip
+    assert loader.load()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
+def mlp(*sizes: int) -> torch.nn.Sequential:
+    """Linear layers between ``sizes`` with ReLUs between them (keys 0, 2, 4, ...)."""
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers += [torch.nn.ReLU()] if i else []
+        layers.append(torch.nn.Linear(a, b))
+    return torch.nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize(
+    ("other", "error", "message"),
+    [
+        (mlp(16, 8, 32, 4), ValueError,
+         r"does not fit the model: 0.weight: \[32, 16\] in the checkpoint, \[8, 16\] in the"),
+        (mlp(16, 32, 32, 4, 4), KeyError, r"lacks model keys \['6.weight', '6.bias'\]"),
+        (mlp(16, 32), KeyError, r"keys no model part owns .*\['2.bias', '2.weight', '4.bias'"),
+    ],
+)  # fmt: skip
+def test_hf_folder_that_does_not_fit_is_refused_before_loading(
+    common, tmp_path, other, error, message
+):
+    adapter = common.StreamingRenamingAdapter()
+    config = CheckpointConfig(enable=True, folder=str(tmp_path / "run"), last_save_in_hf=True)
+    manager = CheckpointManager(config, model_parts=common.make_model(), state_dict_adapter=adapter)
+    manager.save(1, last_step=True)
+    manager.close()
+    target = other
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    loader = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(tmp_path / "fresh"),
+                         initial_load_path=str(tmp_path / "run" / "step-1" / "hf"),
+                         initial_load_in_hf=True),
+        model_parts=target,
+        state_dict_adapter=adapter,
+    )  # fmt: skip
+    with pytest.raises(error, match=message):
+        loader.load()
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())

@@ -2,17 +2,18 @@
 Face ``config.json``, converts DCP -> HF -> DCP bit-exactly (by ``diff``'s verdict).
 
 The model is a tiny Llama (hidden 48, 6 heads of 8, 2 KV heads, 2 layers, vocab 96) that
-matches no flavor. It goes through two adapters, each found the way titan-ckpt finds every
+matches no flavor. It goes through three adapters, each found the way titan-ckpt finds every
 adapter, through the ``titan.state_dict_adapters`` entry-point group:
 
-- ``test-llama``: defined below and installed for the test as a distribution on sys.path
-  (its own dist-info with entry_points.txt), so these tests run with titan-ckpt alone;
-- ``llama3``: titan-models' adapter, when titan-models is installed.
+- ``test-llama`` (whole dicts: the fallback) and ``test-llama-streaming`` (tensor by
+  tensor), defined in workers/llama_adapters.py and installed for the test as a
+  distribution on sys.path (its own dist-info with entry_points.txt), so these tests run
+  with titan-ckpt alone;
+- ``llama3``: titan-models' adapter (streaming), when titan-models is installed.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import json
 
@@ -38,97 +39,10 @@ CONFIG = {
     "eos_token_id": 8,
 }
 
-# A Llama adapter in the shape model packages give (titan names <-> HF names, q/k rows
-# permuted per head for HF's RoPE layout), built only from an HF config.
-ADAPTER_MODULE = """
-import re
-
-LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "vocab_size")
-
-
-def permute(w, heads, inverse=False):
-    rows, cols = w.shape
-    half = rows // heads // 2
-    split = (heads, 2, half, cols) if inverse else (heads, half, 2, cols)
-    return w.view(*split).transpose(1, 2).reshape(rows, cols)
-
-
-class TestLlamaAdapter:
-    def __init__(self, config):
-        self.config = {k: config[k] for k in SHAPE}
-        self.heads = {"q": config["num_attention_heads"], "k": config["num_key_value_heads"]}
-
-    def to_hf(self, state_dict):
-        out = {}
-        for key, value in state_dict.items():
-            if key in TOP:
-                out[TOP[key]] = value
-                continue
-            layer, rest = re.match(r"^layers\\.(\\d+)\\.(.+)$", key).groups()
-            hf = LAYER[rest]
-            if hf[10] in self.heads and hf.startswith("self_attn"):
-                value = permute(value, self.heads[hf[10]])
-            out[f"model.layers.{layer}.{hf}"] = value
-        return out
-
-    def from_hf(self, hf_state_dict):
-        top = {v: k for k, v in TOP.items()}
-        layers = {v: k for k, v in LAYER.items()}
-        out = {}
-        for key, value in hf_state_dict.items():
-            if key in top:
-                out[top[key]] = value
-                continue
-            layer, rest = re.match(r"^model\\.layers\\.(\\d+)\\.(.+)$", key).groups()
-            if rest[10] in self.heads and rest.startswith("self_attn"):
-                value = permute(value, self.heads[rest[10]], inverse=True)
-            out[f"layers.{layer}.{layers[rest]}"] = value
-        return out
-
-    def hf_config(self):
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **self.config}
-
-
-def make_adapter(*, flavor=None, hf_config=None):
-    if hf_config is None:
-        raise ValueError(f"test-llama has no flavor {flavor!r}; give hf_config=")
-    missing = [k for k in SHAPE if k not in hf_config]
-    if missing:
-        raise KeyError(f"the config lacks {missing}")
-    return TestLlamaAdapter(hf_config)
-"""
-
 
 @pytest.fixture
-def test_llama(tmp_path_factory, monkeypatch):
-    """Install the ``test-llama`` adapter as a distribution on sys.path for this test."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "titan_test_llama.py").write_text(ADAPTER_MODULE)
-    info = site / "titan_test_llama-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: titan-test-llama\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[titan.state_dict_adapters]\ntest-llama = titan_test_llama:make_adapter\n"
-    )
-    monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
+def test_llama(install_adapters):
+    """The whole-dict ``test-llama`` adapter (workers/llama_adapters.py), installed."""
     return "test-llama"
 
 
@@ -139,11 +53,12 @@ def installed_llama3() -> str:
     return "llama3"
 
 
-@pytest.fixture(params=["test-llama", "llama3"])
+@pytest.fixture(params=["test-llama", "test-llama-streaming", "llama3"])
 def adapter_name(request):
-    if request.param == "test-llama":
-        return request.getfixturevalue("test_llama")
-    return installed_llama3()
+    if request.param == "llama3":
+        return installed_llama3()
+    request.getfixturevalue("install_adapters")
+    return request.param
 
 
 @pytest.fixture
@@ -254,3 +169,25 @@ def test_adapter_factory_takes_hf_config(test_llama):
     assert adapter.hf_config()["num_key_value_heads"] == 2
     with pytest.raises(ValueError, match="has no flavor"):
         load_state_dict_adapter(test_llama, flavor="tiny")
+
+
+@pytest.mark.parametrize("name", ["test-llama-streaming", "llama3"])
+def test_streaming_adapter_refuses_unknown_keys_before_writing(
+    tiny_llama, install_adapters, name, tmp_path, titan_ckpt
+):
+    import torch.distributed.checkpoint as dcp
+
+    if name == "llama3":
+        installed_llama3()
+    _, config, state = tiny_llama
+    state = {**state, "layers.0.attention.wx.weight": torch.zeros(4, 4)}
+    step = tmp_path / "odd"
+    dcp.save(state, checkpoint_id=str(step), no_dist=True)
+    out = tmp_path / "out"
+    code, _, err = titan_ckpt("convert", step, out, "--to", "hf", "--model", name,
+                              "--hf-config", config)  # fmt: skip
+    assert code == 2, err
+    assert f"The {name!r} adapter cannot convert {step}: KeyError" in err
+    assert "wx" in err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []

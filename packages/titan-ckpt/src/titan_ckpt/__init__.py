@@ -3,12 +3,18 @@
 ``CheckpointManager`` saves the model parts (flattened by fully-qualified name, so checkpoints
 reshard across parallel layouts) and any ``Stateful`` states as DCP checkpoints in
 ``<folder>/step-<N>/``; a step becomes loadable only when its commit marker, which holds a
-manifest of file sizes and checksums, is written. ``StateDictAdapter`` is the seam through which
-model packages provide Hugging Face conversion.
+manifest of file sizes and checksums, is written. ``StateDictAdapter`` (and its
+tensor-by-tensor form, ``StreamingStateDictAdapter``) is the seam through which model
+packages provide Hugging Face conversion.
 """
 
 from titan_ckpt.__about__ import __version__
-from titan_ckpt.adapter import ADAPTER_ENTRY_POINT_GROUP, StateDictAdapter, load_state_dict_adapter
+from titan_ckpt.adapter import (
+    ADAPTER_ENTRY_POINT_GROUP,
+    StateDictAdapter,
+    StreamingStateDictAdapter,
+    load_state_dict_adapter,
+)
 from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
 from titan_ckpt.layout import (
     COMMIT_MARKER,
@@ -36,6 +42,7 @@ __all__ = [
     "OptimizerState",
     "StateDictAdapter",
     "Storage",
+    "StreamingStateDictAdapter",
     "__version__",
     "load_state_dict_adapter",
     "read_manifest",

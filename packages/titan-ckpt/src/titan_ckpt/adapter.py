@@ -10,17 +10,53 @@ package defines, or ``hf_config``, a Hugging Face ``config.json`` as a dict (fro
 folder, or from ``titan-ckpt convert --hf-config FILE`` for shapes no flavor has). A factory
 that cannot build an adapter from what it got raises ``ValueError`` (or ``KeyError``) saying
 why; ``titan-ckpt convert`` reports that as a usage error naming the adapter and the input.
+
+Two forms of conversion:
+
+- Whole dicts (required): ``to_hf(state_dict)`` and ``from_hf(hf_state_dict)`` take and
+  return complete state dicts, so whoever calls them holds the whole model once.
+- Streams (optional, ``StreamingStateDictAdapter``): ``to_hf_items(items)`` and
+  ``from_hf_items(items)`` take an iterable of ``(key, full tensor)`` pairs and yield the
+  converted pairs, so a conversion holds one tensor at a time. An output may need several
+  inputs (experts stacked into one tensor, a tied weight): the adapter keeps what it needs
+  until the output is complete, and yields it then. Two rules make the stream plannable:
+
+  1. the output (keys, shapes, dtypes, order) depends only on the input keys, shapes,
+     dtypes and order, never on tensor values;
+  2. the conversion works on ``meta`` tensors (views, permutes, reshapes, ``cat``: no
+     ``.item()``, no ``.numpy()``).
+
+  Writers need every output's shape before the first byte (a safetensors header, DCP's
+  plan), so titan-ckpt first runs the stream over ``meta`` tensors shaped like the input
+  (no data) and then over the real tensors, in the same order.
+
+``to_hf_items`` / ``from_hf_items`` below are what titan-ckpt calls: the adapter's own
+streaming methods when it has them, else the documented fallback, which collects the whole
+stream into a dict, calls ``to_hf`` / ``from_hf`` once and yields the result (one model copy
+in memory). ``streams(adapter)`` tells which applies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
-__all__ = ["ADAPTER_ENTRY_POINT_GROUP", "StateDictAdapter", "load_state_dict_adapter"]
+from titan_ckpt.streaming import TensorSpec
+
+__all__ = [
+    "ADAPTER_ENTRY_POINT_GROUP",
+    "StateDictAdapter",
+    "StreamingStateDictAdapter",
+    "from_hf_items",
+    "load_state_dict_adapter",
+    "plan_items",
+    "streams",
+    "to_hf_items",
+]
 
 ADAPTER_ENTRY_POINT_GROUP = "titan.state_dict_adapters"
 
@@ -40,6 +76,58 @@ class StateDictAdapter(Protocol):
     def hf_config(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` content for this model."""
         ...
+
+
+@runtime_checkable
+class StreamingStateDictAdapter(StateDictAdapter, Protocol):
+    """A ``StateDictAdapter`` that also converts tensor by tensor (see the module docstring
+    for the two rules a stream follows)."""
+
+    def to_hf_items(self, items: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Native ``(key, full tensor)`` pairs -> Hugging Face pairs, lazily."""
+        ...
+
+    def from_hf_items(self, items: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Hugging Face ``(key, tensor)`` pairs -> native pairs, lazily."""
+        ...
+
+
+def streams(adapter: StateDictAdapter) -> bool:
+    """Whether ``adapter`` converts tensor by tensor (else the whole-dict fallback is used)."""
+    return isinstance(adapter, StreamingStateDictAdapter)
+
+
+def to_hf_items(
+    adapter: StateDictAdapter, items: Iterable[tuple[str, Tensor]]
+) -> Iterator[tuple[str, Tensor]]:
+    """Native pairs -> Hugging Face pairs through ``adapter``, streaming when it can."""
+    if streams(adapter):
+        return iter(adapter.to_hf_items(items))  # type: ignore[attr-defined]
+    return iter(adapter.to_hf(dict(items)).items())  # fallback: one model copy
+
+
+def from_hf_items(
+    adapter: StateDictAdapter, items: Iterable[tuple[str, Tensor]]
+) -> Iterator[tuple[str, Tensor]]:
+    """Hugging Face pairs -> native pairs through ``adapter``, streaming when it can."""
+    if streams(adapter):
+        return iter(adapter.from_hf_items(items))  # type: ignore[attr-defined]
+    return iter(adapter.from_hf(dict(items)).items())  # fallback: one model copy
+
+
+def plan_items(
+    convert: Callable[[Iterable[tuple[str, Tensor]]], Iterator[tuple[str, Tensor]]],
+    specs: Iterable[tuple[str, TensorSpec]],
+) -> dict[str, TensorSpec]:
+    """The output keys, shapes and dtypes (in output order) of a streaming conversion,
+    found by running it over ``meta`` tensors of the input ``specs`` (no data is read)."""
+    inputs = ((k, torch.empty(shape, dtype=dtype, device="meta")) for k, (shape, dtype) in specs)
+    out: dict[str, TensorSpec] = {}
+    for key, value in convert(inputs):
+        if key in out:
+            raise ValueError(f"The state-dict adapter yielded {key!r} twice.")
+        out[key] = (tuple(value.shape), value.dtype)
+    return out
 
 
 def load_state_dict_adapter(

@@ -59,6 +59,10 @@ class CheckpointConfig:
     state-dict adapter; needs last_save_model_only."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the model tensors in a model-only last save."""
+    hf_max_shard_size: int = 5 << 30
+    """Largest safetensors file (bytes) of the last_save_in_hf export: beyond it the export is
+    split into model-0000k-of-0000n.safetensors files plus model.safetensors.index.json, as
+    Hugging Face shards checkpoints (not a torchtitan key)."""
     create_seed_checkpoint: bool = False
     """This run only writes the initial model as step-0 (model only, one process) and stops."""
     enable_first_step_checkpoint: bool = False
@@ -95,6 +99,7 @@ class CheckpointConfig:
                 "be kept. Use 0 (keep all) or >= 2."
             )
         _check_int("load_step", self.load_step, minimum=-1)
+        _check_int("hf_max_shard_size", self.hf_max_shard_size, minimum=1)
         if not isinstance(self.folder, str) or not self.folder:
             raise CheckpointConfigError(
                 f"checkpoint.folder={self.folder!r} must be a non-empty path or fsspec URL."

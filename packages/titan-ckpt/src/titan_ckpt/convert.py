@@ -10,7 +10,10 @@ interpreter, whatever the checkpoint's size:
 
 Model-aware HF conversion goes through a registered ``StateDictAdapter`` (``--model``), built
 from ``--flavor`` or a Hugging Face config (``--hf-config`` or the HF folder's config.json).
-Its methods take whole state dicts, so an HF conversion holds the model's weights once.
+An adapter with the streaming methods (``to_hf_items`` / ``from_hf_items``) converts tensor by
+tensor: its output layout is planned by a run over tensors without data, then the tensors
+stream through it into the writer. An adapter without them converts the whole state dict at
+once, and the conversion then holds the model's weights once.
 
 The output is written into a temporary sibling of the destination and renamed into place at
 the end: a failed conversion leaves nothing behind.
@@ -22,20 +25,20 @@ import fnmatch
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
+from titan_ckpt.adapter import from_hf_items, plan_items, streams, to_hf_items
 from titan_ckpt.layout import Manifest, read_manifest, write_commit
+from titan_ckpt.shards import write_safetensors_shards
 from titan_ckpt.sources import (
-    OBJECT_PREFIX,
-    TORCH_TO_ST,
     Source,
     batches,
     encode_object,
@@ -48,9 +51,6 @@ from titan_ckpt.streaming import TensorSpec, save_dcp_streaming, save_torch_stre
 __all__ = ["ConvertError", "ConvertOptions", "convert", "parse_size", "read_hf_config"]
 
 TARGETS = ("dcp", "torch", "safetensors", "hf")
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-_ALIGN = 8  # safetensors pads its header so tensor data starts 8-byte aligned
 
 
 class ConvertError(ValueError):
@@ -296,100 +296,61 @@ def _write_safetensors(
     }
     single = out if out.endswith(".safetensors") else None
     values = _stream(source, tensor_keys, options)
-    return _write_shards(out, specs, values, objects, options.max_shard_size, single=single)
+    return write_safetensors_shards(
+        LocalStorage(),
+        out,
+        specs,
+        values,
+        max_shard_size=options.max_shard_size,
+        objects=objects,
+        single=single,
+    )
 
 
-def _write_shards(
-    folder: str,
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    values: Any,
-    objects: dict[str, str],
-    max_shard_size: int,
-    *,
-    single: str | None = None,
-) -> int:
-    """Write tensors (in ``specs`` order, fed by ``values``) as safetensors shards + index."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key, (shape, dtype) in specs.items():
-        n = _numel(shape) * dtype.itemsize
-        if shards[-1] and size + n > max_shard_size and single is None:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += n
-    if len(shards) == 1:
-        names = [SINGLE_NAME]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    written = 0
-    weight_map = {}
-    it = iter(values)
-    for shard_index, (name, shard_keys) in enumerate(zip(names, shards, strict=True)):
-        header: dict[str, Any] = {}
-        offset = 0
-        for key in shard_keys:
-            shape, dtype = specs[key]
-            n = _numel(shape) * dtype.itemsize
-            header[key] = {
-                "dtype": TORCH_TO_ST[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + n],
-            }
-            offset += n
-            weight_map[key] = name
-        if shard_index == 0 and objects:
-            header["__metadata__"] = {f"{OBJECT_PREFIX}{k}": v for k, v in objects.items()}
-        elif shard_index == 0:
-            header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % _ALIGN)
-        path = single or os.path.join(folder, name)
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for key in shard_keys:
-                got, value = next(it)
-                if got != key:
-                    raise RuntimeError(f"internal: expected {key}, streamed {got}")
-                shape, dtype = specs[key]
-                if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                    raise RuntimeError(
-                        f"{key}: got {list(value.shape)} {value.dtype}, the header says "
-                        f"{list(shape)} {dtype}"
-                    )
-                data = value.detach().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))
-                written += data.numel()
-                # Drop the tensor before the next batch is read: peak memory stays about
-                # one batch (at most the largest tensor) plus DCP's one temporary per tensor.
-                del value, data
-            f.flush()
-            os.fsync(f.fileno())
-    for extra, _ in it:  # runs the stream to its end: last progress update, then its close
-        raise RuntimeError(f"internal: {extra} was streamed but not in the header")
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": written}, "weight_map": weight_map}
-        with open(os.path.join(folder, INDEX_NAME), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-    return written
+def _model_specs(
+    source: Source, keys: list[str], options: ConvertOptions
+) -> list[tuple[str, TensorSpec]]:
+    """(key, (shape, dtype)) of the model tensors an HF conversion reads, in stream order."""
+    others = [k for k in keys if not source.entries[k].is_tensor]
+    if others:
+        raise ConvertError(
+            f"{source.path} holds non-tensor model entries {others[:3]}, which a Hugging Face "
+            "model has no place for; drop them with --exclude."
+        )
+    return [
+        (k, (source.entries[k].shape or (), _out_dtype(source, k, options.dtype))) for k in keys
+    ]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _plan(
+    convert: Any, source: Source, keys: list[str], options: ConvertOptions
+) -> dict[str, TensorSpec]:
+    """The output layout of a streaming adapter, from a run over tensors without data."""
+    try:
+        return plan_items(convert, _model_specs(source, keys, options))
+    except (KeyError, ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+        raise ConvertError(
+            f"The {options.model!r} adapter cannot convert {source.path}: "
+            f"{type(error).__name__}: {error}"
+        ) from None
 
 
 def _write_hf(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    native = dict(_stream(source, keys, options))
-    hf = adapter.to_hf(native)
-    del native
-    specs = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
-    written = _write_shards(out, specs, iter(hf.items()), {}, options.max_shard_size)
+    convert = partial(to_hf_items, adapter)
+    if streams(adapter):
+        specs = _plan(convert, source, keys, options)
+        values: Iterator[tuple[str, Any]] = convert(_stream(source, keys, options))
+    else:  # the whole-dict fallback: the model is held once
+        _model_specs(source, keys, options)
+        hf = dict(convert(_stream(source, keys, options)))
+        specs = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
+        values = iter(hf.items())
+        del hf
+    written = write_safetensors_shards(
+        LocalStorage(), out, specs, values, max_shard_size=options.max_shard_size
+    )
     with open(os.path.join(out, "config.json"), "w") as f:
         # From --hf-config: its keys that the adapter does not set (token ids, ...) stay.
         given = read_hf_config(options.hf_config) if options.hf_config is not None else {}
@@ -397,7 +358,7 @@ def _write_hf(
         if options.dtype is not None:
             config["torch_dtype"] = str(options.dtype).removeprefix("torch.")
         else:
-            dtypes = {v.dtype for v in hf.values() if v.is_floating_point()}
+            dtypes = {dtype for _, dtype in specs.values() if dtype.is_floating_point}
             if len(dtypes) == 1:
                 config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")
         json.dump(config, f, indent=2, sort_keys=True)
@@ -413,9 +374,13 @@ def _planned(
     """What a DCP or torch.save writer needs: every tensor's (shape, dtype) up front, the
     non-tensor values (small), and the tensors as a bounded stream."""
     if adapter is not None:
-        # Adapters convert whole state dicts: the model is held once (HF -> native).
-        native = adapter.from_hf(dict(_stream(source, keys, options)))
-        native = {k: _cast(v, options.dtype) for k, v in native.items()}
+        convert = partial(from_hf_items, adapter)
+        if streams(adapter):
+            specs = _plan(convert, source, keys, options)
+            return specs, {}, convert(_stream(source, keys, options))
+        # The whole-dict fallback: the model is held once (HF -> native).
+        _model_specs(source, keys, options)
+        native = dict(convert(_stream(source, keys, options)))
         specs = {k: (tuple(v.shape), v.dtype) for k, v in native.items()}
         return specs, {}, iter(native.items())
     object_keys = [k for k in keys if not source.entries[k].is_tensor]

@@ -1,31 +1,51 @@
 """Hugging Face safetensors export and import of the model, through a ``StateDictAdapter``.
 
-Export gathers the full (unsharded) model on rank 0, converts it with ``adapter.to_hf`` and
-writes ``model.safetensors`` plus ``config.json``. Import reads every ``*.safetensors`` file of
-a folder on each rank, converts back with ``adapter.from_hf`` and lets torch shard the full
-tensors into the (possibly FSDP/TP) model parts.
+Export goes one parameter at a time: every rank takes part in gathering each parameter in
+turn (``DTensor.full_tensor()``, cast to the export dtype first, so the gather moves export
+bytes); rank 0 streams the full tensors through the adapter into safetensors files of at
+most ``max_shard_size`` bytes (``model-0000k-of-0000n.safetensors`` plus
+``model.safetensors.index.json``, or one ``model.safetensors``), and writes ``config.json``.
+Rank 0 holds about one tensor beyond its own shards, the other ranks one gathered tensor.
+
+Import reads the folder lazily (the index when there is one, else every ``*.safetensors``):
+each tensor is read from its byte range, converted by the adapter, and each rank copies its
+own slice of it into its (possibly FSDP/TP-sharded) parameter before the next tensor is
+read. The keys and shapes are checked against the model before any tensor data is read.
+
+An adapter without the streaming methods (see ``titan_ckpt.adapter``) goes through its
+whole-dict ``to_hf``/``from_hf``: rank 0 (export) or every rank (import) then holds the
+whole model once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import struct
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_ckpt.adapter import StateDictAdapter
+from titan_ckpt.adapter import (
+    StateDictAdapter,
+    from_hf_items,
+    plan_items,
+    streams,
+    to_hf_items,
+)
+from titan_ckpt.shards import INDEX_NAME, write_safetensors_shards
+from titan_ckpt.sources import ST_DTYPES
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
+from titan_ckpt.streaming import TensorSpec
 
 __all__ = ["load_hf", "require_safetensors", "save_hf"]
 
-HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
 
 
@@ -40,60 +60,184 @@ def require_safetensors(what: str) -> None:
         ) from None
 
 
+# --- export --------------------------------------------------------------------------------
+
+
 def save_hf(
     storage: Storage,
     directory: str,
     model: ModelState,
     adapter: StateDictAdapter,
     dtype: torch.dtype,
+    max_shard_size: int = 5 << 30,
+    *,
+    writer: bool | None = None,
 ) -> None:
-    """Write the model as a Hugging Face folder at ``directory`` (rank 0 writes; all gather)."""
-    from safetensors.torch import save
+    """Write the model as a Hugging Face folder at ``directory``: every rank gathers each
+    parameter in turn, the ``writer`` rank (default: global rank 0) converts and writes
+    (sharded above ``max_shard_size``)."""
+    parts = [get_model_state_dict(part) for part in model.model_parts]
+    specs = [
+        (k, (tuple(v.shape), dtype if v.is_floating_point() else v.dtype))
+        for sd in parts
+        for k, v in sd.items()
+    ]
+    if writer is None:
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+    planned = None
+    if streams(adapter):
+        # On every rank, before the first gather: a bad adapter fails everywhere at once.
+        planned = plan_items(partial(to_hf_items, adapter), specs)
 
-    full: dict[str, Any] = {}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    for part in model.model_parts:
-        full.update(get_model_state_dict(part, options=options))  # collective under FSDP/TP
-    if dist.is_initialized() and dist.get_rank() != 0:
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        # Every rank walks the same keys in the same order: each full_tensor() is one
+        # collective that all ranks of the parameter's mesh enter together.
+        for sd in parts:
+            for key, value in sd.items():
+                value = value.detach()
+                if value.is_floating_point():
+                    value = value.to(dtype)
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                yield key, value.cpu()
+                del value  # before the next gather: one full tensor at a time
+
+    if not writer:
+        for _ in gathered():
+            pass
         return
-    hf = adapter.to_hf(full)
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in hf.items()}
+    values = to_hf_items(adapter, gathered())
+    if planned is None:  # the whole-dict fallback: rank 0 holds the model once
+        hf = dict(values)
+        planned = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
+        values = iter(hf.items())
+        del hf
     storage.makedirs(directory)
-    storage.write_atomic(storage.join(directory, HF_WEIGHTS), save(tensors))
-    config = json.dumps(adapter.hf_config(), indent=2, sort_keys=True).encode()
-    storage.write_atomic(storage.join(directory, HF_CONFIG), config)
+    write_safetensors_shards(storage, directory, planned, values, max_shard_size=max_shard_size)
+    config = adapter.hf_config()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    text = json.dumps(config, indent=2, sort_keys=True).encode()
+    storage.write_atomic(storage.join(directory, HF_CONFIG), text)
+
+
+# --- import --------------------------------------------------------------------------------
+
+
+class _Tensors:
+    """The tensors of a Hugging Face folder, read lazily (headers first, data per key)."""
+
+    def __init__(self, storage: Storage, directory: str) -> None:
+        self.storage = storage
+        names = storage.list(directory)
+        if INDEX_NAME in names:
+            with storage.open(storage.join(directory, INDEX_NAME), "rb") as f:
+                weight_map = json.loads(f.read())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(n for n in names if n.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"checkpoint.initial_load_path={directory!r} holds no *.safetensors files; "
+                "with initial_load_in_hf=true it must be a Hugging Face model folder."
+            )
+        self.where: dict[str, tuple[str, int, int]] = {}  # key -> (file, begin, end)
+        self.specs: dict[str, TensorSpec] = {}
+        for name in files:
+            path = storage.join(directory, name)
+            with storage.open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for key, spec in header.items():
+                if spec["dtype"] not in ST_DTYPES:
+                    raise ValueError(f"{path}: {key} has a dtype titan-ckpt does not read.")
+                begin, end = spec["data_offsets"]
+                self.where[key] = (path, 8 + n + begin, 8 + n + end)
+                self.specs[key] = (tuple(spec["shape"]), ST_DTYPES[spec["dtype"]])
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in key order (as ``titan-ckpt convert`` reads them), each read into
+        memory of its own (not mapped: mapped pages would stay resident)."""
+        with contextlib.ExitStack() as stack:
+            opened: dict[str, Any] = {}
+            for key in sorted(self.where):
+                path, begin, end = self.where[key]
+                if path not in opened:
+                    opened[path] = stack.enter_context(self.storage.open(path, "rb"))
+                shape, dtype = self.specs[key]
+                tensor = torch.empty(shape, dtype=dtype)
+                if end > begin:
+                    _read_into(opened[path], begin, tensor, f"{path} ends inside {key}")
+                yield key, tensor
+                del tensor
+
+
+def _read_into(f: Any, offset: int, tensor: torch.Tensor, truncated: str) -> None:
+    f.seek(offset)
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise OSError(f"{truncated}: a truncated file?")
+        done += got
 
 
 def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateDictAdapter) -> None:
-    """Load the model parts from the Hugging Face folder at ``directory``."""
-    from safetensors.torch import load
-
-    files = sorted(n for n in storage.list(directory) if n.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"checkpoint.initial_load_path={directory!r} holds no *.safetensors files; with "
-            "initial_load_in_hf=true it must be a Hugging Face model folder."
-        )
-    hf: dict[str, torch.Tensor] = {}
-    for name in files:
-        with storage.open(storage.join(directory, name), "rb") as f:
-            hf.update(load(f.read()))
-    native = adapter.from_hf(hf)
-    claimed: set[str] = set()
+    """Load the model parts from the Hugging Face folder at ``directory``, one tensor at a
+    time (see the module docstring)."""
+    source = _Tensors(storage, directory)
+    targets: dict[str, torch.Tensor] = {}
     for part in model.model_parts:
-        template = get_model_state_dict(part)
-        missing = [k for k in template if k not in native]
-        if missing:
-            raise KeyError(
-                f"The Hugging Face checkpoint in {directory} lacks model keys {missing[:5]} "
-                f"(of {len(missing)}) after adapter.from_hf."
-            )
-        claimed |= template.keys()
-        sd = {k: native[k].to(template[k].dtype) for k in template}
-        set_model_state_dict(part, sd, options=StateDictOptions(full_state_dict=True, strict=False))
-    unused = sorted(set(native) - claimed)
+        targets.update(get_model_state_dict(part))
+    if streams(adapter):
+        planned = plan_items(partial(from_hf_items, adapter), source.specs.items())
+        _check_keys(directory, planned, targets)
+        native = from_hf_items(adapter, source.items())
+    else:  # the whole-dict fallback: every rank holds the model once
+        loaded = dict(from_hf_items(adapter, source.items()))
+        _check_keys(directory, {k: (tuple(v.shape), v.dtype) for k, v in loaded.items()}, targets)
+        native = iter(loaded.items())
+        del loaded
+    for key, value in native:
+        _copy_into(targets[key], value)
+        del value  # before the next tensor is read
+
+
+def _check_keys(
+    directory: str, native: dict[str, TensorSpec], targets: dict[str, torch.Tensor]
+) -> None:
+    missing = [k for k in targets if k not in native]
+    if missing:
+        raise KeyError(
+            f"The Hugging Face checkpoint in {directory} lacks model keys {missing[:5]} "
+            f"(of {len(missing)}) after the adapter's conversion."
+        )
+    unused = sorted(set(native) - set(targets))
     if unused:
         raise KeyError(
             f"The Hugging Face checkpoint in {directory} has keys no model part owns after "
-            f"adapter.from_hf: {unused[:5]} (of {len(unused)})."
+            f"the adapter's conversion: {unused[:5]} (of {len(unused)})."
         )
+    wrong = [
+        f"{k}: {list(native[k][0])} in the checkpoint, {list(v.shape)} in the model"
+        for k, v in targets.items()
+        if tuple(native[k][0]) != tuple(v.shape)
+    ]
+    if wrong:
+        raise ValueError(
+            f"The Hugging Face checkpoint in {directory} does not fit the model: "
+            f"{'; '.join(wrong[:3])} (of {len(wrong)} tensors)."
+        )
+
+
+@torch.no_grad()
+def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full tensor ``full`` into the model tensor ``target``."""
+    full = full.to(target.dtype)
+    if isinstance(target, DTensor):
+        # Each rank cuts its own slice from the full tensor it holds: no communication.
+        mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
+    else:
+        target.copy_(full)

@@ -322,7 +322,15 @@ class CheckpointManager:
         if hf:
             assert self.adapter is not None  # checked in _validate
             hf_dir = self.storage.join(directory, HF_SUBDIR)
-            save_hf(self.storage, hf_dir, self.model, self.adapter, self.config.export_torch_dtype)
+            save_hf(
+                self.storage,
+                hf_dir,
+                self.model,
+                self.adapter,
+                self.config.export_torch_dtype,
+                max_shard_size=self.config.hf_max_shard_size,
+                writer=self._rank == 0,
+            )
         # Every rank hashes the data files it wrote (DCP's filesystem writer names them
         # __<rank>_<n>.distcp), so the commit costs one rank's share, not the whole state.
         own = hash_files(self.storage, directory, prefix=f"__{self._rank}_")

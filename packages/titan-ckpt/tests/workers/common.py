@@ -106,3 +106,43 @@ def write_result(name: str, payload: dict) -> None:
     path = os.path.join(sys.argv[1], f"{name}-rank{rank}.json")
     with open(path, "w") as f:
         json.dump(payload, f)
+
+
+class StreamingRenamingAdapter:
+    """Native "0.weight" <-> HF "model.layers.0.weight", in the streaming form of titan-ckpt's
+    adapter protocol (``to_hf_items``/``from_hf_items``) and the whole-dict one."""
+
+    def to_hf_items(self, items):
+        for key, value in items:
+            yield f"model.layers.{key}", value
+
+    def from_hf_items(self, items):
+        for key, value in items:
+            yield key.removeprefix("model.layers."), value
+
+    def to_hf(self, state_dict):
+        return dict(self.to_hf_items(state_dict.items()))
+
+    def from_hf(self, hf_state_dict):
+        return dict(self.from_hf_items(hf_state_dict.items()))
+
+    def hf_config(self) -> dict:
+        return {"architectures": ["TinyMLP"], "hidden_size": 32}
+
+
+def llama3_args():
+    """A tiny titan Llama 3 (dim 64, 2 layers, 4 heads, 2 KV heads, vocab 256); needs
+    titan-models."""
+    from titan_models import Llama3Args
+
+    return Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)
+
+
+def make_llama3(seed: int = 0) -> nn.Module:
+    """The tiny Llama 3 with initial weights from ``seed``, the same on every rank."""
+    from titan_models import Llama3
+
+    torch.manual_seed(seed)
+    model = Llama3(llama3_args())
+    model.init_weights()
+    return model

@@ -1,6 +1,8 @@
 """The Hugging Face adapter, checked against transformers' own LlamaForCausalLM (built from
 the adapter's config.json, no download; skipped without the test extra): same weights give
-the same logits. Round trips and name mapping need no transformers."""
+the same logits. Round trips and name mapping need no transformers. The streaming form
+(``to_hf_items``/``from_hf_items``, what titan-ckpt uses to convert one tensor at a time)
+is lazy, gives what the whole-dict form gives, and plans the same layout on meta tensors."""
 
 from __future__ import annotations
 
@@ -84,3 +86,55 @@ def test_make_adapter_needs_exactly_one_source():
         make_adapter()
     with pytest.raises(ConfigError, match="exactly one"):
         make_adapter(flavor="8B", hf_config={})
+
+
+def pulled_lazily(convert, items):
+    """Run ``convert`` over ``items``; check it takes one input per output; return the output."""
+    taken = []
+
+    def source():
+        for key, value in items:
+            taken.append(key)
+            yield key, value
+
+    stream = convert(source())
+    out = [next(stream)]
+    assert len(taken) == 1  # the first output came before the second input was read
+    out += list(stream)
+    assert len(taken) == len(items)
+    return out
+
+
+def test_streaming_form_is_lazy_equals_whole_dicts_and_plans_on_meta(tiny, titan_model):
+    adapter = Llama3StateDictAdapter(tiny.tiny_args())
+    state = list(titan_model.state_dict().items())
+    hf = pulled_lazily(adapter.to_hf_items, state)
+    whole = adapter.to_hf(dict(state))
+    assert [k for k, _ in hf] == list(whole)
+    assert all(torch.equal(v, whole[k]) for k, v in hf)
+    back = pulled_lazily(adapter.from_hf_items, hf)
+    assert all(torch.equal(v, dict(state)[k]) for k, v in back)
+    # The layout (keys, shapes, dtypes, order) comes out the same from tensors without data.
+    for convert, items in ((adapter.to_hf_items, state), (adapter.from_hf_items, hf)):
+        meta = convert((k, v.to("meta")) for k, v in items)
+        real = convert(iter(items))
+        assert [(k, v.shape, v.dtype) for k, v in meta] == [(k, v.shape, v.dtype) for k, v in real]
+
+
+def test_streaming_tied_checkpoint_yields_the_embedding_as_output_last(tiny, titan_model):
+    adapter = Llama3StateDictAdapter(tiny.tiny_args())
+    hf = adapter.to_hf(titan_model.state_dict())
+    lm_head = hf.pop("lm_head.weight")
+    out = list(adapter.from_hf_items(sorted(hf.items())))
+    assert out[-1][0] == "output.weight"
+    assert out[-1][1] is hf["model.embed_tokens.weight"]
+    # With lm_head in the stream (first, as HF names sort), it is the output weight.
+    out = dict(adapter.from_hf_items(sorted({**hf, "lm_head.weight": lm_head}.items())))
+    assert out["output.weight"] is lm_head
+
+
+def test_adapter_is_a_streaming_state_dict_adapter_of_titan_ckpt(tiny):
+    titan_ckpt = pytest.importorskip("titan_ckpt.adapter")
+    adapter = Llama3StateDictAdapter(tiny.tiny_args())
+    assert isinstance(adapter, titan_ckpt.StreamingStateDictAdapter)
+    assert titan_ckpt.streams(adapter)

@@ -7,14 +7,15 @@ rotates ``(i, i + head_dim/2)``, so ``wq``/``wk`` rows are permuted within every
 converting. The adapter needs the model's shape for that (heads, kv heads), which it takes
 from a flavor or from an HF ``config.json``.
 
-The adapter is a structural match of titan-ckpt's state-dict-adapter protocol and is
+The adapter is a structural match of titan-ckpt's state-dict-adapter protocol, streaming
+form included (tensor by tensor, so a conversion holds one tensor at a time), and is
 registered under the entry-point group ``titan.state_dict_adapters`` as ``llama3``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -58,18 +59,27 @@ def _to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Llama3StateDictAdapter:
-    """Maps full (unsharded) Llama 3 state dicts to and from ``LlamaForCausalLM`` naming."""
+    """Maps full (unsharded) Llama 3 state dicts to and from ``LlamaForCausalLM`` naming.
+
+    The mapping is per tensor, so the adapter has titan-ckpt's streaming form
+    (``to_hf_items``/``from_hf_items``: one ``(key, tensor)`` pair in, one out, lazily;
+    the output depends on names and shapes only, so it also runs on ``meta`` tensors);
+    ``to_hf``/``from_hf`` are the same mapping over whole dicts.
+    """
 
     def __init__(self, args: Llama3Args) -> None:
         self.args = args
 
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """titan names and layouts -> HF's. Unknown keys raise ``KeyError``."""
+    def to_hf_items(
+        self, items: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """titan ``(key, tensor)`` pairs -> HF's, one at a time. Unknown keys raise
+        ``KeyError``."""
         heads = {"wq": self.args.n_heads, "wk": self.args.kv_heads}
-        out: dict[str, torch.Tensor] = {}
-        for key, value in state_dict.items():
+        for key, value in items:
             if key in _TOP_NAMES:
-                out[_TOP_NAMES[key]] = value
+                yield _TOP_NAMES[key], value
+                del value
                 continue
             match = _TITAN_LAYER.match(key)
             if match is None or match.group(2) not in _LAYER_NAMES:
@@ -78,22 +88,33 @@ class Llama3StateDictAdapter:
             proj = rest.split(".")[1]
             if proj in heads:
                 value = _to_half_split(value, heads[proj])
-            out[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = value
-        return out
+            yield f"model.layers.{layer}.{_LAYER_NAMES[rest]}", value
+            del value  # hold nothing while the next input is read
 
-    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF names and layouts -> titan's. A checkpoint with tied embeddings (no
-        ``lm_head.weight``, e.g. Llama 3.2 1B/3B) gets ``output.weight`` as a copy of the
-        embedding; rotary ``inv_freq`` buffers are dropped."""
+    def from_hf_items(
+        self, items: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF ``(key, tensor)`` pairs -> titan's, one at a time; rotary ``inv_freq`` buffers
+        are dropped. With tied embeddings (no ``lm_head.weight``, e.g. Llama 3.2 1B/3B) the
+        embedding is yielded again as ``output.weight`` at the end of the stream; until
+        ``lm_head.weight`` has been seen, the embedding is kept for that (HF names sort
+        ``lm_head`` first, so a stream in key order keeps nothing)."""
         heads = {"q_proj": self.args.n_heads, "k_proj": self.args.kv_heads}
         top = {hf: titan for titan, hf in _TOP_NAMES.items()}
         layer_names = {hf: titan for titan, hf in _LAYER_NAMES.items()}
-        out: dict[str, torch.Tensor] = {}
-        for key, value in hf_state_dict.items():
+        embedding: torch.Tensor | None = None
+        has_output = False
+        for key, value in items:
             if key.endswith("rotary_emb.inv_freq"):
                 continue
             if key in top:
-                out[top[key]] = value
+                name = top[key]
+                if name == "output.weight":
+                    has_output, embedding = True, None
+                elif name == "tok_embeddings.weight" and not has_output:
+                    embedding = value
+                yield name, value
+                del value
                 continue
             match = _HF_LAYER.match(key)
             if match is None or match.group(2) not in layer_names:
@@ -102,9 +123,23 @@ class Llama3StateDictAdapter:
             proj = rest.split(".")[1]
             if proj in heads:
                 value = _to_interleaved(value, heads[proj])
-            out[f"layers.{layer}.{layer_names[rest]}"] = value
-        if "output.weight" not in out and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"].clone()
+            yield f"layers.{layer}.{layer_names[rest]}", value
+            del value  # hold nothing while the next input is read
+        if not has_output and embedding is not None:
+            yield "output.weight", embedding
+
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """titan names and layouts -> HF's. Unknown keys raise ``KeyError``."""
+        return dict(self.to_hf_items(state_dict.items()))
+
+    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF names and layouts -> titan's. A checkpoint with tied embeddings (no
+        ``lm_head.weight``, e.g. Llama 3.2 1B/3B) gets ``output.weight`` as a copy of the
+        embedding; rotary ``inv_freq`` buffers are dropped."""
+        out = dict(self.from_hf_items(hf_state_dict.items()))
+        tied = out.get("output.weight")
+        if tied is not None and tied is out.get("tok_embeddings.weight"):
+            out["output.weight"] = tied.clone()
         return out
 
     def hf_config(self) -> dict[str, Any]:

@@ -1,0 +1,91 @@
+"""Two FSDP2 ranks export the last save as a sharded Hugging Face folder, then a fresh
+FSDP2 model loads it back with ``initial_load_in_hf``.
+
+Usage: save_hf.py OUT_DIR KIND SHARD_BYTES, KIND ``mlp`` (the tiny MLP, a streaming renaming
+adapter) or ``llama3`` (titan-models' tiny Llama 3 and its adapter). The HF folder is
+OUT_DIR/run/step-3/hf. Each rank reports whether the reloaded weights equal the saved ones.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from common import (
+    StreamingRenamingAdapter,
+    full_params,
+    init,
+    llama3_args,
+    make_llama3,
+    make_model,
+    shard,
+    write_result,
+)
+from torch.distributed.fsdp import fully_shard
+
+from titan_ckpt import CheckpointConfig, CheckpointManager
+
+
+def build(kind: str, seed: int):
+    if kind == "mlp":
+        return shard(make_model(seed=seed)), StreamingRenamingAdapter()
+    from titan_models import Llama3StateDictAdapter
+
+    model = make_llama3(seed)
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    return model, Llama3StateDictAdapter(llama3_args())
+
+
+def main() -> None:
+    init()
+    out, kind, shard_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model, adapter = build(kind, seed=0)
+    saved = full_params(model)
+    manager = CheckpointManager(
+        CheckpointConfig(enable=True, folder=os.path.join(out, "run"), last_save_in_hf=True,
+                         hf_max_shard_size=shard_bytes),
+        model_parts=[model],
+        state_dict_adapter=adapter,
+    )  # fmt: skip
+    manager.save(3, last_step=True)
+    manager.close()
+
+    fresh, adapter = build(kind, seed=5)
+    with torch.no_grad():  # norms start at 1 whatever the seed: move every weight away
+        for p in fresh.parameters():
+            p.add_(1.0)
+    before = full_params(fresh)
+    loader = CheckpointManager(
+        CheckpointConfig(enable=True, folder=os.path.join(out, "fresh"),
+                         initial_load_path=os.path.join(out, "run", "step-3", "hf"),
+                         initial_load_in_hf=True),
+        model_parts=[fresh],
+        state_dict_adapter=adapter,
+    )  # fmt: skip
+    loaded = loader.load()
+    loader.close()
+    after = full_params(fresh)
+    local = {k: p.to_local().numel() for k, p in fresh.named_parameters()}
+    write_result(
+        f"hf-{kind}",
+        {
+            "loaded": loaded,
+            "keys": sorted(saved),
+            "fresh_differed": sorted(k for k in saved if before[k] != saved[k]),
+            "not_restored": sorted(k for k in saved if after[k] != saved[k]),
+            "local_numel": sum(local.values()),
+            "full_numel": sum(len(v) for v in saved.values()),
+        },
+    )
+    del model, fresh, manager, loader
+
+
+if __name__ == "__main__":
+    main()
+    gc.collect()  # free FSDP state (it holds gloo work) while the group exists
+    dist.destroy_process_group()
