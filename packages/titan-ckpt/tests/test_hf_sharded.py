@@ -63,6 +63,23 @@ def test_fsdp_export_is_sharded_with_an_index_and_loads_back(common, torchrun, r
         check_restored(result)
 
 
+def test_pipeline_stages_export_every_parameter_and_load_their_own(
+    common, torchrun, results, tmp_path
+):
+    # 2 stages x 2 FSDP ranks: rank 0 holds only stage 0's layers; stage 1's reach it from
+    # rank 2. Loading back, each stage takes its own layers from the full folder.
+    check(torchrun("save_hf.py", 4, str(tmp_path), "pp", "4096"))
+    index, tensors = read_export(tmp_path / "run" / "step-3" / "hf")
+    reference = common.make_model(seed=0).state_dict()
+    assert set(index["weight_map"]) == {f"model.layers.{k}" for k in reference}
+    for key, value in reference.items():
+        assert torch.equal(tensors[f"model.layers.{key}"], value), key
+    stage_keys = [["0.bias", "0.weight", "2.bias", "2.weight"]] * 2 + [["4.bias", "4.weight"]] * 2
+    for result, keys in zip(results(tmp_path, "hf-pp", 4), stage_keys, strict=True):
+        assert result["keys"] == keys
+        check_restored(result)
+
+
 def test_llama3_sharded_export_loads_in_transformers(common, torchrun, results, tmp_path):
     pytest.importorskip("titan_models")
     transformers = pytest.importorskip("transformers")

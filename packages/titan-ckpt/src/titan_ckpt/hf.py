@@ -6,11 +6,15 @@ bytes); rank 0 streams the full tensors through the adapter into safetensors fil
 most ``max_shard_size`` bytes (``model-0000k-of-0000n.safetensors`` plus
 ``model.safetensors.index.json``, or one ``model.safetensors``), and writes ``config.json``.
 Rank 0 holds about one tensor beyond its own shards, the other ranks one gathered tensor.
+Under pipeline parallelism ranks hold different parameters: the lowest rank holding a
+parameter sends its gathered copy to rank 0, so the export still holds every parameter.
 
 Import reads the folder lazily (the index when there is one, else every ``*.safetensors``):
 each tensor is read from its byte range, converted by the adapter, and each rank copies its
 own slice of it into its (possibly FSDP/TP-sharded) parameter before the next tensor is
-read. The keys and shapes are checked against the model before any tensor data is read.
+read. The keys and shapes are checked against the model before any tensor data is read
+(under pipeline parallelism, against the parameters of all stages together; each rank
+keeps the ones its stages hold).
 
 An adapter without the streaming methods (see ``titan_ckpt.adapter``) goes through its
 whole-dict ``to_hf``/``from_hf``: rank 0 (export) or every rank (import) then holds the
@@ -76,31 +80,45 @@ def save_hf(
     """Write the model as a Hugging Face folder at ``directory``: every rank gathers each
     parameter in turn, the ``writer`` rank (default: global rank 0) converts and writes
     (sharded above ``max_shard_size``)."""
-    parts = [get_model_state_dict(part) for part in model.model_parts]
-    specs = [
-        (k, (tuple(v.shape), dtype if v.is_floating_point() else v.dtype))
-        for sd in parts
-        for k, v in sd.items()
+    local: dict[str, torch.Tensor] = {}
+    for part in model.model_parts:
+        local.update(get_model_state_dict(part))
+    local_specs = [
+        (k, (tuple(v.shape), dtype if v.is_floating_point() else v.dtype)) for k, v in local.items()
     ]
     if writer is None:
         writer = not dist.is_initialized() or dist.get_rank() == 0
+    # Which rank sends each parameter to the writer: None where the writer holds it.
+    specs, senders, writer_rank = _owners(local_specs, writer)
     planned = None
     if streams(adapter):
         # On every rank, before the first gather: a bad adapter fails everywhere at once.
         planned = plan_items(partial(to_hf_items, adapter), specs)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # The writer receives into memory on its model's device (the backend's device).
+    recv_device = next(iter(local.values())).device if local else torch.device("cpu")
 
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
         # Every rank walks the same keys in the same order: each full_tensor() is one
-        # collective that all ranks of the parameter's mesh enter together.
-        for sd in parts:
-            for key, value in sd.items():
+        # collective that all ranks of the parameter's mesh enter together, and each send
+        # meets the writer's receive for the same key.
+        for key, (shape, spec_dtype) in specs:
+            value = local.get(key)
+            if value is not None:
                 value = value.detach()
                 if value.is_floating_point():
                     value = value.to(dtype)
                 if isinstance(value, DTensor):
                     value = value.full_tensor()
+            sender = senders[key]
+            if writer:
+                if sender is not None:  # another pipeline stage's
+                    value = torch.empty(shape, dtype=spec_dtype, device=recv_device)
+                    dist.recv(value, src=sender)
                 yield key, value.cpu()
-                del value  # before the next gather: one full tensor at a time
+            elif sender == rank:
+                dist.send(value.contiguous(), dst=writer_rank)
+            del value  # before the next gather: one full tensor at a time
 
     if not writer:
         for _ in gathered():
@@ -118,6 +136,32 @@ def save_hf(
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     text = json.dumps(config, indent=2, sort_keys=True).encode()
     storage.write_atomic(storage.join(directory, HF_CONFIG), text)
+
+
+def _owners(
+    local_specs: list[tuple[str, TensorSpec]], writer: bool
+) -> tuple[list[tuple[str, TensorSpec]], dict[str, int | None], int]:
+    """Every rank's parameters in one order that all ranks share (rank 0's first, then each
+    further rank's new ones); for each the rank that sends it to the writer (``None`` where
+    the writer holds it, else the lowest rank that does: pipeline parallelism); and the
+    writer's rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local_specs, {k: None for k, _ in local_specs}, 0
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (writer, local_specs))
+    writers = [rank for rank, (is_writer, _) in enumerate(everyone) if is_writer]
+    if len(writers) != 1:
+        raise RuntimeError(f"save_hf needs exactly one writer rank; got ranks {writers}.")
+    writer_rank = writers[0]
+    writer_keys = {k for k, _ in everyone[writer_rank][1]}
+    specs: list[tuple[str, TensorSpec]] = []
+    senders: dict[str, int | None] = {}
+    for rank, (_, rank_specs) in enumerate(everyone):
+        for key, spec in rank_specs:
+            if key not in senders:
+                specs.append((key, spec))
+                senders[key] = None if key in writer_keys else rank
+    return specs, senders, writer_rank
 
 
 # --- import --------------------------------------------------------------------------------
@@ -190,22 +234,33 @@ def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateD
     targets: dict[str, torch.Tensor] = {}
     for part in model.model_parts:
         targets.update(get_model_state_dict(part))
+    # Under pipeline parallelism the other stages' parameters are in the folder too.
+    model_keys = set(targets)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(targets))
+        model_keys = {key for keys in everyone for key in keys}
     if streams(adapter):
         planned = plan_items(partial(from_hf_items, adapter), source.specs.items())
-        _check_keys(directory, planned, targets)
+        _check_keys(directory, planned, targets, model_keys)
         native = from_hf_items(adapter, source.items())
     else:  # the whole-dict fallback: every rank holds the model once
         loaded = dict(from_hf_items(adapter, source.items()))
-        _check_keys(directory, {k: (tuple(v.shape), v.dtype) for k, v in loaded.items()}, targets)
+        found = {k: (tuple(v.shape), v.dtype) for k, v in loaded.items()}
+        _check_keys(directory, found, targets, model_keys)
         native = iter(loaded.items())
         del loaded
     for key, value in native:
-        _copy_into(targets[key], value)
+        if key in targets:  # else another pipeline stage's
+            _copy_into(targets[key], value)
         del value  # before the next tensor is read
 
 
 def _check_keys(
-    directory: str, native: dict[str, TensorSpec], targets: dict[str, torch.Tensor]
+    directory: str,
+    native: dict[str, TensorSpec],
+    targets: dict[str, torch.Tensor],
+    model_keys: set[str],
 ) -> None:
     missing = [k for k in targets if k not in native]
     if missing:
@@ -213,7 +268,7 @@ def _check_keys(
             f"The Hugging Face checkpoint in {directory} lacks model keys {missing[:5]} "
             f"(of {len(missing)}) after the adapter's conversion."
         )
-    unused = sorted(set(native) - set(targets))
+    unused = sorted(set(native) - model_keys)
     if unused:
         raise KeyError(
             f"The Hugging Face checkpoint in {directory} has keys no model part owns after "

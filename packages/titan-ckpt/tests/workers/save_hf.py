@@ -2,7 +2,9 @@
 FSDP2 model loads it back with ``initial_load_in_hf``.
 
 Usage: save_hf.py OUT_DIR KIND SHARD_BYTES, KIND ``mlp`` (the tiny MLP, a streaming renaming
-adapter) or ``llama3`` (titan-models' tiny Llama 3 and its adapter). The HF folder is
+adapter), ``pp`` (the same MLP as two pipeline stages of two FSDP2 ranks each: 4 ranks,
+stage 0 holds layers 0 and 2, stage 1 layer 4, with their own names) or ``llama3``
+(titan-models' tiny Llama 3 and its adapter). The HF folder is
 OUT_DIR/run/step-3/hf. Each rank reports whether the reloaded weights equal the saved ones.
 """
 
@@ -24,6 +26,7 @@ from common import (
     shard,
     write_result,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from titan_ckpt import CheckpointConfig, CheckpointManager
@@ -32,6 +35,18 @@ from titan_ckpt import CheckpointConfig, CheckpointManager
 def build(kind: str, seed: int):
     if kind == "mlp":
         return shard(make_model(seed=seed)), StreamingRenamingAdapter()
+    if kind == "pp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        stage = make_model(seed=seed)
+        keep = ("0", "2") if mesh.get_local_rank("pp") == 0 else ("4",)
+        for name in list(stage._modules):
+            if name not in keep:
+                del stage._modules[name]  # as a pipeline split does: the others' names stay
+        for layer in stage:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(stage, mesh=mesh["dp"])
+        return stage, StreamingRenamingAdapter()
     from titan_models import Llama3StateDictAdapter
 
     model = make_llama3(seed)
