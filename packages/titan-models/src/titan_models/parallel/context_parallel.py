@@ -39,7 +39,6 @@ from titan_models.errors import ConfigError, check_choice
 from titan_models.parallel.config import CP_ATTENTIONS, ParallelizeConfig
 
 __all__ = [
-    "TORCH_CP_DEVICES",
     "ContextParallelAttention",
     "TorchContextParallelAttention",
     "apply_context_parallel",
@@ -47,10 +46,14 @@ __all__ = [
     "context_parallel_positions",
     "context_parallel_shard",
     "resolve_cp_attention",
+    "torch_context_parallel_runs_on",
 ]
 
-TORCH_CP_DEVICES = ("cuda",)
-"""Device types where torch 2.13's ``context_parallel`` has SDPA kernels to shard."""
+
+def torch_context_parallel_runs_on(device_type: str) -> bool:
+    """Whether torch 2.13's ``context_parallel`` has SDPA kernels to shard on this device
+    type (its flash, efficient and cuDNN attention: CUDA only)."""
+    return device_type == "cuda"
 
 
 def resolve_cp_attention(choice: str, device_type: str) -> str:
@@ -59,8 +62,8 @@ def resolve_cp_attention(choice: str, device_type: str) -> str:
     ``torch`` on any other device raises ``ConfigError``."""
     check_choice("cp_attention", choice, CP_ATTENTIONS)
     if choice == "auto":
-        return "torch" if device_type in TORCH_CP_DEVICES else "titan"
-    if choice == "torch" and device_type not in TORCH_CP_DEVICES:
+        return "torch" if torch_context_parallel_runs_on(device_type) else "titan"
+    if choice == "torch" and not torch_context_parallel_runs_on(device_type):
         raise ConfigError(
             f"cp_attention='torch' cannot run on device {device_type!r}: torch's "
             "context_parallel only shards the CUDA SDPA kernels (flash, efficient, cuDNN). "
