@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from titan_ckpt import CheckpointConfig, CheckpointConfigError, CheckpointManager, StateDictAdapter
+from titan_ckpt.sources import CheckpointReadError
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -65,6 +66,29 @@ def test_last_save_in_hf_then_initial_load_in_hf(common, tmp_path):
     for k, v in fresh.state_dict().items():
         assert v.dtype == torch.float32
         assert torch.equal(v, model.state_dict()[k].to(torch.bfloat16).float())
+
+
+def test_truncated_hf_folder_is_reported_by_file_and_key(common, tmp_path):
+    model = common.make_model()
+    config = CheckpointConfig(enable=True, folder=str(tmp_path / "run"), last_save_in_hf=True)
+    manager = CheckpointManager(config, model_parts=model, state_dict_adapter=RenamingAdapter())
+    manager.save(9, last_step=True)
+    manager.close()
+    weights = tmp_path / "run" / "step-9" / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])  # the last tensor loses 8 bytes
+
+    loader = CheckpointManager(
+        CheckpointConfig(
+            enable=True,
+            folder=str(tmp_path / "finetune"),
+            initial_load_path=str(weights.parent),
+            initial_load_in_hf=True,
+        ),
+        model_parts=common.make_model(seed=4),
+        state_dict_adapter=RenamingAdapter(),
+    )
+    with pytest.raises(CheckpointReadError, match=r"model\.safetensors: .* ends after .*truncated"):
+        loader.load()
 
 
 def test_hf_without_adapter_is_refused(common, tmp_path):

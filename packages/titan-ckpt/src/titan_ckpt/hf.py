@@ -43,7 +43,7 @@ from titan_ckpt.adapter import (
     to_hf_items,
 )
 from titan_ckpt.shards import INDEX_NAME, write_safetensors_shards
-from titan_ckpt.sources import ST_DTYPES
+from titan_ckpt.sources import ST_DTYPES, CheckpointReadError, read_exactly
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.streaming import TensorSpec
@@ -210,21 +210,14 @@ class _Tensors:
                     opened[path] = stack.enter_context(self.storage.open(path, "rb"))
                 shape, dtype = self.specs[key]
                 tensor = torch.empty(shape, dtype=dtype)
-                if end > begin:
-                    _read_into(opened[path], begin, tensor, f"{path} ends inside {key}")
+                if end - begin != tensor.nbytes:
+                    raise CheckpointReadError(
+                        f"{path}: {key} spans {end - begin} bytes in the header, but a "
+                        f"{list(shape)} {dtype} tensor has {tensor.nbytes}."
+                    )
+                read_exactly(opened[path], begin, tensor, f"{path}: {key}")
                 yield key, tensor
                 del tensor
-
-
-def _read_into(f: Any, offset: int, tensor: torch.Tensor, truncated: str) -> None:
-    f.seek(offset)
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        got = f.readinto(view[done:])
-        if not got:
-            raise OSError(f"{truncated}: a truncated file?")
-        done += got
 
 
 def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateDictAdapter) -> None:

@@ -73,6 +73,21 @@ class CheckpointReadError(RuntimeError):
     """Stored data that cannot be read back (a damaged checkpoint, exit status 1)."""
 
 
+def read_exactly(f: Any, offset: int, out: torch.Tensor, what: str) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the bytes of file ``f`` from ``offset``;
+    ``CheckpointReadError`` naming ``what`` if the file ends first (a truncated file)."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.nbytes else memoryview(b"")
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise CheckpointReadError(
+                f"{what} ends after {done} of {len(view)} bytes (a truncated file?)"
+            )
+        done += got
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -342,15 +357,8 @@ def _load_contiguous_record(record: _FileSlice, e: Entry) -> torch.Tensor | None
         record.seek(info.header_offset)
         local = record.read(30)
         name_len, extra_len = struct.unpack("<HH", local[26:30])
-    record.seek(info.header_offset + 30 + name_len + extra_len)
     t = torch.empty(e.shape, dtype=e.dtype)
-    view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        got = record.readinto(view[done:])
-        if not got:
-            raise OSError(f"record of {e.key} ends after {done} of {len(view)} bytes")
-        done += got
+    read_exactly(record, info.header_offset + 30 + name_len + extra_len, t, f"record of {e.key}")
     return t
 
 
@@ -560,17 +568,8 @@ def _read_storage(f: Any, meta: torch.Tensor) -> torch.Tensor:
         out = torch.empty(meta.shape, dtype=meta.dtype)
     else:
         out = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
-    f.seek(storage._checkpoint_offset)
-    done = 0
-    while done < nbytes:
-        got = f.readinto(view[done:])
-        if not got:
-            raise CheckpointReadError(
-                f"{f.name}: the data of a {list(meta.shape)} {meta.dtype} tensor ends after "
-                f"{done} of {nbytes} bytes (a truncated file?)"
-            )
-        done += got
+    what = f"{f.name}: the data of a {list(meta.shape)} {meta.dtype} tensor"
+    read_exactly(f, storage._checkpoint_offset, out, what)
     if whole:
         return out
     # A view into a larger storage (a slice, a transpose): rebuild it, then keep its own bytes.
