@@ -357,6 +357,7 @@ def _build_and_train(
                 grad_norm = optimizers.clip_grad_norm_(training.max_norm, pp_group=pp_group)
             checkpointer.maybe_wait_for_staging()
             optimizers.step()
+            lr = schedulers.get_last_lr()[0]  # the lr this step trained with
             schedulers.step()
 
             if loss_group is not None:
@@ -365,7 +366,7 @@ def _build_and_train(
                 step=train_state.step,
                 loss=loss.item(),
                 grad_norm=None if grad_norm is None else float(grad_norm),
-                lr=schedulers.get_last_lr()[0],
+                lr=lr,
                 tokens=tokens,
                 step_seconds=time.perf_counter() - step_started,
                 data_seconds=data_seconds,
