@@ -248,3 +248,22 @@ def test_profiler_writes_a_chrome_trace_per_rank(runs):
         trace = json.loads((traces / "iteration_10" / f"rank{rank}_trace.json").read_text())
         names = {event.get("name") for event in trace["traceEvents"]}
         assert "aten::mm" in names, rank  # the recorded step's matmuls
+
+
+@pytest.mark.parametrize("name", ["single", "fsdp", "tp", "cp", "pp", "pp_fsdp"])
+def test_tokens_per_second_is_per_device(runs, name):
+    # Every layout trains a global batch of 4 x 64 tokens per step. tps is per device: TP,
+    # CP and PP ranks share their data-parallel rank's tokens, so they are counted once.
+    # Exact arithmetic on the logged numbers, no timing assumption.
+    flops_per_token = set()
+    for record in records(runs[name]):
+        if "tps" not in record:
+            continue
+        assert record["global_tokens"] == 4 * 64, record
+        assert record["devices"] == RUNS[name].nproc, record
+        assert record["tps"] * record["devices"] == pytest.approx(
+            record["global_tokens"] / record["step_s"], rel=1e-12
+        ), record
+        # TFLOPs and MFU follow from tps per device with the whole model's FLOPs per token.
+        flops_per_token.add(round(record["tflops"] * 1e12 / record["tps"]))
+    assert len(flops_per_token) == 1, flops_per_token

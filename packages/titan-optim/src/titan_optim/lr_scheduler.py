@@ -1,27 +1,48 @@
 """Warmup-stable-decay learning-rate schedules, one per optimizer of a container.
 
 The schedule multiplies each param group's own lr by a factor that depends only on the
-step, so per-group lrs (from ``ParamGroupRule``) keep their ratios. With ``W`` warmup,
-``S`` stable and ``D`` decay steps out of ``T = W + S + D`` training steps, the factor for
-the lr used by step ``s`` (0-based, i.e. after ``s`` calls to ``step()``) is::
+step, so per-group lrs (from ``ParamGroupRule``) keep their ratios. It follows torchtitan's
+``linear_warmup_stable_decay`` step for step (``torchtitan/components/lr_scheduler.py`` in
+July 2025, ``components/optimizer/lr_scheduler.py`` since; the formula is unchanged).
 
-    s <  W        (s + 1) / W                         linear warmup, reaches 1 at s = W - 1
-    s <  W + S    1                                   stable
-    s <  T        m + (1 - m) * curve(p),  p = (s - W - S + 1) / D   in (0, 1]
-    s >= T        m                                   past the end: the minimum
+With ``T`` training steps, ``W`` warmup steps (clamped to ``T``), ``D`` decay steps
+(``round(T * decay_ratio)``, or ``T - W`` when ``decay_ratio`` is ``None``; clamped to
+``T - W``) and ``S = T - W - D`` stable steps, the factor of the lr that step ``s`` trains
+with (0-based: ``s`` calls to ``step()`` came before it; the run's step ``s + 1``) is::
+
+    s <  W              (s + 1) / W                         linear warmup, 1 at s = W - 1
+    s <= W + S          1                                   stable (and the first decay step)
+    s >  W + S          m + (1 - m) * curve(p),  p = min(1, (s - W - S) / D)
 
 with ``m = min_lr_factor`` and ``curve`` = ``1 - p`` (linear), ``1 - sqrt(p)`` (sqrt) or
-``(1 + cos(pi * p)) / 2`` (cosine); the last training step runs at exactly ``m``.
+``(1 + cos(pi * p)) / 2`` (cosine). So the ``i``-th of the ``D`` decay steps (``i = 0 ..
+D - 1``) trains at progress ``p = i / D``: decay starts at the peak and reaches ``m`` at
+``s = T``, one step after the last training step. torchtitan calls this "a virtual last
+step to prevent the learning rate from dropping to 0"; its code writes it as ``S + 1``
+stable steps and a ``+ 1`` on the step in the decay formula. The last step trains at
+``m + (1 - m) * curve((D - 1) / D)``, e.g. ``lr / D`` for linear decay to 0.
+
+Where titan differs, only past the end of training (``s > T``, steps a run never
+trains): the factor stays at ``m`` (torchtitan's progress runs past 1, so linear and sqrt
+decay go negative and cosine climbs back), and with ``D = 0`` it stays at 1 (torchtitan
+divides by zero). No step trains there: it only shows in the lr a finished run leaves in
+its optimizer.
+
+The schedule is a pure function of the step, and the step count is all that is saved: a
+resume with another ``training.steps``, ``warmup_steps`` or decay carries the position
+over and applies the new schedule from the next step on.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_optim.config import OptimizerConfigError, check_choice, check_number
@@ -55,7 +76,8 @@ class LRSchedulerConfig:
     decay_type: str = "linear"
     """Decay curve: ``linear``, ``sqrt`` or ``cosine``."""
     min_lr_factor: float = 0.0
-    """The lr at the end of decay, as a fraction of the peak lr; in [0, 1]."""
+    """The lr the decay ends at, as a fraction of the peak lr; in [0, 1]. Reached one step
+    after the last training step, as in torchtitan, so no step trains at it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
@@ -130,15 +152,20 @@ class WarmupStableDecay:
             min_lr_factor=config.min_lr_factor,
         )
 
+    @property
+    def training_steps(self) -> int:
+        """``T``: the steps of the run this schedule was fitted to."""
+        return self.warmup_steps + self.stable_steps + self.decay_steps
+
     def __call__(self, step: int) -> float:
+        """The lr factor of 0-based step ``step`` (see the module docstring)."""
         w, s, d, m = self.warmup_steps, self.stable_steps, self.decay_steps, self.min_lr_factor
         if step < w:
             return (step + 1) / w
-        if step < w + s:
+        if step <= w + s or d == 0:
             return 1.0
-        if step >= w + s + d:
-            return m
-        p = (step - w - s + 1) / d
+        # torchtitan's "+ 1" on both the stable length and the step cancel out here.
+        p = min(1.0, (step - w - s) / d)
         if self.decay_type == "linear":
             curve = 1.0 - p
         elif self.decay_type == "sqrt":
@@ -153,12 +180,22 @@ class LRSchedulersContainer:
 
     All schedulers share one step count, so the saved state is that count alone: it loads
     into a container with a different number of optimizers (another pipeline layout) and
-    sets every group's lr from its own base lr. A ``Stateful`` for checkpointing.
+    sets every group's lr from its own base lr and *this* container's schedule. A
+    ``Stateful`` for checkpointing.
+
+    The schedule owns the lr: loading an optimizer's state (which carries the lr it was
+    saved with, e.g. the end-of-schedule lr of a finished run) sets every group's lr back
+    to the schedule's value at the current step, whether the optimizer loads before or
+    after this container. A resumed run therefore trains each step at its schedule's lr.
     """
 
     def __init__(self, optimizers: OptimizersContainer, schedule: WarmupStableDecay) -> None:
         self.schedule = schedule
         self.schedulers = [LambdaLR(opt, schedule) for opt in optimizers]
+        for scheduler in self.schedulers:
+            scheduler.optimizer.register_load_state_dict_post_hook(
+                functools.partial(_apply_schedule, scheduler)
+            )
 
     def __iter__(self) -> Iterator[LambdaLR]:
         return iter(self.schedulers)
@@ -177,24 +214,42 @@ class LRSchedulersContainer:
             scheduler.step()
 
     def get_last_lr(self) -> list[float]:
-        """The current lr of every param group of every optimizer."""
+        """The lr of every param group of every optimizer for the coming optimizer step
+        (before the first :meth:`step`: the first training step's lr)."""
         return [lr for s in self.schedulers for lr in s.get_last_lr()]
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"step": n}``: the shared step count."""
+        """``{"step": n}``: the shared step count (torchtitan's ``last_epoch``)."""
         return {"step": self.last_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Move every schedule to the saved step and set the lrs it implies."""
-        step = int(state_dict["step"])
+        """Move every schedule to the saved step and set the lrs this schedule gives it.
+
+        Accepts torchtitan's key ``last_epoch`` for the step too (same meaning).
+        """
+        key = "step" if "step" in state_dict else "last_epoch"
+        step = int(state_dict[key])
         for scheduler in self.schedulers:
-            state = scheduler.state_dict()
-            lrs = [base * self.schedule(step) for base in scheduler.base_lrs]
+            scheduler.last_epoch = step
             # _step_count > 1 tells LambdaLR the optimizer has stepped, as it had when saved.
-            state.update(last_epoch=step, _step_count=step + 1, _last_lr=lrs)
-            scheduler.load_state_dict(state)
-            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
+            scheduler._step_count = step + 1
+            _apply_schedule(scheduler, scheduler.optimizer)
+
+
+def _apply_schedule(scheduler: LambdaLR, optimizer: torch.optim.Optimizer) -> None:
+    """Set each group's lr to its base lr times the schedule's factor at the scheduler's
+    step (also an optimizer ``load_state_dict`` post-hook, hence the argument order)."""
+    step = scheduler.last_epoch
+    lrs = [
+        float(base) * fn(step)
+        for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if isinstance(group["lr"], torch.Tensor):  # a tensor lr (e.g. capturable) stays one
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 def build_lr_schedulers(

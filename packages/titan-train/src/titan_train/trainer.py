@@ -39,7 +39,7 @@ from titan_optim import build_lr_schedulers, build_optimizers
 from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
 from titan_train.fault_tolerance import ReplicaGroup, check_fault_tolerance
-from titan_train.metrics import MetricsLogger
+from titan_train.metrics import MetricsLogger, tokens_of_step
 from titan_train.profiling import Profiler
 from titan_train.registry import load_model_spec
 from titan_train.tokenizer import load_tokenizer
@@ -351,12 +351,14 @@ def _build_and_train(
             if replicas is not None:
                 replicas.average_gradients(model_parts)
                 replica_groups = replicas.participants()
-            train_state.tokens_seen += tokens * dims.dp_degree * replica_groups
+            step_tokens = tokens_of_step(tokens, dims, replica_groups)
+            train_state.tokens_seen += step_tokens.global_tokens
             grad_norm = None
             if training.max_norm > 0:
                 grad_norm = optimizers.clip_grad_norm_(training.max_norm, pp_group=pp_group)
             checkpointer.maybe_wait_for_staging()
             optimizers.step()
+            lr = schedulers.get_last_lr()[0]  # the lr this step trained with
             schedulers.step()
 
             if loss_group is not None:
@@ -365,8 +367,9 @@ def _build_and_train(
                 step=train_state.step,
                 loss=loss.item(),
                 grad_norm=None if grad_norm is None else float(grad_norm),
-                lr=schedulers.get_last_lr()[0],
-                tokens=tokens,
+                lr=lr,
+                tokens=step_tokens.global_tokens,
+                devices=step_tokens.devices,
                 step_seconds=time.perf_counter() - step_started,
                 data_seconds=data_seconds,
             )

@@ -1,6 +1,7 @@
 """Metrics: a console line, TensorBoard scalars, a JSONL file and optional Weights & Biases
 every ``log_freq`` steps, with throughput, TFLOPs and MFU against a device's peak FLOP/s
-(a table for GPUs, a short matmul probe on CPU)."""
+(a table for GPUs, a short matmul probe on CPU). Throughput is per device: a step's tokens
+over all ranks (``tokens_of_step``) divided by its seconds and its devices."""
 
 from titan_train.metrics.config import MetricsConfig, MetricsError
 from titan_train.metrics.flops import (
@@ -10,14 +11,17 @@ from titan_train.metrics.flops import (
     peak_flops,
 )
 from titan_train.metrics.logger import MetricsLogger, memory_gib
+from titan_train.metrics.throughput import StepTokens, tokens_of_step
 
 __all__ = [
     "GPU_PEAK_BF16_FLOPS",
     "MetricsConfig",
     "MetricsError",
     "MetricsLogger",
+    "StepTokens",
     "gpu_peak_flops",
     "measure_cpu_matmul_flops",
     "memory_gib",
     "peak_flops",
+    "tokens_of_step",
 ]

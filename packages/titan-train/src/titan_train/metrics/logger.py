@@ -3,6 +3,10 @@ TensorBoard, a JSONL file and (optionally) Weights & Biases.
 
 Throughput, MFU and the data-loading share are averaged over the steps since the last
 report, so one slow step (a checkpoint save, a compile) shows up once and then washes out.
+Throughput is per device: the step's tokens (all data-parallel ranks and replica groups)
+divided by its seconds and by the devices that shared it, as torchtitan counts it; each
+record also holds ``global_tokens`` and ``devices``, so ``tps * devices`` equals
+``global_tokens / step_s`` exactly.
 """
 
 from __future__ import annotations
@@ -49,6 +53,18 @@ def memory_gib(device: torch.device | str | None = None) -> tuple[float, str]:
         return peak / (2**30 if os.uname().sysname == "Darwin" else 2**20), "peak RSS"
 
 
+def _empty_window() -> dict[str, float]:
+    """Sums over the steps since the last report."""
+    return {
+        "steps": 0,
+        "tokens": 0,
+        "device_tokens": 0.0,
+        "devices": 1,
+        "seconds": 0.0,
+        "data_seconds": 0.0,
+    }
+
+
 class MetricsLogger:
     """Reports a training run's metrics every ``config.log_freq`` steps.
 
@@ -81,7 +97,7 @@ class MetricsLogger:
         self.peak_flops = None
         if flops_per_token > 0:
             self.peak_flops = self.config.peak_flops or peak_flops(self.device)
-        self._window = {"steps": 0, "tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
+        self._window = _empty_window()
         writes = rank == 0 or self.config.save_for_all_ranks
         suffix = "" if rank == 0 else f"_rank{rank}"
         self._tensorboard = None
@@ -124,6 +140,7 @@ class MetricsLogger:
         loss: float,
         tokens: int,
         step_seconds: float,
+        devices: int = 1,
         data_seconds: float = 0.0,
         grad_norm: float | None = None,
         lr: float | None = None,
@@ -135,8 +152,11 @@ class MetricsLogger:
         Args:
             step: the step just finished (1-based).
             loss: its loss (averaged over data-parallel ranks if the caller did so).
-            tokens: tokens this rank processed in the step (all micro-batches).
+            tokens: tokens of the whole step: every micro-batch of every data-parallel rank
+                and replica group (``titan_train.metrics.tokens_of_step``).
             step_seconds: wall time of the whole step, data loading included.
+            devices: devices that shared the step's work (all ranks of all replica
+                groups); tokens/s and MFU are per device.
             data_seconds: the part of it spent waiting for batches.
             grad_norm: total gradient norm before clipping, if computed.
             lr: learning rate of the step.
@@ -145,13 +165,15 @@ class MetricsLogger:
         window = self._window
         window["steps"] += 1
         window["tokens"] += tokens
+        window["device_tokens"] += tokens / devices
+        window["devices"] = devices
         window["seconds"] += step_seconds
         window["data_seconds"] += data_seconds
         if not self.should_log(step):
             return None
 
         seconds = max(window["seconds"], 1e-12)
-        tps = window["tokens"] / seconds
+        tps = window["device_tokens"] / seconds  # tokens/s per device
         memory, memory_kind = memory_gib(self.device)
         record: dict[str, Any] = {"step": step, "loss": float(loss)}
         if grad_norm is not None:
@@ -166,10 +188,12 @@ class MetricsLogger:
         record["memory_gib"] = memory
         record["data_pct"] = 100 * window["data_seconds"] / seconds
         record["step_s"] = seconds / window["steps"]
+        record["global_tokens"] = window["tokens"] / window["steps"]
+        record["devices"] = window["devices"]
         if self.total_steps is not None:
             record["eta_s"] = max(self.total_steps - step, 0) * record["step_s"]
         record.update({k: float(v) for k, v in (extra or {}).items()})
-        self._window = {"steps": 0, "tokens": 0, "seconds": 0.0, "data_seconds": 0.0}
+        self._window = _empty_window()
 
         logger.info("%s", self._console_line(record, memory_kind))
         self._write(step, record)

@@ -1,0 +1,49 @@
+"""How many tokens one training step processes, and over how many devices.
+
+Every rank of a data-parallel group loads the same local batch: its context-parallel
+ranks then split each sequence, its tensor-parallel ranks split each layer, its pipeline
+ranks split the layers into stages. So the step's tokens are the local batch's tokens
+times the data-parallel degree (times the torchft replica groups taking part), and they
+are spread over every device: ``world_size`` per replica group. Throughput per device is
+``global_tokens / step seconds / devices``, which is torchtitan's per-rank
+``local_tokens / (seconds * cp * tp * pp)``; MFU follows from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_dims import ParallelDims
+
+__all__ = ["StepTokens", "tokens_of_step"]
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The tokens of one training step, all ranks and replica groups together, and the
+    devices that shared the work."""
+
+    global_tokens: int
+    devices: int
+
+    @property
+    def per_device(self) -> float:
+        """Tokens per device: ``global_tokens / devices``."""
+        return self.global_tokens / self.devices
+
+
+def tokens_of_step(local_tokens: int, dims: ParallelDims, replica_groups: int = 1) -> StepTokens:
+    """The step's tokens from ``local_tokens``, those of the batch this rank loaded (every
+    micro-batch, before any context-parallel split), for the layout ``dims`` of one replica
+    group and ``replica_groups`` groups taking part in the step (1 without torchft; at
+    least this one).
+
+    >>> tokens_of_step(4 * 64, ParallelDims(world_size=8, dp_shard=2, tp=2, pp=2))
+    StepTokens(global_tokens=512, devices=8)
+    """
+    # This group's own step counts even if torchft reports no participants (e.g. healing).
+    replica_groups = max(replica_groups, 1)
+    return StepTokens(
+        global_tokens=local_tokens * dims.dp_degree * replica_groups,
+        devices=dims.world_size * replica_groups,
+    )
