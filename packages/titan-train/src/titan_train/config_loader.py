@@ -5,18 +5,22 @@ base file it extends, recursively) > the dataclasses' defaults. TOML is checked 
 against the dataclasses before anything runs: an unknown section or key, a value of the
 wrong type, or a value a section's own validation refuses is one ``ConfigError`` naming the
 file, the section, the key, the value and what is allowed. The command line goes through
-``tyro``, which gives ``--help`` with every option and its default.
+``tyro``, which gives ``--help`` with every option and its default (docstrings shown as
+plain text); list options also take one comma-separated value (``--x.names a,b``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
+import re
 import sys
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,11 +65,12 @@ def load_config(
     config_file_flag: str = "--job.config_file",
     prog: str | None = None,
     description: str | None = None,
-    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    translate: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
 ) -> T:
     """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named by
-    ``config_file_flag`` in ``argv`` (passed through ``translate`` first, e.g. to move keys
-    of another tool's spelling), and the other ``--section.key value`` arguments.
+    ``config_file_flag`` in ``argv`` (passed through ``translate(values, source)`` first,
+    e.g. to move keys of another tool's spelling), and the other ``--section.key value``
+    arguments.
 
     Raises ``ConfigError`` for bad TOML content; ``tyro`` exits with status 2 (after one
     message) for bad command-line arguments, and prints ``--help``.
@@ -74,18 +79,128 @@ def load_config(
 
     argv = list(sys.argv[1:] if argv is None else argv)
     config_file = _find_flag(argv, config_file_flag)
+    source = config_file or "defaults"
     values = read_toml(config_file) if config_file else {}
     if translate is not None:
-        values = translate(values)
-    default = from_dict(cls, values, source=config_file or "defaults")
-    return tyro.cli(
-        cls,
-        default=default,
-        args=argv,
-        prog=prog,
-        description=description,
-        use_underscores=True,
-    )
+        values = translate(values, source)
+    default = from_dict(cls, values, source=source)
+    argv = split_commas(argv, list_options(cls))
+
+    def parse() -> T:
+        with _plain_docstrings():
+            return tyro.cli(
+                cls,
+                default=default,
+                args=argv,
+                prog=prog,
+                description=description,
+                use_underscores=True,
+            )
+
+    if "-h" in argv or "--help" in argv:
+        return _plain_help(parse)
+    return parse()
+
+
+def list_options(cls: type, prefix: str = "--") -> set[str]:
+    """The command-line flags of ``cls`` (a dataclass tree) whose values are lists or tuples
+    of plain values (str, int, float)."""
+    flags: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            flags |= list_options(hint, f"{prefix}{f.name}.")
+            continue
+        options = typing.get_args(hint) if typing.get_origin(hint) in _UNIONS else (hint,)
+        for option in options:
+            items = typing.get_args(option)
+            if typing.get_origin(option) in (list, tuple) and items and items[0] in _PLAIN:
+                flags.add(f"{prefix}{f.name}")
+    return flags
+
+
+_UNIONS = (typing.Union, types.UnionType)
+_PLAIN = (str, int, float)
+
+
+def split_commas(argv: Sequence[str], flags: set[str]) -> list[str]:
+    """``argv`` with each value of a list flag split at commas, as torchtitan's command line
+    reads lists: ``--checkpoint.exclude_from_loading a,b`` is ``... a b``."""
+    out: list[str] = []
+    in_list = False
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            in_list = _normal_flag(name) in flags
+            if in_list and eq:
+                out.extend([name, *(v for v in value.split(",") if v)])
+                in_list = False
+                continue
+            out.append(arg)
+        elif in_list and "," in arg:
+            out.extend(v for v in arg.split(",") if v)
+        else:
+            out.append(arg)
+    return out
+
+
+def _normal_flag(name: str) -> str:
+    """A flag with underscores for dashes after ``--`` (tyro accepts either spelling)."""
+    return "--" + name[2:].replace("-", "_")
+
+
+_RST_LITERAL = re.compile(r"``")
+
+
+@contextlib.contextmanager
+def _plain_docstrings() -> Iterator[None]:
+    """Let tyro read docstrings without reST's double backticks, so that help shows plain
+    text with each paragraph's lines joined (tyro keeps a line break before any line that
+    starts with a backtick or a digit). This hooks tyro's line joiner, a private function:
+    where a tyro version has none, the help output is cleaned instead (``_plain_help``)."""
+    try:
+        from tyro import _strings
+    except ImportError:  # pragma: no cover - another tyro layout
+        yield
+        return
+    original = getattr(_strings, "remove_single_line_breaks", None)
+    if original is None:  # pragma: no cover
+        yield
+        return
+
+    def plain(text: str) -> str:
+        # Join the lines of each paragraph; keep blank lines and list items ("- ...").
+        out: list[str] = []
+        for line in (raw.strip() for raw in _RST_LITERAL.sub("", text).split("\n")):
+            if out and out[-1] and line and not line.startswith(("- ", "* ")):
+                out[-1] = f"{out[-1]} {line}"
+            else:
+                out.append(line)
+        return original("\n".join(out))
+
+    _strings.remove_single_line_breaks = plain
+    try:
+        yield
+    finally:
+        _strings.remove_single_line_breaks = original
+
+
+def _plain_help(parse: Callable[[], T]) -> T:
+    """Run ``parse`` (which prints help and exits) and print its help without the reST
+    double backticks of the docstrings, keeping the right border of tyro's boxes in place."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            return parse()
+    finally:
+        for line in buffer.getvalue().splitlines():
+            plain = _RST_LITERAL.sub("", line)
+            removed = len(line) - len(plain)
+            if removed and plain.rstrip().endswith(("│", "|")):
+                body = plain.rstrip()
+                plain = body[:-1] + " " * removed + body[-1]
+            print(plain)
 
 
 def from_dict(cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "") -> T:
@@ -183,7 +298,9 @@ def _unknown_key_message(source: str, prefix: str, key: str, known: list[str]) -
 def _find_flag(argv: list[str], flag: str) -> str | None:
     """The value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), left in place so
     that the command line still shows it (tyro accepts it as an ordinary field)."""
-    for i, arg in enumerate(argv):
+    for i, raw in enumerate(argv):
+        name, eq, value = raw.partition("=")
+        arg = _normal_flag(name) + eq + value if name.startswith("--") else raw
         if arg == flag:
             if i + 1 >= len(argv):
                 raise ConfigError(f"{flag} needs a file name.")
