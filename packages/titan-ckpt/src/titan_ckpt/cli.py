@@ -249,10 +249,6 @@ def _convert(args: argparse.Namespace) -> int:
 _COMMANDS = {"inspect": _inspect, "verify": _verify, "diff": _diff, "convert": _convert}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _quiet_on_closed_pipe(
     command: Callable[[argparse.Namespace], int], args: argparse.Namespace
 ) -> int:
@@ -268,3 +264,7 @@ def _quiet_on_closed_pipe(
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())
