@@ -20,7 +20,7 @@ def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
     save_file({f"layers.{i}.a_long_tensor_name": torch.zeros(2) for i in range(3000)}, path)
     command = f"{shlex.quote(sys.executable)} -m titan_ckpt.cli inspect {shlex.quote(str(path))}"
     result = subprocess.run(
-        ["bash", "-c", f"{command} | head -1; echo \"status=${{PIPESTATUS[0]}}\" >&2"],
+        ["bash", "-c", f'{command} | head -1; echo "status=${{PIPESTATUS[0]}}" >&2'],
         capture_output=True,
         text=True,
         timeout=120,

@@ -271,7 +271,7 @@ repository (``job.dump_folder``, ``model.tokenizer_path``, ``training.dataset``)
 ``training.seed`` (torchtitan: unset, titan: 0)."""
 
 
-def check_supported(model_converters: Sequence[str], param_dtype: str) -> None:
+def check_supported(model_converters: Sequence[str] | None, param_dtype: str) -> None:
     """Raise ``ConfigError`` when a config that loaded asks for what titan cannot train:
     torchtitan's model converters (``model.converters``), as torchtitan refuses float8 on a
     device without it when the model is built, not when the file is read."""
@@ -475,12 +475,14 @@ def _cli_key(name: str) -> tuple[str, Key | None, bool]:
     if last[2].startswith("no_"):
         positive = f"{section}.{last[0] + '.' if last[0] else ''}{last[2][3:]}"
         key = lookup(positive)
-        if key is not None and key.kind is bool:
+        if key is not None and (key.kind is bool or key.action == "noop"):
             return positive, key, True
     return path, None, False
 
 
 def _cli_value(arg: str, key: Key, values: list[str], negated: bool) -> Any:
+    if key.action == "noop":  # ignored whatever it says; kept only to be named in the log
+        return values[0] if len(values) == 1 else (values or not negated)
     if key.kind is bool:
         if negated and values:
             raise ConfigError(f"{arg} takes no value.")

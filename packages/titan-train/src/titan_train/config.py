@@ -72,7 +72,7 @@ class ModelSection:
     tokenizer_path: str | None = None
     """A tiktoken BPE file (Llama 3 ``tokenizer.model`` format) or a Hugging Face
     ``tokenizer.json``; empty means the small tokenizer shipped with titan-train."""
-    converters: list[str] = field(default_factory=list)
+    converters: list[str] | None = None
     """torchtitan's model converters (float8, mx). titan has none: training stops at the start
     when any is named; the key exists so that torchtitan's files load and show what they ask."""
 

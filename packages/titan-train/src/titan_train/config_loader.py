@@ -203,8 +203,12 @@ def _plain_help(parse: Callable[[], T]) -> T:
             print(plain)
 
 
-def from_dict(cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "") -> T:
-    """Instantiate dataclass ``cls`` from nested ``values``, checking every key and type."""
+def from_dict(
+    cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "", base: T | None = None
+) -> T:
+    """Instantiate dataclass ``cls`` from nested ``values``, checking every key and type. Keys
+    that ``values`` does not set keep their value in ``base`` when given (a section's default
+    as its parent declares it), else the dataclass's own default."""
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
@@ -216,13 +220,22 @@ def from_dict(cls: type[T], values: Mapping[str, Any], *, source: str, prefix: s
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: [{where}] must be a table of keys, got {value!r}.")
-            kwargs[key] = from_dict(hint, value, source=source, prefix=f"{where}.")
+            default = getattr(base, key) if base is not None else _declared_default(known[key])
+            kwargs[key] = from_dict(hint, value, source=source, prefix=f"{where}.", base=default)
         else:
             kwargs[key] = _check_type(value, hint, source=source, where=where)
     try:
-        return cls(**kwargs)
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: {error}") from None
+
+
+def _declared_default(f: dataclasses.Field) -> Any:
+    """A field's default as declared (``JobConfig.checkpoint`` sets its own interval), or
+    ``None`` when it has none."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def to_dict(config: Any) -> dict[str, Any]:
