@@ -143,6 +143,12 @@ def test_the_table_never_shadows_a_titan_key():
     assert set(TORCHTITAN_DEFAULTS) <= titan
 
 
+def test_the_readme_tells_every_answer():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert [k for k in KEYS if f"| `{k}` |" not in readme] == []
+    assert [k for k in TORCHTITAN_DEFAULTS if f"| `{k}` |" not in readme] == []
+
+
 # What each file means under torchtitan, as titan keys of the merged config.
 MEANINGS = {
     "debug_model": {

@@ -164,7 +164,7 @@ KEYS: Mapping[str, Key] = {
         "titan has no expert tensor parallelism", int, inert=(1,)
     ),
     "parallelism.expert_parallel_comm_backend": _refuse(
-        "titan's expert parallelism uses torch's all-to-all only", str, inert=("standard",)
+        "titan has no DeepEP all-to-all", str, inert=("standard",)
     ),
     # [checkpoint]
     "checkpoint.enable_checkpoint": _move("checkpoint.enable", bool),
@@ -179,7 +179,7 @@ KEYS: Mapping[str, Key] = {
         "parallelize.activation_checkpoint.selective_option", convert=_ac_option
     ),
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": _noop(
-        "it names MoE router matmuls, which titan's op-level policy saves like any other", list
+        "it names MoE router matmuls; titan's Llama 3 has no experts", list
     ),
     "activation_checkpoint.preserve_rng_state": _noop(
         "titan's blocks draw no random numbers (no dropout), so there is no RNG state to keep"
@@ -247,7 +247,9 @@ KEYS: Mapping[str, Key] = {
     "debug.deterministic_warn_only": _refuse(
         "titan's training.deterministic always raises on a nondeterministic op"
     ),
-    "debug.moe_force_load_balance": _refuse("titan has no forced MoE load balancing"),
+    "debug.moe_force_load_balance": _refuse(
+        "titan has no forced MoE load balancing (its Llama 3 has no experts)"
+    ),
 }
 """Every torchtitan key that is not also a titan key with the same meaning, by
 ``section.key`` (``section.*``: every key of that table)."""
@@ -312,16 +314,21 @@ class Translation:
     """torchtitan key accepted as a no-op -> why it changes nothing."""
     defaults: dict[str, Any]
     """torchtitan defaults applied (titan key -> value)."""
+    evidence: list[str]
+    """The torchtitan keys of the file that make it torchtitan's; empty for a titan file."""
 
     def log(self, source: str) -> None:
         """Say once, in the log, what was translated, ignored and defaulted."""
-        if self.defaults:
+        if self.evidence:
             applied = ", ".join(f"{k} = {_show(v)}" for k, v in self.defaults.items())
+            more = ", ..." if len(self.evidence) > 3 else ""
             logger.info(
-                "%s uses torchtitan's keys, so it is read as a torchtitan config: where it "
-                "sets nothing, torchtitan's defaults apply: %s",
+                "%s is read as a torchtitan config (it uses %s%s): where it sets nothing, "
+                "torchtitan's defaults apply%s",
                 source,
-                applied,
+                ", ".join(self.evidence[:3]),
+                more,
+                f": {applied}" if applied else " (it sets every one that differs from titan's)",
             )
         if self.moved:
             names = ", ".join(
@@ -356,11 +363,14 @@ def translate(
         _flatten(cli_values or {}), "the command line", moved, ignored, base=from_file
     )
     flat = {**from_file, **from_cli}
-    defaults: dict[str, Any] = {}
-    if any(lookup(path) is not None for path in _flatten(file_values)):
-        defaults = {k: v for k, v in TORCHTITAN_DEFAULTS.items() if k not in flat}
+    evidence = [path for path in _flatten(file_values) if lookup(path) is not None]
+    defaults = {k: v for k, v in TORCHTITAN_DEFAULTS.items() if evidence and k not in flat}
     return Translation(
-        values=_unflatten({**defaults, **flat}), moved=moved, ignored=ignored, defaults=defaults
+        values=_unflatten({**defaults, **flat}),
+        moved=moved,
+        ignored=ignored,
+        defaults=defaults,
+        evidence=evidence,
     )
 
 
