@@ -333,6 +333,9 @@ def test_split_argv_leaves_titan_options_alone():
     rest, found = split_argv(["--training.steps", "3", "--float8.emulate", "--training.no-compile"])
     assert rest == ["--training.steps", "3"]
     assert found == {"float8": {"emulate": True}, "training": {"compile": False}}
+    # A boolean flag takes only an explicit true/false after it, never the next option.
+    assert split_argv(["--training.compile", "-h"]) == (["-h"], {"training": {"compile": True}})
+    assert split_argv(["--training.compile", "False"])[1] == {"training": {"compile": False}}
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from titan_optim import OptimizerConfig
 from titan_train.config_loader import ConfigError
 
 __all__ = [
@@ -413,8 +414,6 @@ def _moved_value(
     if key.index is None:
         return value
     # One element of a titan list (beta1 -> betas[0]): the other elements as set so far.
-    from titan_optim import OptimizerConfig
-
     current = out.get(key.to, (base or {}).get(key.to, OptimizerConfig().betas))
     items = list(current)
     items[key.index] = value
@@ -463,14 +462,24 @@ def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
             rest.append(arg)
             continue
         values: list[str] = [inline] if eq else []
-        if not eq:
-            while i < len(args) and not args[i].startswith("--"):
-                values.append(args[i])
-                i += 1
-                if key.kind is not list:
-                    break
+        while not eq and i < len(args) and _takes(key, args[i], values):
+            values.append(args[i])
+            i += 1
         found[path] = _cli_value(arg, key, values, negated)
     return rest, _unflatten(found)
+
+
+def _takes(key: Key, arg: str, values: list[str]) -> bool:
+    """Whether ``arg``, after a torchtitan flag and its ``values`` so far, is one more value:
+    a list takes every word up to the next option, a boolean an explicit true or false, any
+    other key one word."""
+    if arg.startswith("--"):
+        return False
+    if key.kind is list:
+        return True
+    if key.kind is bool:
+        return not values and arg.lower() in ("true", "false")
+    return not values
 
 
 def _cli_key(name: str) -> tuple[str, Key | None, bool]:
