@@ -270,7 +270,8 @@ TORCHTITAN_DEFAULTS: Mapping[str, Any] = {
 }
 """torchtitan's defaults (July 2025) where titan-train's differ, by titan key: a file read as
 torchtitan's gets these where it sets nothing. Not carried over: paths of torchtitan's own
-repository (``job.dump_folder``, ``model.tokenizer_path``, ``training.dataset``) and
+repository (``job.dump_folder``, ``model.tokenizer_path``, ``training.dataset``,
+``validation.dataset``) and
 ``training.seed`` (torchtitan: unset, titan: 0)."""
 
 
