@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import io
 import re
 import sys
 import tomllib
@@ -86,20 +85,15 @@ def load_config(
     default = from_dict(cls, values, source=source)
     argv = split_commas(argv, list_options(cls))
 
-    def parse() -> T:
-        with _plain_docstrings():
-            return tyro.cli(
-                cls,
-                default=default,
-                args=argv,
-                prog=prog,
-                description=description,
-                use_underscores=True,
-            )
-
-    if "-h" in argv or "--help" in argv:
-        return _plain_help(parse)
-    return parse()
+    with _plain_docstrings():
+        return tyro.cli(
+            cls,
+            default=default,
+            args=argv,
+            prog=prog,
+            description=description and _RST_LITERAL.sub("", description),
+            use_underscores=True,
+        )
 
 
 def list_options(cls: type, prefix: str = "--") -> set[str]:
@@ -157,8 +151,9 @@ _RST_LITERAL = re.compile(r"``")
 def _plain_docstrings() -> Iterator[None]:
     """Let tyro read docstrings without reST's double backticks, so that help shows plain
     text with each paragraph's lines joined (tyro keeps a line break before any line that
-    starts with a backtick or a digit). This hooks tyro's line joiner, a private function:
-    where a tyro version has none, the help output is cleaned instead (``_plain_help``)."""
+    starts with a backtick or a digit). This hooks tyro's line joiner, a private function;
+    where a tyro version has none, help shows the docstrings as written (the CLI's help test
+    says so)."""
     try:
         from tyro import _strings
     except ImportError:  # pragma: no cover - another tyro layout
@@ -184,23 +179,6 @@ def _plain_docstrings() -> Iterator[None]:
         yield
     finally:
         _strings.remove_single_line_breaks = original
-
-
-def _plain_help(parse: Callable[[], T]) -> T:
-    """Run ``parse`` (which prints help and exits) and print its help without the reST
-    double backticks of the docstrings, keeping the right border of tyro's boxes in place."""
-    buffer = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buffer):
-            return parse()
-    finally:
-        for line in buffer.getvalue().splitlines():
-            plain = _RST_LITERAL.sub("", line)
-            removed = len(line) - len(plain)
-            if removed and plain.rstrip().endswith(("│", "|")):
-                body = plain.rstrip()
-                plain = body[:-1] + " " * removed + body[-1]
-            print(plain)
 
 
 def from_dict(
