@@ -225,9 +225,16 @@ def test_torchtitan_tomls_load_unchanged_and_keep_their_meaning(
     path = CONFIGS / f"{name}.toml"
     with caplog.at_level(logging.INFO, logger="titan_train"):
         assert main(["config", "--print", "--job.config_file", str(path)]) == 0
-    merged = tomllib.loads(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    merged = tomllib.loads(printed)
     assert {key: _get(merged, key) for key in MEANINGS[name]} == MEANINGS[name]
     assert list(tmp_path.iterdir()) == []  # printing the config writes nothing
+    # The printed config is a titan file that means the same: every value is explicit.
+    (tmp_path / "printed.toml").write_text(printed)
+    again = parse_job_config(["--job.config_file", str(tmp_path / "printed.toml")])
+    original = parse_job_config(["--job.config_file", str(path)])
+    again.job.config_file = original.job.config_file
+    assert again == original
     log = caplog.text
     assert log.count("read as a torchtitan config") == 1
     assert log.count("checkpoint.enable_checkpoint is checkpoint.enable") == 1
