@@ -37,6 +37,7 @@ __all__ = [
     "Key",
     "Translation",
     "check_supported",
+    "lookup",
     "split_argv",
     "translate",
 ]
