@@ -137,8 +137,13 @@ def test_list_models(capsys):
 
 def test_help(capsys):
     assert main(["--help"]) == 0
-    assert "titan-train --nproc-per-node 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "titan-train --nproc-per-node 2" in out
+    assert "--training.local_batch_size" in out  # bare --help shows train's options too
+    assert "``" not in out  # docstrings as plain text, not reST
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--help"])
     assert exit_info.value.code == 0
-    assert "--training.local_batch_size" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--training.local_batch_size" in out
+    assert "``" not in out

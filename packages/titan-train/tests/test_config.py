@@ -5,7 +5,8 @@ import tomllib
 
 import pytest
 
-from titan_train.config import JobConfig, parse_job_config, translate_torchtitan
+from titan_train.compat import translate
+from titan_train.config import JobConfig, parse_job_config
 from titan_train.config_loader import ConfigError, read_toml
 from titan_train.toml_writer import dumps
 
@@ -58,7 +59,7 @@ def test_torchtitan_keys_are_translated(tmp_path):
 
 def test_translation_leaves_titan_keys_alone():
     values = {"training": {"steps": 3}, "parallelism": {"tensor_parallel_degree": 2}}
-    assert translate_torchtitan(values) == values
+    assert translate(values).values == values
 
 
 @pytest.mark.parametrize(

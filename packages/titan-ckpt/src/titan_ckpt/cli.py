@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _unmap_freed_buffers()
     try:
-        return _COMMANDS[args.command](args)
+        return _quiet_on_closed_pipe(_COMMANDS[args.command], args)
     except (CheckpointFormatError, ConvertError, FileNotFoundError, LookupError) as error:
         print(f"titan-ckpt: error: {error}", file=sys.stderr)
         return 2
@@ -246,6 +247,23 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"inspect": _inspect, "verify": _verify, "diff": _diff, "convert": _convert}
+
+
+def _quiet_on_closed_pipe(
+    command: Callable[[argparse.Namespace], int], args: argparse.Namespace
+) -> int:
+    """Run ``command``; when the reader of stdout goes away (``titan-ckpt inspect ... | head``),
+    stop quietly with status 141 (128 + SIGPIPE, as a program SIGPIPE ends), not with a
+    traceback."""
+    try:
+        status = command(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's final flush fails no more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

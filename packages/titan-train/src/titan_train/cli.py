@@ -6,6 +6,9 @@
     titan-train config --print [--job.config_file run.toml ...]   # the merged config as TOML
     titan-train list-models
 
+The options of ``train`` (below) take torchtitan's spellings too: ``--training.compile``,
+``--checkpoint.no-enable-checkpoint``, ``--activation_checkpoint.mode full``, lists as
+``a,b``; torchtitan TOML files load unchanged (titan-train's README has the table).
 ``--nproc-per-node N`` (with N > 1, outside torchrun) starts N processes through
 ``torch.distributed.run`` on this machine; under torchrun or SLURM-launched torchrun the
 command trains in place. Configuration errors print one message and exit with status 2
@@ -14,13 +17,19 @@ before anything is written.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
 from titan_train.config_loader import ConfigError
+
+if TYPE_CHECKING:
+    from titan_train.config import JobConfig
 
 __all__ = ["main"]
 
@@ -31,12 +40,16 @@ LAUNCH_FLAG = "--nproc-per-node"
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``titan-train``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _setup_logging()
+    return quiet_on_closed_pipe(lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in ("--version", "-V"):
         print(f"titan-train {__version__}")
         return 0
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
-        print(__doc__)
-        return 0
+        return _help()
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     try:
         if command == "list-models":
@@ -50,6 +63,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _usage_errors() as error:
         print(f"titan-train: error: {error}", file=sys.stderr)
         return 2
+
+
+def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
+    """Run ``command``; when the reader of stdout goes away (``titan-train ... | head``),
+    stop quietly with status 141 (128 + SIGPIPE, as a program SIGPIPE ends), not with a
+    traceback."""
+    try:
+        status = command()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's final flush fails no more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _setup_logging() -> None:
+    """One log line per message on stderr, the trainer's format, warnings included: a
+    configuration warning (e.g. an LR schedule clamped to the run) is a line of the log, not
+    a Python warning with its source line. Rank 0 logs INFO, other ranks WARNING."""
+    rank = int(os.environ.get("RANK", "0") or 0)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    warnings.showwarning = _log_warning
+
+
+def _log_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    text = str(message) if category is UserWarning else f"{category.__name__}: {message}"
+    logging.getLogger("titan_train").warning("%s", text)
+
+
+def _help() -> int:
+    """The commands, then every option of ``train``."""
+    from titan_train.config import parse_job_config
+
+    print(__doc__.replace("``", ""))
+    try:
+        parse_job_config(["--help"])
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 0
+    return 0
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:
@@ -83,8 +148,15 @@ def _train(argv: list[str]) -> int:
     from titan_train.trainer import run
 
     config = parse_job_config(argv)
+    _check_supported(config)
     run(config)
     return 0
+
+
+def _check_supported(config: JobConfig) -> None:
+    from titan_train.compat import check_supported
+
+    check_supported(config.model.converters, config.parallelize.param_dtype)
 
 
 def _print_config(argv: list[str]) -> int:
@@ -121,10 +193,16 @@ def _pop_launch_flag(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    # Validate here, in one process, so a bad config fails once and not once per rank.
+    # Validate here, in one process, so a bad config fails once and not once per rank; the
+    # ranks log what the config loading says (rank 0 only), so this process stays quiet.
     from titan_train.config import parse_job_config
 
-    parse_job_config(argv)
+    logging.disable(logging.INFO)
+    try:
+        config = parse_job_config(argv)
+    finally:
+        logging.disable(logging.NOTSET)
+    _check_supported(config)
     command = [
         sys.executable,
         "-m",

@@ -4,9 +4,9 @@ Each section is the config dataclass of the package that builds the thing it con
 (``parallelism`` is ``titan_dims.ParallelismConfig``, ``optimizer`` is
 ``titan_optim.OptimizerConfig``, ``checkpoint`` is ``titan_ckpt.CheckpointConfig``...);
 the sections owned here describe the job, the model choice, the training loop and
-communication. Section and key names follow torchtitan's; the few torchtitan keys that live
-elsewhere here are translated on load (``TORCHTITAN_KEYS``), so a torchtitan TOML needs few
-edits.
+communication. Section and key names follow torchtitan's; torchtitan's keys that live
+elsewhere here, or that titan does not have, are translated, ignored or refused on load
+(``titan_train.compat``), so a torchtitan TOML loads unchanged.
 
 Precedence: ``--section.key value`` on the command line > the TOML file given by
 ``--job.config_file`` (which may ``extends = "base.toml"``) > these defaults. The defaults
@@ -15,7 +15,8 @@ train the Llama 3 debug model on the embedded corpus, on whatever device exists.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from titan_ckpt import CheckpointConfig
 from titan_dims import ParallelismConfig
 from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
+from titan_train import compat
 from titan_train.config_loader import ConfigError, load_config, to_dict
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
@@ -30,7 +32,6 @@ from titan_train.profiling import ProfilingConfig
 from titan_train.validation import ValidationConfig
 
 __all__ = [
-    "TORCHTITAN_KEYS",
     "CommConfig",
     "ConfigError",
     "JobConfig",
@@ -71,6 +72,9 @@ class ModelSection:
     tokenizer_path: str | None = None
     """A tiktoken BPE file (Llama 3 ``tokenizer.model`` format) or a Hugging Face
     ``tokenizer.json``; empty means the small tokenizer shipped with titan-train."""
+    converters: list[str] | None = None
+    """torchtitan's model converters (float8, mx). titan has none: training stops at the start
+    when any is named; the key exists so that torchtitan's files load and show what they ask."""
 
 
 @dataclass(kw_only=True)
@@ -164,54 +168,16 @@ class JobConfig:
         return to_dict(self)
 
 
-TORCHTITAN_KEYS: Mapping[str, str] = {
-    "activation_checkpoint.mode": "parallelize.activation_checkpoint.mode",
-    "activation_checkpoint.selective_ac_option": (
-        "parallelize.activation_checkpoint.selective_option"
-    ),
-    "compile.enable": "parallelize.compile",
-    "compile.backend": "parallelize.compile_backend",
-    "parallelism.fsdp_reshard_after_forward": "parallelize.reshard_after_forward",
-    "parallelism.disable_loss_parallel": "!parallelize.loss_parallel",
-    "parallelism.context_parallel_rotate_method": "parallelize.cp_rotate_method",
-    "parallelism.pipeline_parallel_schedule": "pipeline.schedule",
-    "parallelism.pipeline_parallel_schedule_csv": "pipeline.schedule_csv",
-    "parallelism.pipeline_parallel_microbatch_size": "pipeline.microbatch_size",
-    "parallelism.pipeline_parallel_layers_per_stage": "pipeline.layers_per_stage",
-    "parallelism.pipeline_parallel_split_points": "pipeline.split_points",
-    "training.mixed_precision_param": "parallelize.param_dtype",
-    "training.mixed_precision_reduce": "parallelize.reduce_dtype",
-    "model.hf_assets_path": "model.tokenizer_path",
-}
-"""torchtitan TOML key -> where it lives here (``!`` negates a boolean). Applied when a TOML
-file is read, so torchtitan configs load with few edits."""
-
-
-def translate_torchtitan(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Move torchtitan-only keys of a TOML dict to their titan places (see TORCHTITAN_KEYS)."""
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in values.items()}
-    for old, new in TORCHTITAN_KEYS.items():
-        section, key = old.split(".", 1)
-        if not isinstance(out.get(section), dict) or key not in out[section]:
-            continue
-        value = out[section].pop(key)
-        if not out[section] and section in ("activation_checkpoint", "compile"):
-            del out[section]
-        negate = new.startswith("!")
-        path = new.lstrip("!").split(".")
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = (not value) if negate and isinstance(value, bool) else value
-    return out
-
-
 def parse_job_config(argv: Sequence[str] | None = None, *, prog: str = "titan-train") -> JobConfig:
-    """The ``JobConfig`` of a command line (TOML file, then ``--section.key`` overrides)."""
+    """The ``JobConfig`` of a command line (TOML file, then ``--section.key`` overrides);
+    torchtitan's keys, in the file or on the command line, are translated (``compat``)."""
+    argv, torchtitan_cli = compat.split_argv(sys.argv[1:] if argv is None else argv)
+
+    def translate(values: dict[str, Any], source: str) -> dict[str, Any]:
+        translation = compat.translate(values, torchtitan_cli, source=source)
+        translation.log(source)
+        return translation.values
+
     return load_config(
-        JobConfig,
-        argv,
-        prog=prog,
-        description=JobConfig.__doc__,
-        translate=translate_torchtitan,
+        JobConfig, argv, prog=prog, description=JobConfig.__doc__, translate=translate
     )

@@ -5,18 +5,21 @@ base file it extends, recursively) > the dataclasses' defaults. TOML is checked 
 against the dataclasses before anything runs: an unknown section or key, a value of the
 wrong type, or a value a section's own validation refuses is one ``ConfigError`` naming the
 file, the section, the key, the value and what is allowed. The command line goes through
-``tyro``, which gives ``--help`` with every option and its default.
+``tyro``, which gives ``--help`` with every option and its default (docstrings shown as
+plain text); list options also take one comma-separated value (``--x.names a,b``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import re
 import sys
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,11 +64,12 @@ def load_config(
     config_file_flag: str = "--job.config_file",
     prog: str | None = None,
     description: str | None = None,
-    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    translate: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
 ) -> T:
     """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named by
-    ``config_file_flag`` in ``argv`` (passed through ``translate`` first, e.g. to move keys
-    of another tool's spelling), and the other ``--section.key value`` arguments.
+    ``config_file_flag`` in ``argv`` (passed through ``translate(values, source)`` first,
+    e.g. to move keys of another tool's spelling), and the other ``--section.key value``
+    arguments.
 
     Raises ``ConfigError`` for bad TOML content; ``tyro`` exits with status 2 (after one
     message) for bad command-line arguments, and prints ``--help``.
@@ -74,22 +78,115 @@ def load_config(
 
     argv = list(sys.argv[1:] if argv is None else argv)
     config_file = _find_flag(argv, config_file_flag)
+    source = config_file or "defaults"
     values = read_toml(config_file) if config_file else {}
     if translate is not None:
-        values = translate(values)
-    default = from_dict(cls, values, source=config_file or "defaults")
-    return tyro.cli(
-        cls,
-        default=default,
-        args=argv,
-        prog=prog,
-        description=description,
-        use_underscores=True,
-    )
+        values = translate(values, source)
+    default = from_dict(cls, values, source=source)
+    argv = split_commas(argv, list_options(cls))
+
+    with _plain_docstrings():
+        return tyro.cli(
+            cls,
+            default=default,
+            args=argv,
+            prog=prog,
+            description=description and _RST_LITERAL.sub("", description),
+            use_underscores=True,
+        )
 
 
-def from_dict(cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "") -> T:
-    """Instantiate dataclass ``cls`` from nested ``values``, checking every key and type."""
+def list_options(cls: type, prefix: str = "--") -> set[str]:
+    """The command-line flags of ``cls`` (a dataclass tree) whose values are lists or tuples
+    of plain values (str, int, float)."""
+    flags: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            flags |= list_options(hint, f"{prefix}{f.name}.")
+            continue
+        options = typing.get_args(hint) if typing.get_origin(hint) in _UNIONS else (hint,)
+        for option in options:
+            items = typing.get_args(option)
+            if typing.get_origin(option) in (list, tuple) and items and items[0] in _PLAIN:
+                flags.add(f"{prefix}{f.name}")
+    return flags
+
+
+_UNIONS = (typing.Union, types.UnionType)
+_PLAIN = (str, int, float)
+
+
+def split_commas(argv: Sequence[str], flags: set[str]) -> list[str]:
+    """``argv`` with each value of a list flag split at commas, as torchtitan's command line
+    reads lists: ``--checkpoint.exclude_from_loading a,b`` is ``... a b``."""
+    out: list[str] = []
+    in_list = False
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            in_list = _normal_flag(name) in flags
+            if in_list and eq:
+                out.extend([name, *(v for v in value.split(",") if v)])
+                in_list = False
+                continue
+            out.append(arg)
+        elif in_list and "," in arg:
+            out.extend(v for v in arg.split(",") if v)
+        else:
+            out.append(arg)
+    return out
+
+
+def _normal_flag(name: str) -> str:
+    """A flag with underscores for dashes after ``--`` (tyro accepts either spelling)."""
+    return "--" + name[2:].replace("-", "_")
+
+
+_RST_LITERAL = re.compile(r"``")
+
+
+@contextlib.contextmanager
+def _plain_docstrings() -> Iterator[None]:
+    """Let tyro read docstrings without reST's double backticks, so that help shows plain
+    text with each paragraph's lines joined (tyro keeps a line break before any line that
+    starts with a backtick or a digit). This hooks tyro's line joiner, a private function;
+    where a tyro version has none, help shows the docstrings as written (the CLI's help test
+    says so)."""
+    try:
+        from tyro import _strings
+    except ImportError:  # pragma: no cover - another tyro layout
+        yield
+        return
+    original = getattr(_strings, "remove_single_line_breaks", None)
+    if original is None:  # pragma: no cover
+        yield
+        return
+
+    def plain(text: str) -> str:
+        # Join the lines of each paragraph; keep blank lines and list items ("- ...").
+        out: list[str] = []
+        for line in (raw.strip() for raw in _RST_LITERAL.sub("", text).split("\n")):
+            if out and out[-1] and line and not line.startswith(("- ", "* ")):
+                out[-1] = f"{out[-1]} {line}"
+            else:
+                out.append(line)
+        return original("\n".join(out))
+
+    _strings.remove_single_line_breaks = plain
+    try:
+        yield
+    finally:
+        _strings.remove_single_line_breaks = original
+
+
+def from_dict(
+    cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "", base: T | None = None
+) -> T:
+    """Instantiate dataclass ``cls`` from nested ``values``, checking every key and type. Keys
+    that ``values`` does not set keep their value in ``base`` when given (a section's default
+    as its parent declares it), else the dataclass's own default."""
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
@@ -101,13 +198,22 @@ def from_dict(cls: type[T], values: Mapping[str, Any], *, source: str, prefix: s
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: [{where}] must be a table of keys, got {value!r}.")
-            kwargs[key] = from_dict(hint, value, source=source, prefix=f"{where}.")
+            default = getattr(base, key) if base is not None else _declared_default(known[key])
+            kwargs[key] = from_dict(hint, value, source=source, prefix=f"{where}.", base=default)
         else:
             kwargs[key] = _check_type(value, hint, source=source, where=where)
     try:
-        return cls(**kwargs)
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: {error}") from None
+
+
+def _declared_default(f: dataclasses.Field) -> Any:
+    """A field's default as declared (``JobConfig.checkpoint`` sets its own interval), or
+    ``None`` when it has none."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def to_dict(config: Any) -> dict[str, Any]:
@@ -183,7 +289,9 @@ def _unknown_key_message(source: str, prefix: str, key: str, known: list[str]) -
 def _find_flag(argv: list[str], flag: str) -> str | None:
     """The value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), left in place so
     that the command line still shows it (tyro accepts it as an ordinary field)."""
-    for i, arg in enumerate(argv):
+    for i, raw in enumerate(argv):
+        name, eq, value = raw.partition("=")
+        arg = _normal_flag(name) + eq + value if name.startswith("--") else raw
         if arg == flag:
             if i + 1 >= len(argv):
                 raise ConfigError(f"{flag} needs a file name.")

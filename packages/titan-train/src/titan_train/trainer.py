@@ -36,6 +36,7 @@ from titan_ckpt import CheckpointManager
 from titan_dims import ParallelDims, init_distributed, set_collective_timeout
 from titan_models import context_parallel_batch
 from titan_optim import build_lr_schedulers, build_optimizers
+from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
 from titan_train.fault_tolerance import ReplicaGroup, check_fault_tolerance
@@ -117,6 +118,7 @@ def check_seq_lens(config: JobConfig, dims: ParallelDims) -> None:
 def run(config: JobConfig) -> TrainState:
     """Train as ``config`` says; returns the final train state. The process group it starts
     is destroyed on the way out, also when training fails."""
+    check_supported(config.model.converters, config.parallelize.param_dtype)
     # 1. Process group and device.
     device = init_distributed(timeout=timedelta(seconds=config.comm.init_timeout_seconds))
     try:
