@@ -27,7 +27,7 @@ def open_storage(folder: str) -> Storage:
         scheme = folder.split("://", 1)[0]
         raise CheckpointConfigError(
             f"checkpoint.folder={folder!r} is a {scheme}:// URL, which this environment cannot "
-            f"open: {e} Install fsspec and the filesystem's package (s3fs for s3://, gcsfs for "
+            f"open ({e}). Install fsspec and the filesystem's package (s3fs for s3://, gcsfs for "
             "gs://, adlfs for az://), or use a local path."
         ) from None
 
