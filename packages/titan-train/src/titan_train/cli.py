@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _usage_errors() as error:
         print(f"titan-train: error: {error}", file=sys.stderr)
         return 2
+    except _run_stops() as error:
+        print(f"titan-train: error: {error}", file=sys.stderr)
+        return 1
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:
@@ -76,6 +79,15 @@ def _usage_errors() -> tuple[type[Exception], ...]:
         TokenizerError,
         UnknownModelError,
     )
+
+
+def _run_stops() -> tuple[type[Exception], ...]:
+    """Errors that stop a run that started well, each with its whole story in the message
+    (a full disk, a lost folder, training that diverged): no traceback needed."""
+    from titan_ckpt import CheckpointWriteError
+    from titan_train.nonfinite import NonFiniteStepsError
+
+    return (CheckpointWriteError, NonFiniteStepsError)
 
 
 def _train(argv: list[str]) -> int:
