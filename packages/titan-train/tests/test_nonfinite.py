@@ -69,5 +69,5 @@ def test_zero_stops_at_the_first_nonfinite_step():
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_config_refuses_bad_limits(value):
-    with pytest.raises(ConfigError, match="training.skip_nonfinite_steps"):
+    with pytest.raises(ConfigError, match=r"training\.skip_nonfinite_steps"):
         TrainingConfig(skip_nonfinite_steps=value)
