@@ -9,7 +9,8 @@
 ``--nproc-per-node N`` (with N > 1, outside torchrun) starts N processes through
 ``torch.distributed.run`` on this machine; under torchrun or SLURM-launched torchrun the
 command trains in place. Configuration errors print one message and exit with status 2
-before anything is written.
+before anything is written; a run stopped on its way (the disk full, training diverged past
+training.skip_nonfinite_steps) prints one message and exits with status 1.
 """
 
 from __future__ import annotations
