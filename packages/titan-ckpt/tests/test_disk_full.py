@@ -189,3 +189,19 @@ def test_vanished_folder_is_recreated_by_the_next_save(tmp_path, caplog):
             m.save(2)
     assert any("vanished since the last save" in r.message for r in caplog.records)
     assert scan_steps(LocalStorage(), str(folder)).committed == [2]
+
+
+def test_two_ranks_raise_the_same_error_in_both_modes(torchrun, results, tmp_path):
+    with small_disk_module.small_disk(tmp_path / "disk", DISK) as d:
+        quota = 0 if d.storage is None else DISK
+        proc = torchrun("disk_full.py", 2, str(tmp_path), str(d.path), str(quota))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = results(tmp_path, "disk_full", 2)
+    for mode, failed_at in (("disabled", 3), ("async", 4)):
+        first, second = ranks[0][mode], ranks[1][mode]
+        assert first == second  # every rank raises rank 0's one error
+        assert first["type"] == "DiskFullError"
+        assert first["step"] == failed_at  # async: raised by the save after the failed one
+        assert first["path"] == str(d.path / mode / "step-3")
+        assert f"about {STEP // 1024}.0 KiB ({STEP:,} bytes)" in first["message"]
+        assert first["committed"] == ["step-1", "step-2"]
