@@ -354,7 +354,7 @@ class CheckpointManager:
         error = None
         try:
             self._write_extras_and_commit(directory, manifest, purger, hf=hf)
-        except Exception as e:  # on rank 0 the commit; an HF export write on any rank
+        except WRITE_ERRORS as e:  # on rank 0 the commit; an HF export write on any rank
             error = e
         self._watch.settle(error, directory=directory, step=manifest.step, needed=needed)
         if error is not None:

@@ -47,9 +47,12 @@ __all__ = [
 
 logger = logging.getLogger("titan_ckpt")
 
-WRITE_ERRORS = (Exception, CheckpointException)
-"""What a failed DCP write raises: DCP gathers every rank's error into a
-``CheckpointException``, which is a ``BaseException``, not an ``Exception``."""
+WRITE_ERRORS = (OSError, CheckpointException)
+"""What a failed write raises: an ``OSError`` (our own writes: the commit marker, the HF
+export), or DCP's ``CheckpointException`` (a ``BaseException``), which gathers every rank's
+error and reaches every rank. Anything else, e.g. a collective broken by a rank that died
+mid-save, is not a write failure and propagates as it is: the job is going down, and the
+step stays uncommitted."""
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 FULL_SLACK = 1 << 20

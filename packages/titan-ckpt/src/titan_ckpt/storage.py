@@ -188,8 +188,8 @@ class FsspecStorage(Storage):
         # readers also see whole or not at all. A filesystem that cannot move files gets a
         # direct write; a torn file there is caught on read (``read_manifest`` treats a
         # marker that does not parse as no marker).
-        directory, _, name = path.rpartition("/")
-        tmp = f"{directory}/.tmp-{uuid.uuid4().hex}-{name}"
+        directory, slash, name = path.rpartition("/")
+        tmp = f"{directory}{slash}.tmp-{uuid.uuid4().hex}-{name}"
         try:
             with self.fs.open(tmp, "wb") as f:
                 f.write(data)
