@@ -125,7 +125,8 @@ def test_a_diverging_run_skips_then_stops_and_saves_nothing_broken(tmp_path):
     assert "titan-train: error: Step 4: the gradient norm is nan, the 3rd non-finite one" in (
         done.stderr
     )
-    assert done.stderr.count("update skipped") == 2
+    assert done.stderr.count("update skipped") == 2  # one warning line per skipped step
+    assert "Skipped an optimizer step" not in done.stderr  # (not the container's as well)
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 0), (2, 1), (3, 2)]
     # Steps 1-3 committed (2 and 3 left the weights of 1 as they were); step 4 never saved.

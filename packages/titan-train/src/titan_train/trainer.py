@@ -266,6 +266,7 @@ def _build_and_train(
 
     # 5. Optimizers and schedules.
     optimizers = build_optimizers(model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
+    optimizers.warn_on_skip = False  # the NonFiniteGuard below reports each skipped step
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, training_steps=training.steps)
     if replicas is not None:
         optimizers = replicas.wrap_optimizers(optimizers)
