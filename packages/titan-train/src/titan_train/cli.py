@@ -52,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"titan-train: error: {error}", file=sys.stderr)
         return 2
     except _run_stops() as error:
-        print(f"titan-train: error: {error}", file=sys.stderr)
+        # Every rank raises the same agreed error: one copy is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"titan-train: error: {error}", file=sys.stderr)
         return 1
 
 
