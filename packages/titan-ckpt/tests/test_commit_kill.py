@@ -57,3 +57,23 @@ def test_killed_writer_leaves_older_steps_loadable(tmp_path, kind, point):
         # The rerun saves step 3 again over the remains of the killed one.
         assert manager.save(3, force=True)
     assert scan_steps(storage, folder).committed == [1, 2, 3]
+
+
+@pytest.mark.parametrize("keep", [0, 1, 40])
+def test_a_torn_marker_reads_as_uncommitted_never_as_damaged(tmp_path, keep):
+    folder = str(tmp_path / "ckpt")
+    model = torch.nn.Linear(8, 8)
+    config = CheckpointConfig(enable=True, folder=folder, interval=1, keep_latest_k=0)
+    with CheckpointManager(config, model_parts=model) as manager:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            manager.save(step)
+    marker = tmp_path / "ckpt" / "step-2" / "titan-commit.json"
+    marker.write_bytes(marker.read_bytes()[:keep])  # what a crash mid-write could leave
+    scan = scan_steps(storage_for(folder), folder)
+    assert (scan.committed, scan.uncommitted) == ([1], [2])
+    with CheckpointManager(config, model_parts=model) as manager:
+        assert manager.load()
+        assert manager.last_loaded_step == 1
+        assert torch.all(model.weight == 1)
