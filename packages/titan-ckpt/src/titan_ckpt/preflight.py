@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
-from titan_ckpt.storage import FsspecStorage, Storage, storage_for
+from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
 
 __all__ = ["check_checkpoint_folder", "open_storage"]
 
@@ -38,8 +38,8 @@ def check_checkpoint_folder(
     """Raise ``CheckpointConfigError`` unless saves into ``config.folder`` can work.
 
     Returns the folder's storage (None when checkpointing is off). A load-only run needs no
-    write access, and neither does a folder of a storage passed in that is not a local or
-    fsspec one (it is trusted to know its own limits).
+    write access. A storage passed in that is neither local nor fsspec is only asked whether
+    the folder is a directory (it knows its own limits).
     """
     if not config.enable:
         return storage
@@ -61,7 +61,7 @@ def _local_path(storage: Storage, folder: str) -> str | None:
         protocol = storage.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
         return storage.fs._strip_protocol(folder) if "file" in protocols else None
-    return None if "://" in folder else folder
+    return folder if isinstance(storage, LocalStorage) else None
 
 
 def _check_local(folder: str, path: str) -> None:
