@@ -95,7 +95,7 @@ def test_fsdp2_round_trips_crash_and_reshard_4_2_1(common, torchrun, results, tm
         assert scan_steps(storage_for(async_folder), async_folder).committed == [2]
 
     # A dataloader that cannot reshard is refused (written by 4 ranks, read by 1).
-    with pytest.raises(CheckpointConfigError, match=r"written by 4 ranks, this run has 1"):
+    with pytest.raises(CheckpointConfigError, match=r"data-parallel degree 4, this run has 1"):
         load_at_world_1(common, folder, common.DataPosition(supports_resharding=False))
 
     # World 1, no process group, a plain model: 4 -> 1.

@@ -25,6 +25,8 @@ from titan_ckpt.layout import (
     verify_step,
 )
 from titan_ckpt.manager import CheckpointManager
+from titan_ckpt.preflight import check_checkpoint_folder
+from titan_ckpt.space import CheckpointWriteError, DiskFullError
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
 
@@ -35,6 +37,8 @@ __all__ = [
     "CheckpointConfigError",
     "CheckpointIntegrityError",
     "CheckpointManager",
+    "CheckpointWriteError",
+    "DiskFullError",
     "FsspecStorage",
     "LocalStorage",
     "Manifest",
@@ -44,6 +48,7 @@ __all__ = [
     "Storage",
     "StreamingStateDictAdapter",
     "__version__",
+    "check_checkpoint_folder",
     "load_state_dict_adapter",
     "read_manifest",
     "scan_steps",

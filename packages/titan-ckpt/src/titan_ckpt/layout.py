@@ -61,6 +61,9 @@ class Manifest:
     """Top-level states saved ("model" plus e.g. "optimizer", "dataloader")."""
     model_only: bool
     """Whether only the model was saved (seed checkpoint, last save)."""
+    data_parallel_degree: int | None = None
+    """Data-parallel ranks of the run that wrote it (its dataloader's sharding), if known;
+    None in older markers, where ``world_size`` stands in."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Relative path -> {"size": bytes, "sha256": hex digest}."""
     created: float = 0.0
@@ -128,12 +131,19 @@ def write_commit(
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest | None:
-    """The commit marker of ``directory``, or None if it has none (not committed)."""
+    """The commit marker of ``directory``, or None if it has none or a torn one (not committed)."""
     path = storage.join(directory, COMMIT_MARKER)
     if not storage.exists(path):
         return None
     with storage.open(path, "rb") as f:
-        return Manifest.from_json(f.read())
+        data = f.read()
+    try:
+        return Manifest.from_json(data)
+    except (ValueError, TypeError, AttributeError) as e:
+        # The marker is written last and whole (rename), so one that does not parse was torn
+        # by a crash on a storage without atomic writes: the step was never committed.
+        logger.warning("%s: unreadable commit marker (%s); the step is uncommitted", path, e)
+        return None
 
 
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:
@@ -172,8 +182,8 @@ def scan_steps(storage: Storage, folder: str) -> StepScan:
         if m is None:
             continue
         step = int(m.group(1))
-        marker = storage.join(folder, name, COMMIT_MARKER)
-        (committed if storage.exists(marker) else uncommitted).append(step)
+        is_committed = read_manifest(storage, storage.join(folder, name)) is not None
+        (committed if is_committed else uncommitted).append(step)
     if uncommitted:
         logger.warning(
             "Ignoring uncommitted checkpoint directories in %s (interrupted or in-progress "

@@ -46,9 +46,11 @@ from titan_ckpt.layout import (
     write_commit,
 )
 from titan_ckpt.load_plan import plan_load
+from titan_ckpt.preflight import check_checkpoint_folder, open_storage
 from titan_ckpt.purge import Purger
+from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
 from titan_ckpt.states import ModelState
-from titan_ckpt.storage import Storage, storage_for
+from titan_ckpt.storage import Storage
 
 __all__ = ["CheckpointManager"]
 
@@ -76,6 +78,14 @@ class CheckpointManager:
         ft_manager: a torchft ``Manager``: registers state-dict callbacks for live recovery;
             only participating rank 0 writes the shared checkpoint (see ``titan_ckpt.ft``).
         ft_replica_id: this replica group's id; names its dataloader checkpoint folder.
+        data_parallel_degree: how many ways the dataloader shards the data (the trainer's
+            data-parallel degree); recorded in each step, and a resume at another degree
+            loads the dataloader only if it ``supports_resharding``. Default: the world size.
+
+    A save that fails (the disk full, a permission lost) raises ``CheckpointWriteError``
+    (``DiskFullError`` when space ran out) on every rank, naming the path, the bytes the step
+    needs and those free; its partial step is removed and committed steps stay as they were.
+    An async save's failure is raised by the next ``wait``, ``save`` or ``close``.
     """
 
     def __init__(
@@ -89,12 +99,14 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         ft_manager: Any | None = None,
         ft_replica_id: str | int | None = None,
+        data_parallel_degree: int | None = None,
     ) -> None:
         self.config = config
         self.model = ModelState(model_parts)
         self.states = {k: v for k, v in (states or {}).items() if v is not None}
         self.adapter = state_dict_adapter
-        self.storage = storage if storage is not None else storage_for(config.folder)
+        self.storage = storage if storage is not None else open_storage(config.folder)
+        self.data_parallel_degree = data_parallel_degree
         self.folder = config.folder
         self.last_loaded_step: int | None = None
         self._pending: Future | None = None
@@ -103,6 +115,7 @@ class CheckpointManager:
         self._ft_purger: Purger | None = None
         self._committer: ThreadPoolExecutor | None = None
         self._stager = None
+        self._inflight: tuple[str, int, int | None] | None = None  # async: directory, step, bytes
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = 0
         self.pg = process_group
@@ -131,6 +144,9 @@ class CheckpointManager:
             )
             if self._rank == 0:
                 self._committer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-commit")
+        self._watch = SaveWatch(
+            self.storage, self.folder, rank=self._rank, distributed=self._distributed, group=self.pg
+        )
         if self._rank == 0 and config.keep_latest_k > 0 and not config.load_only:
             self._purger = Purger(self.storage, self.folder, config.keep_latest_k)
             if self.ft is not None and self.ft.dataloader_checkpoints:
@@ -184,10 +200,7 @@ class CheckpointManager:
             )
         if cfg.async_mode == "async_with_pinned_mem" and self._distributed:
             check_main_guard()  # the writer is a spawned process only with a process group
-        if self.storage.exists(self.folder) and not self.storage.is_dir(self.folder):
-            raise CheckpointConfigError(
-                f"checkpoint.folder={self.folder!r} exists and is not a directory."
-            )
+        check_checkpoint_folder(cfg, self.storage)
 
     # ------------------------------------------------------------------ collectives
     def _agree(self, value: Any) -> Any:
@@ -244,11 +257,13 @@ class CheckpointManager:
         if self.ft is not None:
             if self.ft.dataloader_checkpoints and not model_only:
                 replica = self.ft.replica_folder(self.storage.join, self.folder)
+                replica_state = {DATALOADER: self.states[DATALOADER]}
                 self._write_sync(
                     step_dir(self.storage, replica, curr_step),
-                    {DATALOADER: self.states[DATALOADER]},
+                    replica_state,
                     self._manifest(curr_step, [DATALOADER], model_only=False),
                     self._ft_purger,
+                    needed=state_bytes(replica_state),
                 )
             if not self.ft.is_writer():
                 return True  # another replica group writes the shared checkpoint
@@ -261,10 +276,11 @@ class CheckpointManager:
             state = {**self.model.state_dict(), **shared_states}
         names = [MODEL] + ([] if model_only else sorted(shared_states))
         manifest = self._manifest(curr_step, names, model_only=model_only)
+        needed = self._watch.step_bytes(state, "model" if model_only else "full")
         synchronous = cfg.async_mode == "disabled" or last_step or cfg.create_seed_checkpoint
         if synchronous:
             hf = last_step and cfg.last_save_in_hf
-            self._write_sync(directory, state, manifest, self._purger, hf=hf)
+            self._write_sync(directory, state, manifest, self._purger, hf=hf, needed=needed)
             logger.info("Saved %s in %.2f s", directory, time.monotonic() - begin)
             return True
 
@@ -282,6 +298,7 @@ class CheckpointManager:
             upload, self._staging = response, None
         else:
             upload, self._staging = response.upload_completion, response.staging_completion
+        self._inflight = (directory, curr_step, needed)
         if self._committer is not None:  # rank 0 commits once the upload finished everywhere
             self._pending = self._committer.submit(self._commit_after, upload, directory, manifest)
         else:
@@ -298,8 +315,15 @@ class CheckpointManager:
 
     def _manifest(self, step: int, states: list[str], *, model_only: bool) -> Manifest:
         return Manifest(
-            step=step, world_size=self._world_size(), states=states, model_only=model_only
+            step=step,
+            world_size=self._world_size(),
+            states=states,
+            model_only=model_only,
+            data_parallel_degree=self._data_parallel_degree(),
         )
+
+    def _data_parallel_degree(self) -> int:
+        return self.data_parallel_degree or self._world_size()
 
     def _write_sync(
         self,
@@ -309,16 +333,36 @@ class CheckpointManager:
         purger: Purger | None,
         *,
         hf: bool = False,
+        needed: int | None = None,
     ) -> None:
-        """Write and commit one step; when this returns on any rank, the step is committed."""
+        """Write and commit one step; when this returns on any rank, the step is committed.
+
+        A failed write raises one ``CheckpointWriteError`` on every rank (``SaveWatch.settle``).
+        """
         self._clear_step(directory)
-        with self._quiet_single_process():
-            dcp.save(
-                state,
-                storage_writer=self.storage.dcp_writer(directory),
-                process_group=self.pg,
-                no_dist=not self._distributed,
-            )
+        try:
+            with self._quiet_single_process():
+                dcp.save(
+                    state,
+                    storage_writer=self.storage.dcp_writer(directory),
+                    process_group=self.pg,
+                    no_dist=not self._distributed,
+                )
+        except WRITE_ERRORS as e:  # DCP reports a failed write to every rank
+            self._watch.settle(e, directory=directory, step=manifest.step, needed=needed)
+            raise  # settle raised unless rank 0 saw no error; keep this rank's own
+        error = None
+        try:
+            self._write_extras_and_commit(directory, manifest, purger, hf=hf)
+        except WRITE_ERRORS as e:  # on rank 0 the commit; an HF export write on any rank
+            error = e
+        self._watch.settle(error, directory=directory, step=manifest.step, needed=needed)
+        if error is not None:
+            raise error
+
+    def _write_extras_and_commit(
+        self, directory: str, manifest: Manifest, purger: Purger | None, *, hf: bool
+    ) -> None:
         if hf:
             assert self.adapter is not None  # checked in _validate
             hf_dir = self.storage.join(directory, HF_SUBDIR)
@@ -340,7 +384,6 @@ class CheckpointManager:
             own = {k: v for part in parts or [] for k, v in part.items()}
         if self._rank == 0:
             self._commit(directory, manifest, purger, hashed=own)
-        self._barrier()
 
     def _clear_step(self, directory: str) -> None:
         """Remove what a previous attempt left at ``directory`` before writing it again."""
@@ -364,6 +407,7 @@ class CheckpointManager:
             purger.request()
 
     def _commit_after(self, upload: Future, directory: str, manifest: Manifest) -> None:
+        # Runs in the committer thread; a failure is raised (as CheckpointWriteError) by wait().
         upload.result()  # raises if any rank failed to write: then nothing is committed
         self._commit(directory, manifest, self._purger)
 
@@ -382,7 +426,16 @@ class CheckpointManager:
         self.maybe_wait_for_staging()
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            assert self._inflight is not None  # set with _pending
+            (directory, step, needed), self._inflight = self._inflight, None
+            error = None
+            try:
+                pending.result()
+            except WRITE_ERRORS as e:  # the same message as a synchronous save's, on every rank
+                error = e
+            self._watch.settle(error, directory=directory, step=step, needed=needed)
+            if error is not None:
+                raise error
 
     def close(self) -> None:
         """Finish the save in flight and pending deletions; stop background threads."""
@@ -522,16 +575,19 @@ class CheckpointManager:
                 f"{directory} holds no {missing} state (it has {manifest.states}); add "
                 f"{missing} to checkpoint.exclude_from_loading to start them fresh."
             )
+        # The dataloader is sharded over data-parallel ranks, not over all ranks: a TP=2 world
+        # of 2 and a single process both read one data stream. Older markers lack the degree.
+        saved_dp = manifest.data_parallel_degree or manifest.world_size
         if (
             DATALOADER in names
-            and manifest.world_size != self._world_size()
+            and saved_dp != self._data_parallel_degree()
             and not getattr(self.states[DATALOADER], "supports_resharding", False)
         ):
             raise CheckpointConfigError(
-                f"{directory} was written by {manifest.world_size} ranks, this run has "
-                f"{self._world_size()}, and the dataloader "
+                f"{directory} was written with data-parallel degree {saved_dp}, this run has "
+                f"{self._data_parallel_degree()}, and the dataloader "
                 f"({type(self.states[DATALOADER]).__name__}) does not declare "
                 "supports_resharding. Add 'dataloader' to checkpoint.exclude_from_loading to "
-                "restart the data stream, or resume at the original world size."
+                "restart the data stream, or resume at the original data-parallel degree."
             )
         return names

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from abc import ABC, abstractmethod
 from typing import IO
 
@@ -180,6 +181,25 @@ class FsspecStorage(Storage):
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        # Write a temporary file beside the target, then move it into place: a local or
+        # mounted filesystem renames, an object store copies a complete object, which
+        # readers also see whole or not at all. A filesystem that cannot move files gets a
+        # direct write; a torn file there is caught on read (``read_manifest`` treats a
+        # marker that does not parse as no marker).
+        directory, slash, name = path.rpartition("/")
+        tmp = f"{directory}{slash}.tmp-{uuid.uuid4().hex}-{name}"
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, path)
+        except NotImplementedError:
+            with self.fs.open(path, "wb") as f:
+                f.write(data)
+        finally:
+            if self.fs.exists(tmp):
+                self.fs.rm(tmp)
 
     def dcp_writer(self, path: str) -> StorageWriter:
         # DCP's fsspec writer lives in a private module in every torch release so far.

@@ -69,6 +69,9 @@ class OptimizersContainer:
         self._skip_next_step = False
         self.skipped_steps = 0
         """Steps skipped because the gradient norm was not finite."""
+        self.warn_on_skip = True
+        """Log a warning line for each skipped step; a caller that reports skips itself
+        (titan-train's ``training.skip_nonfinite_steps`` policy) turns this off."""
 
     # -- one optimizer's interface ------------------------------------------------------
     @property
@@ -93,7 +96,8 @@ class OptimizersContainer:
         if self._skip_next_step:
             self._skip_next_step = False
             self.skipped_steps += 1
-            logger.warning(
+            log = logger.warning if self.warn_on_skip else logger.debug
+            log(
                 "Skipped an optimizer step: the gradient norm was not finite (%d skipped so far).",
                 self.skipped_steps,
             )

@@ -12,7 +12,8 @@ The options of ``train`` (below) take torchtitan's spellings too: ``--training.c
 ``--nproc-per-node N`` (with N > 1, outside torchrun) starts N processes through
 ``torch.distributed.run`` on this machine; under torchrun or SLURM-launched torchrun the
 command trains in place. Configuration errors print one message and exit with status 2
-before anything is written.
+before anything is written; a run stopped on its way (the disk full, training diverged past
+training.skip_nonfinite_steps) prints one message and exits with status 1.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def _main(argv: list[str]) -> int:
     except _usage_errors() as error:
         print(f"titan-train: error: {error}", file=sys.stderr)
         return 2
+    except _run_stops() as error:
+        # Every rank raises the same agreed error: one copy is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"titan-train: error: {error}", file=sys.stderr)
+        return 1
 
 
 def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
@@ -141,6 +147,15 @@ def _usage_errors() -> tuple[type[Exception], ...]:
         TokenizerError,
         UnknownModelError,
     )
+
+
+def _run_stops() -> tuple[type[Exception], ...]:
+    """Errors that stop a run that started well, each with its whole story in the message
+    (a full disk, a lost folder, training that diverged): no traceback needed."""
+    from titan_ckpt import CheckpointWriteError
+    from titan_train.nonfinite import NonFiniteStepsError
+
+    return (CheckpointWriteError, NonFiniteStepsError)
 
 
 def _train(argv: list[str]) -> int:

@@ -103,6 +103,11 @@ class TrainingConfig:
     """Use deterministic algorithms (slower; for bit-for-bit reproducibility checks)."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps, and never in between."""
+    skip_nonfinite_steps: int = 10
+    """Consecutive steps with an inf/nan gradient norm whose update is skipped (weights left
+    as they were, one warning each) before the run stops with an error; 0 stops at the
+    first. Skipped steps are counted in the metrics (skipped_steps). Needs max_norm > 0, as
+    the norm is clipping's. Not a torchtitan key (torchtitan applies such updates)."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -114,6 +119,12 @@ class TrainingConfig:
         )
         if self.global_batch_size != -1:
             _positive("training", global_batch_size=self.global_batch_size)
+        skips = self.skip_nonfinite_steps
+        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
+            raise ConfigError(
+                f"training.skip_nonfinite_steps={skips!r} is not allowed; it must be a whole "
+                "number >= 0 (0 stops at the first inf/nan gradient norm)."
+            )
         if self.max_norm < 0:
             raise ConfigError(
                 f"training.max_norm={self.max_norm} is not allowed; it must be >= 0 "

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_ckpt import CheckpointManager
+from titan_ckpt import CheckpointConfig, CheckpointManager, check_checkpoint_folder
 from titan_dims import ParallelDims, init_distributed, set_collective_timeout
 from titan_models import context_parallel_batch
 from titan_optim import build_lr_schedulers, build_optimizers
@@ -41,6 +41,7 @@ from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
 from titan_train.fault_tolerance import ReplicaGroup, check_fault_tolerance
 from titan_train.metrics import MetricsLogger, tokens_of_step
+from titan_train.nonfinite import NonFiniteGuard
 from titan_train.profiling import Profiler
 from titan_train.registry import load_model_spec
 from titan_train.tokenizer import load_tokenizer
@@ -149,6 +150,7 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
         )
     check_seq_lens(config, dims)
+    check_checkpoint_folder(checkpoint_settings(config))
     ft_config = config.fault_tolerance
     check_fault_tolerance(
         ft_config, dims, create_seed_checkpoint=config.checkpoint.create_seed_checkpoint
@@ -266,16 +268,14 @@ def _build_and_train(
 
     # 5. Optimizers and schedules.
     optimizers = build_optimizers(model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
+    optimizers.warn_on_skip = False  # the NonFiniteGuard below reports each skipped step
     schedulers = build_lr_schedulers(optimizers, config.lr_scheduler, training_steps=training.steps)
     if replicas is not None:
         optimizers = replicas.wrap_optimizers(optimizers)
 
     # 6. Checkpointing and resume.
     train_state = TrainState()
-    checkpoint_config = replace(
-        config.checkpoint,
-        folder=os.path.join(config.job.dump_folder, config.checkpoint.folder),
-    )
+    checkpoint_config = checkpoint_settings(config)
     checkpointer = CheckpointManager(
         checkpoint_config,
         model_parts=model_parts,
@@ -288,6 +288,7 @@ def _build_and_train(
         state_dict_adapter=spec.state_dict_adapter(flavor=config.model.flavor),
         ft_manager=None if replicas is None else replicas.manager,
         ft_replica_id=None if replicas is None else replicas.replica_id,
+        data_parallel_degree=data_degree,
     )
     checkpointer.load()
     if config.checkpoint.create_seed_checkpoint:
@@ -327,6 +328,7 @@ def _build_and_train(
         device=device,
         step=train_state.step,
     )
+    nonfinite = NonFiniteGuard(training.skip_nonfinite_steps)
     gc.disable()
     try:
         while train_state.step < training.steps:
@@ -358,6 +360,8 @@ def _build_and_train(
             grad_norm = None
             if training.max_norm > 0:
                 grad_norm = optimizers.clip_grad_norm_(training.max_norm, pp_group=pp_group)
+                # Past the limit this raises: before the step's update and its checkpoint.
+                nonfinite.observe(train_state.step, float(grad_norm))
             checkpointer.maybe_wait_for_staging()
             optimizers.step()
             lr = schedulers.get_last_lr()[0]  # the lr this step trained with
@@ -374,6 +378,7 @@ def _build_and_train(
                 devices=step_tokens.devices,
                 step_seconds=time.perf_counter() - step_started,
                 data_seconds=data_seconds,
+                extra=None if grad_norm is None else {"skipped_steps": nonfinite.skipped},
             )
             if validator is not None and validator.should_validate(
                 train_state.step, training.steps
@@ -398,6 +403,14 @@ def _build_and_train(
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def checkpoint_settings(config: JobConfig) -> CheckpointConfig:
+    """The ``[checkpoint]`` section with its folder under ``job.dump_folder`` (a URL as is)."""
+    folder = config.checkpoint.folder
+    if "://" not in folder:
+        folder = os.path.join(config.job.dump_folder, folder)
+    return replace(config.checkpoint, folder=folder)
 
 
 def _next_batches(batch_iter: Any, count: int, device: torch.device) -> tuple[list[Batch], float]:

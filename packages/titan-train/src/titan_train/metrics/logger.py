@@ -236,6 +236,8 @@ class MetricsLogger:
             parts.append(paint("mfu", f"mfu {r['mfu_pct']:.1f}%"))
         parts.append(f"memory {r['memory_gib']:.2f}GiB ({memory_kind})")
         parts.append(f"data {r['data_pct']:.1f}%")
+        if r.get("skipped_steps"):
+            parts.append(f"skipped {int(r['skipped_steps'])}")
         if "eta_s" in r:
             parts.append(f"eta {timedelta(seconds=round(r['eta_s']))}")
         return "  ".join(parts)

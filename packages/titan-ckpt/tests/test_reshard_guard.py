@@ -1,0 +1,62 @@
+"""The dataloader resharding guard compares data-parallel degrees, not world sizes.
+
+Two ranks that share one data stream (data-parallel degree 1, as under tensor parallel)
+write a step; one process (degree 1) must then load its dataloader, even one that does not
+declare ``supports_resharding``, while a step written at degree 2 is refused for it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from titan_ckpt import COMMIT_MARKER, CheckpointConfig, CheckpointConfigError, CheckpointManager
+
+
+def load(common, folder, data, **kwargs) -> CheckpointManager:
+    config = CheckpointConfig(enable=True, folder=str(folder))
+    manager = CheckpointManager(
+        config, model_parts=common.make_model(seed=3), states={"dataloader": data}, **kwargs
+    )
+    manager.load()
+    return manager
+
+
+def test_guard_keys_on_the_data_parallel_degree(common, torchrun, tmp_path):
+    proc = torchrun("save_dp.py", 2, str(tmp_path), str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for degree in (1, 2):
+        marker = json.loads((tmp_path / f"dp{degree}" / "step-1" / COMMIT_MARKER).read_text())
+        assert marker["world_size"] == 2
+        assert marker["data_parallel_degree"] == degree
+
+    # World 2 at degree 1 -> world 1 (degree 1 by default): the dataloader loads.
+    data = common.DataPosition(supports_resharding=False)
+    load(common, tmp_path / "dp1", data)
+    assert data.position == 7
+
+    # Degree 2 -> degree 1 is a resharding this dataloader cannot do: refused, by name.
+    with pytest.raises(CheckpointConfigError, match="data-parallel degree 2, this run has 1"):
+        load(common, tmp_path / "dp2", common.DataPosition(supports_resharding=False))
+    # ... unless the run says it is at degree 2 too (e.g. world 4 with TP 2).
+    data = common.DataPosition(supports_resharding=False)
+    load(common, tmp_path / "dp2", data, data_parallel_degree=2)
+    assert data.position == 7
+
+
+def test_markers_without_the_degree_fall_back_to_the_world_size(common, tmp_path):
+    config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1)
+    data = common.DataPosition(supports_resharding=False)
+    with CheckpointManager(
+        config, model_parts=common.make_model(), states={"dataloader": data}
+    ) as manager:
+        manager.save(1)
+    marker_path = tmp_path / "step-1" / COMMIT_MARKER
+    marker = json.loads(marker_path.read_text())
+    assert marker["data_parallel_degree"] == 1
+    del marker["data_parallel_degree"]  # as an older titan-ckpt wrote it
+    marker["world_size"] = 2
+    marker_path.write_text(json.dumps(marker))
+    with pytest.raises(CheckpointConfigError, match="data-parallel degree 2, this run has 1"):
+        load(common, tmp_path, common.DataPosition(supports_resharding=False))

@@ -1,0 +1,36 @@
+"""Two ranks that both hold the whole model (as tensor-parallel ranks share one data
+stream) save step 1 twice: once declaring data-parallel degree 1, once degree 2.
+
+    torchrun --nproc-per-node 2 save_dp.py OUT_DIR FOLDER
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+from common import DataPosition, init, make_model
+
+from titan_ckpt import CheckpointConfig, CheckpointManager
+
+
+def main() -> None:
+    init()
+    folder = sys.argv[2]
+    model = make_model()
+    data = DataPosition(supports_resharding=False)
+    data.position = 7
+    for degree in (1, 2):
+        config = CheckpointConfig(
+            enable=True, folder=os.path.join(folder, f"dp{degree}"), interval=1
+        )
+        with CheckpointManager(
+            config, model_parts=model, states={"dataloader": data}, data_parallel_degree=degree
+        ) as manager:
+            manager.save(1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
