@@ -110,14 +110,30 @@ def _parser() -> argparse.ArgumentParser:
         help="keep only model keys (drop optimizer, dataloader, ...)",
     )
     _filters(convert)
-    convert.add_argument("--model", help="state-dict adapter for HF (e.g. llama3)")
-    convert.add_argument("--flavor", help="model flavor for --to hf (e.g. debugmodel, 8B)")
+    convert.add_argument(
+        "--model",
+        help="state-dict adapter for HF (e.g. llama3); to HF, default: the model a titan "
+        "checkpoint records",
+    )
+    convert.add_argument(
+        "--flavor",
+        help="model flavor for --to hf (e.g. debugmodel, 8B), not needed when SRC records its "
+        "model args (titan-train writes them); checked against SRC's tensors, whose vocabulary "
+        "is written",
+    )
     convert.add_argument(
         "--hf-config",
         metavar="FILE",
         help="a Hugging Face config.json describing the model, instead of --flavor (shapes no "
         "flavor has); to HF it is also the base of the written config.json, from HF it "
         "replaces SRC's",
+    )
+    convert.add_argument(
+        "--rope-scaling",
+        choices=["none", "llama3"],
+        help="RoPE of the written config.json for a checkpoint that records no model args: "
+        "none (plain RoPE, e.g. torchtitan's July 2025 Llama 3) or llama3 (Llama 3.1 "
+        "scaling); default: the flavor's, with the assumption printed",
     )
     convert.add_argument(
         "--max-shard-size",
@@ -231,6 +247,7 @@ def _convert(args: argparse.Namespace) -> int:
         model=args.model,
         flavor=args.flavor,
         hf_config=args.hf_config,
+        rope_scaling=args.rope_scaling,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
     )

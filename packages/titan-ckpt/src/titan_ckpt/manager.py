@@ -40,6 +40,7 @@ from titan_ckpt.layout import (
     CheckpointIntegrityError,
     Manifest,
     hash_files,
+    json_metadata,
     read_manifest,
     step_dir,
     verify_step,
@@ -76,6 +77,9 @@ class CheckpointManager:
         ft_manager: a torchft ``Manager``: registers state-dict callbacks for live recovery;
             only participating rank 0 writes the shared checkpoint (see ``titan_ckpt.ft``).
         ft_replica_id: this replica group's id; names its dataloader checkpoint folder.
+        metadata: JSON-serializable facts recorded in every step's commit manifest
+            (``Manifest.metadata``), e.g. ``{"model": {"name": ..., "flavor": ..., "args":
+            {...}}}``, which ``titan-ckpt convert`` uses to describe the model.
     """
 
     def __init__(
@@ -89,8 +93,10 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         ft_manager: Any | None = None,
         ft_replica_id: str | int | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        self.metadata = json_metadata(metadata)
         self.model = ModelState(model_parts)
         self.states = {k: v for k, v in (states or {}).items() if v is not None}
         self.adapter = state_dict_adapter
@@ -298,7 +304,11 @@ class CheckpointManager:
 
     def _manifest(self, step: int, states: list[str], *, model_only: bool) -> Manifest:
         return Manifest(
-            step=step, world_size=self._world_size(), states=states, model_only=model_only
+            step=step,
+            world_size=self._world_size(),
+            states=states,
+            model_only=model_only,
+            metadata=dict(self.metadata),
         )
 
     def _write_sync(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from titan_ckpt import CheckpointConfig
 from titan_dims import ParallelismConfig
@@ -71,6 +71,10 @@ class ModelSection:
     tokenizer_path: str | None = None
     """A tiktoken BPE file (Llama 3 ``tokenizer.model`` format) or a Hugging Face
     ``tokenizer.json``; empty means the small tokenizer shipped with titan-train."""
+    rope_scaling: Literal["flavor", "none", "llama3"] = "flavor"
+    """RoPE frequency scaling: the flavor's default, none (plain RoPE, as torchtitan's Llama 3
+    of July 2025), or llama3 (Llama 3.1 scaling: the flavor's factors, else the defaults).
+    Recorded with every checkpoint and written to the HF config.json."""
 
 
 @dataclass(kw_only=True)

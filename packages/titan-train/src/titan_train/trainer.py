@@ -40,6 +40,7 @@ from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
 from titan_train.fault_tolerance import ReplicaGroup, check_fault_tolerance
 from titan_train.metrics import MetricsLogger
+from titan_train.model_args import build_model_args, model_metadata, state_dict_adapter
 from titan_train.profiling import Profiler
 from titan_train.registry import load_model_spec
 from titan_train.tokenizer import load_tokenizer
@@ -220,7 +221,9 @@ def _build_and_train(
     # 4. Model: meta -> parallelize -> allocate -> init. Same seed everywhere, so every
     # rank initializes its shards of the same full model.
     longest = max(training.seq_len, config.validation.seq_len if validator else 0)
-    args = spec.args_fn(config.model.flavor, vocab_size=tokenizer.vocab_size, max_seq_len=longest)
+    args = build_model_args(
+        spec, config.model, vocab_size=tokenizer.vocab_size, max_seq_len=longest
+    )
     torch.manual_seed(training.seed)
     if training.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -283,7 +286,8 @@ def _build_and_train(
             "dataloader": dataloader,
             "train_state": train_state,
         },
-        state_dict_adapter=spec.state_dict_adapter(flavor=config.model.flavor),
+        state_dict_adapter=state_dict_adapter(spec, config.model.flavor, args),
+        metadata=model_metadata(spec, config.model.flavor, args),
         ft_manager=None if replicas is None else replicas.manager,
         ft_replica_id=None if replicas is None else replicas.replica_id,
     )

@@ -1,0 +1,66 @@
+"""The model's real arguments: built from the ``[model]`` section and the tokenizer through
+the spec's ``args_fn``, recorded with every checkpoint, and given to the HF adapter.
+
+Model-agnostic: the trainer passes ``args_fn(flavor, **overrides)`` only what it knows
+(``vocab_size`` from the tokenizer, ``max_seq_len`` from the longest sequence it feeds, and
+``rope_scaling`` when ``model.rope_scaling`` is not ``"flavor"``); the model package
+interprets them. The record (``titan_ckpt.MODEL_RECORD`` in the commit manifest) holds the
+model name, flavor and the args as JSON, so ``titan-ckpt convert --to hf`` describes the
+model as trained (its vocabulary, its RoPE) without being told.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from titan_ckpt import MODEL_RECORD
+from titan_ckpt.adapter import takes_keyword
+from titan_train.config import ModelSection
+
+__all__ = ["build_model_args", "model_metadata", "state_dict_adapter"]
+
+logger = logging.getLogger("titan_train")
+
+
+def build_model_args(spec: Any, model: ModelSection, *, vocab_size: int, max_seq_len: int) -> Any:
+    """``spec.args_fn(flavor, **overrides)`` for this run."""
+    overrides: dict[str, Any] = {"vocab_size": vocab_size, "max_seq_len": max_seq_len}
+    if model.rope_scaling != "flavor":
+        overrides["rope_scaling"] = model.rope_scaling
+    return spec.args_fn(model.flavor, **overrides)
+
+
+def _as_json(args: Any) -> dict[str, Any] | None:
+    """``args`` as a JSON object (a dataclass's fields), or None if it is not one."""
+    if not dataclasses.is_dataclass(args) or isinstance(args, type):
+        return None
+    try:
+        return json.loads(json.dumps(dataclasses.asdict(args)))
+    except (TypeError, ValueError):
+        return None
+
+
+def model_metadata(spec: Any, flavor: str, args: Any) -> dict[str, Any]:
+    """``CheckpointManager(metadata=...)``: the model's name, flavor and real args."""
+    record: dict[str, Any] = {"name": spec.name, "flavor": flavor}
+    as_json = _as_json(args)
+    if as_json is None:
+        logger.warning(
+            "The args of model %s are not a JSON-serializable dataclass; checkpoints record "
+            "only its name and flavor.",
+            spec.name,
+        )
+    else:
+        record["args"] = as_json
+    return {MODEL_RECORD: record}
+
+
+def state_dict_adapter(spec: Any, flavor: str, args: Any) -> Any:
+    """The spec's HF adapter for the model as built (its real args: vocabulary, RoPE), or
+    for its flavor when the spec's factory does not take ``model_args``."""
+    if takes_keyword(spec.state_dict_adapter, "model_args"):
+        return spec.state_dict_adapter(model_args=args)
+    return spec.state_dict_adapter(flavor=flavor)
