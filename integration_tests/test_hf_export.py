@@ -41,8 +41,23 @@ SEQ = 1024
 
 
 def titan_ckpt(*args: object) -> subprocess.CompletedProcess:
+    """The command as a user runs it, in its own process."""
     cmd = [sys.executable, "-m", "titan_ckpt.cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def titan_ckpt_here(capsys):
+    """``titan-ckpt ARGS`` in this process (saves a torch import per call): returns a
+    ``CompletedProcess``-like result with returncode and stderr."""
+    from titan_ckpt.cli import main
+
+    def run(*args: object) -> subprocess.CompletedProcess:
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def save_step(folder, args, metadata=None):
@@ -110,10 +125,10 @@ def test_flavor_export_takes_the_vocabulary_from_the_tensors(unrecorded, tmp_pat
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_rope_scaling_none_writes_plain_rope(unrecorded, tmp_path):
+def test_rope_scaling_none_writes_plain_rope(unrecorded, tmp_path, titan_ckpt_here):
     model, step = unrecorded
     hf = tmp_path / "hf"
-    proc = titan_ckpt("convert", step, hf, "--to", "hf", "--model", "llama3", "--flavor",
+    proc = titan_ckpt_here("convert", step, hf, "--to", "hf", "--model", "llama3", "--flavor",
                       "debugmodel", "--rope-scaling", "none")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "records no model args" not in proc.stderr
@@ -127,7 +142,9 @@ def test_rope_scaling_none_writes_plain_rope(unrecorded, tmp_path):
     assert (theirs - logits(reference(model, "llama3"), x)).abs().max() > 2e-4
 
 
-def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(unrecorded, tmp_path):
+def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(
+    unrecorded, tmp_path, titan_ckpt_here
+):
     model, step = unrecorded
     wrong = tmp_path / "wrong.json"
     good = titan_models.Llama3StateDictAdapter(model.args).hf_config()
@@ -147,7 +164,7 @@ def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(unrecorded,
     }  # fmt: skip
     for flags, fields in cases.values():
         dst = tmp_path / "out"
-        proc = titan_ckpt("convert", step, dst, "--to", "hf", "--model", "llama3", *flags)
+        proc = titan_ckpt_here("convert", step, dst, "--to", "hf", "--model", "llama3", *flags)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("titan-ckpt: error: "), proc.stderr
         for field in fields:
@@ -156,7 +173,7 @@ def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(unrecorded,
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
-def test_recorded_args_describe_the_export(tmp_path):
+def test_recorded_args_describe_the_export(tmp_path, titan_ckpt_here):
     args = titan_models.llama3_args("debugmodel", vocab_size=VOCAB, max_seq_len=64,
                                     rope_scaling="none")  # fmt: skip
     record = {"name": "llama3", "flavor": "debugmodel", "args": dataclasses.asdict(args)}
@@ -168,7 +185,7 @@ def test_recorded_args_describe_the_export(tmp_path):
         read_manifest(LocalStorage(), str(step)).metadata["model"]["args"]["rope_scaling"] is None
     )
     hf = tmp_path / "hf"
-    proc = titan_ckpt("convert", step, hf, "--to", "hf")  # the record names model and args
+    proc = titan_ckpt_here("convert", step, hf, "--to", "hf")  # the record names model and args
     assert proc.returncode == 0, proc.stderr
     assert "records no model args" not in proc.stderr
     config = json.loads((hf / "config.json").read_text())
@@ -178,12 +195,14 @@ def test_recorded_args_describe_the_export(tmp_path):
     torch.testing.assert_close(logits(hf_model, x), logits(reference(model, "none"), x),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     # A --rope-scaling that contradicts the record is refused; the record is what was trained.
-    proc = titan_ckpt("convert", step, tmp_path / "o", "--to", "hf", "--rope-scaling", "llama3")
+    proc = titan_ckpt_here(
+        "convert", step, tmp_path / "o", "--to", "hf", "--rope-scaling", "llama3"
+    )
     assert proc.returncode == 2
     assert "contradicts the model args recorded" in proc.stderr
     assert not (tmp_path / "o").exists()
     # DCP -> DCP keeps the record.
-    proc = titan_ckpt("convert", step, tmp_path / "copy", "--to", "dcp")
+    proc = titan_ckpt_here("convert", step, tmp_path / "copy", "--to", "dcp")
     assert proc.returncode == 0, proc.stderr
     assert read_manifest(LocalStorage(), str(tmp_path / "copy")).metadata == {"model": record}
 
