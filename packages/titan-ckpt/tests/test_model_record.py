@@ -77,6 +77,15 @@ def save(folder, common, metadata=None):
 def test_metadata_lands_in_the_manifest_and_must_be_json(common, tmp_path):
     _, step = save(tmp_path / "ckpt", common, metadata={"model": RECORD})
     assert read_manifest(LocalStorage(), str(step)).metadata == {"model": RECORD}
+    # ... and comes back with the step a manager loads.
+    manager = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(tmp_path / "ckpt")),
+        model_parts=[common.make_model(seed=1)],
+    )
+    assert manager.loaded_metadata is None
+    assert manager.load()
+    assert manager.loaded_metadata == {"model": RECORD}
+    manager.close()
     with pytest.raises(TypeError, match="JSON-serializable"):
         CheckpointManager(
             CheckpointConfig(enable=True, folder=str(tmp_path / "other")),

@@ -13,7 +13,12 @@ import pytest
 from titan_models import LLAMA3, ModelSpec, RopeScaling
 from titan_train.config import parse_job_config
 from titan_train.config_loader import ConfigError
-from titan_train.model_args import build_model_args, model_metadata, state_dict_adapter
+from titan_train.model_args import (
+    build_model_args,
+    check_resumed_model,
+    model_metadata,
+    state_dict_adapter,
+)
 
 
 def test_rope_scaling_from_toml_and_cli(tmp_path, capsys):
@@ -101,3 +106,23 @@ def test_another_model_gets_only_what_it_asked_for():
     assert args == BagArgs(vocab_size=5, max_seq_len=4)
     assert model_metadata(BAG, "tiny", args)["model"]["args"] == {"vocab_size": 5, "max_seq_len": 4}
     assert state_dict_adapter(BAG, "tiny", args).hf_config() == {"flavor": "tiny"}
+
+
+def test_resuming_with_other_model_args_is_said_in_one_warning(caplog):
+    def record(*flags: str, seq: int = 64) -> dict:
+        section = parse_job_config(list(flags)).model
+        return model_metadata(LLAMA3, "debugmodel", build_model_args(
+            LLAMA3, section, vocab_size=2000, max_seq_len=seq))  # fmt: skip
+
+    trained = record("--model.rope_scaling", "none")
+    assert check_resumed_model(trained, record("--model.rope_scaling", "none", seq=128)) == []
+    assert check_resumed_model(None, trained) == []  # nothing loaded, or no record
+    assert check_resumed_model({}, trained) == []
+    with caplog.at_level("WARNING", logger="titan_train"):
+        changed = check_resumed_model(trained, record())
+    assert changed == [
+        'rope_scaling: null -> {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": '
+        '4.0, "original_max_position_embeddings": 8192}'
+    ]
+    assert len(caplog.records) == 1
+    assert "--model.rope_scaling" in caplog.records[0].getMessage()

@@ -103,6 +103,8 @@ class CheckpointManager:
         self.storage = storage if storage is not None else storage_for(config.folder)
         self.folder = config.folder
         self.last_loaded_step: int | None = None
+        self.loaded_metadata: dict[str, Any] | None = None
+        """The metadata recorded with the step ``load`` restored (None: none loaded)."""
         self._pending: Future | None = None
         self._staging: Future | None = None
         self._purger: Purger | None = None
@@ -458,6 +460,7 @@ class CheckpointManager:
         self.model.load_state_dict({k: state[k] for k in model_sd})
         if manifest is not None:
             self.last_loaded_step = manifest.step
+            self.loaded_metadata = manifest.metadata
         if self._loads_replica_dataloader(kind, manifest):
             assert manifest is not None  # _loads_replica_dataloader checks it
             self._load_replica_dataloader(manifest.step, checksums)

@@ -20,7 +20,7 @@ from titan_ckpt import MODEL_RECORD
 from titan_ckpt.adapter import takes_keyword
 from titan_train.config import ModelSection
 
-__all__ = ["build_model_args", "model_metadata", "state_dict_adapter"]
+__all__ = ["build_model_args", "check_resumed_model", "model_metadata", "state_dict_adapter"]
 
 logger = logging.getLogger("titan_train")
 
@@ -64,3 +64,29 @@ def state_dict_adapter(spec: Any, flavor: str, args: Any) -> Any:
     if takes_keyword(spec.state_dict_adapter, "model_args"):
         return spec.state_dict_adapter(model_args=args)
     return spec.state_dict_adapter(flavor=flavor)
+
+
+# Args a run may change on resume without changing the model's function.
+_RUN_ARGS = ("max_seq_len",)
+
+
+def check_resumed_model(loaded: dict[str, Any] | None, metadata: dict[str, Any]) -> list[str]:
+    """Warn (one log line) when the checkpoint just loaded recorded other model args than this
+    run's, e.g. another ``rope_scaling``: the weights load, but the model computes something
+    else than what was trained. Returns the differences, as ``field: recorded -> now``."""
+    before = ((loaded or {}).get(MODEL_RECORD) or {}).get("args")
+    now = metadata.get(MODEL_RECORD, {}).get("args")
+    if not isinstance(before, dict) or now is None:
+        return []
+    changed = [
+        f"{key}: {json.dumps(before.get(key))} -> {json.dumps(now.get(key))}"
+        for key in sorted(set(before) | set(now))
+        if key not in _RUN_ARGS and before.get(key) != now.get(key)
+    ]
+    if changed:
+        logger.warning(
+            "The checkpoint was trained with other model args than this run's (%s); set them "
+            "as recorded (e.g. --model.rope_scaling) unless the change is intended.",
+            "; ".join(changed),
+        )
+    return changed

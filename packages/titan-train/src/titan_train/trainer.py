@@ -40,7 +40,12 @@ from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
 from titan_train.fault_tolerance import ReplicaGroup, check_fault_tolerance
 from titan_train.metrics import MetricsLogger
-from titan_train.model_args import build_model_args, model_metadata, state_dict_adapter
+from titan_train.model_args import (
+    build_model_args,
+    check_resumed_model,
+    model_metadata,
+    state_dict_adapter,
+)
 from titan_train.profiling import Profiler
 from titan_train.registry import load_model_spec
 from titan_train.tokenizer import load_tokenizer
@@ -277,6 +282,8 @@ def _build_and_train(
         config.checkpoint,
         folder=os.path.join(config.job.dump_folder, config.checkpoint.folder),
     )
+    # The model as built (name, flavor, real args), recorded with every checkpoint.
+    metadata = model_metadata(spec, config.model.flavor, args)
     checkpointer = CheckpointManager(
         checkpoint_config,
         model_parts=model_parts,
@@ -287,11 +294,12 @@ def _build_and_train(
             "train_state": train_state,
         },
         state_dict_adapter=state_dict_adapter(spec, config.model.flavor, args),
-        metadata=model_metadata(spec, config.model.flavor, args),
+        metadata=metadata,
         ft_manager=None if replicas is None else replicas.manager,
         ft_replica_id=None if replicas is None else replicas.replica_id,
     )
     checkpointer.load()
+    check_resumed_model(checkpointer.loaded_metadata, metadata)
     if config.checkpoint.create_seed_checkpoint:
         # Sharded random init differs between layouts (each rank draws its own shards on
         # CPU); a seed checkpoint written by one process gives every layout the same start.
