@@ -32,6 +32,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 titan_models = pytest.importorskip("titan_models")
 
+from titan_ckpt import read_manifest  # noqa: E402
+from titan_ckpt.storage import LocalStorage  # noqa: E402
 from titan_models.llama3.args import RopeScaling, rope_scaling_of  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -140,6 +142,17 @@ def test_rope_scaling_none_writes_plain_rope(unrecorded, tmp_path, titan_ckpt_he
     # The RoPE variant matters at these positions: the scaled model is off by many times the
     # tolerance (about 7e-4 on this random init).
     assert (theirs - logits(reference(model, "llama3"), x)).abs().max() > 2e-4
+    # HF -> DCP records the model read from config.json; back to HF, the record decides.
+    back = tmp_path / "back"
+    proc = titan_ckpt_here("convert", hf, back, "--to", "dcp", "--model", "llama3")
+    assert proc.returncode == 0, proc.stderr
+    record = read_manifest(LocalStorage(), str(back)).metadata["model"]
+    assert (record["name"], record["args"]["rope_scaling"]) == ("llama3", None)
+    assert record["args"]["vocab_size"] == VOCAB
+    again = tmp_path / "again"
+    proc = titan_ckpt_here("convert", back, again, "--to", "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((again / "config.json").read_text())["rope_scaling"] is None
 
 
 def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(
@@ -230,8 +243,6 @@ def test_titan_train_last_save_in_hf_with_another_vocabulary_and_plain_rope(tmp_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     step = out / "checkpoint" / "step-2"
-    from titan_ckpt import read_manifest
-    from titan_ckpt.storage import LocalStorage
 
     record = read_manifest(LocalStorage(), str(step)).metadata["model"]
     assert (record["name"], record["flavor"]) == ("llama3", "debugmodel")

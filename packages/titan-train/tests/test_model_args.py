@@ -118,6 +118,8 @@ def test_resuming_with_other_model_args_is_said_in_one_warning(caplog):
     assert check_resumed_model(trained, record("--model.rope_scaling", "none", seq=128)) == []
     assert check_resumed_model(None, trained) == []  # nothing loaded, or no record
     assert check_resumed_model({}, trained) == []
+    other_flavor = {"model": {**trained["model"], "flavor": None}}  # e.g. converted from HF
+    assert check_resumed_model(other_flavor, record()) == []
     with caplog.at_level("WARNING", logger="titan_train"):
         changed = check_resumed_model(trained, record())
     assert changed == [

@@ -19,6 +19,8 @@ tensors. ``model_args`` and ``tensor_shapes`` are optional for a factory: one th
 take them is called without them. A factory that cannot build an adapter from what it got
 (or whose description contradicts the tensors) raises ``ValueError`` (or ``KeyError``)
 saying why, field by field; ``titan-ckpt convert`` reports that as a usage error (exit 2).
+An adapter may also have ``model_args()``, its model's args as a JSON object: ``convert``
+records them (``titan_ckpt.model_record``) with a DCP checkpoint it writes from HF.
 
 Two forms of conversion:
 

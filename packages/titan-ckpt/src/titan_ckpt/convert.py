@@ -46,7 +46,12 @@ from titan_ckpt.adapter import (
     to_hf_items,
 )
 from titan_ckpt.layout import Manifest, read_manifest, write_commit
-from titan_ckpt.model_record import model_record, model_tensor_shapes
+from titan_ckpt.model_record import (
+    MODEL_RECORD,
+    adapter_record,
+    model_record,
+    model_tensor_shapes,
+)
 from titan_ckpt.shards import write_safetensors_shards
 from titan_ckpt.sources import (
     Source,
@@ -480,6 +485,9 @@ def _write_dcp(
         previous = read_manifest(LocalStorage(), source.path)
         step = previous.step if previous else 0
         metadata = previous.metadata if previous else {}  # e.g. the model record
+    elif adapter is not None and options.model is not None:  # from HF: the model it describes
+        record = adapter_record(adapter, options.model, options.flavor)
+        metadata = {MODEL_RECORD: record} if record else {}
     groups = sorted({group_of(k) for k in [*specs, *objects]})
     manifest = Manifest(
         step=step,

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_ckpt.layout import read_manifest
+from titan_ckpt.layout import json_metadata, read_manifest
 from titan_ckpt.sources import Source, group_of
 from titan_ckpt.storage import LocalStorage
 
-__all__ = ["MODEL_RECORD", "model_record", "model_tensor_shapes"]
+__all__ = ["MODEL_RECORD", "adapter_record", "model_record", "model_tensor_shapes"]
 
 MODEL_RECORD = "model"
 """The key of the model's record in ``Manifest.metadata``."""
@@ -54,3 +54,17 @@ def model_tensor_shapes(source: Source) -> dict[str, tuple[int, ...]]:
         for key, entry in source.entries.items()
         if entry.is_tensor and group_of(key) == "model"
     }
+
+
+def adapter_record(adapter: Any, name: str, flavor: str | None) -> dict[str, Any] | None:
+    """The model record of a checkpoint converted from HF by ``adapter`` (registered as
+    ``name``), when the adapter tells its model's args (an optional ``model_args()`` method
+    returning a JSON object, e.g. as read from the HF ``config.json``); else ``None``."""
+    method = getattr(adapter, "model_args", None)
+    if not callable(method):
+        return None
+    try:
+        args = json_metadata(method())
+    except (TypeError, ValueError):  # not a JSON object: record nothing rather than fail
+        return None
+    return {"name": name, "flavor": flavor, "args": args}

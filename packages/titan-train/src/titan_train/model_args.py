@@ -73,15 +73,20 @@ _RUN_ARGS = ("max_seq_len",)
 def check_resumed_model(loaded: dict[str, Any] | None, metadata: dict[str, Any]) -> list[str]:
     """Warn (one log line) when the checkpoint just loaded recorded other model args than this
     run's, e.g. another ``rope_scaling``: the weights load, but the model computes something
-    else than what was trained. Returns the differences, as ``field: recorded -> now``."""
-    before = ((loaded or {}).get(MODEL_RECORD) or {}).get("args")
-    now = metadata.get(MODEL_RECORD, {}).get("args")
-    if not isinstance(before, dict) or now is None:
+    else than what was trained. Returns the differences, as ``field: recorded -> now``.
+
+    Compared only for a record of the same model and flavor: args built from another
+    description (an HF config.json) may spell the same shape differently."""
+    before = (loaded or {}).get(MODEL_RECORD) or {}
+    now = metadata.get(MODEL_RECORD, {})
+    same_model = (before.get("name"), before.get("flavor")) == (now.get("name"), now.get("flavor"))
+    if not (same_model and isinstance(before.get("args"), dict) and "args" in now):
         return []
+    old, new = before["args"], now["args"]
     changed = [
-        f"{key}: {json.dumps(before.get(key))} -> {json.dumps(now.get(key))}"
-        for key in sorted(set(before) | set(now))
-        if key not in _RUN_ARGS and before.get(key) != now.get(key)
+        f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
+        for key in sorted(set(old) | set(new))
+        if key not in _RUN_ARGS and old.get(key) != new.get(key)
     ]
     if changed:
         logger.warning(

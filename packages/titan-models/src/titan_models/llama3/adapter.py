@@ -147,6 +147,11 @@ class Llama3StateDictAdapter:
             out["output.weight"] = tied.clone()
         return out
 
+    def model_args(self) -> dict[str, Any]:
+        """The args as JSON (``dataclasses.asdict``): what titan-ckpt records with a
+        checkpoint converted from HF, so its RoPE and vocabulary travel with it."""
+        return dataclasses.asdict(self.args)
+
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of the equivalent ``LlamaForCausalLM``."""
         a = self.args
