@@ -5,6 +5,7 @@
     titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged
     titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
     titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
+    titan-ckpt convert step-1000 hf-out --to hf        # a titan-train step records its model
 
 Works on DCP step directories (ours, with a commit marker, or torchtitan's plain ones),
 safetensors files and folders (Hugging Face included) and torch.save files. Bad usage prints

@@ -282,7 +282,7 @@ def _note_rope_assumption(source: Source, options: ConvertOptions, adapter: Any)
     if "rope_scaling" not in config or options.hf_config is not None:
         return  # a model without RoPE settings, or the given config.json says it
     scaling = config["rope_scaling"]
-    said = "plain RoPE" if scaling is None else f"{json.dumps(scaling, sort_keys=True)}"
+    said = "null (plain RoPE)" if scaling is None else json.dumps(scaling, sort_keys=True)
     print(
         f"titan-ckpt convert: {source.path} records no model args; assuming the RoPE of "
         f"--flavor {options.flavor}: rope_scaling = {said} (choose with --rope-scaling none "
