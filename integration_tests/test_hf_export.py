@@ -34,7 +34,7 @@ titan_models = pytest.importorskip("titan_models")
 
 from titan_ckpt import read_manifest  # noqa: E402
 from titan_ckpt.storage import LocalStorage  # noqa: E402
-from titan_models.llama3.args import RopeScaling, rope_scaling_of  # noqa: E402
+from titan_models import RopeScaling, rope_scaling_of  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
