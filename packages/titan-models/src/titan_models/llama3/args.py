@@ -3,6 +3,8 @@
 Field names follow torchtitan's ``TransformerModelArgs`` so that its flavors and TOML files
 carry over; the flavors reproduce the published shapes (Llama 3.1 8B/70B/405B, Llama 3.2
 1B/3B with untied output weights, and a tiny ``debugmodel`` for tests and smoke runs).
+Every flavor applies Llama 3.1 RoPE frequency scaling, as torchtitan's current flavors do;
+its Llama 3 of July 2025 used plain RoPE, which ``rope_scaling="none"`` selects.
 """
 
 from __future__ import annotations
