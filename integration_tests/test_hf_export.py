@@ -6,7 +6,8 @@ written folder, no download), logits compared with titan's model in fp32:
 
 - ``titan-ckpt convert --to hf --flavor debugmodel`` on a checkpoint with a 2,000-token
   vocabulary (no recorded args): config.json says 2,000, the model loads, logits agree; the
-  RoPE it assumes is printed in one line; ``--rope-scaling none`` writes plain RoPE;
+  RoPE it assumes is printed in one line; ``--rope-scaling none`` writes plain RoPE, which
+  an HF -> DCP -> HF round trip keeps (the DCP step records the model read from config.json);
 - a contradicting ``--flavor`` or ``--hf-config``: exit 2 naming each field, DST not created;
 - a checkpoint with the model record (``CheckpointManager(metadata=...)``) converts without
   ``--model``/``--flavor`` and keeps its RoPE;
