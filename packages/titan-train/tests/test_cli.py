@@ -127,7 +127,7 @@ def test_config_prints_the_merged_config_as_toml(tmp_path, capsys):
     merged = tomllib.loads(capsys.readouterr().out)
     assert merged["training"]["steps"] == 7
     assert merged["optimizer"]["lr"] == 0.5
-    assert merged["model"] == {"name": "llama3", "flavor": "debugmodel"}
+    assert merged["model"] == {"name": "llama3", "flavor": "debugmodel", "rope_scaling": "flavor"}
 
 
 def test_list_models(capsys):

@@ -25,6 +25,7 @@ from titan_ckpt.layout import (
     verify_step,
 )
 from titan_ckpt.manager import CheckpointManager
+from titan_ckpt.model_record import MODEL_RECORD
 from titan_ckpt.preflight import check_checkpoint_folder
 from titan_ckpt.space import CheckpointWriteError, DiskFullError
 from titan_ckpt.states import ModelState, OptimizerState
@@ -33,6 +34,7 @@ from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
     "COMMIT_MARKER",
+    "MODEL_RECORD",
     "CheckpointConfig",
     "CheckpointConfigError",
     "CheckpointIntegrityError",

@@ -3,13 +3,24 @@
 titan-ckpt knows no model. A model package implements ``StateDictAdapter`` structurally (it
 need not import this module) and registers a factory under the entry-point group
 ``titan.state_dict_adapters``: name = model name (e.g. ``llama3``), value = a callable
-``(*, flavor=None, hf_config=None) -> StateDictAdapter``.
+``(*, flavor=None, hf_config=None, model_args=None, overrides=None, tensor_shapes=None)
+-> StateDictAdapter``.
 
-The factory gets one of the two descriptions of the model: ``flavor``, a name the model
-package defines, or ``hf_config``, a Hugging Face ``config.json`` as a dict (from an HF
-folder, or from ``titan-ckpt convert --hf-config FILE`` for shapes no flavor has). A factory
-that cannot build an adapter from what it got raises ``ValueError`` (or ``KeyError``) saying
-why; ``titan-ckpt convert`` reports that as a usage error naming the adapter and the input.
+The factory gets descriptions of the model: ``flavor``, a name the model package defines;
+``hf_config``, a Hugging Face ``config.json`` as a dict (from an HF folder, or from
+``titan-ckpt convert --hf-config FILE`` for shapes no flavor has); ``model_args``, the
+model's real arguments as recorded with a checkpoint (``Manifest.metadata["model"]["args"]``,
+JSON) or as the trainer holds them. ``overrides`` (field -> value, e.g. ``{"rope_scaling":
+"none"}`` from ``convert --rope-scaling``) replaces what the descriptions say.
+``tensor_shapes`` (native key -> shape, when converting a checkpoint to HF) are the
+checkpoint's: the factory checks the descriptions against them and takes what they show
+(e.g. the vocabulary) from them, so the ``config.json`` the adapter writes describes those
+tensors. ``model_args`` and ``tensor_shapes`` are optional for a factory: one that does not
+take them is called without them. A factory that cannot build an adapter from what it got
+(or whose description contradicts the tensors) raises ``ValueError`` (or ``KeyError``)
+saying why, field by field; ``titan-ckpt convert`` reports that as a usage error (exit 2).
+An adapter may also have ``model_args()``, its model's args as a JSON object: ``convert``
+records them (``titan_ckpt.model_record``) with a DCP checkpoint it writes from HF.
 
 Two forms of conversion:
 
@@ -38,6 +49,7 @@ in memory). ``streams(adapter)`` tells which applies.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -49,6 +61,7 @@ from titan_ckpt.streaming import TensorSpec
 
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
+    "OPTIONAL_FACTORY_ARGS",
     "StateDictAdapter",
     "StreamingStateDictAdapter",
     "from_hf_items",
@@ -130,13 +143,22 @@ def plan_items(
     return out
 
 
+OPTIONAL_FACTORY_ARGS = ("model_args", "tensor_shapes")
+"""Factory keywords a factory may lack: it is then called without them (no recorded args,
+no check against the tensors)."""
+
+
 def load_state_dict_adapter(
     name: str,
     *,
     flavor: str | None = None,
     hf_config: Mapping[str, Any] | None = None,
+    model_args: Any | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> StateDictAdapter:
-    """Build the adapter that an installed package registered as ``name``."""
+    """Build the adapter that an installed package registered as ``name``; the keywords
+    that are not ``None`` go to its factory (see the module docstring)."""
     found = {ep.name: ep for ep in entry_points(group=ADAPTER_ENTRY_POINT_GROUP)}
     if name not in found:
         known = ", ".join(sorted(found)) or "none installed"
@@ -145,10 +167,33 @@ def load_state_dict_adapter(
             f"available: {known}. Install the package that defines the model."
         )
     factory: Callable[..., Any] = found[name].load()
-    adapter = factory(flavor=flavor, hf_config=hf_config)
+    given = {
+        "flavor": flavor,
+        "hf_config": hf_config,
+        "model_args": model_args,
+        "overrides": overrides,
+        "tensor_shapes": tensor_shapes,
+    }
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    for key in OPTIONAL_FACTORY_ARGS:
+        if key in kwargs and not takes_keyword(factory, key):
+            del kwargs[key]
+    adapter = factory(**kwargs)
     if not isinstance(adapter, StateDictAdapter):
         raise TypeError(
             f"The adapter factory {found[name].value} returned {type(adapter).__name__}, which "
             "lacks to_hf/from_hf/hf_config."
         )
     return adapter
+
+
+def takes_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` accepts the keyword argument ``name``."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    p = parameters.get(name)
+    return p is not None and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)

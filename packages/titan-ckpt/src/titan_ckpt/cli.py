@@ -5,6 +5,7 @@
     titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged
     titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
     titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
+    titan-ckpt convert step-1000 hf-out --to hf        # a titan-train step records its model
 
 Works on DCP step directories (ours, with a commit marker, or torchtitan's plain ones),
 safetensors files and folders (Hugging Face included) and torch.save files. Bad usage prints
@@ -111,14 +112,30 @@ def _parser() -> argparse.ArgumentParser:
         help="keep only model keys (drop optimizer, dataloader, ...)",
     )
     _filters(convert)
-    convert.add_argument("--model", help="state-dict adapter for HF (e.g. llama3)")
-    convert.add_argument("--flavor", help="model flavor for --to hf (e.g. debugmodel, 8B)")
+    convert.add_argument(
+        "--model",
+        help="state-dict adapter for HF (e.g. llama3); to HF, default: the model a titan "
+        "checkpoint records",
+    )
+    convert.add_argument(
+        "--flavor",
+        help="model flavor for --to hf (e.g. debugmodel, 8B), not needed when SRC records its "
+        "model args (titan-train writes them); checked against SRC's tensors, whose vocabulary "
+        "is written",
+    )
     convert.add_argument(
         "--hf-config",
         metavar="FILE",
         help="a Hugging Face config.json describing the model, instead of --flavor (shapes no "
         "flavor has); to HF it is also the base of the written config.json, from HF it "
         "replaces SRC's",
+    )
+    convert.add_argument(
+        "--rope-scaling",
+        choices=["none", "llama3"],
+        help="RoPE of the written config.json for a checkpoint that records no model args: "
+        "none (plain RoPE, e.g. torchtitan's July 2025 Llama 3) or llama3 (Llama 3.1 "
+        "scaling); default: the flavor's, with the assumption printed",
     )
     convert.add_argument(
         "--max-shard-size",
@@ -232,6 +249,7 @@ def _convert(args: argparse.Namespace) -> int:
         model=args.model,
         flavor=args.flavor,
         hf_config=args.hf_config,
+        rope_scaling=args.rope_scaling,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
     )

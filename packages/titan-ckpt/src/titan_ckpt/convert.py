@@ -9,7 +9,10 @@ interpreter, whatever the checkpoint's size:
   and each tensor's bytes are written when it arrives (``titan_ckpt.streaming``).
 
 Model-aware HF conversion goes through a registered ``StateDictAdapter`` (``--model``), built
-from ``--flavor`` or a Hugging Face config (``--hf-config`` or the HF folder's config.json).
+from the model args a titan checkpoint records (``titan_ckpt.model_record``), ``--flavor`` or
+a Hugging Face config (``--hf-config`` or the HF folder's config.json). To HF, the adapter
+checks these against the checkpoint's tensor shapes (a contradiction is a usage error, before
+anything is written), so the written config.json describes the tensors.
 An adapter with the streaming methods (``to_hf_items`` / ``from_hf_items``) converts tensor by
 tensor: its output layout is planned by a run over tensors without data, then the tensors
 stream through it into the writer. An adapter without them converts the whole state dict at
@@ -35,8 +38,20 @@ from typing import Any
 
 import torch
 
-from titan_ckpt.adapter import from_hf_items, plan_items, streams, to_hf_items
+from titan_ckpt.adapter import (
+    from_hf_items,
+    load_state_dict_adapter,
+    plan_items,
+    streams,
+    to_hf_items,
+)
 from titan_ckpt.layout import Manifest, read_manifest, write_commit
+from titan_ckpt.model_record import (
+    MODEL_RECORD,
+    adapter_record,
+    model_record,
+    model_tensor_shapes,
+)
 from titan_ckpt.shards import write_safetensors_shards
 from titan_ckpt.sources import (
     Source,
@@ -51,6 +66,7 @@ from titan_ckpt.streaming import TensorSpec, save_dcp_streaming, save_torch_stre
 __all__ = ["ConvertError", "ConvertOptions", "convert", "parse_size", "read_hf_config"]
 
 TARGETS = ("dcp", "torch", "safetensors", "hf")
+ROPE_SCALINGS = ("none", "llama3")
 
 
 class ConvertError(ValueError):
@@ -78,6 +94,9 @@ class ConvertOptions:
     hf_config: str | None = None
     """A Hugging Face ``config.json`` describing the model instead of a flavor (for shapes no
     flavor has): the adapter is built from it, for either direction."""
+    rope_scaling: str | None = None
+    """RoPE of the written HF ``config.json`` (``none`` or ``llama3``) for a checkpoint that
+    does not record its model args; ``None``: the recorded args', else the flavor's."""
     max_shard_size: int = 5 << 30
     """Largest safetensors file; more goes into numbered shards with an index json."""
     overwrite: bool = False
@@ -90,11 +109,14 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
     """Convert ``src`` into ``dst``; returns a summary (keys, bytes, seconds)."""
     if options.to not in TARGETS:
         raise ConvertError(f"--to {options.to!r}: choose one of {', '.join(TARGETS)}.")
-    if options.to == "hf" and not (options.model and (options.flavor or options.hf_config)):
+    if options.rope_scaling is not None and options.to != "hf":
         raise ConvertError(
-            "--to hf needs --model (an installed state-dict adapter, e.g. llama3) and --flavor "
-            "(e.g. debugmodel, 8B) or --hf-config (a Hugging Face config.json) to name the "
-            "Hugging Face layout and write config.json."
+            f"--rope-scaling sets the RoPE of the written config.json; it needs --to hf, not "
+            f"--to {options.to}."
+        )
+    if options.rope_scaling not in (None, *ROPE_SCALINGS):
+        raise ConvertError(
+            f"--rope-scaling {options.rope_scaling!r}: choose one of {', '.join(ROPE_SCALINGS)}."
         )
     if options.flavor is not None and options.hf_config is not None:
         raise ConvertError("Give --flavor or --hf-config, not both: each describes the model.")
@@ -171,16 +193,27 @@ def _selected(source: Source, options: ConvertOptions, *, hf_model: bool) -> lis
 def _adapter(source: Source, options: ConvertOptions) -> Any:
     """The state-dict adapter when SRC or DST is an HF model folder and --model is given.
 
-    Built from --flavor, else from --hf-config, else (from HF) from SRC's config.json. A
-    safetensors source without config.json counts as HF weights when --flavor or
-    --hf-config says what model they are."""
-    if options.model is None:
+    To HF, the model is described by the model record of SRC's manifest (titan-train's real
+    args), --flavor and/or --hf-config, checked against SRC's tensors by the adapter; a
+    titan step with a record needs neither --model nor --flavor. From HF, by --flavor, else
+    --hf-config, else SRC's config.json. A safetensors source without config.json counts as
+    HF weights when --flavor or --hf-config says what model they are."""
+    record = model_record(source) if options.to == "hf" else None
+    model = options.model or (record["name"] if record and record.get("name") else None)
+    if model is None:
+        if options.to == "hf":
+            raise ConvertError(
+                "--to hf needs --model (an installed state-dict adapter, e.g. llama3) and "
+                "--flavor (e.g. debugmodel, 8B) or --hf-config (a Hugging Face config.json) to "
+                f"name the Hugging Face layout and write config.json; {source.path} records no "
+                "model to take them from."
+            )
         if options.flavor is not None or options.hf_config is not None:
             flag = "--flavor" if options.flavor is not None else "--hf-config"
             raise ConvertError(f"{flag} needs --model (the adapter to use).")
         return None
-    from titan_ckpt.adapter import load_state_dict_adapter
-
+    if record is not None and record.get("name") not in (None, model):
+        record = None  # another model's record says nothing about this adapter's args
     described = options.flavor is not None or options.hf_config is not None
     from_hf = source.format == "hf" or (source.format == "safetensors" and described)
     if options.to != "hf" and not from_hf:
@@ -190,23 +223,72 @@ def _adapter(source: Source, options: ConvertOptions) -> Any:
         )
     if options.to == "hf" and source.format == "hf":
         raise ConvertError("SRC is already a Hugging Face folder; use --to safetensors to copy.")
-    if options.flavor is not None:
-        where, kwargs = f"--flavor {options.flavor}", {"flavor": options.flavor}
-    elif options.hf_config is not None:
-        where, kwargs = options.hf_config, {"hf_config": read_hf_config(options.hf_config)}
-    else:
-        where = f"{source.path}/config.json"
-        kwargs = {"hf_config": source.info.get("config")}
-    try:
-        return load_state_dict_adapter(options.model, **kwargs)
-    except (ValueError, KeyError, TypeError) as error:
-        # An adapter that cannot describe this model (or does not take hf_config=).
+    if options.to == "hf" and not (described or record):
         raise ConvertError(
-            f"The {options.model!r} adapter cannot be built from {where}: "
-            f"{type(error).__name__}: {error}"
+            f"--to hf needs --flavor (e.g. debugmodel, 8B) or --hf-config (a Hugging Face "
+            f"config.json): {source.path} records no model args to describe the model."
+        )
+    where, kwargs = _descriptions(source, options, record)
+    try:
+        adapter = load_state_dict_adapter(model, **kwargs)
+    except (ValueError, KeyError, TypeError) as error:
+        # An adapter that cannot describe this model, a description that contradicts the
+        # tensors, or an adapter that does not take what it was given.
+        raise ConvertError(
+            f"The {model!r} adapter cannot be built from {where}: {type(error).__name__}: {error}"
         ) from None
     except LookupError as error:  # no adapter of that name is installed
         raise ConvertError(str(error)) from None
+    if options.to == "hf" and record is None and options.rope_scaling is None:
+        _note_rope_assumption(source, options, adapter)
+    return adapter
+
+
+def _descriptions(
+    source: Source, options: ConvertOptions, record: dict[str, Any] | None
+) -> tuple[str, dict[str, Any]]:
+    """How the error message names the model's descriptions, and the adapter factory's
+    keywords: the recorded args, --flavor (or the recorded one), --hf-config or SRC's
+    config.json, --rope-scaling, and (to HF) SRC's model tensor shapes."""
+    kwargs: dict[str, Any] = {}
+    names = []
+    if record is not None:
+        kwargs["model_args"] = record["args"]
+        names.append(f"the model args recorded in {source.path}")
+    if options.flavor is not None:
+        kwargs["flavor"] = options.flavor
+        names.append(f"--flavor {options.flavor}")
+    elif options.hf_config is not None:
+        kwargs["hf_config"] = read_hf_config(options.hf_config)
+        names.append(options.hf_config)
+    elif record is not None and record.get("flavor"):
+        # Also for an adapter factory that does not take model_args (it gets this alone).
+        kwargs["flavor"] = record["flavor"]
+    elif options.to != "hf":
+        kwargs["hf_config"] = source.info.get("config")
+        names.append(f"{source.path}/config.json")
+    if options.rope_scaling is not None:
+        kwargs["overrides"] = {"rope_scaling": options.rope_scaling}
+        names.append(f"--rope-scaling {options.rope_scaling}")
+    if options.to == "hf":
+        kwargs["tensor_shapes"] = model_tensor_shapes(source)
+    return " and ".join(names), kwargs
+
+
+def _note_rope_assumption(source: Source, options: ConvertOptions, adapter: Any) -> None:
+    """Say in one line which RoPE the written config.json assumes, when nothing recorded or
+    asked for says what the checkpoint was trained with."""
+    config = adapter.hf_config()
+    if "rope_scaling" not in config or options.hf_config is not None:
+        return  # a model without RoPE settings, or the given config.json says it
+    scaling = config["rope_scaling"]
+    said = "null (plain RoPE)" if scaling is None else json.dumps(scaling, sort_keys=True)
+    print(
+        f"titan-ckpt convert: {source.path} records no model args; assuming the RoPE of "
+        f"--flavor {options.flavor}: rope_scaling = {said} (choose with --rope-scaling none "
+        "or llama3).",
+        file=sys.stderr,
+    )
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -398,16 +480,21 @@ def _write_dcp(
 ) -> int:
     specs, objects, values = _planned(source, keys, options, adapter)
     written = save_dcp_streaming(out, specs, objects, values)
-    step = 0
+    step, metadata = 0, {}
     if source.format == "dcp":
         previous = read_manifest(LocalStorage(), source.path)
         step = previous.step if previous else 0
+        metadata = previous.metadata if previous else {}  # e.g. the model record
+    elif adapter is not None and options.model is not None:  # from HF: the model it describes
+        record = adapter_record(adapter, options.model, options.flavor)
+        metadata = {MODEL_RECORD: record} if record else {}
     groups = sorted({group_of(k) for k in [*specs, *objects]})
     manifest = Manifest(
         step=step,
         world_size=1,
         states=groups,
         model_only=groups == ["model"],
+        metadata=metadata,
     )
     write_commit(LocalStorage(), out, manifest)
     return written

@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "Manifest",
     "StepScan",
     "hash_files",
+    "json_metadata",
     "read_manifest",
     "scan_steps",
     "step_dir",
@@ -68,6 +70,10 @@ class Manifest:
     """Relative path -> {"size": bytes, "sha256": hex digest}."""
     created: float = 0.0
     """Unix time of the commit."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """What the writer recorded about the checkpoint (``CheckpointManager(metadata=...)``),
+    as JSON. By convention ``metadata["model"]`` = ``{"name": ..., "flavor": ..., "args":
+    {...}}`` describes the model (titan-train writes it; ``titan-ckpt convert`` reads it)."""
 
     def to_json(self) -> bytes:
         body = {"format": FORMAT, **self.__dict__}
@@ -79,6 +85,18 @@ class Manifest:
         if body.pop("format", None) != FORMAT:
             raise ValueError(f"not a {FORMAT} commit marker")
         return cls(**body)
+
+
+def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``metadata`` as a plain JSON dict for ``Manifest.metadata``; ``TypeError`` now (not at
+    the first save) unless it is JSON-serializable."""
+    try:
+        return json.loads(json.dumps(dict(metadata or {})))
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"Checkpoint metadata must be JSON-serializable (it goes into the commit manifest "
+            f"{COMMIT_MARKER}): {error}."
+        ) from None
 
 
 def _sha256(storage: Storage, path: str) -> str:

@@ -40,6 +40,7 @@ from titan_ckpt.layout import (
     CheckpointIntegrityError,
     Manifest,
     hash_files,
+    json_metadata,
     read_manifest,
     step_dir,
     verify_step,
@@ -81,6 +82,9 @@ class CheckpointManager:
         data_parallel_degree: how many ways the dataloader shards the data (the trainer's
             data-parallel degree); recorded in each step, and a resume at another degree
             loads the dataloader only if it ``supports_resharding``. Default: the world size.
+        metadata: JSON-serializable facts recorded in every step's commit manifest
+            (``Manifest.metadata``), e.g. ``{"model": {"name": ..., "flavor": ..., "args":
+            {...}}}``, which ``titan-ckpt convert`` uses to describe the model.
 
     A save that fails (the disk full, a permission lost) raises ``CheckpointWriteError``
     (``DiskFullError`` when space ran out) on every rank, naming the path, the bytes the step
@@ -100,8 +104,10 @@ class CheckpointManager:
         ft_manager: Any | None = None,
         ft_replica_id: str | int | None = None,
         data_parallel_degree: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        self.metadata = json_metadata(metadata)
         self.model = ModelState(model_parts)
         self.states = {k: v for k, v in (states or {}).items() if v is not None}
         self.adapter = state_dict_adapter
@@ -109,6 +115,8 @@ class CheckpointManager:
         self.data_parallel_degree = data_parallel_degree
         self.folder = config.folder
         self.last_loaded_step: int | None = None
+        self.loaded_metadata: dict[str, Any] | None = None
+        """The metadata recorded with the step ``load`` restored (None: none loaded)."""
         self._pending: Future | None = None
         self._staging: Future | None = None
         self._purger: Purger | None = None
@@ -320,6 +328,7 @@ class CheckpointManager:
             states=states,
             model_only=model_only,
             data_parallel_degree=self._data_parallel_degree(),
+            metadata=dict(self.metadata),
         )
 
     def _data_parallel_degree(self) -> int:
@@ -501,6 +510,7 @@ class CheckpointManager:
         self.model.load_state_dict({k: state[k] for k in model_sd})
         if manifest is not None:
             self.last_loaded_step = manifest.step
+            self.loaded_metadata = manifest.metadata
         if self._loads_replica_dataloader(kind, manifest):
             assert manifest is not None  # _loads_replica_dataloader checks it
             self._load_replica_dataloader(manifest.step, checksums)

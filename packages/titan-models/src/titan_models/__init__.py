@@ -13,6 +13,7 @@ from titan_models.errors import ConfigError
 from titan_models.llama3 import (
     LLAMA3,
     LLAMA3_FLAVORS,
+    ROPE_SCALING_CHOICES,
     Llama3,
     Llama3Args,
     Llama3StateDictAdapter,
@@ -22,6 +23,7 @@ from titan_models.llama3 import (
     make_adapter,
     parallelize_llama,
     pipeline_llama,
+    rope_scaling_of,
 )
 from titan_models.parallel import (
     ActivationCheckpointConfig,
@@ -36,6 +38,7 @@ from titan_models.spec import ModelSpec
 __all__ = [
     "LLAMA3",
     "LLAMA3_FLAVORS",
+    "ROPE_SCALING_CHOICES",
     "ActivationCheckpointConfig",
     "ConfigError",
     "Llama3",
@@ -54,4 +57,5 @@ __all__ = [
     "make_adapter",
     "parallelize_llama",
     "pipeline_llama",
+    "rope_scaling_of",
 ]

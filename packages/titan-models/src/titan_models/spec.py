@@ -30,10 +30,16 @@ class ModelSpec:
     parallelize_fn: Callable[..., nn.Module]
     """``parallelize_fn(model, parallel_dims, parallelize_config, *, seq_len=None)``."""
     state_dict_adapter: Callable[..., Any]
-    """``state_dict_adapter(*, flavor=None, hf_config=None)`` -> an object with ``to_hf``,
-    ``from_hf`` and ``hf_config``."""
+    """``state_dict_adapter(*, flavor=None, hf_config=None, model_args=None, overrides=None,
+    tensor_shapes=None)`` -> an object with ``to_hf``, ``from_hf`` and ``hf_config`` (see
+    ``titan_ckpt.adapter``). The trainer passes ``model_args=`` (the args the model was built
+    with, so the HF ``config.json`` has its real vocabulary and RoPE) when the factory takes
+    it, else ``flavor=``."""
     args_fn: Callable[..., Any]
-    """``args_fn(flavor, **overrides)`` -> a fresh copy of the flavor's args."""
+    """``args_fn(flavor, **overrides)`` -> a fresh copy of the flavor's args, a dataclass
+    (recorded with checkpoints as JSON). The trainer overrides ``vocab_size`` and
+    ``max_seq_len``, and ``rope_scaling`` (``"none"`` or ``"llama3"``) when
+    ``model.rope_scaling`` asks."""
     pipeline_fn: Callable[..., Any] | None = None
     """``pipeline_fn(model, parallel_dims, pipeline_config, parallelize_config, *,
     local_batch_size, loss_fn, device=None, seq_len=None)`` -> a ``Pipeline``; ``None`` if

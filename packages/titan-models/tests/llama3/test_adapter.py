@@ -6,10 +6,13 @@ is lazy, gives what the whole-dict form gives, and plans the same layout on meta
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
-from titan_models import ConfigError, Llama3, Llama3StateDictAdapter, make_adapter
+from titan_models import ConfigError, Llama3, Llama3StateDictAdapter, llama3_args, make_adapter
 from titan_models.llama3.adapter import args_from_hf_config
 
 
@@ -81,11 +84,82 @@ def test_hf_config_round_trips_to_the_same_args():
     assert make_adapter(hf_config=config).args.hidden_dim == 14336
 
 
-def test_make_adapter_needs_exactly_one_source():
-    with pytest.raises(ConfigError, match="exactly one"):
+def test_make_adapter_needs_a_description_and_not_two_conflicting_ones():
+    with pytest.raises(ConfigError, match="needs model_args=, flavor="):
         make_adapter()
-    with pytest.raises(ConfigError, match="exactly one"):
+    with pytest.raises(ConfigError, match="not both"):
         make_adapter(flavor="8B", hf_config={})
+
+
+def meta_shapes(args) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Llama3(args).state_dict().items()}
+
+
+def test_vocabulary_comes_from_the_tensors_not_the_flavor():
+    shapes = meta_shapes(llama3_args("debugmodel", vocab_size=2000))
+    adapter = make_adapter(flavor="debugmodel", tensor_shapes=shapes)
+    config = adapter.hf_config()
+    assert (config["vocab_size"], config["hidden_size"], config["intermediate_size"]) == (
+        2000, 256, 768)  # fmt: skip
+
+
+def test_a_contradicting_flavor_names_each_field_expected_and_found():
+    shapes = meta_shapes(llama3_args("debugmodel", vocab_size=2000))
+    with pytest.raises(ConfigError) as error:
+        make_adapter(flavor="8B", tensor_shapes=shapes)
+    message = str(error.value)
+    for expected in (
+        "dim (hidden_size): expected 4096 from flavor '8B', found 256",
+        "n_layers (num_hidden_layers): expected 32 from flavor '8B', found 6",
+        "n_kv_heads x head_dim (num_key_value_heads x head_dim): expected 1024",
+        "ffn hidden size (intermediate_size): expected 14336 from flavor '8B', found 768",
+    ):
+        assert expected in message
+    assert "vocab_size" not in message  # a flavor's vocabulary is only a placeholder
+
+
+def test_a_contradicting_hf_config_names_the_vocabulary_too():
+    args = llama3_args("debugmodel", vocab_size=2000)
+    config = {**Llama3StateDictAdapter(args).hf_config(), "vocab_size": 2048,
+              "num_key_value_heads": 8}  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        make_adapter(hf_config=config, tensor_shapes=meta_shapes(args))
+    assert "vocab_size: expected 2048 from the HF config, found 2000" in str(error.value)
+    assert "expected 128 from the HF config, found 256" in str(error.value)  # 8 kv heads of 16
+
+
+def test_recorded_args_round_trip_and_refuse_a_contradicting_override():
+    args = llama3_args("debugmodel", vocab_size=2000, max_seq_len=64, rope_scaling="none")
+    recorded = json.loads(json.dumps(dataclasses.asdict(args)))
+    adapter = make_adapter(model_args=recorded, tensor_shapes=meta_shapes(args))
+    assert adapter.args == args
+    assert adapter.hf_config()["rope_scaling"] is None
+    assert make_adapter(model_args=recorded, overrides={"rope_scaling": "none"}).args == args
+    with pytest.raises(ConfigError, match="contradicts the model args recorded"):
+        make_adapter(model_args=recorded, overrides={"rope_scaling": "llama3"})
+    # With a flavor beside the record, the flavor is checked too (n_heads shows in no tensor).
+    with pytest.raises(ConfigError, match="n_heads: 16 from the recorded model args, 32 from"):
+        make_adapter(model_args=recorded, flavor="8B", tensor_shapes=meta_shapes(args))
+
+
+@pytest.mark.parametrize("rope", ["none", "llama3"])
+def test_rope_override_reaches_config_json_and_matches_transformers(tiny, rope):
+    transformers = pytest.importorskip("transformers")
+    # As convert --hf-config FILE --rope-scaling NAME does: the override replaces the config's.
+    described = Llama3StateDictAdapter(tiny.tiny_args()).hf_config()
+    adapter = make_adapter(hf_config=described, overrides={"rope_scaling": rope})
+    config = adapter.hf_config()
+    assert config["rope_scaling"] == (None if rope == "none" else described["rope_scaling"])
+    assert (config["rope_scaling"] is None) == (rope == "none")
+    model = Llama3(adapter.args)
+    model.load_state_dict(tiny.reference_state_dict())
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    hf_model.load_state_dict(adapter.to_hf(model.state_dict()), strict=True)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens), hf_model(tokens).logits,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def pulled_lazily(convert, items):

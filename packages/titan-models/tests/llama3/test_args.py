@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_models import ConfigError, Llama3, Llama3Args, RopeScaling, llama3_args
+from titan_models import LLAMA3_FLAVORS, ConfigError, Llama3, Llama3Args, RopeScaling, llama3_args
+from titan_models.llama3.args import rope_scaling_of
 
 # Published totals with vocab 128256 and an untied output matrix (1B and 3B ship tied: their
 # published 1.24B and 3.21B are these minus one 128256 x dim matrix).
@@ -82,3 +83,46 @@ def test_rope_scaling_from_a_dict():
 def test_unknown_override_is_a_config_error():
     with pytest.raises(ConfigError, match="vocab"):
         llama3_args("8B", vocab=5)
+
+
+def test_flavors_keep_torchtitans_current_llama31_scaling():
+    # torchtitan's main scales every Llama 3 flavor ("llama" scaling, factor 8 by default);
+    # its July 2025 models did not: that is what rope_scaling="none" is for.
+    assert all(args.rope_scaling is not None for args in LLAMA3_FLAVORS.values())
+    assert llama3_args("8B").rope_scaling == RopeScaling()
+
+
+@pytest.mark.parametrize(
+    ("flavor", "name", "expected"),
+    [
+        ("debugmodel", "none", None),
+        ("debugmodel", "flavor", RopeScaling()),
+        ("debugmodel", "llama3", RopeScaling()),
+        ("1B", "llama3", RopeScaling(factor=32.0)),  # the flavor's own factors
+        ("1B", "none", None),
+    ],
+)
+def test_rope_scaling_by_name(flavor, name, expected):
+    args = llama3_args(flavor, rope_scaling=name)
+    assert args.rope_scaling == expected
+    assert LLAMA3_FLAVORS[flavor].rope_scaling is not None  # the flavor table is untouched
+
+
+def test_rope_scaling_names_and_hf_forms():
+    assert rope_scaling_of("llama3", None) == RopeScaling()
+    hf = {
+        "rope_type": "llama3",
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 5e5,  # transformers 5's rope_parameters hold the base too
+    }
+    assert rope_scaling_of(hf, None) == RopeScaling(factor=16.0)
+    assert rope_scaling_of({"rope_type": "default", "rope_theta": 5e5}, RopeScaling()) is None
+    with pytest.raises(ConfigError, match="'flavor', 'none', 'llama3'"):
+        llama3_args("8B", rope_scaling="yes")
+    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+        rope_scaling_of({"rope_type": "yarn", "factor": 4.0}, None)
+    with pytest.raises(ConfigError, match="Unknown rope_scaling field"):
+        Llama3Args(rope_scaling={"factr": 2.0})

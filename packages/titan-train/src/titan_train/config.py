@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from titan_ckpt import CheckpointConfig
 from titan_dims import ParallelismConfig
@@ -72,6 +72,10 @@ class ModelSection:
     tokenizer_path: str | None = None
     """A tiktoken BPE file (Llama 3 ``tokenizer.model`` format) or a Hugging Face
     ``tokenizer.json``; empty means the small tokenizer shipped with titan-train."""
+    rope_scaling: Literal["flavor", "none", "llama3"] = "flavor"
+    """RoPE frequency scaling: the flavor's default, none (plain RoPE, as torchtitan's Llama 3
+    of July 2025), or llama3 (Llama 3.1 scaling: the flavor's factors, else the defaults).
+    Recorded with every checkpoint and written to the HF config.json."""
     converters: list[str] | None = None
     """torchtitan's model converters (float8, mx). titan has none: training stops at the start
     when any is named; the key exists so that torchtitan's files load and show what they ask."""

@@ -41,6 +41,12 @@ from titan_train.config import ConfigError, JobConfig
 from titan_train.data import build_dataloader
 from titan_train.fault_tolerance import ReplicaGroup, check_fault_tolerance
 from titan_train.metrics import MetricsLogger, tokens_of_step
+from titan_train.model_args import (
+    build_model_args,
+    check_resumed_model,
+    model_metadata,
+    state_dict_adapter,
+)
 from titan_train.nonfinite import NonFiniteGuard
 from titan_train.profiling import Profiler
 from titan_train.registry import load_model_spec
@@ -224,7 +230,9 @@ def _build_and_train(
     # 4. Model: meta -> parallelize -> allocate -> init. Same seed everywhere, so every
     # rank initializes its shards of the same full model.
     longest = max(training.seq_len, config.validation.seq_len if validator else 0)
-    args = spec.args_fn(config.model.flavor, vocab_size=tokenizer.vocab_size, max_seq_len=longest)
+    args = build_model_args(
+        spec, config.model, vocab_size=tokenizer.vocab_size, max_seq_len=longest
+    )
     torch.manual_seed(training.seed)
     if training.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -276,6 +284,8 @@ def _build_and_train(
     # 6. Checkpointing and resume.
     train_state = TrainState()
     checkpoint_config = checkpoint_settings(config)
+    # The model as built (name, flavor, real args), recorded with every checkpoint.
+    metadata = model_metadata(spec, config.model.flavor, args)
     checkpointer = CheckpointManager(
         checkpoint_config,
         model_parts=model_parts,
@@ -285,12 +295,14 @@ def _build_and_train(
             "dataloader": dataloader,
             "train_state": train_state,
         },
-        state_dict_adapter=spec.state_dict_adapter(flavor=config.model.flavor),
+        state_dict_adapter=state_dict_adapter(spec, config.model.flavor, args),
+        metadata=metadata,
         ft_manager=None if replicas is None else replicas.manager,
         ft_replica_id=None if replicas is None else replicas.replica_id,
         data_parallel_degree=data_degree,
     )
     checkpointer.load()
+    check_resumed_model(checkpointer.loaded_metadata, metadata)
     if config.checkpoint.create_seed_checkpoint:
         # Sharded random init differs between layouts (each rank draws its own shards on
         # CPU); a seed checkpoint written by one process gives every layout the same start.

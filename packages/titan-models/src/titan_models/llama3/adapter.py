@@ -5,7 +5,10 @@ Two things differ. Names: ``layers.3.attention.wq.weight`` is HF's
 output channels: titan's RoPE rotates adjacent pairs ``(2i, 2i+1)`` of each head, HF's
 rotates ``(i, i + head_dim/2)``, so ``wq``/``wk`` rows are permuted within every head when
 converting. The adapter needs the model's shape for that (heads, kv heads), which it takes
-from a flavor or from an HF ``config.json``.
+from the model's real args (as titan-train records them with a checkpoint), a flavor or an
+HF ``config.json``; given the checkpoint's tensor shapes, it checks the description against
+them and takes the vocabulary from them (``titan_models.llama3.fit``), so the
+``config.json`` it writes loads with the tensors.
 
 The adapter is a structural match of titan-ckpt's state-dict-adapter protocol, streaming
 form included (tensor by tensor, so a conversion holds one tensor at a time), and is
@@ -14,14 +17,16 @@ registered under the entry-point group ``titan.state_dict_adapters`` as ``llama3
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from titan_models.errors import ConfigError
-from titan_models.llama3.args import Llama3Args, RopeScaling, llama3_args
+from titan_models.llama3.args import Llama3Args, llama3_args, rope_scaling_of
+from titan_models.llama3.fit import Claim, fit_to_tensors
 
 __all__ = ["Llama3StateDictAdapter", "make_adapter"]
 
@@ -142,6 +147,11 @@ class Llama3StateDictAdapter:
             out["output.weight"] = tied.clone()
         return out
 
+    def model_args(self) -> dict[str, Any]:
+        """The args as JSON (``dataclasses.asdict``): what titan-ckpt records with a
+        checkpoint converted from HF, so its RoPE and vocabulary travel with it."""
+        return dataclasses.asdict(self.args)
+
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of the equivalent ``LlamaForCausalLM``."""
         a = self.args
@@ -179,14 +189,14 @@ class Llama3StateDictAdapter:
 
 def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:
     """``Llama3Args`` for a ``LlamaForCausalLM`` ``config.json``. The feed-forward size is
-    taken as given (``multiple_of`` = intermediate_size, no multiplier)."""
+    taken as given (``multiple_of`` = intermediate_size, no multiplier). RoPE scaling is read
+    from ``rope_scaling`` (null: plain RoPE) or, as transformers 5 writes it,
+    ``rope_parameters``."""
     try:
         dim = hf_config["hidden_size"]
         n_heads = hf_config["num_attention_heads"]
-        scaling = hf_config.get("rope_scaling") or None
-        # transformers 5 writes rope settings under rope_parameters.
         rope = hf_config.get("rope_parameters") or {}
-        scaling = scaling or (rope if rope.get("rope_type") == "llama3" else None)
+        scaling = hf_config.get("rope_scaling") or rope or None
         theta = hf_config.get("rope_theta", rope.get("rope_theta", 500000.0))
         if hf_config.get("head_dim", dim // n_heads) != dim // n_heads:
             raise ConfigError(
@@ -203,14 +213,7 @@ def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:
             ffn_dim_multiplier=None,
             norm_eps=hf_config.get("rms_norm_eps", 1e-5),
             rope_theta=theta,
-            rope_scaling=None
-            if scaling is None
-            else RopeScaling(
-                factor=scaling["factor"],
-                low_freq_factor=scaling["low_freq_factor"],
-                high_freq_factor=scaling["high_freq_factor"],
-                original_max_position_embeddings=scaling["original_max_position_embeddings"],
-            ),
+            rope_scaling=rope_scaling_of(scaling, None),
             max_seq_len=hf_config.get("max_position_embeddings", 131072),
         )
     except KeyError as missing:
@@ -224,16 +227,84 @@ def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:
     return args
 
 
-def make_adapter(
-    *, flavor: str | None = None, hf_config: Mapping[str, Any] | None = None
-) -> Llama3StateDictAdapter:
-    """The ``titan.state_dict_adapters`` entry point: an adapter for a titan flavor or for an
-    HF ``config.json`` (exactly one of the two)."""
-    if (flavor is None) == (hf_config is None):
+def _recorded_args(model_args: Llama3Args | Mapping[str, Any]) -> Llama3Args:
+    """A fresh ``Llama3Args`` from an instance or from its recorded ``asdict`` form."""
+    if isinstance(model_args, Llama3Args):
+        scaling = rope_scaling_of(model_args.rope_scaling, None)
+        return dataclasses.replace(model_args, rope_scaling=scaling)
+    known = {f.name for f in dataclasses.fields(Llama3Args)}
+    unknown = sorted(set(model_args) - known)
+    if unknown:
         raise ConfigError(
-            "make_adapter needs exactly one of flavor= (e.g. '8B') or hf_config= "
-            "(a LlamaForCausalLM config.json as a dict) to know the model's head counts."
+            f"The recorded model args have field(s) {', '.join(unknown)} that Llama3Args lacks; "
+            "were they written by another version or model?"
         )
+    return Llama3Args(**model_args)
+
+
+def _with_overrides(
+    args: Llama3Args, overrides: Mapping[str, Any], *, recorded: bool
+) -> Llama3Args:
+    """``args`` with ``overrides`` (field -> value; ``rope_scaling`` also by name) applied.
+    Recorded args are what the model was trained with: an override that changes one of them
+    is refused."""
+    known = {f.name for f in dataclasses.fields(Llama3Args)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(
+            f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
+        )
+    values = dict(overrides)
+    if "rope_scaling" in values:
+        values["rope_scaling"] = rope_scaling_of(values["rope_scaling"], args.rope_scaling)
+    if recorded:
+        changed = [
+            f"{k}={overrides[k]!r} (recorded: {getattr(args, k)!r})"
+            for k, v in values.items()
+            if v != getattr(args, k)
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)} contradicts the model args recorded with the checkpoint, "
+                "which are what it was trained with; leave it out."
+            )
+    return dataclasses.replace(args, **values)
+
+
+def make_adapter(
+    *,
+    flavor: str | None = None,
+    hf_config: Mapping[str, Any] | None = None,
+    model_args: Llama3Args | Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    tensor_shapes: Mapping[str, Sequence[int]] | None = None,
+) -> Llama3StateDictAdapter:
+    """The ``titan.state_dict_adapters`` entry point: an adapter for the model described by
+    ``model_args`` (the real args, e.g. recorded with a checkpoint), a ``flavor`` or an HF
+    ``config.json`` (``flavor`` and ``hf_config`` exclude each other; with ``model_args``
+    they are checked against it).
+
+    ``overrides`` replaces fields (``{"rope_scaling": "none"}``: see ``rope_scaling_of``).
+    ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: every description must
+    agree with them (``ConfigError`` naming each field otherwise), and the vocabulary is
+    taken from them, so the adapter's ``config.json`` describes those tensors."""
+    if flavor is not None and hf_config is not None:
+        raise ConfigError("make_adapter takes flavor= or hf_config=, not both.")
+    claims: list[Claim] = []
+    if model_args is not None:
+        claims.append(Claim("the recorded model args", _recorded_args(model_args), True))
+    if hf_config is not None:
+        claims.append(Claim("the HF config", args_from_hf_config(hf_config), True))
     if flavor is not None:
-        return Llama3StateDictAdapter(llama3_args(flavor))
-    return Llama3StateDictAdapter(args_from_hf_config(hf_config))
+        claims.append(Claim(f"flavor {flavor!r}", llama3_args(flavor), False))
+    if not claims:
+        raise ConfigError(
+            "make_adapter needs model_args=, flavor= (e.g. '8B') or hf_config= (a "
+            "LlamaForCausalLM config.json as a dict) to know the model's head counts."
+        )
+    args = claims[0].args
+    if tensor_shapes is not None:
+        args = fit_to_tensors(claims, tensor_shapes)
+    if overrides:
+        args = _with_overrides(args, overrides, recorded=model_args is not None)
+    return Llama3StateDictAdapter(args)

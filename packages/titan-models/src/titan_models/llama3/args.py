@@ -3,17 +3,31 @@
 Field names follow torchtitan's ``TransformerModelArgs`` so that its flavors and TOML files
 carry over; the flavors reproduce the published shapes (Llama 3.1 8B/70B/405B, Llama 3.2
 1B/3B with untied output weights, and a tiny ``debugmodel`` for tests and smoke runs).
+Every flavor applies Llama 3.1 RoPE frequency scaling, as torchtitan's current flavors do;
+its Llama 3 of July 2025 used plain RoPE, which ``rope_scaling="none"`` selects.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from titan_models.errors import ConfigError, check_positive_int
 
-__all__ = ["LLAMA3_FLAVORS", "Llama3Args", "RopeScaling", "llama3_args"]
+__all__ = [
+    "LLAMA3_FLAVORS",
+    "ROPE_SCALING_CHOICES",
+    "Llama3Args",
+    "RopeScaling",
+    "llama3_args",
+    "rope_scaling_of",
+]
+
+ROPE_SCALING_CHOICES = ("flavor", "none", "llama3")
+"""What ``rope_scaling`` may be named by: the flavor's default, plain RoPE, or Llama 3.1
+scaling (the flavor's factors, or ``RopeScaling()``'s when the flavor has none)."""
 
 
 @dataclass(kw_only=True)
@@ -45,6 +59,55 @@ class RopeScaling:
         )
 
 
+def rope_scaling_of(value: object, default: RopeScaling | None) -> RopeScaling | None:
+    """The ``RopeScaling`` (or ``None``: plain RoPE) that ``value`` names, as a fresh copy.
+
+    ``value`` is a ``RopeScaling`` or ``None``; one of ``ROPE_SCALING_CHOICES`` (``"flavor"``
+    is ``default``, ``"none"`` plain RoPE, ``"llama3"`` ``default`` or else ``RopeScaling()``);
+    or a mapping of its fields, as a TOML table or a recorded ``dataclasses.asdict`` gives it,
+    or Hugging Face's ``rope_scaling`` form with ``"rope_type": "llama3"`` (``"default"``
+    means plain RoPE).
+    """
+    if value is None:
+        return None
+    if isinstance(value, RopeScaling):
+        return dataclasses.replace(value)
+    if isinstance(value, str):
+        if value not in ROPE_SCALING_CHOICES:
+            raise ConfigError(
+                f"rope_scaling={value!r} is not allowed; choose one of "
+                f"{', '.join(map(repr, ROPE_SCALING_CHOICES))} (the flavor's default, plain "
+                "RoPE, Llama 3.1 frequency scaling)."
+            )
+        if value == "none" or (value == "flavor" and default is None):
+            return None
+        return dataclasses.replace(default) if default is not None else RopeScaling()
+    if isinstance(value, Mapping):
+        fields = dict(value)
+        # HF writes "rope_type"; configs of older transformers versions say "type".
+        rope_type = fields.pop("rope_type", None) or fields.pop("type", None) or "llama3"
+        fields.pop("rope_theta", None)  # transformers 5 keeps the base here too
+        if rope_type == "default":
+            return None
+        if rope_type != "llama3":
+            raise ConfigError(
+                f"rope_scaling of type {rope_type!r} is not supported by titan's Llama 3; it "
+                "knows plain RoPE and 'llama3' (Llama 3.1 frequency scaling)."
+            )
+        known = {f.name for f in dataclasses.fields(RopeScaling)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ConfigError(
+                f"Unknown rope_scaling field(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(known))}."
+            )
+        return RopeScaling(**fields)
+    raise ConfigError(
+        f"rope_scaling={value!r} is not allowed; give one of "
+        f"{', '.join(map(repr, ROPE_SCALING_CHOICES))}, a table of RopeScaling fields, or None."
+    )
+
+
 @dataclass(kw_only=True)
 class Llama3Args:
     """The hyperparameters of a Llama 3 decoder; everything else (hidden sizes, parameter
@@ -69,16 +132,17 @@ class Llama3Args:
     rope_theta: float = 500000.0
     """Base of the rotary position embedding's frequencies."""
     rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
-    """Llama 3.1 frequency scaling; ``None`` for plain RoPE."""
+    """Llama 3.1 frequency scaling; ``None`` for plain RoPE (torchtitan's Llama 3 before its
+    models scaled, e.g. July 2025). Also accepts what :func:`rope_scaling_of` reads."""
     max_seq_len: int = 131072
     """Longest sequence the RoPE table covers; set it to the training sequence length."""
     depth_init: bool = True
     """Scale each block's output-projection init by its depth (else by the layer count)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):
-            # A TOML table or an HF config arrives as a dict.
-            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            # A TOML table, recorded args or an HF config arrive as a dict; a name as a str.
+            self.rope_scaling = rope_scaling_of(self.rope_scaling, RopeScaling())
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is not None:
@@ -190,7 +254,10 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
 
 def llama3_args(flavor: str, **overrides: object) -> Llama3Args:
     """A fresh copy of the named flavor with ``overrides`` applied, e.g.
-    ``llama3_args("8B", vocab_size=tokenizer.n_words, max_seq_len=8192)``."""
+    ``llama3_args("8B", vocab_size=tokenizer.n_words, max_seq_len=8192)``.
+
+    ``rope_scaling`` may be given by name (``ROPE_SCALING_CHOICES``): ``"flavor"`` keeps the
+    flavor's, ``"none"`` is plain RoPE, ``"llama3"`` the flavor's factors (or the defaults)."""
     if flavor not in LLAMA3_FLAVORS:
         raise ConfigError(
             f"Unknown Llama 3 flavor {flavor!r}; choose one of "
@@ -203,5 +270,5 @@ def llama3_args(flavor: str, **overrides: object) -> Llama3Args:
             f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
         )
     base = LLAMA3_FLAVORS[flavor]
-    scaling = dataclasses.replace(base.rope_scaling) if base.rope_scaling else None
+    scaling = rope_scaling_of(overrides.pop("rope_scaling", "flavor"), base.rope_scaling)
     return dataclasses.replace(base, rope_scaling=scaling, **overrides)

@@ -1,0 +1,97 @@
+"""The model's real arguments: built from the ``[model]`` section and the tokenizer through
+the spec's ``args_fn``, recorded with every checkpoint, and given to the HF adapter.
+
+Model-agnostic: the trainer passes ``args_fn(flavor, **overrides)`` only what it knows
+(``vocab_size`` from the tokenizer, ``max_seq_len`` from the longest sequence it feeds, and
+``rope_scaling`` when ``model.rope_scaling`` is not ``"flavor"``); the model package
+interprets them. The record (``titan_ckpt.MODEL_RECORD`` in the commit manifest) holds the
+model name, flavor and the args as JSON, so ``titan-ckpt convert --to hf`` describes the
+model as trained (its vocabulary, its RoPE) without being told.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from titan_ckpt import MODEL_RECORD
+from titan_ckpt.adapter import takes_keyword
+from titan_train.config import ModelSection
+
+__all__ = ["build_model_args", "check_resumed_model", "model_metadata", "state_dict_adapter"]
+
+logger = logging.getLogger("titan_train")
+
+
+def build_model_args(spec: Any, model: ModelSection, *, vocab_size: int, max_seq_len: int) -> Any:
+    """``spec.args_fn(flavor, **overrides)`` for this run."""
+    overrides: dict[str, Any] = {"vocab_size": vocab_size, "max_seq_len": max_seq_len}
+    if model.rope_scaling != "flavor":
+        overrides["rope_scaling"] = model.rope_scaling
+    return spec.args_fn(model.flavor, **overrides)
+
+
+def _as_json(args: Any) -> dict[str, Any] | None:
+    """``args`` as a JSON object (a dataclass's fields), or None if it is not one."""
+    if not dataclasses.is_dataclass(args) or isinstance(args, type):
+        return None
+    try:
+        return json.loads(json.dumps(dataclasses.asdict(args)))
+    except (TypeError, ValueError):
+        return None
+
+
+def model_metadata(spec: Any, flavor: str, args: Any) -> dict[str, Any]:
+    """``CheckpointManager(metadata=...)``: the model's name, flavor and real args."""
+    record: dict[str, Any] = {"name": spec.name, "flavor": flavor}
+    as_json = _as_json(args)
+    if as_json is None:
+        logger.warning(
+            "The args of model %s are not a JSON-serializable dataclass; checkpoints record "
+            "only its name and flavor.",
+            spec.name,
+        )
+    else:
+        record["args"] = as_json
+    return {MODEL_RECORD: record}
+
+
+def state_dict_adapter(spec: Any, flavor: str, args: Any) -> Any:
+    """The spec's HF adapter for the model as built (its real args: vocabulary, RoPE), or
+    for its flavor when the spec's factory does not take ``model_args``."""
+    if takes_keyword(spec.state_dict_adapter, "model_args"):
+        return spec.state_dict_adapter(model_args=args)
+    return spec.state_dict_adapter(flavor=flavor)
+
+
+# Args a run may change on resume without changing the model's function.
+_RUN_ARGS = ("max_seq_len",)
+
+
+def check_resumed_model(loaded: dict[str, Any] | None, metadata: dict[str, Any]) -> list[str]:
+    """Warn (one log line) when the checkpoint just loaded recorded other model args than this
+    run's, e.g. another ``rope_scaling``: the weights load, but the model computes something
+    else than what was trained. Returns the differences, as ``field: recorded -> now``.
+
+    Compared only for a record of the same model and flavor: args built from another
+    description (an HF config.json) may spell the same shape differently."""
+    before = (loaded or {}).get(MODEL_RECORD) or {}
+    now = metadata.get(MODEL_RECORD, {})
+    same_model = (before.get("name"), before.get("flavor")) == (now.get("name"), now.get("flavor"))
+    if not (same_model and isinstance(before.get("args"), dict) and "args" in now):
+        return []
+    old, new = before["args"], now["args"]
+    changed = [
+        f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
+        for key in sorted(set(old) | set(new))
+        if key not in _RUN_ARGS and old.get(key) != new.get(key)
+    ]
+    if changed:
+        logger.warning(
+            "The checkpoint was trained with other model args than this run's (%s); set them "
+            "as recorded (e.g. --model.rope_scaling) unless the change is intended.",
+            "; ".join(changed),
+        )
+    return changed
