@@ -25,6 +25,7 @@ from titan_ckpt.layout import (
     verify_step,
 )
 from titan_ckpt.manager import CheckpointManager
+from titan_ckpt.read_errors import CheckpointReadError, UnsafeCheckpointError
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
 
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointConfigError",
     "CheckpointIntegrityError",
     "CheckpointManager",
+    "CheckpointReadError",
     "FsspecStorage",
     "LocalStorage",
     "Manifest",
@@ -43,6 +45,7 @@ __all__ = [
     "StateDictAdapter",
     "Storage",
     "StreamingStateDictAdapter",
+    "UnsafeCheckpointError",
     "__version__",
     "load_state_dict_adapter",
     "read_manifest",

@@ -18,6 +18,7 @@ from titan_ckpt.sources import (
     DCP_METADATA,
     DcpSource,
     Source,
+    UnsafeCheckpointError,
     batches,
     detect,
     open_source,
@@ -29,12 +30,18 @@ __all__ = ["verify_path"]
 NO_MANIFEST = "no titan manifest: checked metadata and readability only"
 
 
-def verify_path(path: str) -> dict[str, Any]:
-    """``{"path", "ok", "problems": [...], "notes": [...]}`` (a folder: one per step)."""
+def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
+    """``{"path", "ok", "problems": [...], "notes": [...]}`` (a folder: one per step).
+
+    A pickle outside the allowlist is not damage but a refusal: ``UnsafeCheckpointError``
+    (unless ``trust_pickles``; see ``open_source``)."""
     kind = detect(path)
     if kind == "folder":
         scan = scan_steps(LocalStorage(), path)
-        steps = [_verify_one(os.path.join(path, f"step-{s}"), "dcp") for s in scan.committed]
+        steps = [
+            _verify_one(os.path.join(path, f"step-{s}"), "dcp", trust_pickles)
+            for s in scan.committed
+        ]
         notes = [f"step-{s}: uncommitted (interrupted or in progress), not checked"
                  for s in scan.uncommitted]  # fmt: skip
         return {
@@ -46,10 +53,10 @@ def verify_path(path: str) -> dict[str, Any]:
             "notes": notes,
             "steps": steps,
         }
-    return _verify_one(path, kind)
+    return _verify_one(path, kind, trust_pickles)
 
 
-def _verify_one(path: str, kind: str) -> dict[str, Any]:
+def _verify_one(path: str, kind: str, trust_pickles: bool) -> dict[str, Any]:
     problems: list[str] = []
     notes: list[str] = []
     if kind == "dcp":
@@ -58,7 +65,9 @@ def _verify_one(path: str, kind: str) -> dict[str, Any]:
             problems.append(f"{DCP_METADATA}: missing (DCP's index of every key and file)")
             return _result(path, problems, notes)
     try:
-        source = open_source(path)
+        source = open_source(path, trust_pickles=trust_pickles)
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:  # unreadable metadata, header or pickle
         what = DCP_METADATA if kind == "dcp" else "the checkpoint's header"
         problems.append(f"{what}: unreadable ({type(error).__name__}: {_short(error)})")
@@ -168,10 +177,14 @@ def _check_readable(source: Source, problems: list[str]) -> None:
     for group in batches(source, list(source.entries), budget):
         try:
             source.read(group)
+        except UnsafeCheckpointError:
+            raise
         except Exception:
             for key in group:
                 try:
                     source.read([key])
+                except UnsafeCheckpointError:
+                    raise
                 except Exception as error:
                     problems.append(f"{key}: unreadable ({type(error).__name__}: {_short(error)})")
 

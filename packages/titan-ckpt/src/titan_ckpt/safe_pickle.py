@@ -1,0 +1,212 @@
+"""A restricted unpickler for the pickles inside checkpoints: DCP's ``.metadata`` and records.
+
+torch's DCP reader unpickles ``.metadata`` with plain ``pickle.load`` and every non-tensor
+record (a step counter, a dataloader position) with ``torch.load(weights_only=False)``, so
+whoever wrote a checkpoint can run code in whoever opens it. Here both go through
+``RestrictedUnpickler``, whose ``find_class`` resolves only the globals a checkpoint needs:
+
+- DCP's metadata types (``torch.distributed.checkpoint.metadata``, the filesystem storage info);
+- ``torch.Size``, torch dtypes, layouts and memory formats, ``torch.device``, and the functions
+  ``torch.save`` rebuilds tensors with (the set ``torch.load(weights_only=True)`` allows);
+- plain containers and values (``set``, ``frozenset``, ``bytearray``, ``complex``, ``slice``,
+  ``collections.OrderedDict``, ``pathlib`` paths, and ``_codecs.encode`` for protocol-2 bytes).
+
+The list was derived from real titan checkpoints (full state with optimizer, LR scheduler,
+dataloader and train state; model-only; local and ``memory://``; ``titan-ckpt convert --to
+dcp`` output): see ``tests/test_safe_pickle.py``. Any other global stops the load with one
+``UnsafeCheckpointError`` naming it and the file, before it is even imported; ``find_class``
+is the only way a pickle reaches a callable, so nothing outside the list runs.
+
+Before unpickling, the bytes are walked with ``pickletools`` (which executes nothing): every
+length-prefixed argument must fit in the data, and memo indices stay below the pickle's
+length, so a damaged or hostile pickle cannot make the C unpickler allocate beyond a small
+multiple of the file's size (it allocates a ``BINBYTES8`` body, and grows its memo to the
+largest index, before reading).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import types
+from typing import IO, Any
+
+import torch
+
+from titan_ckpt.read_errors import CheckpointReadError, UnsafeCheckpointError
+
+__all__ = ["ALLOWED_GLOBALS", "RestrictedUnpickler", "check_record", "load_metadata"]
+
+_DCP_METADATA_TYPES = (
+    "Metadata",
+    "MetadataIndex",
+    "ChunkStorageMetadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "TensorProperties",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+)
+_TENSOR_REBUILDERS = (
+    "_rebuild_tensor",
+    "_rebuild_tensor_v2",
+    "_rebuild_tensor_v3",
+    "_rebuild_parameter",
+    "_rebuild_parameter_with_state",
+    "_rebuild_device_tensor_from_numpy",
+    "_rebuild_meta_tensor_no_storage",
+    "_rebuild_wrapper_subclass",
+    "_rebuild_sparse_tensor",
+    "_rebuild_nested_tensor",
+    "_rebuild_qtensor",
+)
+
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    [("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA_TYPES]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
+    + [("torch._utils", name) for name in _TENSOR_REBUILDERS]
+    + [
+        ("torch", "Size"),
+        ("torch", "Tensor"),
+        ("torch", "device"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("_codecs", "encode"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "bytearray"),
+        ("builtins", "complex"),
+        ("builtins", "slice"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    ]
+)
+"""(module, qualname) pairs the unpickler resolves, besides torch's dtype-like constants."""
+
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format, torch.qscheme)
+_MEMO_OPS = {"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"}
+
+
+def _allowed(module: str, name: str) -> bool:
+    if (module, name) in ALLOWED_GLOBALS:
+        return True
+    # torch.float32, torch.strided, torch.contiguous_format, ...: plain values of torch.
+    # (vars(), not getattr: torch's module __getattr__ would import submodules.)
+    return module == "torch" and isinstance(vars(torch).get(name), _TORCH_CONSTANTS)
+
+
+class _RefusedError(Exception):
+    """Internal: a global outside the allowlist; the caller adds the file's name."""
+
+    def __init__(self, found: str) -> None:
+        super().__init__(found)
+        self.found = found
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """A ``pickle.Unpickler`` that resolves only ``ALLOWED_GLOBALS`` (and torch constants)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not (isinstance(module, str) and isinstance(name, str) and _allowed(module, name)):
+            raise _RefusedError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def prescan(data: bytes) -> None:
+    """Walk the opcodes of ``data`` without running them; ``ValueError`` if a length or memo
+    index could not belong to a pickle of this size (see the module docstring)."""
+    limit = len(data)
+    for opcode, arg, pos in pickletools.genops(io.BytesIO(data)):
+        if opcode.name == "FRAME" and arg > limit - (pos or 0):
+            raise ValueError(f"a frame of {arg} bytes in {limit} bytes of pickle")
+        if opcode.name in _MEMO_OPS and arg >= limit:
+            raise ValueError(f"memo index {arg} in {limit} bytes of pickle")
+
+
+def load_metadata(stream: IO[bytes], file: str, *, trust: bool = False) -> Any:
+    """Unpickle DCP's ``.metadata`` from ``stream`` (``file`` names it in errors).
+
+    ``UnsafeCheckpointError`` for a global outside the allowlist (unless ``trust``);
+    ``CheckpointReadError`` for bytes that are not a readable pickle.
+    """
+    data = stream.read()
+    if trust:
+        try:
+            return pickle.loads(data)
+        except Exception as error:
+            raise _damaged(file, error) from None
+    try:
+        prescan(data)
+        return RestrictedUnpickler(io.BytesIO(data)).load()
+    except _RefusedError as refused:
+        raise UnsafeCheckpointError.refused(file, refused.found) from None
+    except Exception as error:  # any damage: truncation, flipped opcodes, wrong types
+        raise _damaged(file, error) from None
+
+
+def _damaged(file: str, error: BaseException) -> CheckpointReadError:
+    return CheckpointReadError(
+        f"{file} is damaged: it does not unpickle ({type(error).__name__}: {str(error)[:200]})"
+    )
+
+
+def _restricted_pickle_module() -> types.ModuleType:
+    """A stand-in for the ``pickle`` module that ``torch.load(pickle_module=...)`` accepts:
+    torch subclasses its ``Unpickler`` (so ``find_class`` stays ours) and uses its ``load``
+    for the legacy format's headers."""
+    module = types.ModuleType("titan_ckpt_restricted_pickle")
+    module.Unpickler = RestrictedUnpickler  # type: ignore[attr-defined]
+    module.load = lambda f, **kw: RestrictedUnpickler(f, **kw).load()  # type: ignore[attr-defined]
+    module.__dict__["UnpicklingError"] = pickle.UnpicklingError
+    return module
+
+
+_RESTRICTED_PICKLE = _restricted_pickle_module()
+
+
+def check_record(value: io.BytesIO, file: str) -> None:
+    """Prove that the ``torch.save`` record ``value`` unpickles under the allowlist.
+
+    DCP's default planner then loads the same bytes with ``torch.load(weights_only=False)``,
+    which resolves exactly the globals checked here. ``UnsafeCheckpointError`` for another
+    global, ``CheckpointReadError`` for a damaged record; ``value`` is rewound either way.
+    """
+    start = value.tell()
+    try:
+        prescan_record(value)
+        value.seek(start)
+        torch.load(value, map_location="cpu", weights_only=False, pickle_module=_RESTRICTED_PICKLE)
+    except _RefusedError as refused:
+        raise UnsafeCheckpointError.refused(file, refused.found) from None
+    except Exception as error:
+        raise CheckpointReadError(
+            f"{file} is damaged: {type(error).__name__}: {str(error)[:200]}"
+        ) from None
+    finally:
+        value.seek(start)
+
+
+def prescan_record(value: io.BytesIO) -> None:
+    """``prescan`` the pickle inside a ``torch.save`` zip record (a legacy, non-zip record
+    is scanned whole: its pickles come first)."""
+    import zipfile
+
+    start = value.tell()
+    try:
+        with zipfile.ZipFile(value) as archive:
+            names = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            if len(names) != 1:
+                raise ValueError(f"a torch.save record holds {len(names)} data.pkl files")
+            info = archive.getinfo(names[0])
+            if info.file_size > len(value.getbuffer()):
+                raise ValueError("data.pkl is larger than its record")
+            prescan(archive.read(names[0]))
+    except zipfile.BadZipFile:
+        value.seek(start)
+        prescan(value.read())  # the legacy format: several pickles in a row, scan the first
