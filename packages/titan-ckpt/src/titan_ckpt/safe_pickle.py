@@ -6,8 +6,9 @@ whoever wrote a checkpoint can run code in whoever opens it. Here both go throug
 ``RestrictedUnpickler``, whose ``find_class`` resolves only the globals a checkpoint needs:
 
 - DCP's metadata types (``torch.distributed.checkpoint.metadata``, the filesystem storage info);
-- ``torch.Size``, torch dtypes, layouts and memory formats, ``torch.device``, and the functions
-  ``torch.save`` rebuilds tensors with (the set ``torch.load(weights_only=True)`` allows);
+- ``torch.Size``, torch dtypes, layouts and memory formats, ``torch.device``, storage classes,
+  and the functions ``torch.save`` rebuilds tensors with (as ``torch.load(weights_only=True)``
+  allows them);
 - plain containers and values (``set``, ``frozenset``, ``bytearray``, ``complex``, ``slice``,
   ``collections.OrderedDict``, ``pathlib`` paths, and ``_codecs.encode`` for protocol-2 bytes).
 
@@ -90,15 +91,18 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 """(module, qualname) pairs the unpickler resolves, besides torch's dtype-like constants."""
 
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format, torch.qscheme)
+_STORAGE_CLASSES = frozenset(torch._storage_classes)
 _MEMO_OPS = {"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"}
 
 
 def _allowed(module: str, name: str) -> bool:
     if (module, name) in ALLOWED_GLOBALS:
         return True
-    # torch.float32, torch.strided, torch.contiguous_format, ...: plain values of torch.
+    # torch.float32, torch.strided, torch.contiguous_format, ...: plain values of torch, and
+    # the storage classes (torch.FloatStorage) torch.save names in tensor records.
     # (vars(), not getattr: torch's module __getattr__ would import submodules.)
-    return module == "torch" and isinstance(vars(torch).get(name), _TORCH_CONSTANTS)
+    value = vars(torch).get(name) if module == "torch" else None
+    return isinstance(value, _TORCH_CONSTANTS) or (value is not None and value in _STORAGE_CLASSES)
 
 
 class _RefusedError(Exception):

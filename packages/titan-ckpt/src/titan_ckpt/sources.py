@@ -467,7 +467,7 @@ def decode_object(text: str) -> Any:
 
 def _refusal(file: str, error: Exception) -> UnsafeCheckpointError | None:
     """torch.load(weights_only=True)'s refusal of a global, as our error naming it."""
-    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", str(error))
     if isinstance(error, pickle.UnpicklingError) and found:
         return UnsafeCheckpointError.refused(file, found.group(1))
     return None
