@@ -165,6 +165,7 @@ def _filters(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``titan-ckpt``; returns the exit status."""
     from titan_ckpt.convert import ConvertError
+    from titan_ckpt.layout import CheckpointIntegrityError
     from titan_ckpt.read_errors import (
         CheckpointFormatError,
         CheckpointReadError,
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnsafeCheckpointError as error:  # refused, not damaged: the message says why
         print(f"titan-ckpt: error: {error}", file=sys.stderr)
         return 1
-    except CheckpointReadError as error:
+    except (CheckpointReadError, CheckpointIntegrityError) as error:
         print(f"titan-ckpt: error: {error} (run titan-ckpt verify on it)", file=sys.stderr)
         return 1
 

@@ -72,10 +72,39 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        body = json.loads(data)
-        if body.pop("format", None) != FORMAT:
+        """The manifest in ``data``; ``ValueError`` for anything that is not a well-formed
+        marker (damaged or foreign), so that no reader fails on it later."""
+        body = json.loads(data)  # its errors, UnicodeDecodeError included, are ValueErrors
+        if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
             raise ValueError(f"not a {FORMAT} commit marker")
-        return cls(**body)
+        try:
+            manifest = cls(**body)
+        except TypeError as error:  # a field missing or unknown
+            raise ValueError(f"not a {FORMAT} commit marker: {error}") from None
+        if not _well_formed(manifest):
+            raise ValueError(f"a {FORMAT} commit marker with fields of the wrong types")
+        return manifest
+
+
+def _well_formed(m: Manifest) -> bool:
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    return (
+        whole(m.step)
+        and whole(m.world_size)
+        and isinstance(m.states, list)
+        and all(isinstance(s, str) for s in m.states)
+        and isinstance(m.model_only, bool)
+        and isinstance(m.created, (int, float))
+        and isinstance(m.files, dict)
+        and all(
+            isinstance(info, dict)
+            and whole(info.get("size"))
+            and isinstance(info.get("sha256"), str)
+            for info in m.files.values()
+        )
+    )
 
 
 def _sha256(storage: Storage, path: str) -> str:
@@ -128,12 +157,17 @@ def write_commit(
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest | None:
-    """The commit marker of ``directory``, or None if it has none (not committed)."""
+    """The commit marker of ``directory``, or None if it has none (not committed);
+    ``CheckpointIntegrityError`` if it is not a readable marker."""
     path = storage.join(directory, COMMIT_MARKER)
     if not storage.exists(path):
         return None
     with storage.open(path, "rb") as f:
-        return Manifest.from_json(f.read())
+        data = f.read()
+    try:
+        return Manifest.from_json(data)
+    except (ValueError, RecursionError) as error:
+        raise CheckpointIntegrityError(f"{path} is damaged: {str(error)[:200]}") from None
 
 
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:

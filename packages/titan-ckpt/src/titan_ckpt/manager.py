@@ -442,7 +442,7 @@ class CheckpointManager:
         model_sd = self.model.state_dict()
         state = {**model_sd, **{n: self.states[n] for n in names}}
         reader = self.storage.dcp_reader(directory, trust_pickles=cfg.trust_pickles)
-        with self._quiet_single_process(), unwrap_read_errors():
+        with self._quiet_single_process(), unwrap_read_errors(directory):
             dcp.load(
                 state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
             )
@@ -494,7 +494,7 @@ class CheckpointManager:
         error = self._agree(plan() if self._rank == 0 else None)
         if error is not None:
             raise error
-        with self._quiet_single_process(), unwrap_read_errors():
+        with self._quiet_single_process(), unwrap_read_errors(directory):
             dcp.load(
                 {DATALOADER: self.states[DATALOADER]},
                 storage_reader=self.storage.dcp_reader(

@@ -12,7 +12,8 @@ with two changes, both skipped with ``trust_pickles=True``:
   unpickles under the same allowlist. This works for any load planner.
 
 ``unwrap_read_errors`` turns DCP's ``CheckpointException`` (a ``BaseException`` that wraps
-whatever a reader raised) back into the titan error inside it.
+whatever a reader raised) back into the titan error inside it, or into one that names the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -68,7 +69,15 @@ class _SafeReading:
     def read_data(self, plan: Any, planner: Any) -> Any:
         if not self.trust_pickles:
             planner = _CheckedRecords(planner, self)
-        return super().read_data(plan, planner)  # type: ignore[misc]
+        try:
+            return super().read_data(plan, planner)  # type: ignore[misc]
+        except CheckpointReadError:
+            raise
+        except Exception as error:  # a damaged data file: torch's own message, with the path
+            raise CheckpointReadError(
+                f"{self.path}: DCP cannot read its data ({type(error).__name__}: "
+                f"{str(error).strip()[:300]})"
+            ) from None
 
 
 class SafeFileSystemReader(_SafeReading, FileSystemReader):
@@ -115,16 +124,24 @@ class _CheckedRecords:
 
 
 @contextlib.contextmanager
-def unwrap_read_errors() -> Iterator[None]:
-    """Re-raise a ``CheckpointReadError`` (unsafe or damaged data) that DCP wrapped."""
+def unwrap_read_errors(where: str | None = None) -> Iterator[None]:
+    """Re-raise a ``CheckpointReadError`` (unsafe or damaged data) that DCP wrapped in its
+    ``CheckpointException``; with ``where`` (the checkpoint's path), any other failure of
+    DCP's load steps becomes a ``CheckpointReadError`` naming it and DCP's causes."""
     try:
         yield
     except CheckpointException as error:
-        for failure in error.failures.values():
-            exc = failure[0] if isinstance(failure, tuple) else failure
+        failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+        for exc in failures:
             if isinstance(exc, CheckpointReadError):
                 raise exc from None
-        raise
+        if where is None:
+            raise
+        causes = "; ".join(f"{type(e).__name__}: {str(e).strip()[:200]}" for e in failures)
+        raise CheckpointReadError(
+            f"{where}: DCP could not load this checkpoint ({causes}); is it damaged? Run "
+            "titan-ckpt verify on it."
+        ) from None
 
 
 def check_metadata(metadata: Any, file: str) -> None:

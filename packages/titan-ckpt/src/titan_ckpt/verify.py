@@ -90,7 +90,7 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
     storage = LocalStorage()
     try:
         manifest = read_manifest(storage, path)
-    except ValueError as error:
+    except CheckpointIntegrityError as error:
         problems.append(f"titan-commit.json: unreadable ({error})")
         return
     if manifest is None:
