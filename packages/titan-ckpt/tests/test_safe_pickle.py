@@ -388,3 +388,35 @@ def test_torch_save_file_with_a_foreign_class_is_refused_naming_it(tmp_path, tit
     assert SYSTEM in err
     assert "model.pt" in err
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"\x8e" + (1 << 40).to_bytes(8, "little") + b".", "runs past the end"),  # 1 TiB bytes
+        (b"\x96" + (1 << 33).to_bytes(8, "little") + b".", "runs past the end"),  # bytearray
+        (b"B" + (1 << 31).to_bytes(4, "little") + b".", "runs past the end"),  # 2 GiB bytes
+        (b"]r" + (1 << 31).to_bytes(4, "little") + b".", "memo index"),  # a 32 GiB memo
+        (b"]p99999999999\n.", "memo index"),
+        (b"\x80\x04\x95" + (1 << 50).to_bytes(8, "little") + b"N.", "frame"),
+        (b"\x80\x04N", "ends before its STOP"),
+        (b"\xffN.", "not a pickle opcode"),
+    ],
+)
+def test_pickles_that_would_allocate_beyond_their_size_are_refused_unrun(data, why, tmp_path):
+    # The C unpickler allocates a BINBYTES8 body, and zeroes a memo up to the largest index,
+    # before it reads: these few bytes would ask for gigabytes. The walk refuses them first.
+    from titan_ckpt import CheckpointReadError
+    from titan_ckpt.safe_pickle import load_metadata
+
+    with pytest.raises(CheckpointReadError, match=why):
+        load_metadata(io.BytesIO(data), str(tmp_path / ".metadata"))
+
+
+def test_the_opcode_walk_accepts_every_protocol():
+    from titan_ckpt.safe_pickle import prescan
+
+    value = {"a": [1, 2.5, None, True, "x" * 300, b"y" * 70000, (1,) * 300, 10**40, {1, 2}]}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        prescan(pickle.dumps(value, protocol=protocol))
+        prescan(pickle.dumps(list(range(1000)), protocol=protocol))
