@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import zipfile
 from pathlib import Path
 
@@ -420,3 +421,62 @@ def test_the_opcode_walk_accepts_every_protocol():
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
         prescan(pickle.dumps(value, protocol=protocol))
         prescan(pickle.dumps(list(range(1000)), protocol=protocol))
+
+
+# --- hostile metadata that unpickles under the allowlist -----------------------------------
+
+
+def _edit_metadata(step: Path, edit) -> None:
+    """Rewrite a copy's .metadata through ``edit`` and drop the commit marker (a plain DCP
+    step then: no manifest stands between the metadata and the readers)."""
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # ours: trusted
+    edit(metadata)
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    (step / COMMIT_MARKER).unlink()
+
+
+def test_a_data_file_outside_the_checkpoint_is_refused(saved_folder, tmp_path, titan_ckpt):
+    # A record "stored" in another file of the machine: reading it would copy that file's
+    # bytes into whatever the checkpoint is converted to.
+    step = tmp_path / "step-2"
+    shutil.copytree(saved_folder / "step-2", step)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password")
+
+    def point_outside(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = "../secret.txt"
+
+    _edit_metadata(step, point_outside)
+    code, _, err = titan_ckpt("convert", step, tmp_path / "out.pt", "--to", "torch")
+    assert code == 1
+    assert "outside the checkpoint" in err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_verify_of_many_thousand_chunks_is_fast_and_finds_an_overlap(saved_folder, tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from titan_ckpt.verify import verify_path
+
+    step = tmp_path / "step-2"
+    shutil.copytree(saved_folder / "step-2", step)
+    n = 20_000
+
+    def many_chunks(metadata):
+        entry = metadata.state_dict_metadata["0.weight"]
+        entry.size = torch.Size([n + 1, 16])
+        entry.chunks = [
+            ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 16]))
+            for i in range(n)
+        ] + [ChunkStorageMetadata(offsets=torch.Size([n - 1, 0]), sizes=torch.Size([2, 16]))]
+
+    _edit_metadata(step, many_chunks)
+    started = time.perf_counter()
+    report = verify_path(str(step))
+    assert time.perf_counter() - started < 20  # pairwise, 2e8 comparisons: minutes
+    assert not report["ok"]
+    assert any(
+        f"0.weight: shards at offsets [{n - 1}, 0] and [{n - 1}, 0] overlap" in p
+        for p in report["problems"]
+    ), report["problems"][:3]

@@ -10,7 +10,6 @@ all but the manifest check. Safetensors and torch.save files are checked for rea
 from __future__ import annotations
 
 import os
-from itertools import combinations
 from typing import Any
 
 from titan_ckpt.layout import CheckpointIntegrityError, read_manifest, scan_steps, verify_step
@@ -121,15 +120,32 @@ def _check_coverage(source: DcpSource, problems: list[str]) -> None:
                 )
             boxes.append((lo, n))
         volume = sum(_numel(n) for _, n in boxes)
-        overlaps = [(a, b) for a, b in combinations(boxes, 2) if _overlap(a, b)]
-        if overlaps:
-            (a, _), (b, _) = overlaps[0]
+        overlap = _first_overlap(boxes)
+        if overlap:
+            (a, _), (b, _) = overlap
             problems.append(f"{key}: shards at offsets {a} and {b} overlap")
         elif volume != e.numel:
             problems.append(
                 f"{key}: shards cover {volume} of {e.numel} elements (a shard is missing from "
                 ".metadata)"
             )
+
+
+def _first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple | None:
+    """Two overlapping boxes, or None. A sweep along the first dimension compares a box only
+    with those whose first-dimension range it meets, so the usual shardings (and a hostile
+    .metadata of many thousands of chunks) take about n log n, not n^2, comparisons."""
+    if not boxes or not boxes[0][0]:  # scalars: any two chunks overlap
+        return (boxes[0], boxes[1]) if len(boxes) > 1 else None
+    active: list[tuple[list[int], list[int]]] = []
+    for box in sorted((b for b in boxes if _numel(b[1])), key=lambda b: b[0][0]):
+        start = box[0][0]
+        active = [a for a in active if a[0][0] + a[1][0] > start]
+        for other in active:
+            if _overlap(other, box):
+                return other, box
+        active.append(box)
+    return None
 
 
 def _numel(sizes: list[int]) -> int:
