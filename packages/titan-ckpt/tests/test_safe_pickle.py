@@ -313,6 +313,9 @@ def test_every_kind_of_titan_checkpoint_needs_only_allowed_globals(tmp_path, com
         lr_scheduler=scheduler,
         dataloader=Loader(position=7, shard=b"\x00pickled-bytes", seen=[1, 2], rng=(3, 4.5)),
         train_state=Stateful(step=2, tokens=1 << 40, name="run", flags={"a": True, "b": None}),
+        # As torchtitan writes them: its dataloader's pickle.dumps bytes, and (before 2025)
+        # BytesIO values in its train state.
+        tt_like=Stateful(dp_rank_0=pickle.dumps({"sample": 3}), losses=io.BytesIO(b"\x00\x01")),
     )
     model_only = _save(tmp_path / "model-only", common, model_only=True)
     converted = tmp_path / "converted"
@@ -330,6 +333,11 @@ def test_every_kind_of_titan_checkpoint_needs_only_allowed_globals(tmp_path, com
     refused = sorted(g for g in seen if not _allowed(*g))
     assert refused == []
     assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen
+    assert {
+        ("_io", "BytesIO"),
+        ("_codecs", "encode"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+    } <= seen
     # Beyond the named list, only torch's constants (dtypes, layouts, memory formats).
     assert {m for m, _ in seen - ALLOWED_GLOBALS} <= {"torch"}
 

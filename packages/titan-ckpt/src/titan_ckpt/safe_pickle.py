@@ -10,7 +10,8 @@ whoever wrote a checkpoint can run code in whoever opens it. Here both go throug
   and the functions ``torch.save`` rebuilds tensors with (as ``torch.load(weights_only=True)``
   allows them);
 - plain containers and values (``set``, ``frozenset``, ``bytearray``, ``complex``, ``slice``,
-  ``collections.OrderedDict``, ``pathlib`` paths, and ``_codecs.encode`` for protocol-2 bytes).
+  ``collections.OrderedDict``, ``io.BytesIO``, ``pathlib`` paths, and ``_codecs.encode`` for
+  protocol-2 bytes).
 
 The list was derived from real titan checkpoints (full state with optimizer, LR scheduler,
 dataloader and train state; model-only; local and ``memory://``; ``titan-ckpt convert --to
@@ -82,6 +83,9 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("builtins", "bytearray"),
         ("builtins", "complex"),
         ("builtins", "slice"),
+        # torchtitan's train state before 2025 held BytesIO values (DCP torch.saves them).
+        ("_io", "BytesIO"),
+        ("io", "BytesIO"),
         ("pathlib", "Path"),
         ("pathlib", "PosixPath"),
         ("pathlib", "WindowsPath"),
