@@ -36,7 +36,12 @@ class Poison:
 def test_resume_from_a_poisoned_checkpoint_exits_2_and_runs_nothing(tmp_path, capsys):
     dump = tmp_path / "run"
     assert main(["train", *TINY, "--training.steps", "2", "--job.dump_folder", str(dump)]) == 0
-    step = dump / "checkpoint" / "step-2"
+    # A clean resume goes through the same allowlist: titan-train's own states (dataloader,
+    # LR scheduler, train state, optimizer) need nothing beyond it.
+    assert main(["train", *TINY, "--training.steps", "3", "--job.dump_folder", str(dump)]) == 0
+    logged = [json.loads(line)["step"] for line in (dump / "metrics.jsonl").open()]
+    assert logged == [1, 2, 3]  # the second run resumed at step 2: it trained step 3 alone
+    step = dump / "checkpoint" / "step-3"
     marker = tmp_path / "pwned"
     metadata = pickle.loads((step / ".metadata").read_bytes())  # our own file: trusted here
     metadata.planner_data = {"note": Poison(str(marker))}
