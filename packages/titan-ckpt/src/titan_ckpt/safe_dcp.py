@@ -42,6 +42,7 @@ from titan_ckpt.safe_pickle import check_record, load_metadata
 __all__ = [
     "SafeFileSystemReader",
     "check_metadata",
+    "check_stored",
     "safe_fsspec_reader",
     "unwrap_read_errors",
 ]
@@ -142,6 +143,35 @@ def unwrap_read_errors(where: str | None = None) -> Iterator[None]:
             f"{where}: DCP could not load this checkpoint ({causes}); is it damaged? Run "
             "titan-ckpt verify on it."
         ) from None
+
+
+def check_stored(directory: str, entries: list[Any]) -> None:
+    """``CheckpointReadError``, before anything is allocated, for an entry (a
+    ``sources.Entry``) whose stored bytes lie outside its file, or a tensor larger than the
+    bytes stored for it (possible only when ``.metadata`` is damaged)."""
+    sizes: dict[str, int] = {}
+    for e in entries:
+        stored = 0
+        for s in e.shards:
+            name = s.get("file")
+            if name is None:
+                raise CheckpointReadError(f"{directory}: {e.key} has a chunk with no file.")
+            if name not in sizes:
+                full = os.path.join(directory, name)
+                sizes[name] = os.path.getsize(full) if os.path.isfile(full) else -1
+            if s["offset"] + s["length"] > sizes[name]:
+                raise CheckpointReadError(
+                    f"{directory}: {e.key} is stored at bytes [{s['offset']}, "
+                    f"{s['offset'] + s['length']}) of {name}, which "
+                    + ("is missing." if sizes[name] < 0 else f"has {sizes[name]} bytes.")
+                )
+            stored += s["length"]
+        transformed = any(s.get("transforms") for s in e.shards)  # e.g. compressed: unbounded
+        if e.is_tensor and not transformed and e.nbytes > stored:
+            raise CheckpointReadError(
+                f"{directory}: {e.key} is a {list(e.shape or ())} {e.dtype} tensor of "
+                f"{e.nbytes} bytes, but only {stored} bytes are stored for it."
+            )
 
 
 def check_metadata(metadata: Any, file: str) -> None:

@@ -249,9 +249,10 @@ class DcpSource(Source):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from titan_ckpt.safe_dcp import unwrap_read_errors
+        from titan_ckpt.safe_dcp import check_stored, unwrap_read_errors
 
-        self._check_stored(keys)
+        # Nothing is allocated for a tensor the files cannot hold (a damaged .metadata).
+        check_stored(self.path, [self.entries[k] for k in keys])
         out: dict[str, Any] = {}
         rest = []
         for key in keys:
@@ -280,34 +281,6 @@ class DcpSource(Source):
                     f"{self.path}: DCP could not read {shown}: {'; '.join(causes)[:300]}"
                 ) from None
         return state
-
-    def _check_stored(self, keys: list[str]) -> None:
-        """Refuse, before allocating anything, an entry whose stored bytes lie outside its
-        file, or a tensor larger than the bytes stored for it (a damaged ``.metadata``)."""
-        sizes: dict[str, int] = {}
-        for key in keys:
-            e = self.entries[key]
-            stored = 0
-            for s in e.shards:
-                name = s.get("file")
-                if name is None:
-                    raise CheckpointReadError(f"{self.path}: {key} has a chunk with no file.")
-                if name not in sizes:
-                    full = os.path.join(self.path, name)
-                    sizes[name] = os.path.getsize(full) if os.path.isfile(full) else -1
-                if s["offset"] + s["length"] > sizes[name]:
-                    raise CheckpointReadError(
-                        f"{self.path}: {key} is stored at bytes [{s['offset']}, "
-                        f"{s['offset'] + s['length']}) of {name}, which "
-                        + ("is missing." if sizes[name] < 0 else f"has {sizes[name]} bytes.")
-                    )
-                stored += s["length"] if not s.get("transforms") else 0
-            transformed = any(s.get("transforms") for s in e.shards)
-            if e.is_tensor and not transformed and e.nbytes > stored:
-                raise CheckpointReadError(
-                    f"{self.path}: {key} is a {list(e.shape or ())} {e.dtype} tensor of "
-                    f"{e.nbytes} bytes, but only {stored} bytes are stored for it."
-                )
 
 
 class _FileSlice(io.RawIOBase):
