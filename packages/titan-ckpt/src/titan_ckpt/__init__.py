@@ -27,6 +27,7 @@ from titan_ckpt.layout import (
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.model_record import MODEL_RECORD
 from titan_ckpt.preflight import check_checkpoint_folder
+from titan_ckpt.read_errors import CheckpointReadError, UnsafeCheckpointError
 from titan_ckpt.space import CheckpointWriteError, DiskFullError
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointConfigError",
     "CheckpointIntegrityError",
     "CheckpointManager",
+    "CheckpointReadError",
     "CheckpointWriteError",
     "DiskFullError",
     "FsspecStorage",
@@ -49,6 +51,7 @@ __all__ = [
     "StateDictAdapter",
     "Storage",
     "StreamingStateDictAdapter",
+    "UnsafeCheckpointError",
     "__version__",
     "check_checkpoint_folder",
     "load_state_dict_adapter",

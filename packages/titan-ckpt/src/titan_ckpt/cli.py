@@ -9,7 +9,9 @@
 
 Works on DCP step directories (ours, with a commit marker, or torchtitan's plain ones),
 safetensors files and folders (Hugging Face included) and torch.save files. Bad usage prints
-one ``titan-ckpt: error: ...`` line and exits with status 2.
+one ``titan-ckpt: error: ...`` line and exits with status 2. Pickles inside a DCP checkpoint
+are unpickled under an allowlist (``titan_ckpt.safe_pickle``); one that asks for anything else
+is refused with one message and exit status 1, unless ``--trust-pickles``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         "metadata only unless --stats.",
     )
     inspect.add_argument("path", help="checkpoint folder, step directory or file")
+    _trust(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
     inspect.add_argument(
         "--stats", action="store_true", help="load tensors: min, max, mean, std, NaN/Inf counts"
@@ -77,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         "manifest's sizes and checksums.",
     )
     verify.add_argument("path", help="step directory, checkpoint folder or file")
+    _trust(verify)
     verify.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     diff = commands.add_parser(
@@ -88,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("a", help="first checkpoint")
     diff.add_argument("b", help="second checkpoint")
+    _trust(diff)
     diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     diff.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     _filters(diff)
@@ -102,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("src", help="DCP step, safetensors file/folder, HF folder or torch file")
     convert.add_argument("dst", help="output directory (a file for torch and *.safetensors)")
+    _trust(convert)
     convert.add_argument(
         "--to", required=True, choices=["dcp", "torch", "safetensors", "hf"], help="output format"
     )
@@ -147,6 +153,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _trust(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        help="unpickle DCP metadata and records without the allowlist (DCP types, torch "
+        "sizes/dtypes/tensors, plain containers): only for checkpoints you made yourself with "
+        "custom objects; a stranger's pickle can run code",
+    )
+
+
 def _filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--include",
@@ -167,7 +183,12 @@ def _filters(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``titan-ckpt``; returns the exit status."""
     from titan_ckpt.convert import ConvertError
-    from titan_ckpt.sources import CheckpointFormatError, CheckpointReadError
+    from titan_ckpt.layout import CheckpointIntegrityError
+    from titan_ckpt.read_errors import (
+        CheckpointFormatError,
+        CheckpointReadError,
+        UnsafeCheckpointError,
+    )
 
     args = _parser().parse_args(argv)
     _unmap_freed_buffers()
@@ -176,7 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointFormatError, ConvertError, FileNotFoundError, LookupError) as error:
         print(f"titan-ckpt: error: {error}", file=sys.stderr)
         return 2
-    except CheckpointReadError as error:
+    except UnsafeCheckpointError as error:  # refused, not damaged: the message says why
+        print(f"titan-ckpt: error: {error}", file=sys.stderr)
+        return 1
+    except (CheckpointReadError, CheckpointIntegrityError) as error:
         print(f"titan-ckpt: error: {error} (run titan-ckpt verify on it)", file=sys.stderr)
         return 1
 
@@ -204,7 +228,7 @@ def _unmap_freed_buffers() -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from titan_ckpt.inspection import inspect_path, render
 
-    report = inspect_path(args.path, stats=args.stats)
+    report = inspect_path(args.path, stats=args.stats, trust_pickles=args.trust_pickles)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
@@ -212,7 +236,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from titan_ckpt.verify import verify_path
 
-    report = verify_path(args.path)
+    report = verify_path(args.path, trust_pickles=args.trust_pickles)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -231,7 +255,13 @@ def _diff(args: argparse.Namespace) -> int:
         print("titan-ckpt: error: --atol and --rtol must be >= 0.", file=sys.stderr)
         return 2
     report = diff_paths(
-        args.a, args.b, atol=args.atol, rtol=args.rtol, include=args.include, exclude=args.exclude
+        args.a,
+        args.b,
+        atol=args.atol,
+        rtol=args.rtol,
+        include=args.include,
+        exclude=args.exclude,
+        trust_pickles=args.trust_pickles,
     )
     print(json.dumps(report, indent=2) if args.json else render_diff(report))
     return 0 if report["equal"] else 1
@@ -252,6 +282,7 @@ def _convert(args: argparse.Namespace) -> int:
         rope_scaling=args.rope_scaling,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
+        trust_pickles=args.trust_pickles,
     )
     summary = convert(args.src, args.dst, options)
     if args.json:

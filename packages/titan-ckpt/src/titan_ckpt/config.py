@@ -73,6 +73,11 @@ class CheckpointConfig:
     """With a torchft manager: each replica group also saves its own dataloader state."""
     verify_checksums: bool = False
     """Check every file's sha256 against the manifest on load; sizes are always checked."""
+    trust_pickles: bool = False
+    """Unpickle checkpoint metadata and records without the allowlist (which admits only DCP's
+    types, torch sizes, dtypes and tensors, and plain containers): for checkpoints you made
+    yourself with custom objects. Never for checkpoints of unknown origin: their pickles can
+    run code."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -86,6 +91,7 @@ class CheckpointConfig:
             "load_only",
             "enable_ft_dataloader_checkpoints",
             "verify_checksums",
+            "trust_pickles",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -103,6 +103,8 @@ class ConvertOptions:
     """Replace an existing non-empty DST."""
     progress: bool | None = None
     """Show a progress line on stderr; None: only when stderr is a terminal."""
+    trust_pickles: bool = False
+    """Unpickle a DCP SRC's metadata and records without the allowlist (see safe_pickle)."""
 
 
 def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
@@ -124,7 +126,7 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
         raise ConvertError(f"--to torch writes one file; {dst!r} names a directory.")
     _check_destination(dst, options.overwrite)
     started = time.perf_counter()
-    source = open_source(src)
+    source = open_source(src, trust_pickles=options.trust_pickles)
     try:
         adapter = _adapter(source, options)
         keys = _selected(source, options, hf_model=adapter is not None)

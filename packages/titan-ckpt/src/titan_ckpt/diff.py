@@ -27,9 +27,12 @@ def diff_paths(
     rtol: float = 0.0,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
+    trust_pickles: bool = False,
 ) -> dict[str, Any]:
-    """The diff report: ``equal`` plus the keys that differ and how."""
-    left, right = open_source(a), open_source(b)
+    """The diff report: ``equal`` plus the keys that differ and how (``trust_pickles``: see
+    ``open_source``)."""
+    left = open_source(a, trust_pickles=trust_pickles)
+    right = open_source(b, trust_pickles=trust_pickles)
     try:
         return _diff(left, right, atol, rtol, include or [], exclude or [])
     finally:

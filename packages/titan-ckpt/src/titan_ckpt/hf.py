@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import struct
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -42,8 +41,9 @@ from titan_ckpt.adapter import (
     streams,
     to_hf_items,
 )
+from titan_ckpt.safetensors_format import read_header
 from titan_ckpt.shards import INDEX_NAME, write_safetensors_shards
-from titan_ckpt.sources import ST_DTYPES, CheckpointReadError, read_exactly
+from titan_ckpt.sources import read_exactly
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.streaming import TensorSpec
@@ -189,15 +189,10 @@ class _Tensors:
         for name in files:
             path = storage.join(directory, name)
             with storage.open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            for key, spec in header.items():
-                if spec["dtype"] not in ST_DTYPES:
-                    raise ValueError(f"{path}: {key} has a dtype titan-ckpt does not read.")
-                begin, end = spec["data_offsets"]
-                self.where[key] = (path, 8 + n + begin, 8 + n + end)
-                self.specs[key] = (tuple(spec["shape"]), ST_DTYPES[spec["dtype"]])
+                header = read_header(f, storage.size(path), path)
+            for key, t in header.tensors.items():
+                self.where[key] = (path, t.begin, t.end)
+                self.specs[key] = (t.shape, t.dtype)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor in key order (as ``titan-ckpt convert`` reads them), each read into
@@ -205,16 +200,13 @@ class _Tensors:
         with contextlib.ExitStack() as stack:
             opened: dict[str, Any] = {}
             for key in sorted(self.where):
-                path, begin, end = self.where[key]
+                path, begin, _ = self.where[key]
                 if path not in opened:
                     opened[path] = stack.enter_context(self.storage.open(path, "rb"))
                 shape, dtype = self.specs[key]
+                # read_header checked that [begin, end) is inside the file and is the
+                # tensor's size, so this allocates no more than the file holds.
                 tensor = torch.empty(shape, dtype=dtype)
-                if end - begin != tensor.nbytes:
-                    raise CheckpointReadError(
-                        f"{path}: {key} spans {end - begin} bytes in the header, but a "
-                        f"{list(shape)} {dtype} tensor has {tensor.nbytes}."
-                    )
                 read_exactly(opened[path], begin, tensor, f"{path}: {key}")
                 yield key, tensor
                 del tensor

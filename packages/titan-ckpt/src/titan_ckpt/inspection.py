@@ -23,13 +23,14 @@ __all__ = ["inspect_path", "render"]
 _OBJECT_REPR_LIMIT = 200
 
 
-def inspect_path(path: str, *, stats: bool = False) -> dict[str, Any]:
-    """The inspect report of ``path`` as a JSON-able dict."""
+def inspect_path(path: str, *, stats: bool = False, trust_pickles: bool = False) -> dict[str, Any]:
+    """The inspect report of ``path`` as a JSON-able dict (``trust_pickles``: see
+    ``open_source``)."""
     from titan_ckpt.sources import open_source
 
     if detect(path) == "folder":
         return _inspect_folder(path)
-    source = open_source(path)
+    source = open_source(path, trust_pickles=trust_pickles)
     try:
         return _inspect_source(source, stats=stats)
     finally:

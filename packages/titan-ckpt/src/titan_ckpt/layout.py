@@ -81,10 +81,41 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        body = json.loads(data)
-        if body.pop("format", None) != FORMAT:
+        """The manifest in ``data``; ``ValueError`` for anything that is not a well-formed
+        marker (damaged or foreign), so that no reader fails on it later."""
+        body = json.loads(data)  # its errors, UnicodeDecodeError included, are ValueErrors
+        if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
             raise ValueError(f"not a {FORMAT} commit marker")
-        return cls(**body)
+        try:
+            manifest = cls(**body)
+        except TypeError as error:  # a field missing or unknown
+            raise ValueError(f"not a {FORMAT} commit marker: {error}") from None
+        if not _well_formed(manifest):
+            raise ValueError(f"a {FORMAT} commit marker with fields of the wrong types")
+        return manifest
+
+
+def _well_formed(m: Manifest) -> bool:
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    return (
+        whole(m.step)
+        and whole(m.world_size)
+        and isinstance(m.states, list)
+        and all(isinstance(s, str) for s in m.states)
+        and isinstance(m.model_only, bool)
+        and (m.data_parallel_degree is None or whole(m.data_parallel_degree))
+        and isinstance(m.metadata, dict)
+        and isinstance(m.created, (int, float))
+        and isinstance(m.files, dict)
+        and all(
+            isinstance(info, dict)
+            and whole(info.get("size"))
+            and isinstance(info.get("sha256"), str)
+            for info in m.files.values()
+        )
+    )
 
 
 def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -157,7 +188,7 @@ def read_manifest(storage: Storage, directory: str) -> Manifest | None:
         data = f.read()
     try:
         return Manifest.from_json(data)
-    except (ValueError, TypeError, AttributeError) as e:
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
         # The marker is written last and whole (rename), so one that does not parse was torn
         # by a crash on a storage without atomic writes: the step was never committed.
         logger.warning("%s: unreadable commit marker (%s); the step is uncommitted", path, e)

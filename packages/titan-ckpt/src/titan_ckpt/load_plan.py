@@ -65,9 +65,8 @@ def plan_load(
                     f"checkpoint.load_step={step} is not a committed checkpoint in "
                     f"{config.folder}{note}; committed steps: {scan.committed}."
                 )
-            return _checked(
-                storage, model, "resume", step_dir(storage, config.folder, step), checksums
-            )
+            directory = step_dir(storage, config.folder, step)
+            return _checked(storage, model, "resume", directory, checksums, config.trust_pickles)
         if step != -1:
             return CheckpointConfigError(
                 f"checkpoint.load_step={step}, but {config.folder} holds no committed "
@@ -88,13 +87,18 @@ def plan_load(
                     "(no .metadata) nor a folder of committed step-<N> checkpoints."
                 )
             path = step_dir(storage, path, inner[-1])
-        return _checked(storage, model, "initial", path, checksums)
+        return _checked(storage, model, "initial", path, checksums, config.trust_pickles)
     except Exception as e:  # delivered to every rank, raised there
         return e
 
 
 def _checked(
-    storage: Storage, model: ModelState, kind: str, directory: str, checksums: bool
+    storage: Storage,
+    model: ModelState,
+    kind: str,
+    directory: str,
+    checksums: bool,
+    trust_pickles: bool,
 ) -> LoadPlan:
     manifest = read_manifest(storage, directory)
     if manifest is None:
@@ -103,13 +107,17 @@ def _checked(
         logger.warning("%s has no titan commit marker; loading it unverified", directory)
     else:
         verify_step(storage, directory, manifest, checksums=checksums)
-    _check_model_matches(storage, model, directory)
+    _check_model_matches(storage, model, directory, trust_pickles)
     return LoadPlan(kind, directory, None if manifest is None else manifest.to_json())
 
 
-def _check_model_matches(storage: Storage, model: ModelState, directory: str) -> None:
-    """Refuse a checkpoint of a different model (missing keys, other shapes) up front."""
-    saved = storage.dcp_reader(directory).read_metadata().state_dict_metadata
+def _check_model_matches(
+    storage: Storage, model: ModelState, directory: str, trust_pickles: bool
+) -> None:
+    """Refuse a checkpoint of a different model (missing keys, other shapes) up front; the
+    metadata is unpickled under the allowlist unless ``trust_pickles``."""
+    reader = storage.dcp_reader(directory, trust_pickles=trust_pickles)
+    saved = reader.read_metadata().state_dict_metadata
     missing, shapes = [], []
     for fqn, tensor in model.state_dict().items():
         meta = saved.get(fqn)

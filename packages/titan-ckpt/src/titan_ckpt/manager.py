@@ -49,6 +49,7 @@ from titan_ckpt.layout import (
 from titan_ckpt.load_plan import plan_load
 from titan_ckpt.preflight import check_checkpoint_folder, open_storage
 from titan_ckpt.purge import Purger
+from titan_ckpt.safe_dcp import unwrap_read_errors
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
@@ -502,8 +503,8 @@ class CheckpointManager:
         names = self._states_to_load(kind, directory, manifest)
         model_sd = self.model.state_dict()
         state = {**model_sd, **{n: self.states[n] for n in names}}
-        reader = self.storage.dcp_reader(directory)
-        with self._quiet_single_process():
+        reader = self.storage.dcp_reader(directory, trust_pickles=cfg.trust_pickles)
+        with self._quiet_single_process(), unwrap_read_errors(directory):
             dcp.load(
                 state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
             )
@@ -556,10 +557,12 @@ class CheckpointManager:
         error = self._agree(plan() if self._rank == 0 else None)
         if error is not None:
             raise error
-        with self._quiet_single_process():
+        with self._quiet_single_process(), unwrap_read_errors(directory):
             dcp.load(
                 {DATALOADER: self.states[DATALOADER]},
-                storage_reader=self.storage.dcp_reader(directory),
+                storage_reader=self.storage.dcp_reader(
+                    directory, trust_pickles=self.config.trust_pickles
+                ),
                 process_group=self.pg,
                 no_dist=not self._distributed,
             )

@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import os
+import pickle
 import re
 import struct
 import warnings
@@ -23,8 +24,16 @@ from typing import Any
 import torch
 
 from titan_ckpt.layout import COMMIT_MARKER
+from titan_ckpt.read_errors import (
+    CheckpointFormatError,
+    CheckpointReadError,
+    UnsafeCheckpointError,
+)
+from titan_ckpt.safetensors_format import ST_DTYPES, TORCH_TO_ST, read_header
 
-__all__ = [
+__all__ = [  # ST_DTYPES and TORCH_TO_ST are re-exported from safetensors_format
+    "ST_DTYPES",
+    "TORCH_TO_ST",
     "CheckpointFormatError",
     "CheckpointReadError",
     "DcpSource",
@@ -32,6 +41,7 @@ __all__ = [
     "SafetensorsSource",
     "Source",
     "TorchSource",
+    "UnsafeCheckpointError",
     "batches",
     "detect",
     "group_of",
@@ -43,34 +53,6 @@ DCP_METADATA = ".metadata"
 OBJECT_PREFIX = "titan.object:"  # safetensors __metadata__ key of a non-tensor entry
 _RANK_RE = re.compile(r"^__(\d+)_")
 _STEP_RE = re.compile(r"^step-(\d+)$")
-
-# safetensors dtype names <-> torch dtypes (the format's own spelling).
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-
-
-class CheckpointFormatError(ValueError):
-    """The path is not a checkpoint this tool reads (a usage error, exit status 2)."""
-
-
-class CheckpointReadError(RuntimeError):
-    """Stored data that cannot be read back (a damaged checkpoint, exit status 1)."""
 
 
 def read_exactly(f: Any, offset: int, out: torch.Tensor, what: str) -> None:
@@ -173,15 +155,17 @@ class DcpSource(Source):
 
     format = "dcp"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, trust_pickles: bool = False) -> None:
         super().__init__(path)
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from titan_ckpt.safe_dcp import SafeFileSystemReader
 
         meta_path = os.path.join(path, DCP_METADATA)
         if not os.path.exists(meta_path):
             raise FileNotFoundError(f"{meta_path} is missing: DCP cannot read this step.")
-        self._reader = FileSystemReader(path)
+        # Metadata and non-tensor records are unpickled under an allowlist (safe_pickle).
+        self._reader = SafeFileSystemReader(path, trust_pickles=trust_pickles)
         self.metadata = self._reader.read_metadata()
         # One metadata read for every later load: DCP would re-read and unpickle it per call.
         self._reader.read_metadata = lambda *a, **k: self.metadata  # type: ignore[method-assign]
@@ -265,6 +249,10 @@ class DcpSource(Source):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
+        from titan_ckpt.safe_dcp import check_stored, unwrap_read_errors
+
+        # Nothing is allocated for a tensor the files cannot hold (a damaged .metadata).
+        check_stored(self.path, [self.entries[k] for k in keys])
         out: dict[str, Any] = {}
         rest = []
         for key in keys:
@@ -283,9 +271,11 @@ class DcpSource(Source):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in one process"
             try:
-                dcp.load(state, storage_reader=self._reader, no_dist=True)
+                with unwrap_read_errors():  # our own errors (an unsafe record) as they are
+                    dcp.load(state, storage_reader=self._reader, no_dist=True)
             except CheckpointException as error:  # a BaseException: make it an ordinary one
-                causes = [f"{type(e).__name__}: {e}" for e in error.failures.values()]
+                failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+                causes = [f"{type(e).__name__}: {e}" for e in failures]
                 shown = ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "")
                 raise CheckpointReadError(
                     f"{self.path}: DCP could not read {shown}: {'; '.join(causes)[:300]}"
@@ -370,19 +360,6 @@ def _rank(file_name: str) -> int | None:
 # --- safetensors ---------------------------------------------------------------------------
 
 
-def read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the offset where its data starts."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointFormatError(f"{path} is too short to be a safetensors file.")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise CheckpointFormatError(f"{path}: a {n}-byte header; not a safetensors file.")
-        header = json.loads(f.read(n))
-    return header, 8 + n
-
-
 class SafetensorsSource(Source):
     """A ``.safetensors`` file, or a folder of them (sharded with an index, or an HF folder)."""
 
@@ -401,29 +378,25 @@ class SafetensorsSource(Source):
             names = [os.path.basename(path)]
             self.root = os.path.dirname(path) or "."
         self._files = names
-        self._where: dict[str, tuple[str, dict[str, Any], int]] = {}
+        self._where: dict[str, str] = {}  # key -> file name
         self.objects: dict[str, str] = {}
         for name in names:
             full = os.path.join(self.root, name)
-            header, start = read_safetensors_header(full)
-            meta = header.pop("__metadata__", None) or {}
-            for k, v in meta.items():
+            with open(full, "rb") as f:
+                header = read_header(f, os.path.getsize(full), full)
+            for k, v in header.metadata.items():
                 if k.startswith(OBJECT_PREFIX):
                     self.objects[k[len(OBJECT_PREFIX) :]] = v
                 else:
                     self.info.setdefault("metadata", {})[k] = v
-            for key, spec in header.items():
-                if spec["dtype"] not in ST_DTYPES:
-                    raise CheckpointFormatError(f"{full}: {key} has unknown dtype {spec['dtype']}.")
-                dtype = ST_DTYPES[spec["dtype"]]
-                begin, end = spec["data_offsets"]
-                self._where[key] = (name, spec, start)
+            for key, t in header.tensors.items():
+                self._where[key] = name
                 self.entries[key] = Entry(
                     key,
-                    tuple(spec["shape"]),
-                    dtype,
-                    end - begin,
-                    shards=[{"file": name, "offset": start + begin, "length": end - begin}],
+                    t.shape,
+                    t.dtype,
+                    t.nbytes,
+                    shards=[{"file": name, "offset": t.begin, "length": t.nbytes}],
                 )
         for key, blob in self.objects.items():
             self.entries[key] = Entry(key, None, None, len(blob))
@@ -438,20 +411,13 @@ class SafetensorsSource(Source):
             if key in self.objects:
                 out[key] = decode_object(self.objects[key])
                 continue
-            name, spec, start = self._where[key]
-            begin, end = spec["data_offsets"]
-            with open(os.path.join(self.root, name), "rb") as f:
-                f.seek(start + begin)
-                buf = bytearray(end - begin)
-                if f.readinto(buf) != len(buf):
-                    raise OSError(f"{name}: truncated while reading {key}")
+            name = self._where[key]
             e = self.entries[key]
-            t = (
-                torch.frombuffer(buf, dtype=torch.uint8)
-                if buf
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            out[key] = t.view(e.dtype).reshape(e.shape)
+            # read_header checked that these bytes lie inside the file.
+            t = torch.empty(e.shape or (), dtype=e.dtype)
+            with open(os.path.join(self.root, name), "rb") as f:
+                read_exactly(f, e.shards[0]["offset"], t, f"{name}: {key}")
+            out[key] = t
         return out
 
 
@@ -463,7 +429,21 @@ def encode_object(value: Any) -> str:
 
 
 def decode_object(text: str) -> Any:
-    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
+    except Exception as error:
+        raise _refusal("a non-tensor entry in __metadata__", error) or CheckpointReadError(
+            f"a non-tensor entry in __metadata__ does not load ({type(error).__name__}: "
+            f"{str(error)[:200]})"
+        ) from None
+
+
+def _refusal(file: str, error: Exception) -> UnsafeCheckpointError | None:
+    """torch.load(weights_only=True)'s refusal of a global, as our error naming it."""
+    found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", str(error))
+    if isinstance(error, pickle.UnpicklingError) and found:
+        return UnsafeCheckpointError.refused(file, found.group(1))
+    return None
 
 
 # --- torch.save ----------------------------------------------------------------------------
@@ -494,7 +474,7 @@ class TorchSource(Source):
                 except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
                     obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:
-            raise CheckpointFormatError(
+            raise _refusal(path, error) or CheckpointFormatError(
                 f"{path} is not a readable torch.save file of tensors and plain values: {error}"
             ) from None
         if not isinstance(obj, dict):
@@ -545,7 +525,18 @@ class TorchSource(Source):
         with open(self.path, "rb") as f:
             for key in keys:
                 value = self._values[key]
-                out[key] = _read_storage(f, value) if isinstance(value, torch.Tensor) else value
+                if not isinstance(value, torch.Tensor):
+                    out[key] = value
+                    continue
+                try:
+                    out[key] = _read_storage(f, value)
+                except CheckpointReadError:
+                    raise
+                except Exception as error:  # a view that does not fit its storage
+                    raise CheckpointReadError(
+                        f"{self.path}: cannot read {key}: {type(error).__name__}: "
+                        f"{str(error)[:200]}"
+                    ) from None
         return out
 
 
@@ -563,6 +554,12 @@ def _read_storage(f: Any, meta: torch.Tensor) -> torch.Tensor:
     """The CPU tensor ``meta`` describes, read from its storage's bytes in the file ``f``."""
     storage = meta.untyped_storage()
     nbytes = storage.nbytes()
+    end = storage._checkpoint_offset + nbytes
+    if end > os.fstat(f.fileno()).st_size:  # checked before allocating: a damaged file
+        raise CheckpointReadError(
+            f"{f.name}: a {list(meta.shape)} {meta.dtype} tensor's storage ends at byte {end}, "
+            "beyond the end of the file (a truncated or damaged file)."
+        )
     whole = meta.is_contiguous() and meta.storage_offset() == 0 and meta.nbytes == nbytes
     if whole:
         out = torch.empty(meta.shape, dtype=meta.dtype)
@@ -613,11 +610,13 @@ def detect(path: str) -> str:
     )
 
 
-def open_source(path: str) -> Source:
-    """Open ``path`` for reading by its detected format (not a folder of steps)."""
+def open_source(path: str, *, trust_pickles: bool = False) -> Source:
+    """Open ``path`` for reading by its detected format (not a folder of steps); a DCP
+    step's pickles are unpickled under the allowlist of ``safe_pickle`` unless
+    ``trust_pickles``."""
     kind = detect(path)
     if kind == "dcp":
-        return DcpSource(path)
+        return DcpSource(path, trust_pickles=trust_pickles)
     if kind in ("safetensors", "hf"):
         return SafetensorsSource(path)
     if kind == "torch":

@@ -15,7 +15,7 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import IO
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 __all__ = ["FsspecStorage", "LocalStorage", "Storage", "storage_for"]
@@ -57,8 +57,10 @@ class Storage(ABC):
         """A DCP storage writer for the checkpoint directory ``path``."""
 
     @abstractmethod
-    def dcp_reader(self, path: str) -> StorageReader:
-        """A DCP storage reader for the checkpoint directory ``path``."""
+    def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
+        """A DCP storage reader for the checkpoint directory ``path``; unless
+        ``trust_pickles``, it unpickles metadata and records through the allowlist of
+        ``titan_ckpt.safe_pickle`` (see ``titan_ckpt.safe_dcp``)."""
 
     def join(self, *parts: str) -> str:
         """Join path components with ``/``."""
@@ -117,8 +119,10 @@ class LocalStorage(Storage):
     def dcp_writer(self, path: str) -> StorageWriter:
         return FileSystemWriter(path)
 
-    def dcp_reader(self, path: str) -> StorageReader:
-        return FileSystemReader(path)
+    def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
+        from titan_ckpt.safe_dcp import SafeFileSystemReader
+
+        return SafeFileSystemReader(path, trust_pickles=trust_pickles)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         # Write beside the target, flush to disk, then rename: a crash leaves either no file
@@ -207,10 +211,10 @@ class FsspecStorage(Storage):
 
         return FsspecWriter(self._url(path))
 
-    def dcp_reader(self, path: str) -> StorageReader:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
+        from titan_ckpt.safe_dcp import safe_fsspec_reader
 
-        return FsspecReader(self._url(path))
+        return safe_fsspec_reader(self._url(path), trust_pickles=trust_pickles)
 
 
 def storage_for(path: str) -> Storage:

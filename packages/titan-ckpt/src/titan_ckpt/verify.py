@@ -10,7 +10,6 @@ all but the manifest check. Safetensors and torch.save files are checked for rea
 from __future__ import annotations
 
 import os
-from itertools import combinations
 from typing import Any
 
 from titan_ckpt.layout import CheckpointIntegrityError, read_manifest, scan_steps, verify_step
@@ -18,6 +17,7 @@ from titan_ckpt.sources import (
     DCP_METADATA,
     DcpSource,
     Source,
+    UnsafeCheckpointError,
     batches,
     detect,
     open_source,
@@ -29,12 +29,18 @@ __all__ = ["verify_path"]
 NO_MANIFEST = "no titan manifest: checked metadata and readability only"
 
 
-def verify_path(path: str) -> dict[str, Any]:
-    """``{"path", "ok", "problems": [...], "notes": [...]}`` (a folder: one per step)."""
+def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
+    """``{"path", "ok", "problems": [...], "notes": [...]}`` (a folder: one per step).
+
+    A pickle outside the allowlist is not damage but a refusal: ``UnsafeCheckpointError``
+    (unless ``trust_pickles``; see ``open_source``)."""
     kind = detect(path)
     if kind == "folder":
         scan = scan_steps(LocalStorage(), path)
-        steps = [_verify_one(os.path.join(path, f"step-{s}"), "dcp") for s in scan.committed]
+        steps = [
+            _verify_one(os.path.join(path, f"step-{s}"), "dcp", trust_pickles)
+            for s in scan.committed
+        ]
         notes = [f"step-{s}: uncommitted (interrupted or in progress), not checked"
                  for s in scan.uncommitted]  # fmt: skip
         return {
@@ -46,10 +52,10 @@ def verify_path(path: str) -> dict[str, Any]:
             "notes": notes,
             "steps": steps,
         }
-    return _verify_one(path, kind)
+    return _verify_one(path, kind, trust_pickles)
 
 
-def _verify_one(path: str, kind: str) -> dict[str, Any]:
+def _verify_one(path: str, kind: str, trust_pickles: bool) -> dict[str, Any]:
     problems: list[str] = []
     notes: list[str] = []
     if kind == "dcp":
@@ -58,7 +64,9 @@ def _verify_one(path: str, kind: str) -> dict[str, Any]:
             problems.append(f"{DCP_METADATA}: missing (DCP's index of every key and file)")
             return _result(path, problems, notes)
     try:
-        source = open_source(path)
+        source = open_source(path, trust_pickles=trust_pickles)
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:  # unreadable metadata, header or pickle
         what = DCP_METADATA if kind == "dcp" else "the checkpoint's header"
         problems.append(f"{what}: unreadable ({type(error).__name__}: {_short(error)})")
@@ -81,7 +89,7 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
     storage = LocalStorage()
     try:
         manifest = read_manifest(storage, path)
-    except ValueError as error:
+    except CheckpointIntegrityError as error:
         problems.append(f"titan-commit.json: unreadable ({error})")
         return
     if manifest is None:
@@ -112,15 +120,32 @@ def _check_coverage(source: DcpSource, problems: list[str]) -> None:
                 )
             boxes.append((lo, n))
         volume = sum(_numel(n) for _, n in boxes)
-        overlaps = [(a, b) for a, b in combinations(boxes, 2) if _overlap(a, b)]
-        if overlaps:
-            (a, _), (b, _) = overlaps[0]
+        overlap = _first_overlap(boxes)
+        if overlap:
+            (a, _), (b, _) = overlap
             problems.append(f"{key}: shards at offsets {a} and {b} overlap")
         elif volume != e.numel:
             problems.append(
                 f"{key}: shards cover {volume} of {e.numel} elements (a shard is missing from "
                 ".metadata)"
             )
+
+
+def _first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple | None:
+    """Two overlapping boxes, or None. A sweep along the first dimension compares a box only
+    with those whose first-dimension range it meets, so the usual shardings (and a hostile
+    .metadata of many thousands of chunks) take about n log n, not n^2, comparisons."""
+    if not boxes or not boxes[0][0]:  # scalars: any two chunks overlap
+        return (boxes[0], boxes[1]) if len(boxes) > 1 else None
+    active: list[tuple[list[int], list[int]]] = []
+    for box in sorted((b for b in boxes if _numel(b[1])), key=lambda b: b[0][0]):
+        start = box[0][0]
+        active = [a for a in active if a[0][0] + a[1][0] > start]
+        for other in active:
+            if _overlap(other, box):
+                return other, box
+        active.append(box)
+    return None
 
 
 def _numel(sizes: list[int]) -> int:
@@ -168,10 +193,14 @@ def _check_readable(source: Source, problems: list[str]) -> None:
     for group in batches(source, list(source.entries), budget):
         try:
             source.read(group)
+        except UnsafeCheckpointError:
+            raise
         except Exception:
             for key in group:
                 try:
                     source.read([key])
+                except UnsafeCheckpointError:
+                    raise
                 except Exception as error:
                     problems.append(f"{key}: unreadable ({type(error).__name__}: {_short(error)})")
 

@@ -126,7 +126,7 @@ def _help() -> int:
 def _usage_errors() -> tuple[type[Exception], ...]:
     """The errors that mean "the configuration cannot work": each package's own, raised
     before any work starts. Anything else is a bug and keeps its traceback."""
-    from titan_ckpt import CheckpointConfigError
+    from titan_ckpt import CheckpointConfigError, UnsafeCheckpointError
     from titan_dims import DistributedEnvError, ParallelDimsError
     from titan_models import ConfigError as ModelConfigError
     from titan_optim import OptimizerConfigError
@@ -142,6 +142,8 @@ def _usage_errors() -> tuple[type[Exception], ...]:
         ModelConfigError,
         OptimizerConfigError,
         CheckpointConfigError,
+        # A checkpoint whose pickles ask for code: refused before any work, like bad config.
+        UnsafeCheckpointError,
         DataError,
         MetricsError,
         TokenizerError,
