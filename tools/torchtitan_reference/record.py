@@ -80,7 +80,7 @@ def _install_hooks(captured: dict, out: Path) -> None:
     import dataclasses
 
     import torch
-    import torch.nn.functional as F
+    import torch.nn.functional as functional
     from torchtitan.components import lr_scheduler as tt_lr
     from torchtitan.models.llama3 import TransformerModelArgs, llama3_configs
     from torchtitan.models.llama3.model.model import Transformer
@@ -124,7 +124,7 @@ def _install_hooks(captured: dict, out: Path) -> None:
 
     Transformer.forward = recording_forward
 
-    cross_entropy = F.cross_entropy
+    cross_entropy = functional.cross_entropy
 
     def recording_cross_entropy(input, target, *args, **kwargs):
         loss = cross_entropy(input, target, *args, **kwargs)
@@ -134,7 +134,6 @@ def _install_hooks(captured: dict, out: Path) -> None:
             captured["loss"] = loss.detach().clone()
         return loss
 
-    F.cross_entropy = recording_cross_entropy
     torch.nn.functional.cross_entropy = recording_cross_entropy
 
 
@@ -192,10 +191,18 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         subprocess.run(
             [
-                sys.executable, str(Path(__file__).resolve()), "--child",
-                "--torchtitan", args.torchtitan, "--shim", args.shim,
-                "--out", str(out), "--dump-folder", str(dump),
-            ],  # fmt: skip
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                "--torchtitan",
+                args.torchtitan,
+                "--shim",
+                args.shim,
+                "--out",
+                str(out),
+                "--dump-folder",
+                str(dump),
+            ],
             cwd=args.torchtitan,
             env=env,
             check=True,
@@ -211,10 +218,20 @@ def main() -> None:
         "recorded_by": "tools/torchtitan_reference/record.py",
         "model": {**SHAPE, "vocab_size": VOCAB_SIZE, "rope_theta": ROPE_THETA, "rope": "plain"},
         "training": {"local_batch_size": BATCH, "seq_len": SEQ_LEN, "steps": STEPS, "seed": SEED},
-        "optimizer": {"name": "AdamW", "lr": LR, "betas": [0.9, 0.95], "eps": 1e-8,
-                      "weight_decay": 0.1, "max_norm": 1.0},  # fmt: skip
-        "lr_scheduler": {"warmup_steps": WARMUP, "decay_ratio": DECAY_RATIO,
-                         "decay_type": "linear", "lr_min": 0.0},  # fmt: skip
+        "optimizer": {
+            "name": "AdamW",
+            "lr": LR,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "max_norm": 1.0,
+        },
+        "lr_scheduler": {
+            "warmup_steps": WARMUP,
+            "decay_ratio": DECAY_RATIO,
+            "decay_type": "linear",
+            "lr_min": 0.0,
+        },
         "checkpoint_step": CHECKPOINT_STEP,
         "lrs": steps["lrs"],
         "losses": steps["losses"],

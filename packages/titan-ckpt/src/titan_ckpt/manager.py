@@ -14,6 +14,10 @@ Invariants the code below keeps:
 - At most one save is in flight: a new save, a load and ``close()`` first finish the previous
   one (including its commit).
 - Retention deletes committed steps only, in a background thread on rank 0.
+- Only directories titan-ckpt created are ever deleted or written into: a save marks its
+  directory (``titan-owner.json``) before DCP writes, and refuses a step directory that is
+  someone else's (``titan_ckpt.layout.classify_step``). A torchtitan checkpoint in the folder
+  is resumed from, through ``titan_ckpt.torchtitan``; any other foreign one stops the load.
 """
 
 from __future__ import annotations
@@ -39,16 +43,20 @@ from titan_ckpt.layout import (
     COMMIT_MARKER,
     CheckpointIntegrityError,
     Manifest,
+    classify_step,
     hash_files,
     read_manifest,
     step_dir,
     verify_step,
     write_commit,
+    write_owner,
 )
 from titan_ckpt.load_plan import plan_load
+from titan_ckpt.preflight import saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage, storage_for
+from titan_ckpt.torchtitan import TorchtitanCompat
 
 __all__ = ["CheckpointManager"]
 
@@ -216,14 +224,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
     def should_save(self, curr_step: int, *, last_step: bool = False) -> bool:
         """Whether ``save(curr_step, last_step=...)`` would write a checkpoint."""
-        cfg = self.config
-        if not cfg.enable or cfg.load_only:
-            return False
-        if cfg.create_seed_checkpoint:
-            return curr_step == 0
-        if last_step or curr_step % cfg.interval == 0:
-            return True
-        return curr_step == 1 and cfg.enable_first_step_checkpoint
+        return saves_step(self.config, curr_step, last_step=last_step)
 
     def save(self, curr_step: int, *, last_step: bool = False, force: bool = False) -> bool:
         """Checkpoint step ``curr_step`` if the policy says so (or ``force``); True if saved.
@@ -268,7 +269,7 @@ class CheckpointManager:
             logger.info("Saved %s in %.2f s", directory, time.monotonic() - begin)
             return True
 
-        self._clear_step(directory)
+        self._prepare_step(directory, curr_step)
         with self._quiet_single_process():
             response = dcp.async_save(
                 state,
@@ -311,7 +312,7 @@ class CheckpointManager:
         hf: bool = False,
     ) -> None:
         """Write and commit one step; when this returns on any rank, the step is committed."""
-        self._clear_step(directory)
+        self._prepare_step(directory, manifest.step)
         with self._quiet_single_process():
             dcp.save(
                 state,
@@ -342,14 +343,34 @@ class CheckpointManager:
             self._commit(directory, manifest, purger, hashed=own)
         self._barrier()
 
-    def _clear_step(self, directory: str) -> None:
-        """Remove what a previous attempt left at ``directory`` before writing it again."""
-        if self._rank == 0 and self.storage.exists(directory):
-            if read_manifest(self.storage, directory) is not None:
+    def _prepare_step(self, directory: str, step: int) -> None:
+        """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
+        an earlier save of ours left there; refuse a directory someone else wrote."""
+        error = None
+        if self._rank == 0:
+            try:
+                self._claim_step(directory, step)
+            except Exception as e:  # delivered to every rank, raised there
+                error = e
+        error = self._agree(error)
+        if error is not None:
+            raise error
+        self._barrier()
+
+    def _claim_step(self, directory: str, step: int) -> None:
+        if self.storage.exists(directory):
+            kind = classify_step(self.storage, directory)
+            if kind not in ("committed", "interrupted"):
+                raise CheckpointConfigError(
+                    f"Cannot save step {step}: {directory} exists and is a {kind} checkpoint "
+                    "directory that titan did not write; titan never deletes, overwrites or "
+                    "writes into it. Move it away, or use another checkpoint.folder."
+                )
+            if kind == "committed":
                 logger.warning("Replacing committed checkpoint %s", directory)
                 self.storage.remove(self.storage.join(directory, COMMIT_MARKER))
             self.storage.remove(directory)
-        self._barrier()
+        write_owner(self.storage, directory, step)
 
     def _commit(
         self,
@@ -438,8 +459,10 @@ class CheckpointManager:
             return True
         manifest = Manifest.from_json(manifest_json) if manifest_json else None
         names = self._states_to_load(kind, directory, manifest)
+        entries = self._load_entries(plan, names)
+        names = list(entries)
         model_sd = self.model.state_dict()
-        state = {**model_sd, **{n: self.states[n] for n in names}}
+        state = {**model_sd, **entries}
         reader = self.storage.dcp_reader(directory)
         with self._quiet_single_process():
             dcp.load(
@@ -448,6 +471,8 @@ class CheckpointManager:
         self.model.load_state_dict({k: state[k] for k in model_sd})
         if manifest is not None:
             self.last_loaded_step = manifest.step
+        elif directory.rstrip("/").rsplit("/", 1)[-1].startswith("step-"):
+            self.last_loaded_step = int(directory.rstrip("/").rsplit("-", 1)[-1])
         if self._loads_replica_dataloader(kind, manifest):
             assert manifest is not None  # _loads_replica_dataloader checks it
             self._load_replica_dataloader(manifest.step, checksums)
@@ -459,6 +484,22 @@ class CheckpointManager:
             time.monotonic() - begin,
         )
         return True
+
+    def _load_entries(self, plan: Any, names: list[str]) -> dict[str, Any]:
+        """What DCP loads for the states ``names``: titan's own states as they are; a
+        torchtitan checkpoint's through ``TorchtitanCompat``; from any other checkpoint only
+        states it has."""
+        if plan.source == "torchtitan":
+            return TorchtitanCompat(plan.keys, plan.directory).states_for_load(names, self.states)
+        if plan.source == "dcp":
+            missing = [n for n in names if not any(k.startswith(f"{n}.") for k in plan.keys)]
+            if missing:
+                raise CheckpointConfigError(
+                    f"{plan.directory} holds no {missing} state (it is neither titan's nor "
+                    "torchtitan's checkpoint); set checkpoint.initial_load_model_only=true to "
+                    f"take only the model, or add {missing} to checkpoint.exclude_from_loading."
+                )
+        return {n: self.states[n] for n in names}
 
     def _loads_replica_dataloader(self, kind: str, manifest: Manifest | None) -> bool:
         return (
