@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_ckpt import CheckpointManager
+from titan_ckpt import CheckpointConfig, CheckpointManager, check_folder
 from titan_dims import ParallelDims, init_distributed, set_collective_timeout
 from titan_models import context_parallel_batch
 from titan_optim import build_lr_schedulers, build_optimizers
@@ -62,7 +62,13 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
+        if "tokens_seen" in state:
+            self.tokens_seen = int(state["tokens_seen"])
+        elif "ntokens_seen" in state:  # torchtitan's name (it saves one rank's count)
+            self.tokens_seen = int(state["ntokens_seen"])
+        else:  # torchtitan before August 2025 kept no token count
+            logger.warning("The checkpoint records no token count: counting tokens from 0")
+            self.tokens_seen = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,9 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
         )
     check_seq_lens(config, dims)
+    # Nothing in the checkpoint folder that is not ours may be in the way (foreign step
+    # directories, torchtitan steps this run would save over): stop before any work.
+    check_folder(_checkpoint_config(config), final_step=config.training.steps)
     ft_config = config.fault_tolerance
     check_fault_tolerance(
         ft_config, dims, create_seed_checkpoint=config.checkpoint.create_seed_checkpoint
@@ -270,10 +279,7 @@ def _build_and_train(
 
     # 6. Checkpointing and resume.
     train_state = TrainState()
-    checkpoint_config = replace(
-        config.checkpoint,
-        folder=os.path.join(config.job.dump_folder, config.checkpoint.folder),
-    )
+    checkpoint_config = _checkpoint_config(config)
     checkpointer = CheckpointManager(
         checkpoint_config,
         model_parts=model_parts,
@@ -441,6 +447,12 @@ def _pipeline_forward_backward(
     loss = torch.zeros((), device=labels.device) if loss is None else loss.detach().clone()
     dist.all_reduce(loss, group=pp_group.get_group())
     return loss
+
+
+def _checkpoint_config(config: JobConfig) -> CheckpointConfig:
+    """The checkpoint section with its folder inside the job's dump folder."""
+    folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    return replace(config.checkpoint, folder=folder)
 
 
 def _loss_context(dims: ParallelDims, config: JobConfig):
