@@ -130,6 +130,26 @@ def test_without_torchtitans_moments_the_update_differs(plugin, reference, tmp_p
     assert worst > 0.1
 
 
+def test_torchtitan_checkpoint_as_initial_load_path(plugin, tmp_path):
+    source = DATA / "checkpoint"
+    before = snapshot(source)
+    _, _, schedulers, train_state = resumed_run(
+        tmp_path / "full", initial_load_path=str(source), initial_load_model_only=False
+    )
+    assert train_state.step == STEP
+    assert schedulers.get_last_lr() == [META["lrs"][STEP]]
+    full_model = resumed_run(tmp_path / "full2", initial_load_path=str(source / f"step-{STEP}"),
+                             initial_load_model_only=False)[0]  # fmt: skip
+    model, _, schedulers, train_state = resumed_run(
+        tmp_path / "model-only", initial_load_path=str(source / f"step-{STEP}")
+    )
+    assert train_state.step == 0  # model only: the run starts at step 1 ...
+    assert schedulers.get_last_lr()[0] < META["lrs"][STEP]  # ... warming up again
+    for key, value in full_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value)
+    assert snapshot(source) == before
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
