@@ -264,3 +264,16 @@ def test_full_state_initial_load_of_plain_dcp_is_one_clear_error(common, tmp_pat
     assert run.load()  # model only keeps working
     assert torch.equal(states["model"].state_dict()["0.weight"], model.state_dict()["0.weight"])
     run.close()
+
+
+def test_verify_checks_torchtitan_steps_and_lists_foreign_ones(common, tmp_path):
+    from titan_ckpt.verify import verify_path
+
+    write_torchtitan(common, tmp_path / "step-3")
+    write_plain_dcp(tmp_path / "step-4")
+    report = verify_path(str(tmp_path))
+    assert report["ok"]
+    assert [Path(s["path"]).name for s in report["steps"]] == ["step-3"]
+    assert report["notes"] == ["step-4: not titan's or torchtitan's, not checked"]
+    (tmp_path / "step-3" / "__0_0.distcp").write_bytes(b"truncated")
+    assert not verify_path(str(tmp_path))["ok"]
