@@ -14,7 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,8 +52,9 @@ def tiny_model() -> torch.nn.Module:
 
 
 @pytest.fixture
-def plugin(tmp_path, monkeypatch):
-    """Install ``tt_tiny_plugin`` as a model package: a dist-info with its entry point."""
+def plugin(tmp_path, monkeypatch) -> list[str]:
+    """Install ``tt_tiny_plugin`` as a model package: a dist-info with its entry point.
+    Returns the paths a subprocess needs on PYTHONPATH."""
     site = tmp_path / "site"
     info = site / "tt_tiny_plugin-0.0.dist-info"
     info.mkdir(parents=True)
@@ -58,6 +62,7 @@ def plugin(tmp_path, monkeypatch):
     (info / "entry_points.txt").write_text("[titan.models]\ntt-tiny = tt_tiny_plugin:SPEC\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(HERE))
+    return [str(site), str(HERE)]
 
 
 def resumed_run(folder: Path, **checkpoint):
@@ -210,3 +215,38 @@ def test_titan_train_stops_on_a_foreign_step_directory(plugin, tmp_path, capsys)
     assert str(foreign) in err
     assert "another checkpoint.folder" in err
     assert snapshot(out) == before  # nothing written, nothing removed
+
+
+def test_two_fsdp_ranks_resume_torchtitans_single_process_checkpoint(plugin, tmp_path, capsys):
+    """The same resume under FSDP on 2 ranks (resharded 1 -> 2): the same step-5 loss."""
+    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+    for out in (single, sharded):
+        shutil.copytree(DATA / "checkpoint", out / "checkpoint")
+    short = [*TRAIN, "--training.steps", str(STEP + 2)]  # the last flag wins
+    assert main(["train", "--job.dump_folder", str(single), *short]) == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*plugin, os.environ.get("PYTHONPATH", "")])}
+    fsdp = [
+        "--nproc-per-node",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.local_batch_size",
+        "1",
+        "--parallelize.param_dtype",
+        "float32",
+    ]  # fmt: skip  (bf16 where "auto" picks it)
+    command = [sys.executable, "-m", "titan_train.cli", "train", "--job.dump_folder", str(sharded)]
+    done = subprocess.run([*command, *short, *fsdp], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert snapshot(sharded / "checkpoint" / f"step-{STEP}") == snapshot(
+        DATA / "checkpoint" / f"step-{STEP}"
+    )
+
+    def losses(out: Path) -> dict[int, float]:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+    one, two = losses(single), losses(sharded)
+    assert list(two) == [STEP + 1, STEP + 2]
+    for step in two:
+        assert two[step] == pytest.approx(one[step], abs=1e-5)
