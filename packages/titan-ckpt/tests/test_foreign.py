@@ -277,3 +277,22 @@ def test_verify_checks_torchtitan_steps_and_lists_foreign_ones(common, tmp_path)
     assert report["notes"] == ["step-4: not titan's or torchtitan's, not checked"]
     (tmp_path / "step-3" / "__0_0.distcp").write_bytes(b"truncated")
     assert not verify_path(str(tmp_path))["ok"]
+
+
+def test_inspect_names_each_kind(common, tmp_path):
+    from titan_ckpt.inspection import inspect_path, render
+
+    run, _ = manager(common, tmp_path)
+    run.save(1)
+    run.close()
+    write_torchtitan(common, tmp_path / "step-3")
+    write_plain_dcp(tmp_path / "step-4")
+    report = inspect_path(str(tmp_path))
+    assert [(s["step"], s["kind"]) for s in report["steps"]] == [
+        (1, "committed"),
+        (3, "torchtitan"),
+        (4, "foreign"),
+    ]
+    text = render(report)
+    assert "torchtitan checkpoint" in text
+    assert "FOREIGN" in text

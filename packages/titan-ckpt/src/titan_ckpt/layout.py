@@ -227,8 +227,9 @@ def committed_steps(storage: Storage, folder: str) -> list[int]:
     ]
 
 
-def scan_steps(storage: Storage, folder: str) -> StepScan:
-    """Find and classify ``step-<N>`` directories; ours uncommitted ones are logged."""
+def scan_steps(storage: Storage, folder: str, *, log: bool = True) -> StepScan:
+    """Find and classify ``step-<N>`` directories; ours uncommitted ones are logged
+    (unless ``log`` is false)."""
     scan = StepScan([], [])
     for step, name in _step_names(storage, folder):
         kind = classify_step(storage, storage.join(folder, name))
@@ -238,7 +239,7 @@ def scan_steps(storage: Storage, folder: str) -> StepScan:
             "torchtitan": scan.torchtitan,
             "foreign": scan.foreign,
         }[kind].append(step)
-    if scan.uncommitted:
+    if scan.uncommitted and log:
         logger.warning(
             "Ignoring uncommitted checkpoint directories in %s (interrupted or in-progress "
             "saves): %s",

@@ -83,7 +83,7 @@ def check_folder(
     if not config.enable:
         return None
     storage = storage if storage is not None else storage_for(config.folder)
-    scan = scan_steps(storage, config.folder)
+    scan = scan_steps(storage, config.folder, log=False)  # loading logs them
     if scan.foreign:
         raise foreign_steps_error(storage, config.folder, scan.foreign)
     if final_step is not None:

@@ -123,8 +123,9 @@ def _pop_launch_flag(argv: list[str]) -> tuple[int, list[str]]:
 def _launch(nproc: int, argv: list[str]) -> int:
     # Validate here, in one process, so a bad config fails once and not once per rank.
     from titan_train.config import parse_job_config
+    from titan_train.trainer import check_checkpoint_folder
 
-    parse_job_config(argv)
+    check_checkpoint_folder(parse_job_config(argv))
     command = [
         sys.executable,
         "-m",

@@ -45,7 +45,7 @@ from titan_train.registry import load_model_spec
 from titan_train.tokenizer import load_tokenizer
 from titan_train.validation import Validator
 
-__all__ = ["TrainState", "cross_entropy_loss", "run"]
+__all__ = ["TrainState", "check_checkpoint_folder", "cross_entropy_loss", "run"]
 
 logger = logging.getLogger("titan_train")
 
@@ -153,9 +153,7 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
         )
     check_seq_lens(config, dims)
-    # Nothing in the checkpoint folder that is not ours may be in the way (foreign step
-    # directories, torchtitan steps this run would save over): stop before any work.
-    check_folder(_checkpoint_config(config), final_step=config.training.steps)
+    check_checkpoint_folder(config)
     ft_config = config.fault_tolerance
     check_fault_tolerance(
         ft_config, dims, create_seed_checkpoint=config.checkpoint.create_seed_checkpoint
@@ -447,6 +445,13 @@ def _pipeline_forward_backward(
     loss = torch.zeros((), device=labels.device) if loss is None else loss.detach().clone()
     dist.all_reduce(loss, group=pp_group.get_group())
     return loss
+
+
+def check_checkpoint_folder(config: JobConfig) -> None:
+    """Raise ``CheckpointConfigError`` before any work if the checkpoint folder holds a step
+    directory titan cannot use, or one of torchtitan's that this run would save over
+    (``titan_ckpt.check_folder``): nothing titan did not write is ever touched."""
+    check_folder(_checkpoint_config(config), final_step=config.training.steps)
 
 
 def _checkpoint_config(config: JobConfig) -> CheckpointConfig:

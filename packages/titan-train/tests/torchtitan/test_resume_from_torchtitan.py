@@ -250,3 +250,22 @@ def test_two_fsdp_ranks_resume_torchtitans_single_process_checkpoint(plugin, tmp
     assert list(two) == [STEP + 1, STEP + 2]
     for step in two:
         assert two[step] == pytest.approx(one[step], abs=1e-5)
+
+
+def test_a_launcher_refuses_a_foreign_folder_once(plugin, tmp_path):
+    """With --nproc-per-node 2 the folder is checked before any rank starts: one message."""
+    out = tmp_path / "out"
+    dcp.save({"weight": torch.ones(4)}, checkpoint_id=str(out / "checkpoint" / "step-3"),
+             no_dist=True)  # fmt: skip
+    before = snapshot(out)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*plugin, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "titan_train.cli", "train", "--job.dump_folder", str(out)]
+    done = subprocess.run(
+        [*command, *TRAIN, "--nproc-per-node", "2", "--parallelism.data_parallel_shard_degree", "2",
+         "--training.local_batch_size", "1"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.count("titan-train: error:") == 1
+    assert "step-3" in done.stderr
+    assert snapshot(out) == before
