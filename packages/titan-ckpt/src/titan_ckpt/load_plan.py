@@ -12,7 +12,9 @@ name before any rank reads a tensor.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
 from titan_ckpt.layout import (
@@ -25,7 +27,7 @@ from titan_ckpt.layout import (
 from titan_ckpt.preflight import foreign_steps_error
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
-from titan_ckpt.torchtitan import is_torchtitan_checkpoint, read_state_keys
+from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
 
 __all__ = ["LoadPlan", "plan_load"]
 
@@ -46,6 +48,22 @@ class LoadPlan:
     """Who wrote it: "titan" (a commit marker), "torchtitan", or "dcp" (anything else)."""
     keys: frozenset[str] | None = None
     """Its DCP metadata keys, when it is not titan's."""
+
+    def state_entries(self, names: list[str], states: Mapping[str, Any]) -> dict[str, Any]:
+        """What DCP loads for ``states[name]``, name in ``names``: titan's states as they are;
+        a torchtitan checkpoint's through ``TorchtitanCompat``; from any other checkpoint only
+        states it holds (else one clear error)."""
+        if self.source == "torchtitan" and self.keys is not None:
+            return TorchtitanCompat(self.keys, self.directory).states_for_load(names, states)
+        if self.source == "dcp" and self.keys is not None:
+            missing = [n for n in names if not any(k.startswith(f"{n}.") for k in self.keys)]
+            if missing:
+                raise CheckpointConfigError(
+                    f"{self.directory} holds no {missing} state (it is neither titan's nor "
+                    "torchtitan's checkpoint); set checkpoint.initial_load_model_only=true to "
+                    f"take only the model, or add {missing} to checkpoint.exclude_from_loading."
+                )
+        return {n: states[n] for n in names}
 
 
 def plan_load(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -56,7 +57,6 @@ from titan_ckpt.preflight import saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage, storage_for
-from titan_ckpt.torchtitan import TorchtitanCompat
 
 __all__ = ["CheckpointManager"]
 
@@ -429,10 +429,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
     def load(self, step: int | None = None, *, verify_checksums: bool | None = None) -> bool:
-        """Restore the newest committed step (or ``step``, default ``config.load_step``).
+        """Restore the newest committed step (or ``step``, default ``config.load_step``); a
+        torchtitan checkpoint in the folder counts as one (see ``titan_ckpt.torchtitan``).
 
-        With no committed step in the folder, starts from ``config.initial_load_path`` if
-        set. Returns False when there is nothing to load (a fresh run).
+        With no such step in the folder, starts from ``config.initial_load_path`` if set.
+        Returns False when there is nothing to load (a fresh run). A step directory titan
+        did not write and cannot read raises ``CheckpointConfigError``, naming it.
         """
         cfg = self.config
         if not cfg.enable:
@@ -459,7 +461,7 @@ class CheckpointManager:
             return True
         manifest = Manifest.from_json(manifest_json) if manifest_json else None
         names = self._states_to_load(kind, directory, manifest)
-        entries = self._load_entries(plan, names)
+        entries = plan.state_entries(names, self.states)
         names = list(entries)
         model_sd = self.model.state_dict()
         state = {**model_sd, **entries}
@@ -471,8 +473,8 @@ class CheckpointManager:
         self.model.load_state_dict({k: state[k] for k in model_sd})
         if manifest is not None:
             self.last_loaded_step = manifest.step
-        elif directory.rstrip("/").rsplit("/", 1)[-1].startswith("step-"):
-            self.last_loaded_step = int(directory.rstrip("/").rsplit("-", 1)[-1])
+        elif match := re.fullmatch(r"step-(\d+)", directory.rstrip("/").rsplit("/", 1)[-1]):
+            self.last_loaded_step = int(match.group(1))  # e.g. torchtitan's step-<N>
         if self._loads_replica_dataloader(kind, manifest):
             assert manifest is not None  # _loads_replica_dataloader checks it
             self._load_replica_dataloader(manifest.step, checksums)
@@ -484,22 +486,6 @@ class CheckpointManager:
             time.monotonic() - begin,
         )
         return True
-
-    def _load_entries(self, plan: Any, names: list[str]) -> dict[str, Any]:
-        """What DCP loads for the states ``names``: titan's own states as they are; a
-        torchtitan checkpoint's through ``TorchtitanCompat``; from any other checkpoint only
-        states it has."""
-        if plan.source == "torchtitan":
-            return TorchtitanCompat(plan.keys, plan.directory).states_for_load(names, self.states)
-        if plan.source == "dcp":
-            missing = [n for n in names if not any(k.startswith(f"{n}.") for k in plan.keys)]
-            if missing:
-                raise CheckpointConfigError(
-                    f"{plan.directory} holds no {missing} state (it is neither titan's nor "
-                    "torchtitan's checkpoint); set checkpoint.initial_load_model_only=true to "
-                    f"take only the model, or add {missing} to checkpoint.exclude_from_loading."
-                )
-        return {n: self.states[n] for n in names}
 
     def _loads_replica_dataloader(self, kind: str, manifest: Manifest | None) -> bool:
         return (
