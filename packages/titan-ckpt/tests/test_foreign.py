@@ -137,6 +137,8 @@ def test_every_kind_of_step_directory_is_told_apart(common, tmp_path):
 
 def test_foreign_directory_stops_the_load_and_nothing_changes(common, tmp_path):
     write_plain_dcp(tmp_path / "step-4")
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / "notes.txt").write_text("mine")
     before = snapshot(tmp_path)
     run, _ = manager(common, tmp_path)
     with pytest.raises(CheckpointConfigError) as error:
@@ -145,6 +147,8 @@ def test_foreign_directory_stops_the_load_and_nothing_changes(common, tmp_path):
     assert str(tmp_path / "step-4") in message
     for way_out in ("another checkpoint.folder", "move these", "initial_load_path"):
         assert way_out in message
+    assert "step-4 (a model-only DCP checkpoint" in message
+    assert "step-5 (no titan marker and no readable DCP metadata)" in message
     with pytest.raises(CheckpointConfigError, match="step-4"):
         check_folder(run.config)
     run.close()

@@ -78,7 +78,7 @@ def plan_load(
         if loadable:
             if step == -1:
                 step = loadable[-1]
-            newer = [s for s in loadable if s > step]
+            newer = [s for s in scan.committed if s > step]
             if newer and step in loadable:
                 logger.warning(
                     "Resuming from step %d while newer committed steps %s exist; saving "

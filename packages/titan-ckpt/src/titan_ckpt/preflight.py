@@ -18,6 +18,7 @@ from __future__ import annotations
 from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
 from titan_ckpt.layout import StepScan, scan_steps, step_dir
 from titan_ckpt.storage import Storage, storage_for
+from titan_ckpt.torchtitan import TORCHTITAN_STATES, read_state_keys
 
 __all__ = ["check_folder", "foreign_steps_error", "saves_step"]
 
@@ -36,9 +37,15 @@ def saves_step(config: CheckpointConfig, step: int, *, last_step: bool = False) 
 def _describe(storage: Storage, directory: str) -> str:
     if not storage.is_dir(directory):
         return "not a directory"
-    if storage.exists(storage.join(directory, ".metadata")):
-        return "a DCP checkpoint without the training state of titan or torchtitan"
-    return "no titan marker and no DCP metadata"
+    keys = read_state_keys(storage, directory)
+    if keys is None:
+        return "no titan marker and no readable DCP metadata"
+    if not any(k.split(".", 1)[0] in TORCHTITAN_STATES for k in keys):
+        return (
+            "a model-only DCP checkpoint, e.g. torchtitan's seed or its last save with "
+            "last_save_model_weights_only"
+        )
+    return "a DCP checkpoint without the training state of titan or torchtitan"
 
 
 def foreign_steps_error(storage: Storage, folder: str, steps: list[int]) -> CheckpointConfigError:
