@@ -269,3 +269,16 @@ def test_a_launcher_refuses_a_foreign_folder_once(plugin, tmp_path):
     assert done.stderr.count("titan-train: error:") == 1
     assert "step-3" in done.stderr
     assert snapshot(out) == before
+
+
+def test_seed_checkpoint_refuses_a_foreign_step_0(tmp_path, capsys):
+    out = tmp_path / "out"
+    dcp.save({"weight": torch.ones(4)}, checkpoint_id=str(out / "checkpoint" / "step-0"),
+             no_dist=True)  # fmt: skip
+    before = snapshot(out)
+    code = main(["train", "--job.dump_folder", str(out), "--checkpoint.create_seed_checkpoint"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("titan-train: error:") == 1
+    assert "step-0 (a model-only DCP checkpoint" in err
+    assert snapshot(out) == before
