@@ -15,7 +15,7 @@ from titan_ckpt import (
     CheckpointConfig,
     CheckpointConfigError,
     CheckpointManager,
-    check_checkpoint_folder,
+    check_folder_writable,
 )
 
 
@@ -69,11 +69,11 @@ def test_a_url_without_its_filesystem_package_is_refused():
         build("nosuchfs://bucket/ckpt")
     if importlib.util.find_spec("s3fs") is None:
         with pytest.raises(CheckpointConfigError, match=r"s3:// URL.*s3fs"):
-            check_checkpoint_folder(CheckpointConfig(enable=True, folder="s3://bucket/ckpt"))
+            check_folder_writable(CheckpointConfig(enable=True, folder="s3://bucket/ckpt"))
 
 
 def test_a_writable_folder_passes_and_is_not_created(tmp_path):
     folder = tmp_path / "new" / "ckpt"
-    check_checkpoint_folder(CheckpointConfig(enable=True, folder=str(folder)))
-    check_checkpoint_folder(CheckpointConfig(enable=True, folder=f"file://{folder}"))
+    check_folder_writable(CheckpointConfig(enable=True, folder=str(folder)))
+    check_folder_writable(CheckpointConfig(enable=True, folder=f"file://{folder}"))
     assert not (tmp_path / "new").exists()

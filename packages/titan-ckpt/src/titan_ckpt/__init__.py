@@ -6,6 +6,11 @@ reshard across parallel layouts) and any ``Stateful`` states as DCP checkpoints 
 manifest of file sizes and checksums, is written. ``StateDictAdapter`` (and its
 tensor-by-tensor form, ``StreamingStateDictAdapter``) is the seam through which model
 packages provide Hugging Face conversion.
+
+A step directory titan did not create is never deleted, overwritten or written into:
+``classify_step`` tells ours from torchtitan's and foreign ones,
+``check_folder_contents`` stops a run early on a folder it cannot use safely, and
+torchtitan checkpoints resume through ``TorchtitanCompat``.
 """
 
 from titan_ckpt.__about__ import __version__
@@ -18,24 +23,29 @@ from titan_ckpt.adapter import (
 from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
 from titan_ckpt.layout import (
     COMMIT_MARKER,
+    OWNER_MARKER,
     CheckpointIntegrityError,
     Manifest,
+    StepScan,
+    classify_step,
     read_manifest,
     scan_steps,
     verify_step,
 )
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.model_record import MODEL_RECORD
-from titan_ckpt.preflight import check_checkpoint_folder
+from titan_ckpt.preflight import check_folder_contents, check_folder_writable
 from titan_ckpt.read_errors import CheckpointReadError, UnsafeCheckpointError
 from titan_ckpt.space import CheckpointWriteError, DiskFullError
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
+from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint
 
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
     "COMMIT_MARKER",
     "MODEL_RECORD",
+    "OWNER_MARKER",
     "CheckpointConfig",
     "CheckpointConfigError",
     "CheckpointIntegrityError",
@@ -49,11 +59,16 @@ __all__ = [
     "ModelState",
     "OptimizerState",
     "StateDictAdapter",
+    "StepScan",
     "Storage",
     "StreamingStateDictAdapter",
+    "TorchtitanCompat",
     "UnsafeCheckpointError",
     "__version__",
-    "check_checkpoint_folder",
+    "check_folder_contents",
+    "check_folder_writable",
+    "classify_step",
+    "is_torchtitan_checkpoint",
     "load_state_dict_adapter",
     "read_manifest",
     "scan_steps",

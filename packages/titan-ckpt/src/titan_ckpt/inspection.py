@@ -49,7 +49,11 @@ def _inspect_folder(path: str) -> dict[str, Any]:
     scan = scan_steps(storage, path)
     steps = []
     now = time.time()
-    for step in sorted(scan.committed + scan.uncommitted):
+    kinds = {s: "committed" for s in scan.committed}
+    kinds |= {s: "interrupted" for s in scan.uncommitted}
+    kinds |= {s: "torchtitan" for s in scan.torchtitan}
+    kinds |= {s: "foreign" for s in scan.foreign}
+    for step, kind in sorted(kinds.items()):
         directory = os.path.join(path, f"step-{step}")
         manifest = read_manifest(storage, directory)
         mtime = os.path.getmtime(directory)
@@ -58,6 +62,7 @@ def _inspect_folder(path: str) -> dict[str, Any]:
                 "step": step,
                 "path": directory,
                 "committed": manifest is not None,
+                "kind": kind,
                 "bytes": _dir_size(directory),
                 "age_seconds": round(now - (manifest.created if manifest else mtime), 1),
                 "world_size": manifest.world_size if manifest else None,
@@ -169,12 +174,20 @@ def _age(seconds: float) -> str:
     return f"{seconds / 86400:.0f} days ago"
 
 
+_KIND_LABELS = {
+    "committed": "committed",
+    "interrupted": "UNCOMMITTED (interrupted or in progress)",
+    "torchtitan": "torchtitan checkpoint (resumable; titan never modifies it)",
+    "foreign": "FOREIGN (not titan's or torchtitan's: a run on this folder stops)",
+}
+
+
 def render(report: dict[str, Any]) -> str:
     """The text form of an inspect report."""
     if report["format"] == "folder":
         lines = [f"checkpoint folder {report['path']}: {len(report['steps'])} step(s)"]
         for s in report["steps"]:
-            state = "committed" if s["committed"] else "UNCOMMITTED (interrupted or in progress)"
+            state = _KIND_LABELS[s.get("kind", "committed" if s["committed"] else "interrupted")]
             extra = ""
             if s["committed"]:
                 extra = f", world size {s['world_size']}, states {', '.join(s['states'])}"

@@ -5,6 +5,18 @@ A step directory is a DCP checkpoint. It becomes loadable only when rank 0 write
 once every rank reported its files written, so the marker implies every rank's data is on
 storage). The marker is also the manifest: every other file's size and sha256, so a damaged
 step is reported by file name instead of failing deep inside a tensor read.
+
+Before any DCP file of a step is written, rank 0 writes ``titan-owner.json`` into its
+directory; it stays there. So every step directory is one of (``classify_step``):
+
+- ``committed``: ours and complete (commit marker);
+- ``interrupted``: ours, never committed (owner marker only: a crashed or running save), or
+  empty: may be deleted and written again;
+- ``torchtitan``: a torchtitan full-state checkpoint (by its DCP metadata keys): loadable;
+- ``foreign``: anything else (plain DCP, a titan step that lost its markers, unknown files).
+
+titan-ckpt never deletes, overwrites or writes into a directory that is not ``committed`` or
+``interrupted``.
 """
 
 from __future__ import annotations
@@ -19,12 +31,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titan_ckpt.storage import Storage
+from titan_ckpt.torchtitan import is_torchtitan_checkpoint, read_state_keys
 
 __all__ = [
     "COMMIT_MARKER",
+    "OWNER_MARKER",
+    "STEP_KINDS",
     "CheckpointIntegrityError",
     "Manifest",
     "StepScan",
+    "classify_step",
+    "committed_steps",
     "hash_files",
     "json_metadata",
     "read_manifest",
@@ -32,11 +49,15 @@ __all__ = [
     "step_dir",
     "verify_step",
     "write_commit",
+    "write_owner",
 ]
 
 logger = logging.getLogger("titan_ckpt")
 
 COMMIT_MARKER = "titan-commit.json"
+OWNER_MARKER = "titan-owner.json"
+STEP_KINDS = ("committed", "interrupted", "torchtitan", "foreign")
+_MARKERS = (COMMIT_MARKER, OWNER_MARKER)  # ours, not checkpoint data: not in the manifest
 FORMAT = "titan-ckpt/1"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _HASH_CHUNK = 1 << 20
@@ -146,7 +167,7 @@ def hash_files(storage: Storage, directory: str, *, prefix: str = "") -> dict[st
     out = {}
     for rel in storage.walk_files(directory):
         name = rel.rsplit("/", 1)[-1]
-        if rel == COMMIT_MARKER or name.startswith(".tmp-") or not rel.startswith(prefix):
+        if rel in _MARKERS or name.startswith(".tmp-") or not rel.startswith(prefix):
             continue
         path = storage.join(directory, rel)
         out[rel] = {"size": storage.size(path), "sha256": _sha256(storage, path)}
@@ -167,7 +188,7 @@ def write_commit(
     hashed = hashed or {}
     for rel in storage.walk_files(directory):
         name = rel.rsplit("/", 1)[-1]
-        if rel == COMMIT_MARKER or name.startswith(".tmp-"):
+        if rel in _MARKERS or name.startswith(".tmp-"):
             continue
         if rel in hashed:
             manifest.files[rel] = hashed[rel]
@@ -215,29 +236,74 @@ def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksu
         )
 
 
+def write_owner(storage: Storage, directory: str, step: int) -> None:
+    """Create ``directory`` and mark it as ours, before any checkpoint file goes in."""
+    storage.makedirs(directory)
+    body = {"format": FORMAT, "step": step, "created": time.time()}
+    storage.write_atomic(storage.join(directory, OWNER_MARKER), json.dumps(body).encode())
+
+
+def classify_step(storage: Storage, directory: str) -> str:
+    """Which of ``STEP_KINDS`` the step directory ``directory`` is (see the module docstring)."""
+    if not storage.is_dir(directory):
+        return "foreign"
+    if storage.exists(storage.join(directory, COMMIT_MARKER)):
+        # A marker that does not parse was torn mid-write: ours, never committed.
+        return "committed" if read_manifest(storage, directory) is not None else "interrupted"
+    if storage.exists(storage.join(directory, OWNER_MARKER)) or not storage.list(directory):
+        return "interrupted"
+    keys = read_state_keys(storage, directory)
+    if keys is not None and is_torchtitan_checkpoint(keys):
+        return "torchtitan"
+    return "foreign"
+
+
 @dataclass
 class StepScan:
-    """Step directories under a folder, split by whether they carry a commit marker."""
+    """Step directories under a folder, by kind (see ``classify_step``)."""
 
     committed: list[int]
     uncommitted: list[int]
+    """Ours, never committed (interrupted or in progress)."""
+    torchtitan: list[int] = field(default_factory=list)
+    foreign: list[int] = field(default_factory=list)
 
 
-def scan_steps(storage: Storage, folder: str) -> StepScan:
-    """Find ``step-<N>`` directories; uncommitted ones are reported in the log, never used."""
-    committed, uncommitted = [], []
+def _step_names(storage: Storage, folder: str) -> list[tuple[int, str]]:
+    out = []
     for name in storage.list(folder):
         m = _STEP_RE.match(name)
-        if m is None:
-            continue
-        step = int(m.group(1))
-        is_committed = read_manifest(storage, storage.join(folder, name)) is not None
-        (committed if is_committed else uncommitted).append(step)
-    if uncommitted:
+        if m is not None:
+            out.append((int(m.group(1)), name))
+    return sorted(out)
+
+
+def committed_steps(storage: Storage, folder: str) -> list[int]:
+    """The committed steps under ``folder``, without examining any other directory."""
+    return [
+        step
+        for step, name in _step_names(storage, folder)
+        if read_manifest(storage, storage.join(folder, name)) is not None
+    ]
+
+
+def scan_steps(storage: Storage, folder: str, *, log: bool = True) -> StepScan:
+    """Find and classify ``step-<N>`` directories; ours uncommitted ones are logged
+    (unless ``log`` is false)."""
+    scan = StepScan([], [])
+    for step, name in _step_names(storage, folder):
+        kind = classify_step(storage, storage.join(folder, name))
+        {
+            "committed": scan.committed,
+            "interrupted": scan.uncommitted,
+            "torchtitan": scan.torchtitan,
+            "foreign": scan.foreign,
+        }[kind].append(step)
+    if scan.uncommitted and log:
         logger.warning(
             "Ignoring uncommitted checkpoint directories in %s (interrupted or in-progress "
             "saves): %s",
             folder,
-            ", ".join(f"step-{s}" for s in sorted(uncommitted)),
+            ", ".join(f"step-{s}" for s in scan.uncommitted),
         )
-    return StepScan(sorted(committed), sorted(uncommitted))
+    return scan

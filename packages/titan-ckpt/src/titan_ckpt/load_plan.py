@@ -1,16 +1,20 @@
 """Deciding what ``CheckpointManager.load`` reads, on rank 0, before anything is read.
 
-The order: the newest committed step of the run's own folder (or ``load_step``); else
-``initial_load_path`` (a step directory, a folder of steps, or a Hugging Face folder); else a
-fresh start. The chosen step is checked against its manifest (sizes, checksums on request) and
-against the model (every FQN present, same shapes), so a wrong or damaged checkpoint is
-refused with its name before any rank reads a tensor.
+The order: the newest step of the run's own folder that titan can resume from (ours,
+committed, or a torchtitan checkpoint; or ``load_step``); else ``initial_load_path`` (a step
+directory, a folder of steps, or a Hugging Face folder); else a fresh start. A folder holding
+a step directory titan did not write and cannot read stops the run (``titan_ckpt.preflight``).
+The chosen step is checked against its manifest (sizes, checksums on request) and against the
+model (every FQN present, same shapes), so a wrong or damaged checkpoint is refused with its
+name before any rank reads a tensor.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
 from titan_ckpt.layout import (
@@ -20,8 +24,10 @@ from titan_ckpt.layout import (
     step_dir,
     verify_step,
 )
+from titan_ckpt.preflight import foreign_steps_error
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
+from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
 
 __all__ = ["LoadPlan", "plan_load"]
 
@@ -38,6 +44,26 @@ class LoadPlan:
     """The step directory or Hugging Face folder."""
     manifest_json: bytes | None
     """Its commit marker, if it has one."""
+    source: str = "titan"
+    """Who wrote it: "titan" (a commit marker), "torchtitan", or "dcp" (anything else)."""
+    keys: frozenset[str] | None = None
+    """Its DCP metadata keys, when it is not titan's."""
+
+    def state_entries(self, names: list[str], states: Mapping[str, Any]) -> dict[str, Any]:
+        """What DCP loads for ``states[name]``, name in ``names``: titan's states as they are;
+        a torchtitan checkpoint's through ``TorchtitanCompat``; from any other checkpoint only
+        states it holds (else one clear error)."""
+        if self.source == "torchtitan" and self.keys is not None:
+            return TorchtitanCompat(self.keys, self.directory).states_for_load(names, states)
+        if self.source == "dcp" and self.keys is not None:
+            missing = [n for n in names if not any(k.startswith(f"{n}.") for k in self.keys)]
+            if missing:
+                raise CheckpointConfigError(
+                    f"{self.directory} holds no {missing} state (it is neither titan's nor "
+                    "torchtitan's checkpoint); set checkpoint.initial_load_model_only=true to "
+                    f"take only the model, or add {missing} to checkpoint.exclude_from_loading."
+                )
+        return {n: states[n] for n in names}
 
 
 def plan_load(
@@ -46,24 +72,27 @@ def plan_load(
     """What to load: a plan, None for a fresh start, or the error every rank should raise."""
     try:
         scan = scan_steps(storage, config.folder)
-        if scan.committed:
+        if scan.foreign:
+            return foreign_steps_error(storage, config.folder, scan.foreign)
+        loadable = sorted(scan.committed + scan.torchtitan)
+        if loadable:
             if step == -1:
-                step = scan.committed[-1]
+                step = loadable[-1]
             newer = [s for s in scan.committed if s > step]
-            if newer and step in scan.committed:
+            if newer and step in loadable:
                 logger.warning(
                     "Resuming from step %d while newer committed steps %s exist; saving "
                     "those steps again will replace them",
                     step,
                     newer,
                 )
-            elif step not in scan.committed:
+            elif step not in loadable:
                 note = ""
                 if step in scan.uncommitted:
                     note = " (present but uncommitted: an interrupted save)"
                 return CheckpointConfigError(
                     f"checkpoint.load_step={step} is not a committed checkpoint in "
-                    f"{config.folder}{note}; committed steps: {scan.committed}."
+                    f"{config.folder}{note}; committed steps: {loadable}."
                 )
             directory = step_dir(storage, config.folder, step)
             return _checked(storage, model, "resume", directory, checksums, config.trust_pickles)
@@ -80,7 +109,8 @@ def plan_load(
         if config.initial_load_in_hf:
             return LoadPlan("hf", path, None)
         if not storage.exists(storage.join(path, ".metadata")):
-            inner = scan_steps(storage, path).committed
+            inner_scan = scan_steps(storage, path)
+            inner = sorted(inner_scan.committed + inner_scan.torchtitan)
             if not inner:
                 return CheckpointConfigError(
                     f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
@@ -101,14 +131,20 @@ def _checked(
     trust_pickles: bool,
 ) -> LoadPlan:
     manifest = read_manifest(storage, directory)
-    if manifest is None:
-        if kind == "resume":
-            raise CheckpointIntegrityError(f"{directory} lost its commit marker")
-        logger.warning("%s has no titan commit marker; loading it unverified", directory)
-    else:
+    if manifest is not None:
         verify_step(storage, directory, manifest, checksums=checksums)
+        _check_model_matches(storage, model, directory, trust_pickles)
+        return LoadPlan(kind, directory, manifest.to_json())
+    keys = read_state_keys(storage, directory) or set()
+    source = "torchtitan" if is_torchtitan_checkpoint(keys) else "dcp"
+    if kind == "resume" and source != "torchtitan":
+        raise CheckpointIntegrityError(f"{directory} lost its commit marker")
+    if source == "torchtitan":
+        logger.info("%s is a torchtitan checkpoint (no titan manifest to verify)", directory)
+    else:
+        logger.warning("%s has no titan commit marker; loading it unverified", directory)
     _check_model_matches(storage, model, directory, trust_pickles)
-    return LoadPlan(kind, directory, None if manifest is None else manifest.to_json())
+    return LoadPlan(kind, directory, None, source, frozenset(keys))
 
 
 def _check_model_matches(

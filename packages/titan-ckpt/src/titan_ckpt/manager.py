@@ -14,12 +14,17 @@ Invariants the code below keeps:
 - At most one save is in flight: a new save, a load and ``close()`` first finish the previous
   one (including its commit).
 - Retention deletes committed steps only, in a background thread on rank 0.
+- Only directories titan-ckpt created are ever deleted or written into: a save marks its
+  directory (``titan-owner.json``) before DCP writes, and refuses a step directory that is
+  someone else's (``titan_ckpt.layout.classify_step``). A torchtitan checkpoint in the folder
+  is resumed from, through ``titan_ckpt.torchtitan``; any other foreign one stops the load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,15 +44,17 @@ from titan_ckpt.layout import (
     COMMIT_MARKER,
     CheckpointIntegrityError,
     Manifest,
+    classify_step,
     hash_files,
     json_metadata,
     read_manifest,
     step_dir,
     verify_step,
     write_commit,
+    write_owner,
 )
 from titan_ckpt.load_plan import plan_load
-from titan_ckpt.preflight import check_checkpoint_folder, open_storage
+from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.safe_dcp import unwrap_read_errors
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
@@ -209,7 +216,7 @@ class CheckpointManager:
             )
         if cfg.async_mode == "async_with_pinned_mem" and self._distributed:
             check_main_guard()  # the writer is a spawned process only with a process group
-        check_checkpoint_folder(cfg, self.storage)
+        check_folder_writable(cfg, self.storage)
 
     # ------------------------------------------------------------------ collectives
     def _agree(self, value: Any) -> Any:
@@ -238,14 +245,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
     def should_save(self, curr_step: int, *, last_step: bool = False) -> bool:
         """Whether ``save(curr_step, last_step=...)`` would write a checkpoint."""
-        cfg = self.config
-        if not cfg.enable or cfg.load_only:
-            return False
-        if cfg.create_seed_checkpoint:
-            return curr_step == 0
-        if last_step or curr_step % cfg.interval == 0:
-            return True
-        return curr_step == 1 and cfg.enable_first_step_checkpoint
+        return saves_step(self.config, curr_step, last_step=last_step)
 
     def save(self, curr_step: int, *, last_step: bool = False, force: bool = False) -> bool:
         """Checkpoint step ``curr_step`` if the policy says so (or ``force``); True if saved.
@@ -293,7 +293,7 @@ class CheckpointManager:
             logger.info("Saved %s in %.2f s", directory, time.monotonic() - begin)
             return True
 
-        self._clear_step(directory)
+        self._prepare_step(directory, curr_step)
         with self._quiet_single_process():
             response = dcp.async_save(
                 state,
@@ -349,7 +349,7 @@ class CheckpointManager:
 
         A failed write raises one ``CheckpointWriteError`` on every rank (``SaveWatch.settle``).
         """
-        self._clear_step(directory)
+        self._prepare_step(directory, manifest.step)
         try:
             with self._quiet_single_process():
                 dcp.save(
@@ -395,14 +395,34 @@ class CheckpointManager:
         if self._rank == 0:
             self._commit(directory, manifest, purger, hashed=own)
 
-    def _clear_step(self, directory: str) -> None:
-        """Remove what a previous attempt left at ``directory`` before writing it again."""
-        if self._rank == 0 and self.storage.exists(directory):
-            if read_manifest(self.storage, directory) is not None:
+    def _prepare_step(self, directory: str, step: int) -> None:
+        """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
+        an earlier save of ours left there; refuse a directory someone else wrote."""
+        error = None
+        if self._rank == 0:
+            try:
+                self._claim_step(directory, step)
+            except Exception as e:  # delivered to every rank, raised there
+                error = e
+        error = self._agree(error)
+        if error is not None:
+            raise error
+        self._barrier()
+
+    def _claim_step(self, directory: str, step: int) -> None:
+        if self.storage.exists(directory):
+            kind = classify_step(self.storage, directory)
+            if kind not in ("committed", "interrupted"):
+                raise CheckpointConfigError(
+                    f"Cannot save step {step}: {directory} exists and is a {kind} checkpoint "
+                    "directory that titan did not write; titan never deletes, overwrites or "
+                    "writes into it. Move it away, or use another checkpoint.folder."
+                )
+            if kind == "committed":
                 logger.warning("Replacing committed checkpoint %s", directory)
                 self.storage.remove(self.storage.join(directory, COMMIT_MARKER))
             self.storage.remove(directory)
-        self._barrier()
+        write_owner(self.storage, directory, step)
 
     def _commit(
         self,
@@ -471,10 +491,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
     def load(self, step: int | None = None, *, verify_checksums: bool | None = None) -> bool:
-        """Restore the newest committed step (or ``step``, default ``config.load_step``).
+        """Restore the newest committed step (or ``step``, default ``config.load_step``); a
+        torchtitan checkpoint in the folder counts as one (see ``titan_ckpt.torchtitan``).
 
-        With no committed step in the folder, starts from ``config.initial_load_path`` if
-        set. Returns False when there is nothing to load (a fresh run).
+        With no such step in the folder, starts from ``config.initial_load_path`` if set.
+        Returns False when there is nothing to load (a fresh run). A step directory titan
+        did not write and cannot read raises ``CheckpointConfigError``, naming it.
         """
         cfg = self.config
         if not cfg.enable:
@@ -501,8 +523,10 @@ class CheckpointManager:
             return True
         manifest = Manifest.from_json(manifest_json) if manifest_json else None
         names = self._states_to_load(kind, directory, manifest)
+        entries = plan.state_entries(names, self.states)
+        names = list(entries)
         model_sd = self.model.state_dict()
-        state = {**model_sd, **{n: self.states[n] for n in names}}
+        state = {**model_sd, **entries}
         reader = self.storage.dcp_reader(directory, trust_pickles=cfg.trust_pickles)
         with self._quiet_single_process(), unwrap_read_errors(directory):
             dcp.load(
@@ -512,6 +536,8 @@ class CheckpointManager:
         if manifest is not None:
             self.last_loaded_step = manifest.step
             self.loaded_metadata = manifest.metadata
+        elif match := re.fullmatch(r"step-(\d+)", directory.rstrip("/").rsplit("/", 1)[-1]):
+            self.last_loaded_step = int(match.group(1))  # e.g. torchtitan's step-<N>
         if self._loads_replica_dataloader(kind, manifest):
             assert manifest is not None  # _loads_replica_dataloader checks it
             self._load_replica_dataloader(manifest.step, checksums)

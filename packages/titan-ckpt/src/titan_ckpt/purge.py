@@ -1,5 +1,8 @@
 """Retention: delete committed steps beyond the newest ``keep_latest_k``, off the training path.
 
+Only titan's committed steps are counted and deleted; any other directory in the folder
+(torchtitan's, foreign, an interrupted save) is left alone.
+
 Runs on one rank, in a daemon thread fed by a queue. A deletion removes the commit marker
 first, so a step that is half deleted (crash, permission error) is uncommitted, never a
 damaged "committed" step. A failure is logged and the thread carries on with the next request.
@@ -11,7 +14,7 @@ import logging
 import queue
 import threading
 
-from titan_ckpt.layout import COMMIT_MARKER, scan_steps, step_dir
+from titan_ckpt.layout import COMMIT_MARKER, committed_steps, step_dir
 from titan_ckpt.storage import Storage
 
 __all__ = ["Purger"]
@@ -52,7 +55,9 @@ class Purger:
                 self.failures.append(f"{self.folder}: {e}")
 
     def _purge_once(self) -> None:
-        committed = scan_steps(self.storage, self.folder).committed
+        # Only steps with our commit marker count and go: never torchtitan's, a foreign
+        # directory, or an interrupted save (see titan_ckpt.layout).
+        committed = committed_steps(self.storage, self.folder)
         for step in committed[: max(0, len(committed) - self.keep)]:
             directory = step_dir(self.storage, self.folder, step)
             try:

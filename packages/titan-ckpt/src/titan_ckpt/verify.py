@@ -37,12 +37,13 @@ def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
     kind = detect(path)
     if kind == "folder":
         scan = scan_steps(LocalStorage(), path)
+        checked = sorted(scan.committed + scan.torchtitan)  # torchtitan's: DCP checks only
         steps = [
-            _verify_one(os.path.join(path, f"step-{s}"), "dcp", trust_pickles)
-            for s in scan.committed
+            _verify_one(os.path.join(path, f"step-{s}"), "dcp", trust_pickles) for s in checked
         ]
         notes = [f"step-{s}: uncommitted (interrupted or in progress), not checked"
                  for s in scan.uncommitted]  # fmt: skip
+        notes += [f"step-{s}: not titan's or torchtitan's, not checked" for s in scan.foreign]
         return {
             "path": path,
             "ok": all(s["ok"] for s in steps),

@@ -213,6 +213,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
     # Validate here, in one process, so a bad config fails once and not once per rank; the
     # ranks log what the config loading says (rank 0 only), so this process stays quiet.
     from titan_train.config import parse_job_config
+    from titan_train.trainer import check_checkpoint_folder
 
     logging.disable(logging.INFO)
     try:
@@ -220,6 +221,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
     finally:
         logging.disable(logging.NOTSET)
     _check_supported(config)
+    check_checkpoint_folder(config)
     command = [
         sys.executable,
         "-m",

@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, check_checkpoint_folder
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    check_folder_contents,
+    check_folder_writable,
+)
 from titan_dims import ParallelDims, init_distributed, set_collective_timeout
 from titan_models import context_parallel_batch
 from titan_optim import build_lr_schedulers, build_optimizers
@@ -53,7 +58,7 @@ from titan_train.registry import load_model_spec
 from titan_train.tokenizer import load_tokenizer
 from titan_train.validation import Validator
 
-__all__ = ["TrainState", "cross_entropy_loss", "run"]
+__all__ = ["TrainState", "check_checkpoint_folder", "cross_entropy_loss", "run"]
 
 logger = logging.getLogger("titan_train")
 
@@ -70,7 +75,13 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
+        if "tokens_seen" in state:
+            self.tokens_seen = int(state["tokens_seen"])
+        elif "ntokens_seen" in state:  # torchtitan's name (it saves one rank's count)
+            self.tokens_seen = int(state["ntokens_seen"])
+        else:  # torchtitan before August 2025 kept no token count
+            logger.warning("The checkpoint records no token count: counting tokens from 0")
+            self.tokens_seen = 0
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,7 @@ def _train(config: JobConfig, device: torch.device) -> TrainState:
             "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
         )
     check_seq_lens(config, dims)
-    check_checkpoint_folder(checkpoint_settings(config))
+    check_checkpoint_folder(config)
     ft_config = config.fault_tolerance
     check_fault_tolerance(
         ft_config, dims, create_seed_checkpoint=config.checkpoint.create_seed_checkpoint
@@ -471,6 +482,17 @@ def _pipeline_forward_backward(
     loss = torch.zeros((), device=labels.device) if loss is None else loss.detach().clone()
     dist.all_reduce(loss, group=pp_group.get_group())
     return loss
+
+
+def check_checkpoint_folder(config: JobConfig) -> None:
+    """Raise ``CheckpointConfigError`` before any work unless the checkpoint folder can take
+    this run's saves (``titan_ckpt.check_folder_writable``: writable, its filesystem
+    installed) and holds no step directory titan cannot use nor one of torchtitan's that this
+    run would save over (``titan_ckpt.check_folder_contents``): nothing titan did not write
+    is ever touched."""
+    settings = checkpoint_settings(config)
+    storage = check_folder_writable(settings)
+    check_folder_contents(settings, final_step=config.training.steps, storage=storage)
 
 
 def _loss_context(dims: ParallelDims, config: JobConfig):
