@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from titan_ckpt import (
+    COMMIT_MARKER,
+    OWNER_MARKER,
     CheckpointConfig,
     CheckpointManager,
     CheckpointWriteError,
@@ -147,13 +149,26 @@ def test_no_warning_when_two_steps_fit(tmp_path, caplog):
 
 
 class FailingStorage(LocalStorage):
-    """Local storage whose commit-marker write fails with ``code`` (after DCP wrote)."""
+    """Local storage whose write of ``marker`` (by default the commit marker, written after
+    DCP's files) fails with ``code``."""
 
-    def __init__(self, code: int) -> None:
-        self.code = code
+    def __init__(self, code: int, marker: str = COMMIT_MARKER) -> None:
+        self.code, self.marker = code, marker
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        raise OSError(self.code, "injected")
+        if path.endswith(self.marker):
+            raise OSError(self.code, "injected")
+        super().write_atomic(path, data)
+
+
+def test_a_full_disk_at_the_owner_marker_is_reported_the_same(tmp_path):
+    # The first file of a save is the owner marker: a disk already full fails there.
+    cfg = CheckpointConfig(enable=True, folder=str(tmp_path / "ckpt"), interval=1)
+    storage = FailingStorage(errno.ENOSPC, marker=OWNER_MARKER)
+    with CheckpointManager(cfg, model_parts=make_model(), storage=storage) as m:  # noqa: SIM117
+        with pytest.raises(DiskFullError, match="No step of this run is committed yet"):
+            m.save(1)
+    assert not (tmp_path / "ckpt" / "step-1").exists()
 
 
 def test_a_full_disk_at_the_commit_marker_is_reported_the_same(tmp_path):
