@@ -5,39 +5,31 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from titan_dims import testing
+
 WORKERS = Path(__file__).parent / "workers"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(
     script: str, nproc: int, *args: str, timeout: float = 120
-) -> subprocess.CompletedProcess:
-    """Run ``workers/<script>`` on ``nproc`` gloo ranks; returns the finished process."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port()),
-        "--monitor-interval", "0.1",
-        str(WORKERS / script), *args,
-    ]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+) -> subprocess.CompletedProcess[str]:
+    """Run ``workers/<script>`` on ``nproc`` gloo ranks; returns the finished process, whatever
+    its exit status (some tests kill a rank on purpose and read it)."""
+    return testing.run_torchrun(
+        WORKERS / script,
+        nproc,
+        args,
+        timeout=timeout,
+        env={"PYTHONWARNINGS": "ignore"},
+        check=False,
+    )
 
 
 def read_results(out_dir: Path, name: str, nproc: int) -> list[dict]:

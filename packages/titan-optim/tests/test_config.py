@@ -17,33 +17,38 @@ def test_defaults_are_valid():
     [
         (
             {"name": "Adamw"},
-            r"optimizer.name='Adamw' is not known; choose one of 'Adam', 'AdamW', 'SGD'",
+            r"optimizer.name='Adamw' is not allowed; choose one of 'Adam', 'AdamW', 'SGD'",
         ),
-        ({"lr": -0.1}, r"optimizer.lr=-0.1 is not allowed; it must be >= 0"),
-        ({"lr": float("nan")}, r"optimizer.lr must be a finite number, got nan"),
-        ({"lr": "1e-3"}, r"optimizer.lr must be a finite number, got '1e-3' \(str\)"),
-        ({"betas": (0.9, 1.0)}, r"optimizer.betas\[1\]=1.0 is not allowed; it must be in \[0, 1\)"),
+        ({"lr": -0.1}, r"optimizer.lr=-0.1 is not allowed; it must be a finite number >= 0"),
+        ({"lr": float("nan")}, r"optimizer.lr=nan is not allowed; it must be a finite number >= 0"),
+        ({"lr": "1e-3"}, r"optimizer.lr='1e-3' is not allowed; it must be a finite number"),
+        (
+            {"betas": (0.9, 1.0)},
+            r"optimizer.betas\[1\]=1.0 is not allowed; it must be a finite number in \[0, 1\)",
+        ),
         ({"betas": (-0.1, 0.9)}, r"optimizer.betas\[0\]=-0.1 is not allowed"),
         ({"betas": (0.9,)}, r"optimizer.betas=\(0.9,\) has 1 values; give two numbers in \[0, 1\)"),
         ({"betas": 0.9}, r"optimizer.betas=0.9 is not allowed; give two numbers"),
-        ({"eps": -1e-8}, r"optimizer.eps=-1e-08 is not allowed; it must be >= 0"),
+        ({"eps": -1e-8}, r"optimizer.eps=-1e-08 is not allowed; it must be a finite number >= 0"),
         ({"weight_decay": -1}, r"optimizer.weight_decay=-1 is not allowed"),
-        ({"momentum": 1.0}, r"optimizer.momentum=1.0 is not allowed; it must be in \[0, 1\)"),
+        (
+            {"momentum": 1.0},
+            r"optimizer.momentum=1.0 is not allowed; it must be a finite number in \[0, 1\)",
+        ),
         (
             {"implementation": "fast"},
-            r"optimizer.implementation='fast' is not known; "
+            r"optimizer.implementation='fast' is not allowed; "
             r"choose one of 'for-loop', 'foreach', 'fused'",
         ),
-        ({"early_step_in_backward": "yes"}, r"optimizer.early_step_in_backward='yes' must be"),
+        (
+            {"early_step_in_backward": "yes"},
+            r"optimizer.early_step_in_backward='yes' is not allowed; it must be true or false",
+        ),
     ],
 )
 def test_bad_values_raise_naming_field_value_and_allowed(kwargs, match):
     with pytest.raises(OptimizerConfigError, match=match):
         OptimizerConfig(**kwargs)
-
-
-def test_config_error_is_a_value_error():
-    assert issubclass(OptimizerConfigError, ValueError)
 
 
 def test_betas_from_toml_list_become_a_tuple():

@@ -153,10 +153,16 @@ def test_nonfinite_norm_raises_under_the_raise_policy():
 
 
 def test_bad_clip_arguments_raise():
+    # Arguments of a call, not config settings: plain ValueErrors, not OptimizerConfigError
+    # (which titan-train would report as a bad config).
     optimizers = build_optimizers(make_model(), OptimizerConfig())
     with pytest.raises(
-        ValueError, match=r"clip.on_nonfinite='ignore' is not known; choose one of 'skip', 'raise'"
-    ):
+        ValueError, match=r"^on_nonfinite='ignore' is not allowed; choose one of 'skip', 'raise'"
+    ) as error:
         optimizers.clip_grad_norm_(1.0, on_nonfinite="ignore")
-    with pytest.raises(ValueError, match=r"clip.max_norm=-1.0 is not allowed"):
+    assert type(error.value) is ValueError
+    with pytest.raises(ValueError, match=r"^max_norm=-1.0 is not allowed; it must be") as error:
         optimizers.clip_grad_norm_(-1.0)
+    assert type(error.value) is ValueError
+    with pytest.raises(ValueError, match=r"^norm_type=0.0 is not allowed; it must be > 0 or inf"):
+        optimizers.clip_grad_norm_(1.0, norm_type=0)

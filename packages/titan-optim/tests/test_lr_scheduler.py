@@ -189,15 +189,21 @@ def test_sound_settings_do_not_warn():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"warmup_steps": -1}, r"lr_scheduler.warmup_steps=-1 is not allowed; it must be >= 0"),
-        ({"warmup_steps": 2.5}, r"lr_scheduler.warmup_steps=2.5 must be a whole number"),
+        (
+            {"warmup_steps": -1},
+            r"lr_scheduler.warmup_steps=-1 is not allowed; it must be a whole number >= 0",
+        ),
+        (
+            {"warmup_steps": 2.5},
+            r"lr_scheduler.warmup_steps=2.5 is not allowed; it must be a whole number",
+        ),
         (
             {"decay_ratio": 1.5},
-            r"lr_scheduler.decay_ratio=1.5 is not allowed; it must be in \[0, 1\]",
+            r"lr_scheduler.decay_ratio=1.5 is not allowed; it must be a finite number in \[0, 1\]",
         ),
         (
             {"decay_type": "exp"},
-            r"decay_type='exp' is not known; choose one of 'linear', 'sqrt', 'cosine'",
+            r"decay_type='exp' is not allowed; choose one of 'linear', 'sqrt', 'cosine'",
         ),
         ({"min_lr_factor": -0.1}, r"lr_scheduler.min_lr_factor=-0.1 is not allowed"),
     ],

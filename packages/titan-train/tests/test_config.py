@@ -68,7 +68,10 @@ def test_translation_leaves_titan_keys_alone():
         ("[trainng]\nsteps = 3\n", "unknown section 'trainng'. Did you mean training?"),
         ("[training]\nstepz = 3\n", "unknown key 'training.stepz'. Did you mean training.steps?"),
         ("[training]\nsteps = 'ten'\n", "training.steps must be a whole number, got 'ten'"),
-        ("[training]\nsteps = 0\n", "training.steps=0 is not allowed; it must be > 0"),
+        (
+            "[training]\nsteps = 0\n",
+            "training.steps=0 is not allowed; it must be a whole number >= 1",
+        ),
         ("[training]\ndeterministic = 1\n", "training.deterministic must be true or false"),
         ("training = 3\n", "[training] must be a table of keys"),
         (

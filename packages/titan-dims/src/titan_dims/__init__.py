@@ -4,19 +4,18 @@
 lazily builds its ``DeviceMesh`` with the flattened sub-meshes trainers use; ``simulate``
 builds the same mesh for any world size in one process; ``init_distributed`` starts the
 process group from torchrun's environment on whatever device the machine has.
+
+Every error raised for a bad layout or launch is a ``TitanDimsError``; a layout that cannot
+be built is a ``ParallelDimsError`` (also a ``ValueError``), see ``titan_dims.errors``.
 """
 
 from titan_dims.__about__ import __version__
 from titan_dims.config import ParallelismConfig
 from titan_dims.device import default_backend, detect_device_type, device_module
-from titan_dims.distributed import (
-    DistributedEnv,
-    DistributedEnvError,
-    init_distributed,
-    set_collective_timeout,
-)
+from titan_dims.distributed import DistributedEnv, init_distributed, set_collective_timeout
+from titan_dims.errors import DistributedEnvError, ParallelDimsError, TitanDimsError
 from titan_dims.layout import MeshLayout
-from titan_dims.parallel_dims import ParallelDims, ParallelDimsError, suggest_degrees
+from titan_dims.parallel_dims import ParallelDims, suggest_degrees
 from titan_dims.simulate import fake_process_group, simulate
 
 __all__ = [
@@ -26,6 +25,7 @@ __all__ = [
     "ParallelDims",
     "ParallelDimsError",
     "ParallelismConfig",
+    "TitanDimsError",
     "__version__",
     "default_backend",
     "detect_device_type",

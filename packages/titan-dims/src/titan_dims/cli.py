@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from titan_dims.__about__ import __version__
-from titan_dims.parallel_dims import ParallelDims, ParallelDimsError
+from titan_dims.errors import ParallelDimsError
+from titan_dims.parallel_dims import ParallelDims
 from titan_dims.simulate import simulate
 
 __all__ = ["main"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from titan_dims.parallel_dims import check_degree
+from titan_dims.errors import check_int
 
 __all__ = ["ParallelismConfig"]
 
@@ -32,8 +32,10 @@ class ParallelismConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_degree(
+            rest = f.name == "data_parallel_shard_degree"
+            check_int(
                 f"parallelism.{f.name}",
                 getattr(self, f.name),
-                allow_rest=f.name == "data_parallel_shard_degree",
+                minimum=1,
+                sentinel=(-1, "use the remaining ranks") if rest else None,
             )

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from titan_dims.device import default_backend, detect_device_type
+from titan_dims.errors import DistributedEnvError
 
 __all__ = [
     "DistributedEnv",
@@ -26,10 +27,6 @@ __all__ = [
 ]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-class DistributedEnvError(RuntimeError):
-    """The launcher's environment is incomplete or inconsistent."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,8 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from titan_dims.errors import ParallelDimsError
+
 __all__ = ["MeshLayout"]
 
 
@@ -35,24 +37,24 @@ class MeshLayout:
 
     def __post_init__(self) -> None:
         if len(self.dim_names) != len(self.dim_sizes):
-            raise ValueError(
+            raise ParallelDimsError(
                 f"MeshLayout needs one size per dimension name: got names {self.dim_names} "
                 f"and sizes {self.dim_sizes}."
             )
         if len(set(self.dim_names)) != len(self.dim_names):
-            raise ValueError(f"MeshLayout dimension names must be unique: {self.dim_names}.")
+            raise ParallelDimsError(f"MeshLayout dimension names must be unique: {self.dim_names}.")
         for name, sources in self.flattened.items():
             if name in self.dim_names:
-                raise ValueError(f"Flattened sub-mesh {name!r} reuses a dimension's name.")
+                raise ParallelDimsError(f"Flattened sub-mesh {name!r} reuses a dimension's name.")
             unknown = [s for s in sources if s not in self.dim_names]
             if unknown or not sources:
-                raise ValueError(
+                raise ParallelDimsError(
                     f"Flattened sub-mesh {name!r} merges {sources}, which are not all "
                     f"dimensions of this layout {self.dim_names}."
                 )
             order = [self.dim_names.index(s) for s in sources]
             if order != sorted(order):
-                raise ValueError(
+                raise ParallelDimsError(
                     f"Flattened sub-mesh {name!r} must list its dimensions in mesh order "
                     f"{self.dim_names}; got {sources}."
                 )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from titan_dims.errors import ParallelDimsError, check_int
 from titan_dims.layout import MeshLayout
 
 if TYPE_CHECKING:
@@ -31,21 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["ParallelDims", "ParallelDimsError"]
 
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
-
-
-class ParallelDimsError(ValueError):
-    """A parallel layout that cannot be built, with what is wrong and a valid alternative."""
-
-
-def check_degree(name: str, value: object, *, allow_rest: bool = False) -> None:
-    """Raise ``ParallelDimsError`` unless ``value`` is a degree ``>= 1`` (or -1 if allowed)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ParallelDimsError(
-            f"{name} must be a whole number, got {value!r} ({type(value).__name__})."
-        )
-    if value < 1 and not (allow_rest and value == -1):
-        allowed = "-1 (use the remaining ranks) or >= 1" if allow_rest else ">= 1"
-        raise ParallelDimsError(f"{name}={value} is not allowed; it must be {allowed}.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,9 +71,10 @@ class ParallelDims:
     )
 
     def __post_init__(self) -> None:
-        check_degree("world_size", self.world_size)
+        check_int("world_size", self.world_size, minimum=1)
         for name in _DEGREES:
-            check_degree(name, getattr(self, name), allow_rest=name == "dp_shard")
+            rest = (-1, "use the remaining ranks") if name == "dp_shard" else None
+            check_int(name, getattr(self, name), minimum=1, sentinel=rest)
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:

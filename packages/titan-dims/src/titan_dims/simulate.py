@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from titan_dims.parallel_dims import ParallelDims, ParallelDimsError
+from titan_dims.errors import ParallelDimsError
+from titan_dims.parallel_dims import ParallelDims
 
 __all__ = ["fake_process_group", "simulate"]
 

@@ -5,11 +5,15 @@
 checkpointing, per-block compile, FSDP2/HSDP/DDP, driven by ``titan_dims.ParallelDims`` and
 ``ParallelizeConfig``), ``pipeline_llama`` (stages and schedules from
 ``torch.distributed.pipelining``) and ``Llama3StateDictAdapter`` (to and from Hugging Face
-``LlamaForCausalLM``).
+``LlamaForCausalLM``). Every error raised for a setting that cannot work is a
+``ModelConfigError`` (a ``ValueError``; ``ConfigError`` before, still importable for one
+release), under the package's root ``ModelError``: see ``titan_models.errors``.
 """
 
+import warnings
+
 from titan_models.__about__ import __version__
-from titan_models.errors import ConfigError
+from titan_models.errors import DEPRECATED_CONFIG_ERROR, ModelConfigError, ModelError
 from titan_models.llama3 import (
     LLAMA3,
     LLAMA3_FLAVORS,
@@ -40,10 +44,11 @@ __all__ = [
     "LLAMA3_FLAVORS",
     "ROPE_SCALING_CHOICES",
     "ActivationCheckpointConfig",
-    "ConfigError",
     "Llama3",
     "Llama3Args",
     "Llama3StateDictAdapter",
+    "ModelConfigError",
+    "ModelError",
     "ModelSpec",
     "ParallelizeConfig",
     "Pipeline",
@@ -59,3 +64,11 @@ __all__ = [
     "pipeline_llama",
     "rope_scaling_of",
 ]
+
+
+def __getattr__(name: str) -> type[ModelConfigError]:
+    # ``ConfigError``, its name in 0.1.0, stays importable as ModelConfigError for one release.
+    if name == "ConfigError":
+        warnings.warn(DEPRECATED_CONFIG_ERROR, DeprecationWarning, stacklevel=2)
+        return ModelConfigError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from titan_models import ConfigError, Llama3, Llama3StateDictAdapter, llama3_args, make_adapter
+from titan_models import Llama3, Llama3StateDictAdapter, ModelConfigError, llama3_args, make_adapter
 from titan_models.llama3.adapter import args_from_hf_config
 
 
@@ -85,9 +85,9 @@ def test_hf_config_round_trips_to_the_same_args():
 
 
 def test_make_adapter_needs_a_description_and_not_two_conflicting_ones():
-    with pytest.raises(ConfigError, match="needs model_args=, flavor="):
+    with pytest.raises(ModelConfigError, match="needs model_args=, flavor="):
         make_adapter()
-    with pytest.raises(ConfigError, match="not both"):
+    with pytest.raises(ModelConfigError, match="not both"):
         make_adapter(flavor="8B", hf_config={})
 
 
@@ -106,7 +106,7 @@ def test_vocabulary_comes_from_the_tensors_not_the_flavor():
 
 def test_a_contradicting_flavor_names_each_field_expected_and_found():
     shapes = meta_shapes(llama3_args("debugmodel", vocab_size=2000))
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ModelConfigError) as error:
         make_adapter(flavor="8B", tensor_shapes=shapes)
     message = str(error.value)
     for expected in (
@@ -123,7 +123,7 @@ def test_a_contradicting_hf_config_names_the_vocabulary_too():
     args = llama3_args("debugmodel", vocab_size=2000)
     config = {**Llama3StateDictAdapter(args).hf_config(), "vocab_size": 2048,
               "num_key_value_heads": 8}  # fmt: skip
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ModelConfigError) as error:
         make_adapter(hf_config=config, tensor_shapes=meta_shapes(args))
     assert "vocab_size: expected 2048 from the HF config, found 2000" in str(error.value)
     assert "expected 128 from the HF config, found 256" in str(error.value)  # 8 kv heads of 16
@@ -136,10 +136,10 @@ def test_recorded_args_round_trip_and_refuse_a_contradicting_override():
     assert adapter.args == args
     assert adapter.hf_config()["rope_scaling"] is None
     assert make_adapter(model_args=recorded, overrides={"rope_scaling": "none"}).args == args
-    with pytest.raises(ConfigError, match="contradicts the model args recorded"):
+    with pytest.raises(ModelConfigError, match="contradicts the model args recorded"):
         make_adapter(model_args=recorded, overrides={"rope_scaling": "llama3"})
     # With a flavor beside the record, the flavor is checked too (n_heads shows in no tensor).
-    with pytest.raises(ConfigError, match="n_heads: 16 from the recorded model args, 32 from"):
+    with pytest.raises(ModelConfigError, match="n_heads: 16 from the recorded model args, 32 from"):
         make_adapter(model_args=recorded, flavor="8B", tensor_shapes=meta_shapes(args))
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_models import LLAMA3_FLAVORS, ConfigError, Llama3, Llama3Args, RopeScaling, llama3_args
+from titan_models import (
+    LLAMA3_FLAVORS,
+    Llama3,
+    Llama3Args,
+    ModelConfigError,
+    RopeScaling,
+    llama3_args,
+)
 from titan_models.llama3.args import rope_scaling_of
 
 # Published totals with vocab 128256 and an untied output matrix (1B and 3B ship tied: their
@@ -66,12 +73,12 @@ def test_flavor_copies_are_independent():
     ],
 )
 def test_invalid_args_name_the_field(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         Llama3Args(**kwargs)
 
 
 def test_unknown_flavor_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="'8B'"):
+    with pytest.raises(ModelConfigError, match="'8B'"):
         llama3_args("7B")
 
 
@@ -81,7 +88,7 @@ def test_rope_scaling_from_a_dict():
 
 
 def test_unknown_override_is_a_config_error():
-    with pytest.raises(ConfigError, match="vocab"):
+    with pytest.raises(ModelConfigError, match="vocab"):
         llama3_args("8B", vocab=5)
 
 
@@ -120,9 +127,9 @@ def test_rope_scaling_names_and_hf_forms():
     }
     assert rope_scaling_of(hf, None) == RopeScaling(factor=16.0)
     assert rope_scaling_of({"rope_type": "default", "rope_theta": 5e5}, RopeScaling()) is None
-    with pytest.raises(ConfigError, match="'flavor', 'none', 'llama3'"):
+    with pytest.raises(ModelConfigError, match="'flavor', 'none', 'llama3'"):
         llama3_args("8B", rope_scaling="yes")
-    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+    with pytest.raises(ModelConfigError, match="'yarn' is not supported"):
         rope_scaling_of({"rope_type": "yarn", "factor": 4.0}, None)
-    with pytest.raises(ConfigError, match="Unknown rope_scaling field"):
+    with pytest.raises(ModelConfigError, match="Unknown rope_scaling field"):
         Llama3Args(rope_scaling={"factr": 2.0})

@@ -16,8 +16,8 @@ import torch
 from titan_dims import ParallelDims
 from titan_models import (
     ActivationCheckpointConfig,
-    ConfigError,
     Llama3,
+    ModelConfigError,
     ParallelizeConfig,
     check_parallelism,
     parallelize_llama,
@@ -41,10 +41,10 @@ def test_impossible_layouts_fail_before_any_work(tiny, degrees, seq_len, match):
         model = Llama3(tiny.tiny_args())
     before = dict(model.named_parameters())
     # No process group exists here: reaching for a mesh would raise a different error.
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         parallelize_llama(model, dims, ParallelizeConfig(), seq_len=seq_len)
     assert dict(model.named_parameters()).keys() == before.keys()
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         check_parallelism(tiny.tiny_args(), dims, ParallelizeConfig(), seq_len=seq_len)
 
 
@@ -55,7 +55,7 @@ def test_torch_context_parallel_on_cpu_fails_before_any_work(tiny):
         model = Llama3(tiny.tiny_args())
     attentions = [type(b.attention.inner_attention) for b in model.layers.values()]
     match = r"cp_attention='torch' cannot run on device 'cpu'.*'titan_ring' and 'auto' run on"
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         parallelize_llama(model, dims, config)
     assert [type(b.attention.inner_attention) for b in model.layers.values()] == attentions
     # Without context parallel the choice is irrelevant and accepted.
@@ -78,7 +78,7 @@ def _grads(tiny, ac: ActivationCheckpointConfig) -> tuple[float, dict[str, torch
 
 
 def test_cpu_offload_without_fsdp_is_rejected(tiny):
-    with pytest.raises(ConfigError, match="cpu_offload=True offloads FSDP"):
+    with pytest.raises(ModelConfigError, match="cpu_offload=True offloads FSDP"):
         check_parallelism(
             tiny.tiny_args(),
             ParallelDims(world_size=2, tp=2),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_models import ActivationCheckpointConfig, ConfigError, ParallelizeConfig
+from titan_models import ActivationCheckpointConfig, ModelConfigError, ParallelizeConfig
 from titan_models.parallel import auto_param_dtype, cpu_has_fast_bf16, resolve_param_dtype
 
 
@@ -23,13 +23,13 @@ def test_defaults_are_valid_and_conservative():
         ({"param_dtype": "fp8"}, "param_dtype='fp8' is not allowed; choose one of 'auto'"),
         ({"reduce_dtype": "auto"}, "reduce_dtype='auto'"),
         ({"reshard_after_forward": "sometimes"}, "reshard_after_forward"),
-        ({"compile": "yes"}, "compile='yes' must be true or false"),
+        ({"compile": "yes"}, "compile='yes' is not allowed; it must be true or false"),
         ({"cp_attention": "ring"}, "cp_attention='ring' is not allowed; choose one of 'auto'"),
         ({"cp_rotate_method": "ring"}, "cp_rotate_method='ring'.*'allgather', 'alltoall'"),
     ],
 )
 def test_bad_parallelize_settings(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         ParallelizeConfig(**kwargs)
 
 
@@ -42,7 +42,7 @@ def test_bad_parallelize_settings(kwargs, match):
     ],
 )
 def test_bad_activation_checkpoint_settings(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         ActivationCheckpointConfig(**kwargs)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from titan_dims import ParallelDims
-from titan_models import ConfigError, ParallelizeConfig, context_parallel_batch
+from titan_models import ModelConfigError, ParallelizeConfig, context_parallel_batch
 from titan_models.parallel import (
     TorchContextParallelAttention,
     context_parallel_positions,
@@ -43,12 +43,12 @@ def test_torch_cp_attention_is_refused_off_cuda(device_type):
         rf"cp_attention='torch' cannot run on device '{device_type}'.*"
         r"'auto', 'titan', 'titan_ring', 'torch'"
     )
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         resolve_cp_attention("torch", device_type)
 
 
 def test_unknown_cp_attention_is_refused():
-    with pytest.raises(ConfigError, match="cp_attention='ring' is not allowed"):
+    with pytest.raises(ModelConfigError, match="cp_attention='ring' is not allowed"):
         resolve_cp_attention("ring", "cuda")
 
 
@@ -69,7 +69,7 @@ def test_batch_without_context_parallel_is_unchanged():
         (
             ParallelizeConfig(cp_attention="torch"),
             8,
-            ConfigError,
+            ModelConfigError,
             "cp_attention='torch' cannot run on device 'cpu'",
         ),
         (ParallelizeConfig(), 6, ValueError, r"seq_len=6 must be divisible by 2 x cp = 4"),

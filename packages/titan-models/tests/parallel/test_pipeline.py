@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan_models import ConfigError, PipelineConfig
+from titan_models import ModelConfigError, PipelineConfig
 from titan_models.parallel import split_blocks, stages_of_rank
 
 
@@ -44,7 +44,7 @@ def test_looped_and_v_placement():
     ],
 )
 def test_impossible_splits(n_layers, config, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         split_blocks(n_layers, 2, config)
 
 
@@ -59,5 +59,5 @@ def test_impossible_splits(n_layers, config, match):
     ],
 )
 def test_bad_pipeline_settings(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         PipelineConfig(**kwargs)

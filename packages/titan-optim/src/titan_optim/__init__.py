@@ -5,14 +5,22 @@
 global gradient norm across DTensor meshes and pipeline stages, and checkpointed as one
 flat dict keyed by parameter FQN. ``build_lr_schedulers`` adds a warmup-stable-decay
 schedule per optimizer. Both containers are ``Stateful`` for ``torch.distributed.checkpoint``.
+Every error raised for a bad setting or state is an ``OptimError``; a setting that cannot be
+used is an ``OptimizerConfigError`` (also a ``ValueError``), see ``titan_optim.errors``.
 """
 
 from titan_optim.__about__ import __version__
-from titan_optim.clip import NonFiniteGradError, clip_grad_norm_
-from titan_optim.config import OptimizerConfig, OptimizerConfigError, ParamGroupRule
+from titan_optim.clip import clip_grad_norm_
+from titan_optim.config import OptimizerConfig, ParamGroupRule
 from titan_optim.container import OptimizersContainer, build_optimizers
+from titan_optim.errors import (
+    NonFiniteGradError,
+    OptimError,
+    OptimizerConfigError,
+    OptimizerInBackwardError,
+)
 from titan_optim.ft import FTOptimizersContainer
-from titan_optim.in_backward import OptimizerInBackwardError, OptimizersInBackwardContainer
+from titan_optim.in_backward import OptimizersInBackwardContainer
 from titan_optim.lr_scheduler import (
     LRSchedulerConfig,
     LRSchedulersContainer,
@@ -25,6 +33,7 @@ __all__ = [
     "LRSchedulerConfig",
     "LRSchedulersContainer",
     "NonFiniteGradError",
+    "OptimError",
     "OptimizerConfig",
     "OptimizerConfigError",
     "OptimizerInBackwardError",

@@ -23,17 +23,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titan_optim.config import check_choice, check_number
+from titan_optim.errors import NonFiniteGradError, check_choice, check_number
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteGradError", "clip_grad_norm_"]
 
 NONFINITE_POLICIES = ("skip", "raise")
 """What to do when the global gradient norm is inf or nan: leave the grads (and skip the
 optimizer step, when a container clips) or raise ``NonFiniteGradError``."""
-
-
-class NonFiniteGradError(RuntimeError):
-    """The global gradient norm is inf or nan and the policy is ``raise``."""
 
 
 def clip_grad_norm_(
@@ -52,11 +48,12 @@ def clip_grad_norm_(
     gradients are left untouched and, with ``on_nonfinite="raise"``, ``NonFiniteGradError``
     is raised; with ``"skip"`` the caller should skip the step (``OptimizersContainer`` does).
     """
-    check_number("clip.max_norm", max_norm, low=0)
+    # Arguments of a call, not settings of a config: plain ValueErrors, in the shared shape.
+    check_number("max_norm", max_norm, low=0, error=ValueError)
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
-        raise ValueError(f"clip.norm_type={norm_type!r} is not allowed; it must be > 0 or inf.")
-    check_choice("clip.on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        raise ValueError(f"norm_type={norm_type!r} is not allowed; it must be > 0 or inf.")
+    check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES, error=ValueError)
     grads = [p.grad for p in parameters if p.grad is not None]
     total = global_grad_norm(grads, norm_type=norm_type, pp_group=pp_group)
     if not torch.isfinite(total):

@@ -6,10 +6,11 @@ carry over; ``param_group_rules`` and ``implementation`` are titan's.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
+
+from titan_optim.errors import OptimizerConfigError, check_bool, check_choice, check_number
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -24,36 +25,6 @@ OPTIMIZER_NAMES = ("Adam", "AdamW", "SGD")
 
 IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 """How torch runs the update: one kernel per tensor, per op over a list, or one fused kernel."""
-
-
-class OptimizerConfigError(ValueError):
-    """An optimizer or LR-schedule setting that cannot be used, naming the field and the fix."""
-
-
-def check_number(
-    name: str, value: object, *, low: float, high: float | None = None, high_open: bool = False
-) -> float:
-    """Return ``value`` as a float, or raise unless it is a finite number in the range."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise OptimizerConfigError(
-            f"{name} must be a finite number, got {value!r} ({type(value).__name__})."
-        )
-    too_high = high is not None and (value >= high if high_open else value > high)
-    if value < low or too_high:
-        if high is None:
-            allowed = f">= {low:g}"
-        else:
-            allowed = f"in [{low:g}, {high:g}{')' if high_open else ']'}"
-        raise OptimizerConfigError(f"{name}={value!r} is not allowed; it must be {allowed}.")
-    return float(value)
-
-
-def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    """Return ``value`` or raise naming the allowed strings."""
-    if value not in allowed:
-        choices = ", ".join(repr(a) for a in allowed)
-        raise OptimizerConfigError(f"{name}={value!r} is not known; choose one of {choices}.")
-    return value  # type: ignore[return-value]
 
 
 @dataclass(kw_only=True)
@@ -154,11 +125,7 @@ class OptimizerConfig:
             check_number(f"optimizer.betas[{i}]", b, low=0, high=1, high_open=True)
             for i, b in enumerate(self.betas)
         )
-        if not isinstance(self.early_step_in_backward, bool):
-            raise OptimizerConfigError(
-                f"optimizer.early_step_in_backward={self.early_step_in_backward!r} must be "
-                "true or false."
-            )
+        check_bool("optimizer.early_step_in_backward", self.early_step_in_backward)
         self.param_group_rules = [_as_rule(r) for r in self.param_group_rules]
 
     def optimizer_kwargs(self) -> dict[str, Any]:

@@ -20,12 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_optim.build import build_optimizer, group_parameters, warn_fallback
 from titan_optim.config import OptimizerConfig
 from titan_optim.container import OptimizersContainer
+from titan_optim.errors import OptimizerInBackwardError
 
 __all__ = ["OptimizerInBackwardError", "OptimizersInBackwardContainer"]
-
-
-class OptimizerInBackwardError(RuntimeError):
-    """A feature that cannot work when parameters step during backward."""
 
 
 class OptimizersInBackwardContainer(OptimizersContainer):

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from titan_optim.config import OptimizerConfigError, check_choice, check_number
 from titan_optim.container import OptimizersContainer
+from titan_optim.errors import check_choice, check_int, check_number
 
 __all__ = [
     "DECAY_TYPES",
@@ -80,14 +80,7 @@ class LRSchedulerConfig:
     after the last training step, as in torchtitan, so no step trains at it."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
-            raise OptimizerConfigError(
-                f"lr_scheduler.warmup_steps={self.warmup_steps!r} must be a whole number >= 0."
-            )
-        if self.warmup_steps < 0:
-            raise OptimizerConfigError(
-                f"lr_scheduler.warmup_steps={self.warmup_steps} is not allowed; it must be >= 0."
-            )
+        check_int("lr_scheduler.warmup_steps", self.warmup_steps, minimum=0)
         if self.decay_ratio is not None:
             self.decay_ratio = check_number(
                 "lr_scheduler.decay_ratio", self.decay_ratio, low=0, high=1
@@ -114,14 +107,7 @@ class WarmupStableDecay:
     @classmethod
     def from_config(cls, config: LRSchedulerConfig, training_steps: int) -> WarmupStableDecay:
         """Fit ``config`` to ``training_steps``, clamping impossible lengths with one warning."""
-        if isinstance(training_steps, bool) or not isinstance(training_steps, int):
-            raise OptimizerConfigError(
-                f"training.steps={training_steps!r} must be a whole number >= 1."
-            )
-        if training_steps < 1:
-            raise OptimizerConfigError(
-                f"training.steps={training_steps} is not allowed; it must be >= 1."
-            )
+        check_int("training.steps", training_steps, minimum=1)
         notes = []
         warmup = config.warmup_steps
         if warmup > training_steps:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
-from titan_train.config_loader import ConfigError
+from titan_train.errors import ConfigError
 
 if TYPE_CHECKING:
     from titan_train.config import JobConfig
@@ -124,30 +124,24 @@ def _help() -> int:
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:
-    """The errors that mean "the configuration cannot work": each package's own, raised
-    before any work starts. Anything else is a bug and keeps its traceback."""
+    """The errors that mean "the configuration cannot work", raised before any work starts:
+    the configuration error of each of the five packages (titan-train's covers its data,
+    metrics, tokenizer and model-name errors), plus the two that are not about a setting but
+    are just as much the user's to fix: a launcher environment that is incomplete, and a
+    checkpoint whose pickles ask for code. Anything else is a bug and keeps its traceback."""
     from titan_ckpt import CheckpointConfigError, UnsafeCheckpointError
     from titan_dims import DistributedEnvError, ParallelDimsError
-    from titan_models import ConfigError as ModelConfigError
+    from titan_models import ModelConfigError
     from titan_optim import OptimizerConfigError
-    from titan_train.data import DataError
-    from titan_train.metrics import MetricsError
-    from titan_train.registry import UnknownModelError
-    from titan_train.tokenizer import TokenizerError
 
     return (
         ConfigError,
         ParallelDimsError,
-        DistributedEnvError,
         ModelConfigError,
         OptimizerConfigError,
         CheckpointConfigError,
-        # A checkpoint whose pickles ask for code: refused before any work, like bad config.
+        DistributedEnvError,
         UnsafeCheckpointError,
-        DataError,
-        MetricsError,
-        TokenizerError,
-        UnknownModelError,
     )
 
 

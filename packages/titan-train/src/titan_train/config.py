@@ -25,7 +25,8 @@ from titan_dims import ParallelismConfig
 from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train import compat
-from titan_train.config_loader import ConfigError, load_config, to_dict
+from titan_train.config_loader import load_config, to_dict
+from titan_train.errors import ConfigError, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
 from titan_train.profiling import ProfilingConfig
@@ -40,12 +41,6 @@ __all__ = [
     "TrainingConfig",
     "parse_job_config",
 ]
-
-
-def _positive(section: str, **values: int | float) -> None:
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ConfigError(f"{section}.{key}={value!r} is not allowed; it must be > 0.")
 
 
 @dataclass(kw_only=True)
@@ -114,26 +109,21 @@ class TrainingConfig:
     the norm is clipping's. Not a torchtitan key (torchtitan applies such updates)."""
 
     def __post_init__(self) -> None:
-        _positive(
-            "training",
-            local_batch_size=self.local_batch_size,
-            seq_len=self.seq_len,
-            steps=self.steps,
-            gc_freq=self.gc_freq,
+        for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
+            check_int(f"training.{key}", getattr(self, key), minimum=1)
+        check_int(
+            "training.global_batch_size",
+            self.global_batch_size,
+            minimum=1,
+            sentinel=(-1, "local_batch_size x the data-parallel degree"),
         )
-        if self.global_batch_size != -1:
-            _positive("training", global_batch_size=self.global_batch_size)
-        skips = self.skip_nonfinite_steps
-        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
-            raise ConfigError(
-                f"training.skip_nonfinite_steps={skips!r} is not allowed; it must be a whole "
-                "number >= 0 (0 stops at the first inf/nan gradient norm)."
-            )
-        if self.max_norm < 0:
-            raise ConfigError(
-                f"training.max_norm={self.max_norm} is not allowed; it must be >= 0 "
-                "(0 turns clipping off)."
-            )
+        check_int(
+            "training.skip_nonfinite_steps",
+            self.skip_nonfinite_steps,
+            minimum=0,
+            hint="0 stops at the first inf/nan gradient norm",
+        )
+        check_number("training.max_norm", self.max_norm, low=0, hint="0 turns clipping off")
 
 
 @dataclass(kw_only=True)
@@ -146,11 +136,8 @@ class CommConfig:
     """Timeout of every collective after the first step: a hung rank fails the job after this."""
 
     def __post_init__(self) -> None:
-        _positive(
-            "comm",
-            init_timeout_seconds=self.init_timeout_seconds,
-            train_timeout_seconds=self.train_timeout_seconds,
-        )
+        for key in ("init_timeout_seconds", "train_timeout_seconds"):
+            check_int(f"comm.{key}", getattr(self, key), minimum=1)
 
 
 @dataclass(kw_only=True)

@@ -23,16 +23,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from titan_train.errors import ConfigError
+
 __all__ = ["ConfigError", "load_config", "read_toml", "to_dict"]
 
 T = TypeVar("T")
 EXTENDS_KEY = "extends"
 """A top-level TOML key naming a base file (relative to this one) whose values this file
 overrides."""
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used, with where it came from and how to fix it."""
 
 
 def read_toml(path: str | Path, *, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_dims import ParallelDims
-from titan_train.config_loader import ConfigError
+from titan_train.errors import ConfigError, check_int
 
 __all__ = [
     "LIGHTHOUSE_ENV",
@@ -73,12 +73,12 @@ class FaultToleranceConfig:
     as torchft does (titan's key)."""
 
     def __post_init__(self) -> None:
-        timeout = self.process_group_timeout_ms
-        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
-            raise ConfigError(
-                f"fault_tolerance.process_group_timeout_ms={timeout!r} is not allowed; it "
-                "must be a whole number of milliseconds > 0."
-            )
+        check_int(
+            "fault_tolerance.process_group_timeout_ms",
+            self.process_group_timeout_ms,
+            minimum=1,
+            hint="milliseconds",
+        )
         if not self.enable:
             return
         if self.group_size < 1:

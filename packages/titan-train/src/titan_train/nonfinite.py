@@ -19,13 +19,11 @@ from __future__ import annotations
 import logging
 import math
 
+from titan_train.errors import NonFiniteStepsError
+
 __all__ = ["NonFiniteGuard", "NonFiniteStepsError"]
 
 logger = logging.getLogger("titan_train")
-
-
-class NonFiniteStepsError(RuntimeError):
-    """More consecutive steps had an inf/nan gradient norm than the run allows."""
 
 
 class NonFiniteGuard:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_train.config_loader import ConfigError
+from titan_train.errors import ConfigError, check_int
 
 __all__ = ["Profiler", "ProfilingConfig"]
 
@@ -47,20 +47,12 @@ class ProfilingConfig:
 
     def __post_init__(self) -> None:
         for key in ("profile_freq", "profiler_active"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"profiling.{key}={value!r} is not allowed; it must be > 0.")
-        if isinstance(self.profiler_warmup, bool) or not isinstance(self.profiler_warmup, int):
-            raise ConfigError(
-                f"profiling.profiler_warmup={self.profiler_warmup!r} is not allowed; it must "
-                "be an int >= 0."
-            )
-        if self.profiler_warmup < 0 or self.profiler_warmup + self.profiler_active > (
-            self.profile_freq
-        ):
+            check_int(f"profiling.{key}", getattr(self, key), minimum=1)
+        check_int("profiling.profiler_warmup", self.profiler_warmup, minimum=0)
+        if self.profiler_warmup + self.profiler_active > self.profile_freq:
             raise ConfigError(
                 f"profiling.profiler_warmup={self.profiler_warmup} + profiler_active="
-                f"{self.profiler_active} must be >= 0 and fit in profile_freq="
+                f"{self.profiler_active} must fit in profile_freq="
                 f"{self.profile_freq}; raise profile_freq or lower the others."
             )
 

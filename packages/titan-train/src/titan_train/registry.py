@@ -11,13 +11,11 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any
 
+from titan_train.errors import UnknownModelError
+
 __all__ = ["MODELS_ENTRY_POINT_GROUP", "UnknownModelError", "list_models", "load_model_spec"]
 
 MODELS_ENTRY_POINT_GROUP = "titan.models"
-
-
-class UnknownModelError(ValueError):
-    """No installed distribution registers a model by that name."""
 
 
 def list_models() -> list[str]:

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_dims import ParallelDims
-from titan_train.config_loader import ConfigError
 from titan_train.data import DataConfig, build_dataloader
+from titan_train.errors import ConfigError, check_int
 from titan_train.tokenizer import Tokenizer
 
 __all__ = ["ValidationConfig", "Validator"]
@@ -51,20 +51,8 @@ class ValidationConfig:
 
     def __post_init__(self) -> None:
         for key in ("freq", "local_batch_size", "seq_len"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(
-                    f"validation.{key}={value!r} is not allowed; it must be an int > 0."
-                )
-        if (
-            isinstance(self.steps, bool)
-            or not isinstance(self.steps, int)
-            or not (self.steps == -1 or self.steps > 0)
-        ):
-            raise ConfigError(
-                f"validation.steps={self.steps!r} is not allowed; it must be > 0, or -1 for "
-                "the whole dataset."
-            )
+            check_int(f"validation.{key}", getattr(self, key), minimum=1)
+        check_int("validation.steps", self.steps, minimum=1, sentinel=(-1, "the whole dataset"))
 
 
 class Validator:

@@ -96,7 +96,7 @@ def test_unreachable_hub_name_is_one_clear_error(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"seq_len": 0}, r"training.seq_len=0 is not allowed; it must be an int > 0"),
+        ({"seq_len": 0}, r"training.seq_len=0 is not allowed; it must be a whole number >= 1"),
         ({"local_batch_size": 2.5}, r"training.local_batch_size=2.5 is not allowed"),
         ({"dataset": " "}, r"training.dataset=' ' is not allowed; it must be a non-empty"),
         ({"text_column": ""}, r"training.text_column='' is not allowed"),

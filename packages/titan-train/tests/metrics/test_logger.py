@@ -142,8 +142,11 @@ def test_memory_of_a_cpu_process():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"log_freq": 0}, r"metrics.log_freq=0 is not allowed; it must be an int > 0"),
-        ({"peak_flops": -1.0}, r"metrics.peak_flops=-1.0 is not allowed; it must be >= 0"),
+        ({"log_freq": 0}, r"metrics.log_freq=0 is not allowed; it must be a whole number >= 1"),
+        (
+            {"peak_flops": -1.0},
+            r"metrics.peak_flops=-1.0 is not allowed; it must be a finite number >= 0 \(FLOP/s",
+        ),
         ({"save_tb_folder": ""}, r"metrics.save_tb_folder='' is not allowed"),
     ],
 )

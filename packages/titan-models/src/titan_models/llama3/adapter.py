@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from titan_models.errors import ConfigError
+from titan_models.errors import ModelConfigError
 from titan_models.llama3.args import Llama3Args, llama3_args, rope_scaling_of
 from titan_models.llama3.fit import Claim, fit_to_tensors
 
@@ -199,7 +199,7 @@ def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:
         scaling = hf_config.get("rope_scaling") or rope or None
         theta = hf_config.get("rope_theta", rope.get("rope_theta", 500000.0))
         if hf_config.get("head_dim", dim // n_heads) != dim // n_heads:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"head_dim={hf_config['head_dim']} differs from hidden_size / "
                 f"num_attention_heads = {dim // n_heads}; titan's Llama 3 needs them equal."
             )
@@ -217,10 +217,10 @@ def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:
             max_seq_len=hf_config.get("max_position_embeddings", 131072),
         )
     except KeyError as missing:
-        raise ConfigError(f"The HF config has no {missing}; is it a Llama config?") from None
+        raise ModelConfigError(f"The HF config has no {missing}; is it a Llama config?") from None
     if args.hidden_dim != hf_config["intermediate_size"]:
         # multiple_of=intermediate_size rounds 8/3 x dim up to it only if it is larger.
-        raise ConfigError(
+        raise ModelConfigError(
             f"intermediate_size={hf_config['intermediate_size']} is smaller than 8/3 x "
             f"hidden_size; titan's Llama 3 cannot express it."
         )
@@ -235,7 +235,7 @@ def _recorded_args(model_args: Llama3Args | Mapping[str, Any]) -> Llama3Args:
     known = {f.name for f in dataclasses.fields(Llama3Args)}
     unknown = sorted(set(model_args) - known)
     if unknown:
-        raise ConfigError(
+        raise ModelConfigError(
             f"The recorded model args have field(s) {', '.join(unknown)} that Llama3Args lacks; "
             "were they written by another version or model?"
         )
@@ -251,7 +251,7 @@ def _with_overrides(
     known = {f.name for f in dataclasses.fields(Llama3Args)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ConfigError(
+        raise ModelConfigError(
             f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
         )
     values = dict(overrides)
@@ -264,7 +264,7 @@ def _with_overrides(
             if v != getattr(args, k)
         ]
         if changed:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"{', '.join(changed)} contradicts the model args recorded with the checkpoint, "
                 "which are what it was trained with; leave it out."
             )
@@ -286,10 +286,10 @@ def make_adapter(
 
     ``overrides`` replaces fields (``{"rope_scaling": "none"}``: see ``rope_scaling_of``).
     ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: every description must
-    agree with them (``ConfigError`` naming each field otherwise), and the vocabulary is
+    agree with them (``ModelConfigError`` naming each field otherwise), and the vocabulary is
     taken from them, so the adapter's ``config.json`` describes those tensors."""
     if flavor is not None and hf_config is not None:
-        raise ConfigError("make_adapter takes flavor= or hf_config=, not both.")
+        raise ModelConfigError("make_adapter takes flavor= or hf_config=, not both.")
     claims: list[Claim] = []
     if model_args is not None:
         claims.append(Claim("the recorded model args", _recorded_args(model_args), True))
@@ -298,7 +298,7 @@ def make_adapter(
     if flavor is not None:
         claims.append(Claim(f"flavor {flavor!r}", llama3_args(flavor), False))
     if not claims:
-        raise ConfigError(
+        raise ModelConfigError(
             "make_adapter needs model_args=, flavor= (e.g. '8B') or hf_config= (a "
             "LlamaForCausalLM config.json as a dict) to know the model's head counts."
         )

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from titan_models.errors import ConfigError, check_positive_int
+from titan_models.errors import ModelConfigError, check_int, check_number
 
 __all__ = [
     "LLAMA3_FLAVORS",
@@ -46,16 +46,16 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"rope_scaling.{name}={value!r} is not allowed; it must be > 0.")
+            check_number(f"rope_scaling.{name}", getattr(self, name), low=0, low_open=True)
         if self.high_freq_factor <= self.low_freq_factor:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"rope_scaling.high_freq_factor={self.high_freq_factor} must be greater than "
                 f"rope_scaling.low_freq_factor={self.low_freq_factor}."
             )
-        check_positive_int(
-            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
+        check_int(
+            "rope_scaling.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            minimum=1,
         )
 
 
@@ -74,7 +74,7 @@ def rope_scaling_of(value: object, default: RopeScaling | None) -> RopeScaling |
         return dataclasses.replace(value)
     if isinstance(value, str):
         if value not in ROPE_SCALING_CHOICES:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"rope_scaling={value!r} is not allowed; choose one of "
                 f"{', '.join(map(repr, ROPE_SCALING_CHOICES))} (the flavor's default, plain "
                 "RoPE, Llama 3.1 frequency scaling)."
@@ -90,19 +90,19 @@ def rope_scaling_of(value: object, default: RopeScaling | None) -> RopeScaling |
         if rope_type == "default":
             return None
         if rope_type != "llama3":
-            raise ConfigError(
+            raise ModelConfigError(
                 f"rope_scaling of type {rope_type!r} is not supported by titan's Llama 3; it "
                 "knows plain RoPE and 'llama3' (Llama 3.1 frequency scaling)."
             )
         known = {f.name for f in dataclasses.fields(RopeScaling)}
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"Unknown rope_scaling field(s) {', '.join(unknown)}; known: "
                 f"{', '.join(sorted(known))}."
             )
         return RopeScaling(**fields)
-    raise ConfigError(
+    raise ModelConfigError(
         f"rope_scaling={value!r} is not allowed; give one of "
         f"{', '.join(map(repr, ROPE_SCALING_CHOICES))}, a table of RopeScaling fields, or None."
     )
@@ -144,31 +144,28 @@ class Llama3Args:
             # A TOML table, recorded args or an HF config arrive as a dict; a name as a str.
             self.rope_scaling = rope_scaling_of(self.rope_scaling, RopeScaling())
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
-            check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), minimum=1)
         if self.n_kv_heads is not None:
-            check_positive_int("n_kv_heads", self.n_kv_heads)
+            check_int("n_kv_heads", self.n_kv_heads, minimum=1)
         if self.dim % self.n_heads:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"dim={self.dim} must be divisible by n_heads={self.n_heads} "
                 f"(each head gets dim / n_heads channels)."
             )
         if self.n_heads % self.kv_heads:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.kv_heads} "
                 "(grouped-query attention shares each key/value head among a group of queries)."
             )
         if self.head_dim % 2:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"dim / n_heads = {self.head_dim} must be even: RoPE rotates channel pairs."
             )
         for name in ("norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{name}={value!r} is not allowed; it must be > 0.")
-        if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
-            raise ConfigError(
-                f"ffn_dim_multiplier={self.ffn_dim_multiplier!r} is not allowed; it must be "
-                "> 0 or None."
+            check_number(name, getattr(self, name), low=0, low_open=True)
+        if self.ffn_dim_multiplier is not None:
+            check_number(
+                "ffn_dim_multiplier", self.ffn_dim_multiplier, low=0, low_open=True, hint="or None"
             )
 
     # ---------------------------------------------------------------------- derived shapes
@@ -206,7 +203,7 @@ class Llama3Args:
         (the embedding lookup is not a matmul) plus the attention scores and their weighted
         sum, 12 x layers x heads x head_dim x seq_len. The same estimate torchtitan and
         the PaLM paper use for MFU, so numbers compare across tools."""
-        check_positive_int("seq_len", seq_len)
+        check_int("seq_len", seq_len, minimum=1, error=ValueError)  # an argument, not a config
         dense = 6 * self.num_params(exclude_embedding=True)
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return dense + attention
@@ -259,14 +256,14 @@ def llama3_args(flavor: str, **overrides: object) -> Llama3Args:
     ``rope_scaling`` may be given by name (``ROPE_SCALING_CHOICES``): ``"flavor"`` keeps the
     flavor's, ``"none"`` is plain RoPE, ``"llama3"`` the flavor's factors (or the defaults)."""
     if flavor not in LLAMA3_FLAVORS:
-        raise ConfigError(
+        raise ModelConfigError(
             f"Unknown Llama 3 flavor {flavor!r}; choose one of "
             f"{', '.join(map(repr, LLAMA3_FLAVORS))}."
         )
     known = {f.name for f in dataclasses.fields(Llama3Args)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ConfigError(
+        raise ModelConfigError(
             f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
         )
     base = LLAMA3_FLAVORS[flavor]

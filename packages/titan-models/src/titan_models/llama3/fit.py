@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from titan_models.errors import ConfigError
+from titan_models.errors import ModelConfigError
 from titan_models.llama3.args import Llama3Args
 
 __all__ = ["Claim", "TensorShape", "fit_to_tensors"]
@@ -93,9 +93,9 @@ def _contradictions(claim: Claim, found: Mapping[str, tuple[int, str]]) -> list[
 def fit_to_tensors(claims: Sequence[Claim], shapes: Mapping[str, TensorShape]) -> Llama3Args:
     """The first claim's args with the vocabulary the tensors have, after checking that every
     claim agrees with the tensors (and the claims on ``n_heads``, which the tensors do not
-    show). Raises ``ConfigError`` naming each contradicting field, expected vs found."""
+    show). Raises ``ModelConfigError`` naming each contradicting field, expected vs found."""
     if not claims:
-        raise ConfigError("fit_to_tensors needs at least one description of the model.")
+        raise ModelConfigError("fit_to_tensors needs at least one description of the model.")
     found = _found(shapes)
     problems = [p for claim in claims for p in _contradictions(claim, found)]
     first = claims[0]
@@ -107,7 +107,7 @@ def fit_to_tensors(claims: Sequence[Claim], shapes: Mapping[str, TensorShape]) -
             )
     if problems:
         sources = " and ".join(dict.fromkeys(c.source for c in claims))
-        raise ConfigError(
+        raise ModelConfigError(
             f"{sources} contradicts the checkpoint's tensors: {'; '.join(problems)}. Describe "
             "the model the checkpoint holds (its flavor, or an HF config.json of its shape)."
         )

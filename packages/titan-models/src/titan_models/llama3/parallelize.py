@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_dims import ParallelDims, detect_device_type
-from titan_models.errors import ConfigError
+from titan_models.errors import ModelConfigError
 from titan_models.llama3.args import Llama3Args
 from titan_models.llama3.model import Llama3
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -39,11 +39,11 @@ def check_parallelism(
     *,
     seq_len: int | None = None,
 ) -> None:
-    """Raise ``ConfigError`` if ``args`` cannot be parallelized as asked."""
+    """Raise ``ModelConfigError`` if ``args`` cannot be parallelized as asked."""
     tp = parallel_dims.tp
     for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if heads % tp:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"Tensor parallel degree tp={tp} must divide {name}={heads}: each TP rank "
                 f"holds whole attention heads. Choose tp among "
                 f"{[d for d in range(1, heads + 1) if heads % d == 0]}."
@@ -51,7 +51,7 @@ def check_parallelism(
     seq_len = args.max_seq_len if seq_len is None else seq_len
     divisor = parallel_dims.seq_len_divisor
     if seq_len % divisor:
-        raise ConfigError(
+        raise ModelConfigError(
             f"seq_len={seq_len} must be divisible by {divisor} (tp={tp} x cp="
             f"{parallel_dims.cp} x 2: sequence parallel splits it tp ways, load-balanced "
             f"context parallel into 2 x cp chunks). Nearest valid: "
@@ -61,17 +61,17 @@ def check_parallelism(
         # Raises for torch's context parallel on a device it has no kernels for.
         resolve_cp_attention(config.cp_attention, parallel_dims.device_type or detect_device_type())
     if parallel_dims.ep_enabled:
-        raise ConfigError(
+        raise ModelConfigError(
             f"ep={parallel_dims.ep}: Llama 3 is a dense model without experts; set ep=1."
         )
     if config.cpu_offload and not parallel_dims.fsdp_enabled:
-        raise ConfigError(
+        raise ModelConfigError(
             "cpu_offload=True offloads FSDP's sharded parameters, but FSDP is off here "
             f"(dp_shard={parallel_dims.dp_shard}, cp={parallel_dims.cp}); set dp_shard > 1 or "
             "cpu_offload=False."
         )
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and tp > 1:
-        raise ConfigError(
+        raise ModelConfigError(
             f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
             f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
         )

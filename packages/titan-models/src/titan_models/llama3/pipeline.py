@@ -15,7 +15,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 
 from titan_dims import ParallelDims, detect_device_type
-from titan_models.errors import ConfigError
+from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import Llama3
 from titan_models.llama3.parallelize import check_parallelism, parallelize_llama
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
@@ -60,10 +60,10 @@ def pipeline_llama(
     parallelize_config = parallelize_config or ParallelizeConfig()
     pp = parallel_dims.pp
     if pp < 2:
-        raise ConfigError(f"pipeline_llama needs pp > 1 (got pp={pp}); use parallelize_llama.")
+        raise ModelConfigError(f"pipeline_llama needs pp > 1 (got pp={pp}); use parallelize_llama.")
     check_parallelism(model.args, parallel_dims, parallelize_config, seq_len=seq_len)
     if local_batch_size % pipeline_config.microbatch_size:
-        raise ConfigError(
+        raise ModelConfigError(
             f"local_batch_size={local_batch_size} is not a multiple of "
             f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
         )

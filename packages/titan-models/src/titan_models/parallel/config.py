@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_models.errors import ConfigError, check_choice
+from titan_models.errors import ModelConfigError, check_bool, check_choice, check_int
 
 __all__ = [
     "AC_MODES",
@@ -43,7 +43,7 @@ class ActivationCheckpointConfig:
         check_choice("activation_checkpoint.mode", self.mode, AC_MODES)
         option = self.selective_option
         if option != "op" and not (isinstance(option, str) and option.isdigit() and int(option)):
-            raise ConfigError(
+            raise ModelConfigError(
                 f"activation_checkpoint.selective_option={option!r} is not allowed; use 'op' "
                 "or a whole number N >= 1 as a string ('2': every second block)."
             )
@@ -107,9 +107,10 @@ class ParallelizeConfig:
         check_choice("reshard_after_forward", self.reshard_after_forward, _RESHARD)
         check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
         check_choice("cp_rotate_method", self.cp_rotate_method, CP_ROTATE_METHODS)
+        # Kept for Python callers (the README builds this directly): a string "false" would
+        # otherwise switch the feature on.
         for name in ("compile", "cpu_offload", "loss_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false.")
+            check_bool(name, getattr(self, name))
 
 
 SCHEDULES = (
@@ -149,30 +150,21 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         check_choice("pipeline.schedule", self.schedule, SCHEDULES)
         if (self.schedule == "CSV") != (self.schedule_csv is not None):
-            raise ConfigError(
+            raise ModelConfigError(
                 f"pipeline.schedule={self.schedule!r} with schedule_csv={self.schedule_csv!r}: "
                 "schedule_csv must be given exactly when schedule is 'CSV'."
             )
-        if isinstance(self.microbatch_size, bool) or not (
-            isinstance(self.microbatch_size, int) and self.microbatch_size >= 1
-        ):
-            raise ConfigError(
-                f"pipeline.microbatch_size={self.microbatch_size!r} must be a whole number >= 1."
-            )
+        check_int("pipeline.microbatch_size", self.microbatch_size, minimum=1)
         if self.layers_per_stage is not None and self.split_points:
-            raise ConfigError(
+            raise ModelConfigError(
                 "Give pipeline.layers_per_stage or pipeline.split_points, not both "
                 f"(got {self.layers_per_stage} and {self.split_points})."
             )
-        if self.layers_per_stage is not None and not (
-            isinstance(self.layers_per_stage, int) and self.layers_per_stage >= 1
-        ):
-            raise ConfigError(
-                f"pipeline.layers_per_stage={self.layers_per_stage!r} must be a whole number >= 1."
-            )
+        if self.layers_per_stage is not None:
+            check_int("pipeline.layers_per_stage", self.layers_per_stage, minimum=1)
         for point in self.split_points:
             if not (isinstance(point, str) and point.startswith("layers.") and point[7:].isdigit()):
-                raise ConfigError(
+                raise ModelConfigError(
                     f"pipeline.split_points entry {point!r} must name a block, like 'layers.4'."
                 )
 

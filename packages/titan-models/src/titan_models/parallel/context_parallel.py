@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import functional
 
 from titan_dims import ParallelDims, detect_device_type
-from titan_models.errors import ConfigError, check_choice
+from titan_models.errors import ModelConfigError, check_choice
 from titan_models.parallel.config import CP_ATTENTIONS, ParallelizeConfig
 
 __all__ = [
@@ -59,12 +59,12 @@ def torch_context_parallel_runs_on(device_type: str) -> bool:
 def resolve_cp_attention(choice: str, device_type: str) -> str:
     """The implementation ``cp_attention=choice`` means on ``device_type``: ``"torch"``,
     ``"titan"`` or ``"titan_ring"``. ``auto`` is torch's on CUDA and ours elsewhere;
-    ``torch`` on any other device raises ``ConfigError``."""
+    ``torch`` on any other device raises ``ModelConfigError``."""
     check_choice("cp_attention", choice, CP_ATTENTIONS)
     if choice == "auto":
         return "torch" if torch_context_parallel_runs_on(device_type) else "titan"
     if choice == "torch" and not torch_context_parallel_runs_on(device_type):
-        raise ConfigError(
+        raise ModelConfigError(
             f"cp_attention='torch' cannot run on device {device_type!r}: torch's "
             "context_parallel only shards the CUDA SDPA kernels (flash, efficient, cuDNN). "
             f"Choose cp_attention among {', '.join(map(repr, CP_ATTENTIONS))}; 'titan', "

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
 from torch.distributed.tensor import DTensor
 
-from titan_models.errors import ConfigError
+from titan_models.errors import ModelConfigError
 from titan_models.parallel.config import PipelineConfig
 
 __all__ = ["Pipeline", "build_schedule", "split_blocks", "stages_of_rank"]
@@ -41,12 +41,12 @@ _SCHEDULE_CLASSES = {
 
 
 def split_blocks(n_layers: int, pp: int, config: PipelineConfig) -> list[list[int]]:
-    """The block indices of every stage, in stage order. Raises ``ConfigError`` when the
+    """The block indices of every stage, in stage order. Raises ``ModelConfigError`` when the
     split cannot work with ``pp`` ranks and the schedule."""
     if config.split_points:
         starts = [int(p.split(".")[1]) for p in config.split_points]
         if starts != sorted(set(starts)) or starts[0] <= 0 or starts[-1] >= n_layers:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"pipeline.split_points={config.split_points} must name increasing blocks "
                 f"between layers.1 and layers.{n_layers - 1}."
             )
@@ -55,7 +55,7 @@ def split_blocks(n_layers: int, pp: int, config: PipelineConfig) -> list[list[in
     else:
         if config.layers_per_stage is not None:
             if n_layers % config.layers_per_stage:
-                raise ConfigError(
+                raise ModelConfigError(
                     f"pipeline.layers_per_stage={config.layers_per_stage} does not divide "
                     f"n_layers={n_layers}."
                 )
@@ -63,7 +63,7 @@ def split_blocks(n_layers: int, pp: int, config: PipelineConfig) -> list[list[in
         else:
             num_stages = pp * (2 if config.multi_stage else 1)
         if num_stages > n_layers:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"{num_stages} pipeline stages need at least as many blocks, but the model "
                 f"has n_layers={n_layers}; lower pp or use a single-stage schedule."
             )
@@ -75,15 +75,17 @@ def split_blocks(n_layers: int, pp: int, config: PipelineConfig) -> list[list[in
     num_stages = len(stages)
     per_rank = num_stages // pp
     if num_stages % pp:
-        raise ConfigError(f"{num_stages} pipeline stages cannot be spread evenly over pp={pp}.")
+        raise ModelConfigError(
+            f"{num_stages} pipeline stages cannot be spread evenly over pp={pp}."
+        )
     if not config.multi_stage and per_rank != 1:
-        raise ConfigError(
+        raise ModelConfigError(
             f"pipeline.schedule={config.schedule!r} runs one stage per rank, but the split "
             f"makes {num_stages} stages for pp={pp}; use an interleaved schedule or "
             f"{pp} stages."
         )
     if config.schedule == "ZBVZeroBubble" and per_rank != 2:
-        raise ConfigError(
+        raise ModelConfigError(
             f"ZBVZeroBubble runs exactly two stages per rank; the split makes {num_stages} "
             f"stages for pp={pp}."
         )

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_train.errors import DataError, check_int
+
 __all__ = ["DataConfig", "DataError"]
-
-
-class DataError(ValueError):
-    """A dataset cannot be found or read, or a data setting is impossible."""
 
 
 @dataclass(kw_only=True)
@@ -37,9 +35,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "local_batch_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise DataError(f"training.{key}={value!r} is not allowed; it must be an int > 0.")
+            check_int(f"training.{key}", getattr(self, key), minimum=1, error=DataError)
         for key in ("dataset", "text_column"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_train.errors import MetricsError, check_int, check_number
+
 __all__ = ["MetricsConfig", "MetricsError"]
-
-
-class MetricsError(ValueError):
-    """A metrics setting is impossible, or an optional backend it asks for is missing."""
 
 
 @dataclass(kw_only=True)
@@ -41,23 +39,14 @@ class MetricsConfig:
     or, on CPU, measures fp32 matmul once (~0.5 s)."""
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.log_freq, bool)
-            or not isinstance(self.log_freq, int)
-            or (self.log_freq <= 0)
-        ):
-            raise MetricsError(
-                f"metrics.log_freq={self.log_freq!r} is not allowed; it must be an int > 0."
-            )
-        if (
-            isinstance(self.peak_flops, bool)
-            or not isinstance(self.peak_flops, int | float)
-            or (self.peak_flops < 0)
-        ):
-            raise MetricsError(
-                f"metrics.peak_flops={self.peak_flops!r} is not allowed; it must be >= 0 "
-                "(FLOP/s of one device, e.g. 989e12 for an H100; 0 finds it)."
-            )
+        check_int("metrics.log_freq", self.log_freq, minimum=1, error=MetricsError)
+        check_number(
+            "metrics.peak_flops",
+            self.peak_flops,
+            low=0,
+            hint="FLOP/s of one device, e.g. 989e12 for an H100; 0 finds it",
+            error=MetricsError,
+        )
         for key in ("save_tb_folder", "save_jsonl_file"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():

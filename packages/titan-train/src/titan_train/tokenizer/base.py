@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from titan_train.errors import TokenizerError
+
 __all__ = ["Tokenizer", "TokenizerError"]
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file is missing, malformed or lacks a token the trainer needs."""
 
 
 @runtime_checkable
