@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from titan_ckpt import (
+    COMMIT_MARKER,
     CheckpointConfig,
     CheckpointManager,
     CheckpointWriteError,
@@ -153,6 +154,8 @@ class FailingStorage(LocalStorage):
         self.code = code
 
     def write_atomic(self, path: str, data: bytes) -> None:
+        if not path.endswith(COMMIT_MARKER):  # the owner marker, written first, goes through
+            return super().write_atomic(path, data)
         raise OSError(self.code, "injected")
 
 

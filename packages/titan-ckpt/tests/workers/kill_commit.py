@@ -17,11 +17,23 @@ import sys
 import torch
 
 import titan_ckpt.manager
-from titan_ckpt import CheckpointConfig, CheckpointManager
+from titan_ckpt import COMMIT_MARKER, CheckpointConfig, CheckpointManager
 
 
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_at_marker(original):
+    """``original`` for every file but the commit marker (the owner marker, written first
+    through the same calls, must go through); death when the marker moves into place."""
+
+    def move(src, dst, *args, **kwargs):
+        if str(dst).endswith(COMMIT_MARKER):
+            die()
+        return original(src, dst, *args, **kwargs)
+
+    return move
 
 
 def main() -> None:
@@ -38,14 +50,17 @@ def main() -> None:
         model.weight.fill_(3)
     storage = manager.storage
     if point == "before-marker":
-        titan_ckpt.manager.write_commit = die
+        titan_ckpt.manager.commit_step = die
     elif point == "before-rename" and hasattr(storage, "fs"):
-        storage.fs.mv = die
+        storage.fs.mv = die_at_marker(storage.fs.mv)
     elif point == "before-rename":
-        os.replace = die
+        os.replace = die_at_marker(os.replace)
     elif point == "torn-marker":
+        write_atomic = storage.write_atomic
 
         def torn(path: str, data: bytes) -> None:
+            if not path.endswith(COMMIT_MARKER):
+                return write_atomic(path, data)
             with storage.open(path, "wb") as f:
                 f.write(data[: len(data) // 2])
             die()
