@@ -148,27 +148,32 @@ class CheckpointManager:
         if not config.enable:
             return
 
-        if self._distributed and config.async_mode != "disabled":
+        self._start(process_group)
+        logger.info("Checkpointing to %s (async_mode=%s)", self.folder, config.async_mode)
+
+    def _start(self, process_group: dist.ProcessGroup | None) -> None:
+        """An enabled manager's checkpointing group, async stager and committer, save watch
+        and purgers."""
+        if self._distributed and self.config.async_mode != "disabled":
             # Collective over the default group: every rank constructs a manager.
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
             self.pg = dist.new_group(ranks=ranks, backend="gloo")
         # "Rank 0" below is rank 0 of the checkpointing group: it plans loads and commits.
         self._rank = dist.get_rank(self.pg) if self._distributed else 0
-        if config.async_mode != "disabled":
+        if self.config.async_mode != "disabled":
             self._async_type, self._stager = make_stager(
-                config.async_mode, distributed=self._distributed
+                self.config.async_mode, distributed=self._distributed
             )
             if self._rank == 0:
                 self._committer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-commit")
         self._watch = SaveWatch(
             self.storage, self.folder, rank=self._rank, distributed=self._distributed, group=self.pg
         )
-        if self._rank == 0 and config.keep_latest_k > 0 and not config.load_only:
-            self._purger = Purger(self.storage, self.folder, config.keep_latest_k)
+        if self._rank == 0 and self.config.keep_latest_k > 0 and not self.config.load_only:
+            self._purger = Purger(self.storage, self.folder, self.config.keep_latest_k)
             if self.ft is not None and self.ft.dataloader_checkpoints:
                 replica = self.ft.replica_folder(self.storage, self.folder)
-                self._ft_purger = Purger(self.storage, replica, config.keep_latest_k)
-        logger.info("Checkpointing to %s (async_mode=%s)", self.folder, config.async_mode)
+                self._ft_purger = Purger(self.storage, replica, self.config.keep_latest_k)
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -542,11 +547,7 @@ class CheckpointManager:
         state = {**model_sd, **entries}
         self._read(directory, state)
         self.model.load_state_dict({k: state[k] for k in model_sd})
-        if manifest is not None:
-            self.last_loaded_step = manifest.step
-            self.loaded_metadata = manifest.metadata
-        elif (found := step_of(directory.rstrip("/").rsplit("/", 1)[-1])) is not None:
-            self.last_loaded_step = found  # e.g. torchtitan's step-<N>
+        self._remember(directory, manifest)
         if self.ft is not None and self.ft.loads_dataloader(
             kind, manifest, cfg.exclude_from_loading
         ):
@@ -567,6 +568,14 @@ class CheckpointManager:
             time.monotonic() - begin,
         )
         return True
+
+    def _remember(self, directory: str, manifest: Manifest | None) -> None:
+        """Record the step (and metadata) that ``load`` restored from ``directory``."""
+        if manifest is not None:
+            self.last_loaded_step = manifest.step
+            self.loaded_metadata = manifest.metadata
+        elif (found := step_of(directory.rstrip("/").rsplit("/", 1)[-1])) is not None:
+            self.last_loaded_step = found  # e.g. torchtitan's step-<N>
 
     def _read(self, directory: str, state: dict[str, Any]) -> None:
         """Load ``state`` in place from the DCP step in ``directory`` (every rank)."""

@@ -296,8 +296,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 _OPTION = re.compile(
-    r"(?<![\w/.-])options\.(to|dtype|model_only|include|exclude|model|flavor|hf_config|"
-    r"rope_scaling|max_shard_size|overwrite|trust_pickles)\b(?:=('[^']*'|\w+))?"
+    # Not inside a word or a path (my_options.to, /data/options.model/x).
+    r"(?<![\w.-])options\.(to|dtype|model_only|include|exclude|model|flavor|hf_config|"
+    r"rope_scaling|max_shard_size|overwrite|trust_pickles)\b(?!-|/(?!options\.))(?:=('[^']*'|\w+))?"
 )
 
 
