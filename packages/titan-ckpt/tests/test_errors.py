@@ -36,9 +36,11 @@ from titan_ckpt.layout import commit_step, hash_files
 
 def test_one_root_and_the_old_bases():
     for cls in (CheckpointConfigError, CheckpointFormatError):
-        assert issubclass(cls, CheckpointError) and issubclass(cls, ValueError)
+        assert issubclass(cls, CheckpointError)
+        assert issubclass(cls, ValueError)
     for cls in (CheckpointReadError, CheckpointIntegrityError, CheckpointWriteError):
-        assert issubclass(cls, CheckpointError) and issubclass(cls, RuntimeError)
+        assert issubclass(cls, CheckpointError)
+        assert issubclass(cls, RuntimeError)
     assert issubclass(UnsafeCheckpointError, CheckpointReadError)
     assert issubclass(DiskFullError, CheckpointWriteError)
     assert ConvertError is CheckpointConfigError
@@ -143,9 +145,11 @@ def test_progress_reaches_the_total_once_more_at_the_end(tmp_path, saved_folder)
     )
     summary = convert(str(saved_folder / "step-2"), str(tmp_path / "m.safetensors"), options)
     total = calls[-1][1]
-    assert calls[-1] == (total, total) and total == summary["bytes"]
+    assert calls[-1] == (total, total)
+    assert total == summary["bytes"]
     done = [d for d, _ in calls[:-1]]
-    assert done == sorted(done) and done[-1] == total
+    assert done == sorted(done)
+    assert done[-1] == total
 
 
 def test_the_old_command_module_runs_the_new_command():

@@ -157,8 +157,10 @@ def mlp(*sizes: int) -> torch.nn.Sequential:
     [
         (mlp(16, 8, 32, 4), CheckpointConfigError,
          r"does not fit the model: 0.weight: \[32, 16\] in the checkpoint, \[8, 16\] in the"),
-        (mlp(16, 32, 32, 4, 4), CheckpointConfigError, r"lacks model keys \['6.weight', '6.bias'\]"),
-        (mlp(16, 32), CheckpointConfigError, r"keys no model part owns .*\['2.bias', '2.weight', '4.bias'"),
+        (mlp(16, 32, 32, 4, 4), CheckpointConfigError,
+         r"lacks model keys \['6.weight', '6.bias'\]"),
+        (mlp(16, 32), CheckpointConfigError,
+         r"keys no model part owns .*\['2.bias', '2.weight', '4.bias'"),
     ],
 )  # fmt: skip
 def test_hf_folder_that_does_not_fit_is_refused_before_loading(

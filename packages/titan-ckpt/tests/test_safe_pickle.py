@@ -26,8 +26,8 @@ from titan_ckpt import (
     OptimizerState,
     UnsafeCheckpointError,
 )
-from titan_ckpt.layout import COMMIT_MARKER
 from titan_ckpt.formats.pickles import ALLOWED_GLOBALS, RestrictedUnpickler
+from titan_ckpt.layout import COMMIT_MARKER
 
 SYSTEM = f"{os.system.__module__}.system"  # how the poison's global is spelled: posix.system
 

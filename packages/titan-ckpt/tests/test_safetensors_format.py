@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from titan_ckpt.errors import CheckpointReadError
-from titan_ckpt.formats.safetensors import read_header
-from titan_ckpt.formats.safetensors import SafetensorsSource
+from titan_ckpt.formats.safetensors import SafetensorsSource, read_header
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

@@ -103,10 +103,10 @@ def _dcp_checks(root: Path) -> list:
 
 
 def _st_checks(root: Path) -> list:
-    from titan_ckpt.hf import hf_files
-    from titan_ckpt.formats.safetensors import SafetensorsSource
-    from titan_ckpt.storage import LocalStorage
     from titan_ckpt.commands.verify import verify_path
+    from titan_ckpt.formats.safetensors import SafetensorsSource
+    from titan_ckpt.hf import hf_files
+    from titan_ckpt.storage import LocalStorage
 
     path = str(root / "st" / "model.safetensors")
 
@@ -126,8 +126,8 @@ def _st_checks(root: Path) -> list:
 
 
 def _torch_checks(root: Path) -> list:
-    from titan_ckpt.formats.torch_save import TorchSource
     from titan_ckpt.commands.verify import verify_path
+    from titan_ckpt.formats.torch_save import TorchSource
 
     path = str(root / "model.pt")
 
