@@ -34,6 +34,7 @@ import pickle
 import pickletools
 import re
 import types
+import zipfile
 from typing import IO, Any
 
 import torch
@@ -256,8 +257,6 @@ def check_record(value: io.BytesIO, file: str) -> None:
 def prescan_record(value: io.BytesIO) -> None:
     """``prescan`` the pickle inside a ``torch.save`` zip record (a legacy, non-zip record
     is scanned whole: its pickles come first)."""
-    import zipfile
-
     start = value.tell()
     try:
         with zipfile.ZipFile(value) as archive:
