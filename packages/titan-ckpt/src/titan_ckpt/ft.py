@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from titan_ckpt.config import DATALOADER, MODEL
-from titan_ckpt.errors import CheckpointConfigError, CheckpointIntegrityError
+from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.layout import Manifest, read_manifest, step_dir, verify_step
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
@@ -115,27 +115,21 @@ class FaultTolerance:
         read: Callable[[str, dict[str, Any]], None],
     ) -> None:
         """Load this replica group's dataloader state saved at ``step``: ``decide(check)``
-        runs the check on the checkpointing group's rank 0 and hands its answer to every
+        runs the check on the checkpointing group's rank 0 and raises its error on every
         rank; ``read(directory, state)`` loads through DCP on every rank."""
         directory = step_dir(storage, self.replica_folder(storage, folder), step)
 
-        def check() -> Exception | None:
+        def check() -> None:
             manifest = read_manifest(storage, directory)
             if manifest is None:
-                return CheckpointConfigError(
+                raise CheckpointConfigError(
                     f"Replica group {self.replica_id} has no committed dataloader checkpoint "
                     f"at step {step} ({directory}); add 'dataloader' to "
                     "checkpoint.exclude_from_loading to restart its data stream."
                 )
-            try:
-                verify_step(storage, directory, manifest, checksums=checksums)
-            except CheckpointIntegrityError as e:
-                return e
-            return None
+            verify_step(storage, directory, manifest, checksums=checksums)
 
-        error = decide(check)
-        if error is not None:
-            raise error
+        decide(check)
         read(directory, {DATALOADER: self.states[DATALOADER]})
 
     def state_dict(self) -> dict[str, Any]:

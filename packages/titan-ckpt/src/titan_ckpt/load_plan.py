@@ -69,58 +69,57 @@ class LoadPlan:
 
 def plan_load(
     storage: Storage, config: CheckpointConfig, model: ModelState, *, step: int, checksums: bool
-) -> LoadPlan | Exception | None:
-    """What to load: a plan, None for a fresh start, or the error every rank should raise."""
-    try:
-        scan = scan_steps(storage, config.folder)
-        if scan.foreign:
-            return foreign_steps_error(storage, config.folder, scan.foreign)
-        loadable = sorted(scan.committed + scan.torchtitan)
-        if loadable:
-            if step == -1:
-                step = loadable[-1]
-            newer = [s for s in scan.committed if s > step]
-            if newer and step in loadable:
-                logger.warning(
-                    "Resuming from step %d while newer committed steps %s exist; saving "
-                    "those steps again will replace them",
-                    step,
-                    newer,
-                )
-            elif step not in loadable:
-                note = ""
-                if step in scan.uncommitted:
-                    note = " (present but uncommitted: an interrupted save)"
-                return CheckpointConfigError(
-                    f"checkpoint.load_step={step} is not a committed checkpoint in "
-                    f"{config.folder}{note}; committed steps: {loadable}."
-                )
-            directory = step_dir(storage, config.folder, step)
-            return _checked(storage, model, "resume", directory, checksums, config.trust_pickles)
-        if step != -1:
-            return CheckpointConfigError(
-                f"checkpoint.load_step={step}, but {config.folder} holds no committed "
-                "checkpoint. Use -1 to start fresh, or point checkpoint.folder elsewhere."
+) -> LoadPlan | None:
+    """What to load: a plan, or None for a fresh start; ``CheckpointConfigError`` (or an
+    integrity error) for a folder or step that cannot be loaded. Runs on rank 0; the manager
+    hands its plan, or its error, to every rank."""
+    scan = scan_steps(storage, config.folder)
+    if scan.foreign:
+        raise foreign_steps_error(storage, config.folder, scan.foreign)
+    loadable = sorted(scan.committed + scan.torchtitan)
+    if loadable:
+        if step == -1:
+            step = loadable[-1]
+        newer = [s for s in scan.committed if s > step]
+        if newer and step in loadable:
+            logger.warning(
+                "Resuming from step %d while newer committed steps %s exist; saving "
+                "those steps again will replace them",
+                step,
+                newer,
             )
-        path = config.initial_load_path
-        if path is None:
-            return None
-        if not storage.exists(path):
-            return CheckpointConfigError(f"checkpoint.initial_load_path={path!r} does not exist.")
-        if config.initial_load_in_hf:
-            return LoadPlan("hf", path, None)
-        if not storage.exists(storage.join(path, ".metadata")):
-            inner_scan = scan_steps(storage, path)
-            inner = sorted(inner_scan.committed + inner_scan.torchtitan)
-            if not inner:
-                return CheckpointConfigError(
-                    f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
-                    "(no .metadata) nor a folder of committed step-<N> checkpoints."
-                )
-            path = step_dir(storage, path, inner[-1])
-        return _checked(storage, model, "initial", path, checksums, config.trust_pickles)
-    except Exception as e:  # delivered to every rank, raised there
-        return e
+        elif step not in loadable:
+            note = ""
+            if step in scan.uncommitted:
+                note = " (present but uncommitted: an interrupted save)"
+            raise CheckpointConfigError(
+                f"checkpoint.load_step={step} is not a committed checkpoint in "
+                f"{config.folder}{note}; committed steps: {loadable}."
+            )
+        directory = step_dir(storage, config.folder, step)
+        return _checked(storage, model, "resume", directory, checksums, config.trust_pickles)
+    if step != -1:
+        raise CheckpointConfigError(
+            f"checkpoint.load_step={step}, but {config.folder} holds no committed "
+            "checkpoint. Use -1 to start fresh, or point checkpoint.folder elsewhere."
+        )
+    path = config.initial_load_path
+    if path is None:
+        return None
+    if not storage.exists(path):
+        raise CheckpointConfigError(f"checkpoint.initial_load_path={path!r} does not exist.")
+    if config.initial_load_in_hf:
+        return LoadPlan("hf", path, None)
+    if not storage.exists(storage.join(path, ".metadata")):
+        inner_scan = scan_steps(storage, path)
+        inner = sorted(inner_scan.committed + inner_scan.torchtitan)
+        if not inner:
+            raise CheckpointConfigError(
+                f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
+                "(no .metadata) nor a folder of committed step-<N> checkpoints."
+            )
+        path = step_dir(storage, path, inner[-1])
+    return _checked(storage, model, "initial", path, checksums, config.trust_pickles)
 
 
 def _checked(

@@ -233,8 +233,18 @@ class CheckpointManager:
         return box[0]
 
     def _decide(self, fn: Callable[[], T]) -> T:
-        """``fn()`` run on rank 0 only, its result handed to every rank."""
-        return self._agree(fn() if self._rank == 0 else None)
+        """``fn()`` run on rank 0 only: every rank returns its result, or raises the error
+        it raised (so that every rank loads the same step or fails the same way)."""
+        outcome: tuple[Any, Exception | None] = (None, None)
+        if self._rank == 0:
+            try:
+                outcome = (fn(), None)
+            except Exception as error:  # delivered to every rank, raised there
+                outcome = (None, error)
+        value, error = self._agree(outcome)
+        if error is not None:
+            raise error
+        return value
 
     @contextlib.contextmanager
     def _quiet_single_process(self):
@@ -413,17 +423,7 @@ class CheckpointManager:
     def _prepare_step(self, directory: str, step: int) -> None:
         """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
         an earlier save of ours left there; refuse a directory someone else wrote."""
-
-        def claim() -> Exception | None:
-            try:
-                self._claim_step(directory, step)
-            except Exception as e:  # delivered to every rank, raised there
-                return e
-            return None
-
-        error = self._decide(claim)
-        if error is not None:
-            raise error
+        self._decide(partial(self._claim_step, directory, step))
         self._barrier()
 
     def _claim_step(self, directory: str, step: int) -> None:
@@ -524,8 +524,6 @@ class CheckpointManager:
         plan = self._decide(
             partial(plan_load, self.storage, cfg, self.model, step=step, checksums=checksums)
         )
-        if isinstance(plan, Exception):
-            raise plan
         if plan is None:
             logger.info("No checkpoint in %s and no initial_load_path: starting fresh", self.folder)
             return False
