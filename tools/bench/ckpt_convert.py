@@ -99,7 +99,7 @@ for name in os.listdir(src):
             d.write(chunk)
         d.flush()
         os.fsync(d.fileno())"""
-TITAN = """from titan_ckpt.cli import main
+TITAN = """from titan_ckpt.commands.cli import main
 ---
 assert main(['convert', {src!r}, {dst!r}, '--to', 'safetensors']) == 0"""
 TORCH = """import os, warnings
@@ -109,7 +109,7 @@ warnings.simplefilter('ignore')
 dcp_to_torch_save({src!r}, {dst!r})
 with open({dst!r}, 'rb+') as f:
     os.fsync(f.fileno())"""
-BASELINE = """import torch, torch.distributed.checkpoint, titan_ckpt.convert, titan_ckpt.cli
+BASELINE = """import torch, torch.distributed.checkpoint, titan_ckpt.commands.cli
 ---
 pass"""
 

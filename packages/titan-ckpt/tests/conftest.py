@@ -94,7 +94,7 @@ def saved_folder(tmp_path_factory, common) -> Path:
 @pytest.fixture
 def titan_ckpt(capsys):
     """Run ``titan-ckpt ARGS...`` in this process; returns (exit status, stdout, stderr)."""
-    from titan_ckpt.cli import main
+    from titan_ckpt.commands.cli import main
 
     def run(*args: str) -> tuple[int, str, str]:
         try:

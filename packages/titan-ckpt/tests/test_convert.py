@@ -137,7 +137,7 @@ def test_console_script_module_and_help(tmp_path):
 
 
 def test_streamed_outputs_load_with_plain_torch(tmp_path, titan_ckpt):
-    """DCP and torch.save outputs are written tensor by tensor (titan_ckpt.streaming); they
+    """DCP and torch.save outputs are written tensor by tensor (titan_ckpt.formats); they
     must be what dcp.save and torch.save write: loadable by dcp.load, dcp_to_torch_save and
     torch.load (memory-mapped too), with valid zip CRCs. The input has the awkward cases: a
     transposed view, a slice of a larger storage, bf16, an empty tensor, a list holding a

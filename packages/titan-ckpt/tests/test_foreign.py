@@ -271,7 +271,7 @@ def test_full_state_initial_load_of_plain_dcp_is_one_clear_error(common, tmp_pat
 
 
 def test_verify_checks_torchtitan_steps_and_lists_foreign_ones(common, tmp_path):
-    from titan_ckpt.verify import verify_path
+    from titan_ckpt.commands.verify import verify_path
 
     write_torchtitan(common, tmp_path / "step-3")
     write_plain_dcp(tmp_path / "step-4")
@@ -284,7 +284,7 @@ def test_verify_checks_torchtitan_steps_and_lists_foreign_ones(common, tmp_path)
 
 
 def test_inspect_names_each_kind(common, tmp_path):
-    from titan_ckpt.inspection import inspect_path, render
+    from titan_ckpt.commands.inspect import inspect_path, render
 
     run, _ = manager(common, tmp_path)
     run.save(1)

@@ -37,7 +37,7 @@ from titan_ckpt import (
     scan_steps,
     storage_for,
 )
-from titan_ckpt.sources import DcpSource
+from titan_ckpt.formats.dcp import DcpSource
 
 # torchft 0.2.0 logs through the deprecated Logger.warn; that is its business, not ours.
 pytestmark = [

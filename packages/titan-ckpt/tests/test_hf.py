@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from titan_ckpt import CheckpointConfig, CheckpointConfigError, CheckpointManager, StateDictAdapter
-from titan_ckpt.sources import CheckpointReadError
+from titan_ckpt.errors import CheckpointReadError
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -110,7 +110,7 @@ def test_hf_folder_without_safetensors_is_refused(common, tmp_path):
     manager = CheckpointManager(
         config, model_parts=common.make_model(), state_dict_adapter=RenamingAdapter()
     )
-    with pytest.raises(FileNotFoundError, match=r"holds no \*.safetensors files"):
+    with pytest.raises(CheckpointConfigError, match=r"holds no \*.safetensors files"):
         manager.load()
 
 
@@ -155,10 +155,12 @@ def mlp(*sizes: int) -> torch.nn.Sequential:
 @pytest.mark.parametrize(
     ("other", "error", "message"),
     [
-        (mlp(16, 8, 32, 4), ValueError,
+        (mlp(16, 8, 32, 4), CheckpointConfigError,
          r"does not fit the model: 0.weight: \[32, 16\] in the checkpoint, \[8, 16\] in the"),
-        (mlp(16, 32, 32, 4, 4), KeyError, r"lacks model keys \['6.weight', '6.bias'\]"),
-        (mlp(16, 32), KeyError, r"keys no model part owns .*\['2.bias', '2.weight', '4.bias'"),
+        (mlp(16, 32, 32, 4, 4), CheckpointConfigError,
+         r"lacks model keys \['6.weight', '6.bias'\]"),
+        (mlp(16, 32), CheckpointConfigError,
+         r"keys no model part owns .*\['2.bias', '2.weight', '4.bias'"),
     ],
 )  # fmt: skip
 def test_hf_folder_that_does_not_fit_is_refused_before_loading(

@@ -26,8 +26,8 @@ from titan_ckpt import (
     OptimizerState,
     UnsafeCheckpointError,
 )
+from titan_ckpt.formats.pickles import ALLOWED_GLOBALS, RestrictedUnpickler
 from titan_ckpt.layout import COMMIT_MARKER
-from titan_ckpt.safe_pickle import ALLOWED_GLOBALS, RestrictedUnpickler
 
 SYSTEM = f"{os.system.__module__}.system"  # how the poison's global is spelled: posix.system
 
@@ -416,14 +416,14 @@ def test_pickles_that_would_allocate_beyond_their_size_are_refused_unrun(data, w
     # The C unpickler allocates a BINBYTES8 body, and zeroes a memo up to the largest index,
     # before it reads: these few bytes would ask for gigabytes. The walk refuses them first.
     from titan_ckpt import CheckpointReadError
-    from titan_ckpt.safe_pickle import load_metadata
+    from titan_ckpt.formats.pickles import load_metadata
 
     with pytest.raises(CheckpointReadError, match=why):
         load_metadata(io.BytesIO(data), str(tmp_path / ".metadata"))
 
 
 def test_the_opcode_walk_accepts_every_protocol():
-    from titan_ckpt.safe_pickle import prescan
+    from titan_ckpt.formats.pickles import prescan
 
     value = {"a": [1, 2.5, None, True, "x" * 300, b"y" * 70000, (1,) * 300, 10**40, {1, 2}]}
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
@@ -465,7 +465,7 @@ def test_a_data_file_outside_the_checkpoint_is_refused(saved_folder, tmp_path, t
 def test_verify_of_many_thousand_chunks_is_fast_and_finds_an_overlap(saved_folder, tmp_path):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from titan_ckpt.verify import verify_path
+    from titan_ckpt.commands.verify import verify_path
 
     step = tmp_path / "step-2"
     shutil.copytree(saved_folder / "step-2", step)

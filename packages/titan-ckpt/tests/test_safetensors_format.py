@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_ckpt.read_errors import CheckpointReadError
-from titan_ckpt.safetensors_format import read_header
-from titan_ckpt.sources import SafetensorsSource
+from titan_ckpt.errors import CheckpointReadError
+from titan_ckpt.formats.safetensors import SafetensorsSource, read_header
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -39,11 +38,11 @@ def _real(tmp_path: Path) -> tuple[dict, bytes]:
 
 def _both_readers(path: Path):
     """Open ``path`` with the command's reader and the manager's HF import reader."""
-    from titan_ckpt.hf import _Tensors
+    from titan_ckpt.hf import hf_files
     from titan_ckpt.storage import LocalStorage
 
     yield lambda: SafetensorsSource(str(path))
-    yield lambda: _Tensors(LocalStorage(), str(path.parent))
+    yield lambda: hf_files(LocalStorage(), str(path.parent))
 
 
 def test_a_real_file_reads_back(tmp_path):

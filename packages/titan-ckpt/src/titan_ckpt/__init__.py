@@ -11,6 +11,14 @@ A step directory titan did not create is never deleted, overwritten or written i
 ``classify_step`` tells ours from torchtitan's and foreign ones,
 ``check_folder_contents`` stops a run early on a folder it cannot use safely, and
 torchtitan checkpoints resume through ``TorchtitanCompat``.
+
+The package has three layers: the runtime at the top level (``manager``, ``layout``,
+``storage``, ``hf``, ...), ``titan_ckpt.formats`` (DCP, safetensors, torch.save: readers and
+writers) and ``titan_ckpt.commands`` (inspect, verify, diff, convert and the ``titan-ckpt``
+command). Every error raised on purpose is a ``CheckpointError`` (``titan_ckpt.errors``).
+``COMMIT_MARKER``, ``OWNER_MARKER``, ``Manifest``, ``read_manifest``, ``scan_steps`` and
+``verify_step`` belong to the on-disk layout (``titan_ckpt.layout``); they stay here for the
+code that imports them from the package.
 """
 
 from titan_ckpt.__about__ import __version__
@@ -20,11 +28,20 @@ from titan_ckpt.adapter import (
     StreamingStateDictAdapter,
     load_state_dict_adapter,
 )
-from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
+from titan_ckpt.config import CheckpointConfig
+from titan_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    DiskFullError,
+    UnsafeCheckpointError,
+)
 from titan_ckpt.layout import (
     COMMIT_MARKER,
     OWNER_MARKER,
-    CheckpointIntegrityError,
     Manifest,
     StepScan,
     classify_step,
@@ -35,8 +52,6 @@ from titan_ckpt.layout import (
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.model_record import MODEL_RECORD
 from titan_ckpt.preflight import check_folder_contents, check_folder_writable
-from titan_ckpt.read_errors import CheckpointReadError, UnsafeCheckpointError
-from titan_ckpt.space import CheckpointWriteError, DiskFullError
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
 from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint
@@ -48,6 +63,8 @@ __all__ = [
     "OWNER_MARKER",
     "CheckpointConfig",
     "CheckpointConfigError",
+    "CheckpointError",
+    "CheckpointFormatError",
     "CheckpointIntegrityError",
     "CheckpointManager",
     "CheckpointReadError",

@@ -57,7 +57,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from titan_ckpt.streaming import TensorSpec
+from titan_ckpt.formats.base import TensorSpec
 
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",

@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch
 
+from titan_ckpt.errors import CheckpointConfigError
+
 __all__ = ["ASYNC_MODES", "EXPORT_DTYPES", "CheckpointConfig", "CheckpointConfigError"]
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -19,10 +21,7 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # Names under which the manager stores the states it is given; the model's own keys sit at the
 # top level beside them (see CheckpointManager), so no model FQN may use one of these names.
 MODEL = "model"
-
-
-class CheckpointConfigError(ValueError):
-    """A checkpoint setting that cannot work, naming the key, the value and what is allowed."""
+DATALOADER = "dataloader"
 
 
 @dataclass(kw_only=True)

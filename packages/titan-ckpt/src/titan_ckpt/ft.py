@@ -14,14 +14,18 @@ torchft itself is never imported here: the manager object is passed in.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from titan_ckpt.config import MODEL
+from titan_ckpt.config import DATALOADER, MODEL
+from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.layout import Manifest, read_manifest, step_dir, verify_step
 from titan_ckpt.states import ModelState
+from titan_ckpt.storage import Storage
 
 __all__ = ["DATALOADER", "FaultTolerance"]
 
-DATALOADER = "dataloader"
+T = TypeVar("T")
 FT_STATE_KEY = "titan_ckpt"
 """The key of our callbacks in torchft's recovery state (``Manager.register_state_dict_fn``)."""
 
@@ -55,7 +59,7 @@ class FaultTolerance:
             )
         self.dataloader_checkpoints = dataloader_checkpoints and DATALOADER in states
         if self.dataloader_checkpoints and replica_id is None:
-            raise ValueError(
+            raise CheckpointConfigError(
                 "ft_replica_id is needed with a torchft manager and a dataloader: each replica "
                 "group saves its dataloader under ft-replica-<id>/. Pass the replica group's id, "
                 "or set checkpoint.enable_ft_dataloader_checkpoints=false."
@@ -73,8 +77,60 @@ class FaultTolerance:
         """Whether this replica group writes the shared checkpoint."""
         return self.manager.participating_rank() == 0
 
-    def replica_folder(self, join: Any, folder: str) -> str:
-        return join(folder, f"ft-replica-{self.replica_id}")
+    def replica_folder(self, storage: Storage, folder: str) -> str:
+        """This replica group's own folder under the checkpoint folder ``folder``."""
+        return storage.join(folder, f"ft-replica-{self.replica_id}")
+
+    def save_dataloader(
+        self,
+        storage: Storage,
+        folder: str,
+        step: int,
+        write: Callable[[str, dict[str, Any]], None],
+    ) -> None:
+        """Save this replica group's dataloader state at ``step`` in its own folder, through
+        ``write(directory, state)`` (the manager's synchronous write and commit)."""
+        directory = step_dir(storage, self.replica_folder(storage, folder), step)
+        write(directory, {DATALOADER: self.states[DATALOADER]})
+
+    def loads_dataloader(self, kind: str, manifest: Manifest | None, excluded: list[str]) -> bool:
+        """Whether resuming a ``kind`` load of the step ``manifest`` describes restores this
+        group's own dataloader state (not for model-only steps or initial loads)."""
+        return (
+            self.dataloader_checkpoints
+            and kind == "resume"
+            and manifest is not None
+            and not manifest.model_only
+            and DATALOADER not in excluded
+        )
+
+    def load_dataloader(
+        self,
+        storage: Storage,
+        folder: str,
+        step: int,
+        *,
+        checksums: bool,
+        decide: Callable[[Callable[[], T]], T],
+        read: Callable[[str, dict[str, Any]], None],
+    ) -> None:
+        """Load this replica group's dataloader state saved at ``step``: ``decide(check)``
+        runs the check on the checkpointing group's rank 0 and raises its error on every
+        rank; ``read(directory, state)`` loads through DCP on every rank."""
+        directory = step_dir(storage, self.replica_folder(storage, folder), step)
+
+        def check() -> None:
+            manifest = read_manifest(storage, directory)
+            if manifest is None:
+                raise CheckpointConfigError(
+                    f"Replica group {self.replica_id} has no committed dataloader checkpoint "
+                    f"at step {step} ({directory}); add 'dataloader' to "
+                    "checkpoint.exclude_from_loading to restart its data stream."
+                )
+            verify_step(storage, directory, manifest, checksums=checksums)
+
+        decide(check)
+        read(directory, {DATALOADER: self.states[DATALOADER]})
 
     def state_dict(self) -> dict[str, Any]:
         """The state a recovering peer copies: everything but the dataloader."""

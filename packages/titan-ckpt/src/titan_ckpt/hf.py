@@ -23,7 +23,6 @@ whole model once.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from functools import partial
@@ -41,14 +40,17 @@ from titan_ckpt.adapter import (
     streams,
     to_hf_items,
 )
-from titan_ckpt.safetensors_format import read_header
-from titan_ckpt.shards import INDEX_NAME, write_safetensors_shards
-from titan_ckpt.sources import read_exactly
+from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.formats.base import TensorSpec, dtype_name
+from titan_ckpt.formats.safetensors import (
+    INDEX_NAME,
+    SafetensorsFiles,
+    write_safetensors_shards,
+)
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
-from titan_ckpt.streaming import TensorSpec
 
-__all__ = ["load_hf", "require_safetensors", "save_hf"]
+__all__ = ["hf_files", "load_hf", "require_safetensors", "save_hf"]
 
 HF_CONFIG = "config.json"
 
@@ -133,7 +135,7 @@ def save_hf(
     storage.makedirs(directory)
     write_safetensors_shards(storage, directory, planned, values, max_shard_size=max_shard_size)
     config = adapter.hf_config()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["torch_dtype"] = dtype_name(dtype)
     text = json.dumps(config, indent=2, sort_keys=True).encode()
     storage.write_atomic(storage.join(directory, HF_CONFIG), text)
 
@@ -167,55 +169,34 @@ def _owners(
 # --- import --------------------------------------------------------------------------------
 
 
-class _Tensors:
-    """The tensors of a Hugging Face folder, read lazily (headers first, data per key)."""
-
-    def __init__(self, storage: Storage, directory: str) -> None:
-        self.storage = storage
-        names = storage.list(directory)
-        if INDEX_NAME in names:
-            with storage.open(storage.join(directory, INDEX_NAME), "rb") as f:
+def hf_files(storage: Storage, directory: str) -> SafetensorsFiles:
+    """The tensors of the Hugging Face folder ``directory``, read lazily: the files its
+    index names when it has one, else every ``*.safetensors`` file."""
+    names = storage.list(directory)
+    if INDEX_NAME in names:
+        with storage.open(storage.join(directory, INDEX_NAME), "rb") as f:
+            try:
                 weight_map = json.loads(f.read())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(n for n in names if n.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(
-                f"checkpoint.initial_load_path={directory!r} holds no *.safetensors files; "
-                "with initial_load_in_hf=true it must be a Hugging Face model folder."
-            )
-        self.where: dict[str, tuple[str, int, int]] = {}  # key -> (file, begin, end)
-        self.specs: dict[str, TensorSpec] = {}
-        for name in files:
-            path = storage.join(directory, name)
-            with storage.open(path, "rb") as f:
-                header = read_header(f, storage.size(path), path)
-            for key, t in header.tensors.items():
-                self.where[key] = (path, t.begin, t.end)
-                self.specs[key] = (t.shape, t.dtype)
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor in key order (as ``titan-ckpt convert`` reads them), each read into
-        memory of its own (not mapped: mapped pages would stay resident)."""
-        with contextlib.ExitStack() as stack:
-            opened: dict[str, Any] = {}
-            for key in sorted(self.where):
-                path, begin, _ = self.where[key]
-                if path not in opened:
-                    opened[path] = stack.enter_context(self.storage.open(path, "rb"))
-                shape, dtype = self.specs[key]
-                # read_header checked that [begin, end) is inside the file and is the
-                # tensor's size, so this allocates no more than the file holds.
-                tensor = torch.empty(shape, dtype=dtype)
-                read_exactly(opened[path], begin, tensor, f"{path}: {key}")
-                yield key, tensor
-                del tensor
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
+                raise CheckpointConfigError(
+                    f"checkpoint.initial_load_path={directory!r}: its {INDEX_NAME} is not a "
+                    f"Hugging Face index ({type(error).__name__}: {error})."
+                ) from None
+    else:
+        files = sorted(n for n in names if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointConfigError(
+            f"checkpoint.initial_load_path={directory!r} holds no *.safetensors files; "
+            "with initial_load_in_hf=true it must be a Hugging Face model folder."
+        )
+    return SafetensorsFiles(storage, [storage.join(directory, name) for name in files])
 
 
 def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateDictAdapter) -> None:
     """Load the model parts from the Hugging Face folder at ``directory``, one tensor at a
     time (see the module docstring)."""
-    source = _Tensors(storage, directory)
+    source = hf_files(storage, directory)
     targets: dict[str, torch.Tensor] = {}
     for part in model.model_parts:
         targets.update(get_model_state_dict(part))
@@ -249,13 +230,13 @@ def _check_keys(
 ) -> None:
     missing = [k for k in targets if k not in native]
     if missing:
-        raise KeyError(
+        raise CheckpointConfigError(
             f"The Hugging Face checkpoint in {directory} lacks model keys {missing[:5]} "
             f"(of {len(missing)}) after the adapter's conversion."
         )
     unused = sorted(set(native) - model_keys)
     if unused:
-        raise KeyError(
+        raise CheckpointConfigError(
             f"The Hugging Face checkpoint in {directory} has keys no model part owns after "
             f"the adapter's conversion: {unused[:5]} (of {len(unused)})."
         )
@@ -265,7 +246,7 @@ def _check_keys(
         if tuple(native[k][0]) != tuple(v.shape)
     ]
     if wrong:
-        raise ValueError(
+        raise CheckpointConfigError(
             f"The Hugging Face checkpoint in {directory} does not fit the model: "
             f"{'; '.join(wrong[:3])} (of {len(wrong)} tensors)."
         )

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_ckpt.errors import CheckpointIntegrityError
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import is_torchtitan_checkpoint, read_state_keys
 
@@ -37,18 +38,21 @@ __all__ = [
     "COMMIT_MARKER",
     "OWNER_MARKER",
     "STEP_KINDS",
+    "STEP_RE",
     "CheckpointIntegrityError",
     "Manifest",
     "StepScan",
     "classify_step",
+    "commit_step",
     "committed_steps",
     "hash_files",
     "json_metadata",
     "read_manifest",
     "scan_steps",
     "step_dir",
+    "step_name",
+    "step_of",
     "verify_step",
-    "write_commit",
     "write_owner",
 ]
 
@@ -59,17 +63,25 @@ OWNER_MARKER = "titan-owner.json"
 STEP_KINDS = ("committed", "interrupted", "torchtitan", "foreign")
 _MARKERS = (COMMIT_MARKER, OWNER_MARKER)  # ours, not checkpoint data: not in the manifest
 FORMAT = "titan-ckpt/1"
-_STEP_RE = re.compile(r"^step-(\d+)$")
+STEP_RE = re.compile(r"^step-(\d+)$")
+"""A step directory's name (the one pattern: discovery, detection, the commands)."""
 _HASH_CHUNK = 1 << 20
 
 
-class CheckpointIntegrityError(RuntimeError):
-    """A committed step whose files do not match its manifest (missing, resized, altered)."""
+def step_name(step: int) -> str:
+    """The name of step ``step``'s directory: ``step-<N>``."""
+    return f"step-{step}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory name ``step-<N>`` stands for, else None."""
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def step_dir(storage: Storage, folder: str, step: int) -> str:
     """The directory of step ``step`` under ``folder``."""
-    return storage.join(folder, f"step-{step}")
+    return storage.join(folder, step_name(step))
 
 
 @dataclass(kw_only=True)
@@ -162,39 +174,47 @@ def _sha256(storage: Storage, path: str) -> str:
     return digest.hexdigest()
 
 
-def hash_files(storage: Storage, directory: str, *, prefix: str = "") -> dict[str, dict]:
-    """Size and sha256 of the files in ``directory`` whose names start with ``prefix``."""
-    out = {}
+def _data_files(storage: Storage, directory: str, prefix: str = "") -> list[str]:
+    """The checkpoint files of ``directory`` (relative paths), less our markers and
+    temporary files, whose names start with ``prefix``."""
+    out = []
     for rel in storage.walk_files(directory):
         name = rel.rsplit("/", 1)[-1]
         if rel in _MARKERS or name.startswith(".tmp-") or not rel.startswith(prefix):
             continue
-        path = storage.join(directory, rel)
-        out[rel] = {"size": storage.size(path), "sha256": _sha256(storage, path)}
+        out.append(rel)
     return out
 
 
-def write_commit(
+def _file_entry(storage: Storage, path: str) -> dict[str, Any]:
+    return {"size": storage.size(path), "sha256": _sha256(storage, path)}
+
+
+def hash_files(storage: Storage, directory: str, *, prefix: str = "") -> dict[str, dict]:
+    """Size and sha256 of the files in ``directory`` whose names start with ``prefix`` (each
+    rank hashes the files it wrote; ``commit_step`` merges them)."""
+    return {
+        rel: _file_entry(storage, storage.join(directory, rel))
+        for rel in _data_files(storage, directory, prefix)
+    }
+
+
+def commit_step(
     storage: Storage,
     directory: str,
     manifest: Manifest,
-    hashed: dict[str, dict] | None = None,
+    hashed: Mapping[str, dict] | None = None,
 ) -> Manifest:
-    """Fill the manifest from the files in ``directory`` and write the commit marker last.
-
-    ``hashed`` holds entries other ranks computed for their own files; the rest are hashed
-    here.
-    """
+    """Commit the step in ``directory``: fill the manifest with every file's size and sha256,
+    then write the commit marker, last. One walk of the directory: ``hashed`` holds the
+    entries other ranks computed for their own files (``hash_files``); the rest are hashed
+    here."""
     hashed = hashed or {}
-    for rel in storage.walk_files(directory):
-        name = rel.rsplit("/", 1)[-1]
-        if rel in _MARKERS or name.startswith(".tmp-"):
-            continue
-        if rel in hashed:
-            manifest.files[rel] = hashed[rel]
-        else:
-            path = storage.join(directory, rel)
-            manifest.files[rel] = {"size": storage.size(path), "sha256": _sha256(storage, path)}
+    for rel in _data_files(storage, directory):
+        entry = hashed.get(rel)
+        manifest.files[rel] = (
+            entry if entry is not None else _file_entry(storage, storage.join(directory, rel))
+        )
     manifest.created = time.time()
     storage.write_atomic(storage.join(directory, COMMIT_MARKER), manifest.to_json())
     return manifest
@@ -232,7 +252,8 @@ def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksu
     if problems:
         raise CheckpointIntegrityError(
             f"Checkpoint {directory} is damaged: " + "; ".join(problems) + ". Load an earlier "
-            "step (checkpoint.load_step) or restore these files."
+            "step (checkpoint.load_step) or restore these files.",
+            problems=problems,
         )
 
 
@@ -272,9 +293,9 @@ class StepScan:
 def _step_names(storage: Storage, folder: str) -> list[tuple[int, str]]:
     out = []
     for name in storage.list(folder):
-        m = _STEP_RE.match(name)
-        if m is not None:
-            out.append((int(m.group(1)), name))
+        step = step_of(name)
+        if step is not None:
+            out.append((step, name))
     return sorted(out)
 
 
@@ -304,6 +325,6 @@ def scan_steps(storage: Storage, folder: str, *, log: bool = True) -> StepScan:
             "Ignoring uncommitted checkpoint directories in %s (interrupted or in-progress "
             "saves): %s",
             folder,
-            ", ".join(f"step-{s}" for s in scan.uncommitted),
+            ", ".join(map(step_name, scan.uncommitted)),
         )
     return scan

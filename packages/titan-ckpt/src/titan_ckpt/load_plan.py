@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
+from titan_ckpt.config import DATALOADER, CheckpointConfig
+from titan_ckpt.errors import CheckpointConfigError, CheckpointIntegrityError
 from titan_ckpt.layout import (
-    CheckpointIntegrityError,
+    Manifest,
     read_manifest,
     scan_steps,
     step_dir,
@@ -29,7 +30,7 @@ from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
 
-__all__ = ["LoadPlan", "plan_load"]
+__all__ = ["LoadPlan", "plan_load", "states_to_load"]
 
 logger = logging.getLogger("titan_ckpt")
 
@@ -68,58 +69,57 @@ class LoadPlan:
 
 def plan_load(
     storage: Storage, config: CheckpointConfig, model: ModelState, *, step: int, checksums: bool
-) -> LoadPlan | Exception | None:
-    """What to load: a plan, None for a fresh start, or the error every rank should raise."""
-    try:
-        scan = scan_steps(storage, config.folder)
-        if scan.foreign:
-            return foreign_steps_error(storage, config.folder, scan.foreign)
-        loadable = sorted(scan.committed + scan.torchtitan)
-        if loadable:
-            if step == -1:
-                step = loadable[-1]
-            newer = [s for s in scan.committed if s > step]
-            if newer and step in loadable:
-                logger.warning(
-                    "Resuming from step %d while newer committed steps %s exist; saving "
-                    "those steps again will replace them",
-                    step,
-                    newer,
-                )
-            elif step not in loadable:
-                note = ""
-                if step in scan.uncommitted:
-                    note = " (present but uncommitted: an interrupted save)"
-                return CheckpointConfigError(
-                    f"checkpoint.load_step={step} is not a committed checkpoint in "
-                    f"{config.folder}{note}; committed steps: {loadable}."
-                )
-            directory = step_dir(storage, config.folder, step)
-            return _checked(storage, model, "resume", directory, checksums, config.trust_pickles)
-        if step != -1:
-            return CheckpointConfigError(
-                f"checkpoint.load_step={step}, but {config.folder} holds no committed "
-                "checkpoint. Use -1 to start fresh, or point checkpoint.folder elsewhere."
+) -> LoadPlan | None:
+    """What to load: a plan, or None for a fresh start; ``CheckpointConfigError`` (or an
+    integrity error) for a folder or step that cannot be loaded. Runs on rank 0; the manager
+    hands its plan, or its error, to every rank."""
+    scan = scan_steps(storage, config.folder)
+    if scan.foreign:
+        raise foreign_steps_error(storage, config.folder, scan.foreign)
+    loadable = sorted(scan.committed + scan.torchtitan)
+    if loadable:
+        if step == -1:
+            step = loadable[-1]
+        newer = [s for s in scan.committed if s > step]
+        if newer and step in loadable:
+            logger.warning(
+                "Resuming from step %d while newer committed steps %s exist; saving "
+                "those steps again will replace them",
+                step,
+                newer,
             )
-        path = config.initial_load_path
-        if path is None:
-            return None
-        if not storage.exists(path):
-            return CheckpointConfigError(f"checkpoint.initial_load_path={path!r} does not exist.")
-        if config.initial_load_in_hf:
-            return LoadPlan("hf", path, None)
-        if not storage.exists(storage.join(path, ".metadata")):
-            inner_scan = scan_steps(storage, path)
-            inner = sorted(inner_scan.committed + inner_scan.torchtitan)
-            if not inner:
-                return CheckpointConfigError(
-                    f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
-                    "(no .metadata) nor a folder of committed step-<N> checkpoints."
-                )
-            path = step_dir(storage, path, inner[-1])
-        return _checked(storage, model, "initial", path, checksums, config.trust_pickles)
-    except Exception as e:  # delivered to every rank, raised there
-        return e
+        elif step not in loadable:
+            note = ""
+            if step in scan.uncommitted:
+                note = " (present but uncommitted: an interrupted save)"
+            raise CheckpointConfigError(
+                f"checkpoint.load_step={step} is not a committed checkpoint in "
+                f"{config.folder}{note}; committed steps: {loadable}."
+            )
+        directory = step_dir(storage, config.folder, step)
+        return _checked(storage, model, "resume", directory, checksums, config.trust_pickles)
+    if step != -1:
+        raise CheckpointConfigError(
+            f"checkpoint.load_step={step}, but {config.folder} holds no committed "
+            "checkpoint. Use -1 to start fresh, or point checkpoint.folder elsewhere."
+        )
+    path = config.initial_load_path
+    if path is None:
+        return None
+    if not storage.exists(path):
+        raise CheckpointConfigError(f"checkpoint.initial_load_path={path!r} does not exist.")
+    if config.initial_load_in_hf:
+        return LoadPlan("hf", path, None)
+    if not storage.exists(storage.join(path, ".metadata")):
+        inner_scan = scan_steps(storage, path)
+        inner = sorted(inner_scan.committed + inner_scan.torchtitan)
+        if not inner:
+            raise CheckpointConfigError(
+                f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
+                "(no .metadata) nor a folder of committed step-<N> checkpoints."
+            )
+        path = step_dir(storage, path, inner[-1])
+    return _checked(storage, model, "initial", path, checksums, config.trust_pickles)
 
 
 def _checked(
@@ -171,3 +171,51 @@ def _check_model_matches(
             f"{directory} does not hold this model: {', '.join(detail)}. Check that the "
             "model configuration matches the one that wrote the checkpoint."
         )
+
+
+def states_to_load(
+    cfg: CheckpointConfig,
+    kind: str,
+    directory: str,
+    manifest: Manifest | None,
+    states: Mapping[str, Any],
+    data_parallel_degree: int,
+) -> list[str]:
+    """The names of ``states`` (the shared checkpoint's) to load from the ``kind`` load of
+    ``directory``; ``CheckpointConfigError`` for one the step lacks, or a dataloader saved at
+    another data-parallel degree that cannot reshard."""
+    if kind == "initial" and cfg.initial_load_model_only:
+        return []
+    if manifest is not None and manifest.model_only:
+        if kind == "resume" and manifest.step != 0:
+            logger.warning(
+                "%s is a model-only checkpoint (a final export): resuming the model only; "
+                "optimizer and other states start fresh",
+                directory,
+            )
+        return []
+    names = [n for n in sorted(states) if n not in cfg.exclude_from_loading]
+    if manifest is None:
+        return names
+    missing = [n for n in names if n not in manifest.states]
+    if missing:
+        raise CheckpointConfigError(
+            f"{directory} holds no {missing} state (it has {manifest.states}); add "
+            f"{missing} to checkpoint.exclude_from_loading to start them fresh."
+        )
+    # The dataloader is sharded over data-parallel ranks, not over all ranks: a TP=2 world
+    # of 2 and a single process both read one data stream. Older markers lack the degree.
+    saved_dp = manifest.data_parallel_degree or manifest.world_size
+    if (
+        DATALOADER in names
+        and saved_dp != data_parallel_degree
+        and not getattr(states[DATALOADER], "supports_resharding", False)
+    ):
+        raise CheckpointConfigError(
+            f"{directory} was written with data-parallel degree {saved_dp}, this run has "
+            f"{data_parallel_degree}, and the dataloader "
+            f"({type(states[DATALOADER]).__name__}) does not declare "
+            "supports_resharding. Add 'dataloader' to checkpoint.exclude_from_loading to "
+            "restart the data stream, or resume at the original data-parallel degree."
+        )
+    return names

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,26 +37,25 @@ from torch import nn
 
 from titan_ckpt.adapter import StateDictAdapter
 from titan_ckpt.asyncmode import check_main_guard, make_stager
-from titan_ckpt.config import MODEL, CheckpointConfig, CheckpointConfigError
-from titan_ckpt.ft import DATALOADER, FaultTolerance
+from titan_ckpt.config import DATALOADER, MODEL, CheckpointConfig
+from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.formats.dcp import unwrap_read_errors
+from titan_ckpt.ft import FaultTolerance
 from titan_ckpt.hf import load_hf, require_safetensors, save_hf
 from titan_ckpt.layout import (
     COMMIT_MARKER,
-    CheckpointIntegrityError,
     Manifest,
     classify_step,
+    commit_step,
     hash_files,
     json_metadata,
-    read_manifest,
     step_dir,
-    verify_step,
-    write_commit,
+    step_of,
     write_owner,
 )
-from titan_ckpt.load_plan import plan_load
+from titan_ckpt.load_plan import plan_load, states_to_load
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
-from titan_ckpt.safe_dcp import unwrap_read_errors
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
@@ -64,6 +63,7 @@ from titan_ckpt.storage import Storage
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("titan_ckpt")
+T = TypeVar("T")
 
 HF_SUBDIR = "hf"
 
@@ -148,27 +148,32 @@ class CheckpointManager:
         if not config.enable:
             return
 
-        if self._distributed and config.async_mode != "disabled":
+        self._start(process_group)
+        logger.info("Checkpointing to %s (async_mode=%s)", self.folder, config.async_mode)
+
+    def _start(self, process_group: dist.ProcessGroup | None) -> None:
+        """An enabled manager's checkpointing group, async stager and committer, save watch
+        and purgers."""
+        if self._distributed and self.config.async_mode != "disabled":
             # Collective over the default group: every rank constructs a manager.
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
             self.pg = dist.new_group(ranks=ranks, backend="gloo")
         # "Rank 0" below is rank 0 of the checkpointing group: it plans loads and commits.
         self._rank = dist.get_rank(self.pg) if self._distributed else 0
-        if config.async_mode != "disabled":
+        if self.config.async_mode != "disabled":
             self._async_type, self._stager = make_stager(
-                config.async_mode, distributed=self._distributed
+                self.config.async_mode, distributed=self._distributed
             )
             if self._rank == 0:
                 self._committer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-commit")
         self._watch = SaveWatch(
             self.storage, self.folder, rank=self._rank, distributed=self._distributed, group=self.pg
         )
-        if self._rank == 0 and config.keep_latest_k > 0 and not config.load_only:
-            self._purger = Purger(self.storage, self.folder, config.keep_latest_k)
+        if self._rank == 0 and self.config.keep_latest_k > 0 and not self.config.load_only:
+            self._purger = Purger(self.storage, self.folder, self.config.keep_latest_k)
             if self.ft is not None and self.ft.dataloader_checkpoints:
-                replica = self.ft.replica_folder(self.storage.join, self.folder)
-                self._ft_purger = Purger(self.storage, replica, config.keep_latest_k)
-        logger.info("Checkpointing to %s (async_mode=%s)", self.folder, config.async_mode)
+                replica = self.ft.replica_folder(self.storage, self.folder)
+                self._ft_purger = Purger(self.storage, replica, self.config.keep_latest_k)
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -227,6 +232,20 @@ class CheckpointManager:
         dist.broadcast_object_list(box, group=self.pg, group_src=0)
         return box[0]
 
+    def _decide(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on rank 0 only: every rank returns its result, or raises the error
+        it raised (so that every rank loads the same step or fails the same way)."""
+        outcome: tuple[Any, Exception | None] = (None, None)
+        if self._rank == 0:
+            try:
+                outcome = (fn(), None)
+            except Exception as error:  # delivered to every rank, raised there
+                outcome = (None, error)
+        value, error = self._agree(outcome)
+        if error is not None:
+            raise error
+        return value
+
     @contextlib.contextmanager
     def _quiet_single_process(self):
         """DCP warns on every call in a process without torch.distributed; that is our intent."""
@@ -265,15 +284,8 @@ class CheckpointManager:
         shared_states = self._shared_states()
         if self.ft is not None:
             if self.ft.dataloader_checkpoints and not model_only:
-                replica = self.ft.replica_folder(self.storage.join, self.folder)
-                replica_state = {DATALOADER: self.states[DATALOADER]}
-                self._write_sync(
-                    step_dir(self.storage, replica, curr_step),
-                    replica_state,
-                    self._manifest(curr_step, [DATALOADER], model_only=False),
-                    self._ft_purger,
-                    needed=state_bytes(replica_state),
-                )
+                write = partial(self._write_replica, curr_step)
+                self.ft.save_dataloader(self.storage, self.folder, curr_step, write)
             if not self.ft.is_writer():
                 return True  # another replica group writes the shared checkpoint
         directory = step_dir(self.storage, self.folder, curr_step)
@@ -291,9 +303,17 @@ class CheckpointManager:
             hf = last_step and cfg.last_save_in_hf
             self._write_sync(directory, state, manifest, self._purger, hf=hf, needed=needed)
             logger.info("Saved %s in %.2f s", directory, time.monotonic() - begin)
-            return True
+        else:
+            self._save_async(directory, state, manifest, needed)
+            seconds = time.monotonic() - begin
+            logger.info("Staged %s in %.2f s; writing in the background", directory, seconds)
+        return True
 
-        self._prepare_step(directory, curr_step, needed)
+    def _save_async(
+        self, directory: str, state: dict[str, Any], manifest: Manifest, needed: int | None
+    ) -> None:
+        """Stage ``state`` and start writing it; rank 0 commits once every rank wrote."""
+        self._prepare_step(directory, manifest.step, needed)
         with self._quiet_single_process():
             response = dcp.async_save(
                 state,
@@ -307,14 +327,16 @@ class CheckpointManager:
             upload, self._staging = response, None
         else:
             upload, self._staging = response.upload_completion, response.staging_completion
-        self._inflight = (directory, curr_step, needed)
+        self._inflight = (directory, manifest.step, needed)
         if self._committer is not None:  # rank 0 commits once the upload finished everywhere
             self._pending = self._committer.submit(self._commit_after, upload, directory, manifest)
         else:
             self._pending = upload
-        seconds = time.monotonic() - begin
-        logger.info("Staged %s in %.2f s; writing in the background", directory, seconds)
-        return True
+
+    def _write_replica(self, step: int, directory: str, state: dict[str, Any]) -> None:
+        """Write and commit this replica group's own state (its dataloader) for ``step``."""
+        manifest = self._manifest(step, list(state), model_only=False)
+        self._write_sync(directory, state, manifest, self._ft_purger, needed=state_bytes(state))
 
     def _shared_states(self) -> dict[str, Any]:
         """States in the shared checkpoint: all, less a dataloader saved per replica group."""
@@ -385,31 +407,28 @@ class CheckpointManager:
                 max_shard_size=self.config.hf_max_shard_size,
                 writer=self._rank == 0,
             )
-        # Every rank hashes the data files it wrote (DCP's filesystem writer names them
-        # __<rank>_<n>.distcp), so the commit costs one rank's share, not the whole state.
-        own = hash_files(self.storage, directory, prefix=f"__{self._rank}_")
+        # Every other rank hashes the data files it wrote (DCP's filesystem writer names them
+        # __<rank>_<n>.distcp), so the commit costs one rank's share, not the whole state;
+        # rank 0 hashes its own, and whatever no rank claimed, in commit_step's one walk.
+        hashed = {}
+        if self._rank != 0:
+            hashed = hash_files(self.storage, directory, prefix=f"__{self._rank}_")
         if self._distributed:
             parts = [None] * dist.get_world_size(self.pg) if self._rank == 0 else None
-            dist.gather_object(own, parts, group=self.pg, group_dst=0)
-            own = {k: v for part in parts or [] for k, v in part.items()}
+            dist.gather_object(hashed, parts, group=self.pg, group_dst=0)
+            hashed = {k: v for part in parts or [] for k, v in part.items()}
         if self._rank == 0:
-            self._commit(directory, manifest, purger, hashed=own)
+            self._commit(directory, manifest, purger, hashed=hashed)
 
     def _prepare_step(self, directory: str, step: int, needed: int | None = None) -> None:
         """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
         an earlier save of ours left there; refuse a directory someone else wrote. A write
         that fails here (the owner marker on a full disk) is reported like any failed save."""
-        error = None
-        if self._rank == 0:
-            try:
-                self._claim_step(directory, step)
-            except Exception as e:  # delivered to every rank, raised there
-                error = e
-        error = self._agree(error)
-        if isinstance(error, WRITE_ERRORS):
+        try:
+            self._decide(partial(self._claim_step, directory, step))
+        except WRITE_ERRORS as error:  # the same on every rank: report it as a failed save
             self._watch.settle(error, directory=directory, step=step, needed=needed)
-        if error is not None:
-            raise error
+            raise
         self._barrier()
 
     def _claim_step(self, directory: str, step: int) -> None:
@@ -434,7 +453,7 @@ class CheckpointManager:
         purger: Purger | None,
         hashed: dict[str, dict] | None = None,
     ) -> None:
-        write_commit(self.storage, directory, manifest, hashed)
+        commit_step(self.storage, directory, manifest, hashed)
         logger.info("Committed %s (%d files)", directory, len(manifest.files))
         if purger is not None:
             purger.request()
@@ -507,12 +526,9 @@ class CheckpointManager:
         self.wait()
         step = cfg.load_step if step is None else step
         checksums = cfg.verify_checksums if verify_checksums is None else verify_checksums
-        plan = None
-        if self._rank == 0:
-            plan = plan_load(self.storage, cfg, self.model, step=step, checksums=checksums)
-        plan = self._agree(plan)
-        if isinstance(plan, Exception):
-            raise plan
+        plan = self._decide(
+            partial(plan_load, self.storage, cfg, self.model, step=step, checksums=checksums)
+        )
         if plan is None:
             logger.info("No checkpoint in %s and no initial_load_path: starting fresh", self.folder)
             return False
@@ -525,25 +541,28 @@ class CheckpointManager:
             logger.info("Loaded Hugging Face weights from %s", directory)
             return True
         manifest = Manifest.from_json(manifest_json) if manifest_json else None
-        names = self._states_to_load(kind, directory, manifest)
+        names = states_to_load(
+            cfg, kind, directory, manifest, self._shared_states(), self._data_parallel_degree()
+        )
         entries = plan.state_entries(names, self.states)
         names = list(entries)
         model_sd = self.model.state_dict()
         state = {**model_sd, **entries}
-        reader = self.storage.dcp_reader(directory, trust_pickles=cfg.trust_pickles)
-        with self._quiet_single_process(), unwrap_read_errors(directory):
-            dcp.load(
-                state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
-            )
+        self._read(directory, state)
         self.model.load_state_dict({k: state[k] for k in model_sd})
-        if manifest is not None:
-            self.last_loaded_step = manifest.step
-            self.loaded_metadata = manifest.metadata
-        elif match := re.fullmatch(r"step-(\d+)", directory.rstrip("/").rsplit("/", 1)[-1]):
-            self.last_loaded_step = int(match.group(1))  # e.g. torchtitan's step-<N>
-        if self._loads_replica_dataloader(kind, manifest):
-            assert manifest is not None  # _loads_replica_dataloader checks it
-            self._load_replica_dataloader(manifest.step, checksums)
+        self._remember(directory, manifest)
+        if self.ft is not None and self.ft.loads_dataloader(
+            kind, manifest, cfg.exclude_from_loading
+        ):
+            assert manifest is not None  # loads_dataloader checks it
+            self.ft.load_dataloader(
+                self.storage,
+                self.folder,
+                manifest.step,
+                checksums=checksums,
+                decide=self._decide,
+                read=self._read,
+            )
             names.append(DATALOADER)
         logger.info(
             "Loaded %s (%s) in %.2f s",
@@ -553,83 +572,18 @@ class CheckpointManager:
         )
         return True
 
-    def _loads_replica_dataloader(self, kind: str, manifest: Manifest | None) -> bool:
-        return (
-            self.ft is not None
-            and self.ft.dataloader_checkpoints
-            and kind == "resume"
-            and manifest is not None
-            and not manifest.model_only
-            and DATALOADER not in self.config.exclude_from_loading
-        )
+    def _remember(self, directory: str, manifest: Manifest | None) -> None:
+        """Record the step (and metadata) that ``load`` restored from ``directory``."""
+        if manifest is not None:
+            self.last_loaded_step = manifest.step
+            self.loaded_metadata = manifest.metadata
+        elif (found := step_of(directory.rstrip("/").rsplit("/", 1)[-1])) is not None:
+            self.last_loaded_step = found  # e.g. torchtitan's step-<N>
 
-    def _load_replica_dataloader(self, step: int, checksums: bool) -> None:
-        """Load this replica group's dataloader state saved at ``step``."""
-        assert self.ft is not None
-        replica = self.ft.replica_folder(self.storage.join, self.folder)
-        directory = step_dir(self.storage, replica, step)
-
-        def plan() -> Exception | None:
-            manifest = read_manifest(self.storage, directory)
-            if manifest is None:
-                return CheckpointConfigError(
-                    f"Replica group {self.ft.replica_id} has no committed dataloader checkpoint "
-                    f"at step {step} ({directory}); add 'dataloader' to "
-                    "checkpoint.exclude_from_loading to restart its data stream."
-                )
-            try:
-                verify_step(self.storage, directory, manifest, checksums=checksums)
-            except CheckpointIntegrityError as e:
-                return e
-            return None
-
-        error = self._agree(plan() if self._rank == 0 else None)
-        if error is not None:
-            raise error
+    def _read(self, directory: str, state: dict[str, Any]) -> None:
+        """Load ``state`` in place from the DCP step in ``directory`` (every rank)."""
+        reader = self.storage.dcp_reader(directory, trust_pickles=self.config.trust_pickles)
         with self._quiet_single_process(), unwrap_read_errors(directory):
             dcp.load(
-                {DATALOADER: self.states[DATALOADER]},
-                storage_reader=self.storage.dcp_reader(
-                    directory, trust_pickles=self.config.trust_pickles
-                ),
-                process_group=self.pg,
-                no_dist=not self._distributed,
+                state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
             )
-
-    def _states_to_load(self, kind: str, directory: str, manifest: Manifest | None) -> list[str]:
-        cfg = self.config
-        if kind == "initial" and cfg.initial_load_model_only:
-            return []
-        if manifest is not None and manifest.model_only:
-            if kind == "resume" and manifest.step != 0:
-                logger.warning(
-                    "%s is a model-only checkpoint (a final export): resuming the model only; "
-                    "optimizer and other states start fresh",
-                    directory,
-                )
-            return []
-        names = [n for n in sorted(self._shared_states()) if n not in cfg.exclude_from_loading]
-        if manifest is None:
-            return names
-        missing = [n for n in names if n not in manifest.states]
-        if missing:
-            raise CheckpointConfigError(
-                f"{directory} holds no {missing} state (it has {manifest.states}); add "
-                f"{missing} to checkpoint.exclude_from_loading to start them fresh."
-            )
-        # The dataloader is sharded over data-parallel ranks, not over all ranks: a TP=2 world
-        # of 2 and a single process both read one data stream. Older markers lack the degree.
-        saved_dp = manifest.data_parallel_degree or manifest.world_size
-        if (
-            DATALOADER in names
-            and saved_dp != self._data_parallel_degree()
-            and not getattr(self.states[DATALOADER], "supports_resharding", False)
-        ):
-            raise CheckpointConfigError(
-                f"{directory} was written with data-parallel degree {saved_dp}, this run has "
-                f"{self._data_parallel_degree()}, and the dataloader "
-                f"({type(self.states[DATALOADER]).__name__}) does not declare "
-                "supports_resharding. Add 'dataloader' to checkpoint.exclude_from_loading to "
-                "restart the data stream, or resume at the original data-parallel degree."
-            )
-        return names

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from titan_ckpt.formats.base import Source, group_of
 from titan_ckpt.layout import json_metadata, read_manifest
-from titan_ckpt.sources import Source, group_of
 from titan_ckpt.storage import LocalStorage
 
 __all__ = ["MODEL_RECORD", "adapter_record", "model_record", "model_tensor_shapes"]

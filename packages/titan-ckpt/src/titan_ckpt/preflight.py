@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import os
 
-from titan_ckpt.config import CheckpointConfig, CheckpointConfigError
+from titan_ckpt.config import CheckpointConfig
+from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.layout import StepScan, scan_steps, step_dir
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
 from titan_ckpt.torchtitan import TORCHTITAN_STATES, read_state_keys

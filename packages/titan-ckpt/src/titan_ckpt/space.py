@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from titan_ckpt.errors import CheckpointWriteError, DiskFullError
 from titan_ckpt.layout import read_manifest
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage
 
@@ -58,44 +59,6 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 FULL_SLACK = 1 << 20
 """A filesystem with less than this free after a failed write is taken to be full: the
 write stopped for lack of a block, whatever torch's message says."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint save failed; its partial step was removed and committed steps are intact."""
-
-    def __init__(self, message: str, *, path: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
-        """The step directory whose write failed."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Broadcast between ranks: keep the keyword attributes through pickling.
-        return (_rebuild, (type(self), self.args, self.__dict__))
-
-
-class DiskFullError(CheckpointWriteError):
-    """A checkpoint save failed because its filesystem ran out of space."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        path: str | None = None,
-        needed: int | None = None,
-        free: int | None = None,
-    ) -> None:
-        super().__init__(message, path=path)
-        self.needed = needed
-        """Bytes the step needs (estimated from the state saved), if known."""
-        self.free = free
-        """Bytes that were free for it (free now plus its removed partial files), if known."""
-
-
-def _rebuild(cls: type, args: tuple, attrs: dict) -> BaseException:
-    error = cls.__new__(cls)
-    error.args = args
-    error.__dict__.update(attrs)
-    return error
 
 
 def human_bytes(n: int) -> str:

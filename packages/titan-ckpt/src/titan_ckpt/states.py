@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titan_ckpt.errors import CheckpointConfigError
+
 __all__ = ["ModelState", "OptimizerState"]
 
 
@@ -31,7 +33,9 @@ class ModelState:
         single = isinstance(model_parts, nn.Module)
         self.model_parts = [model_parts] if single else list(model_parts)
         if not self.model_parts:
-            raise ValueError("model_parts is empty: pass the model, or its pipeline stages.")
+            raise CheckpointConfigError(
+                "model_parts is empty: pass the model, or its pipeline stages."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -39,7 +43,7 @@ class ModelState:
             sd = get_model_state_dict(part)
             clash = merged.keys() & sd.keys()
             if clash:
-                raise ValueError(
+                raise CheckpointConfigError(
                     f"Model parts share the parameter names {sorted(clash)[:5]}: each "
                     "pipeline stage must keep its original FQNs so that they stay unique."
                 )
@@ -55,7 +59,9 @@ class ModelState:
             wanted |= keys
             missing = [k for k in keys if k not in state_dict]
             if missing:
-                raise KeyError(f"Checkpoint lacks model keys {missing[:5]} (of {len(missing)}).")
+                raise CheckpointConfigError(
+                    f"Checkpoint lacks model keys {missing[:5]} (of {len(missing)})."
+                )
             set_model_state_dict(
                 part,
                 {k: state_dict[k] for k in keys},
@@ -63,7 +69,7 @@ class ModelState:
             )
         unused = sorted(set(state_dict) - wanted)
         if unused:
-            raise KeyError(f"Model state has keys no model part owns: {unused[:5]}.")
+            raise CheckpointConfigError(f"Model state has keys no model part owns: {unused[:5]}.")
 
     def export(self, dtype: torch.dtype) -> dict[str, Any]:
         """The flat state with floating-point tensors cast to ``dtype``."""
@@ -84,7 +90,7 @@ class OptimizerState:
         parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
         opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         if len(parts) != len(opts):
-            raise ValueError(
+            raise CheckpointConfigError(
                 f"Got {len(parts)} model parts but {len(opts)} optimizers: pass one optimizer "
                 "per model part, in the same order."
             )

@@ -18,6 +18,8 @@ from typing import IO
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from titan_ckpt.formats.dcp import SafeFileSystemReader, safe_fsspec_reader
+
 __all__ = ["FsspecStorage", "LocalStorage", "Storage", "storage_for"]
 
 
@@ -60,7 +62,7 @@ class Storage(ABC):
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
         """A DCP storage reader for the checkpoint directory ``path``; unless
         ``trust_pickles``, it unpickles metadata and records through the allowlist of
-        ``titan_ckpt.safe_pickle`` (see ``titan_ckpt.safe_dcp``)."""
+        ``titan_ckpt.formats.pickles`` (see ``titan_ckpt.formats.dcp``)."""
 
     def join(self, *parts: str) -> str:
         """Join path components with ``/``."""
@@ -120,8 +122,6 @@ class LocalStorage(Storage):
         return FileSystemWriter(path)
 
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
-        from titan_ckpt.safe_dcp import SafeFileSystemReader
-
         return SafeFileSystemReader(path, trust_pickles=trust_pickles)
 
     def write_atomic(self, path: str, data: bytes) -> None:
@@ -212,8 +212,6 @@ class FsspecStorage(Storage):
         return FsspecWriter(self._url(path))
 
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
-        from titan_ckpt.safe_dcp import safe_fsspec_reader
-
         return safe_fsspec_reader(self._url(path), trust_pickles=trust_pickles)
 
 

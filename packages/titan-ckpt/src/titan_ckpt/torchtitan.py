@@ -36,8 +36,8 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from titan_ckpt.config import CheckpointConfigError
-from titan_ckpt.ft import DATALOADER
+from titan_ckpt.config import DATALOADER
+from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.storage import Storage
 
 __all__ = [

@@ -53,18 +53,9 @@ def _alarm(*_):
 
 
 def ours() -> tuple[type[BaseException], ...]:
-    from titan_ckpt.config import CheckpointConfigError
-    from titan_ckpt.convert import ConvertError
-    from titan_ckpt.layout import CheckpointIntegrityError
-    from titan_ckpt.read_errors import CheckpointFormatError, CheckpointReadError
+    from titan_ckpt.errors import CheckpointError
 
-    return (
-        CheckpointFormatError,
-        CheckpointReadError,
-        CheckpointIntegrityError,
-        CheckpointConfigError,
-        ConvertError,
-    )
+    return (CheckpointError,)
 
 
 def mutate(data: bytes, rng: random.Random, header_only: bool) -> tuple[bytes, str]:
@@ -85,8 +76,8 @@ def mutate(data: bytes, rng: random.Random, header_only: bool) -> tuple[bytes, s
 
 def _dcp_checks(root: Path) -> list:
     from titan_ckpt import CheckpointConfig, CheckpointManager, OptimizerState
-    from titan_ckpt.inspection import inspect_path
-    from titan_ckpt.verify import verify_path
+    from titan_ckpt.commands.inspect import inspect_path
+    from titan_ckpt.commands.verify import verify_path
 
     common = _common()
 
@@ -112,10 +103,10 @@ def _dcp_checks(root: Path) -> list:
 
 
 def _st_checks(root: Path) -> list:
-    from titan_ckpt.hf import _Tensors
-    from titan_ckpt.sources import SafetensorsSource
+    from titan_ckpt.commands.verify import verify_path
+    from titan_ckpt.formats.safetensors import SafetensorsSource
+    from titan_ckpt.hf import hf_files
     from titan_ckpt.storage import LocalStorage
-    from titan_ckpt.verify import verify_path
 
     path = str(root / "st" / "model.safetensors")
 
@@ -124,7 +115,7 @@ def _st_checks(root: Path) -> list:
         source.read(list(source.entries))
 
     def hf_import() -> None:
-        for _ in _Tensors(LocalStorage(), str(root / "st")).items():
+        for _ in hf_files(LocalStorage(), str(root / "st")).items():
             pass
 
     return [
@@ -135,8 +126,8 @@ def _st_checks(root: Path) -> list:
 
 
 def _torch_checks(root: Path) -> list:
-    from titan_ckpt.sources import TorchSource
-    from titan_ckpt.verify import verify_path
+    from titan_ckpt.commands.verify import verify_path
+    from titan_ckpt.formats.torch_save import TorchSource
 
     path = str(root / "model.pt")
 

@@ -50,7 +50,7 @@ def main() -> None:
         model.weight.fill_(3)
     storage = manager.storage
     if point == "before-marker":
-        titan_ckpt.manager.write_commit = die
+        titan_ckpt.manager.commit_step = die
     elif point == "before-rename" and hasattr(storage, "fs"):
         storage.fs.mv = die_at_marker(storage.fs.mv)
     elif point == "before-rename":

@@ -32,14 +32,22 @@ import io
 import os
 import pickle
 import pickletools
+import re
 import types
+import zipfile
 from typing import IO, Any
 
 import torch
 
-from titan_ckpt.read_errors import CheckpointReadError, UnsafeCheckpointError
+from titan_ckpt.errors import CheckpointReadError, UnsafeCheckpointError
 
-__all__ = ["ALLOWED_GLOBALS", "RestrictedUnpickler", "check_record", "load_metadata"]
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "RestrictedUnpickler",
+    "check_record",
+    "load_metadata",
+    "refusal",
+]
 
 _DCP_METADATA_TYPES = (
     "Metadata",
@@ -249,8 +257,6 @@ def check_record(value: io.BytesIO, file: str) -> None:
 def prescan_record(value: io.BytesIO) -> None:
     """``prescan`` the pickle inside a ``torch.save`` zip record (a legacy, non-zip record
     is scanned whole: its pickles come first)."""
-    import zipfile
-
     start = value.tell()
     try:
         with zipfile.ZipFile(value) as archive:
@@ -264,3 +270,11 @@ def prescan_record(value: io.BytesIO) -> None:
     except zipfile.BadZipFile:
         value.seek(start)
         prescan(value.read())  # the legacy format: several pickles in a row, scan the first
+
+
+def refusal(file: str, error: Exception) -> UnsafeCheckpointError | None:
+    """torch.load(weights_only=True)'s refusal of a global, as our error naming it."""
+    found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", str(error))
+    if isinstance(error, pickle.UnpicklingError) and found:
+        return UnsafeCheckpointError.refused(file, found.group(1))
+    return None

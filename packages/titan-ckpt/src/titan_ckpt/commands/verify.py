@@ -9,18 +9,21 @@ all but the manifest check. Safetensors and torch.save files are checked for rea
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
-from titan_ckpt.layout import CheckpointIntegrityError, read_manifest, scan_steps, verify_step
-from titan_ckpt.sources import (
-    DCP_METADATA,
-    DcpSource,
-    Source,
-    UnsafeCheckpointError,
-    batches,
-    detect,
-    open_source,
+from titan_ckpt.errors import CheckpointIntegrityError, UnsafeCheckpointError
+from titan_ckpt.formats.base import Source, batches
+from titan_ckpt.formats.dcp import DCP_METADATA, DcpSource
+from titan_ckpt.formats.source import detect, open_source
+from titan_ckpt.layout import (
+    COMMIT_MARKER,
+    read_manifest,
+    scan_steps,
+    step_dir,
+    step_name,
+    verify_step,
 )
 from titan_ckpt.storage import LocalStorage
 
@@ -36,14 +39,13 @@ def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
     (unless ``trust_pickles``; see ``open_source``)."""
     kind = detect(path)
     if kind == "folder":
-        scan = scan_steps(LocalStorage(), path)
+        storage = LocalStorage()
+        scan = scan_steps(storage, path)
         checked = sorted(scan.committed + scan.torchtitan)  # torchtitan's: DCP checks only
-        steps = [
-            _verify_one(os.path.join(path, f"step-{s}"), "dcp", trust_pickles) for s in checked
-        ]
-        notes = [f"step-{s}: uncommitted (interrupted or in progress), not checked"
+        steps = [_verify_one(step_dir(storage, path, s), "dcp", trust_pickles) for s in checked]
+        notes = [f"{step_name(s)}: uncommitted (interrupted or in progress), not checked"
                  for s in scan.uncommitted]  # fmt: skip
-        notes += [f"step-{s}: not titan's or torchtitan's, not checked" for s in scan.foreign]
+        notes += [f"{step_name(s)}: not titan's or torchtitan's, not checked" for s in scan.foreign]
         return {
             "path": path,
             "ok": all(s["ok"] for s in steps),
@@ -91,7 +93,7 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
     try:
         manifest = read_manifest(storage, path)
     except CheckpointIntegrityError as error:
-        problems.append(f"titan-commit.json: unreadable ({error})")
+        problems.append(f"{COMMIT_MARKER}: unreadable ({error})")
         return
     if manifest is None:
         notes.append(NO_MANIFEST)
@@ -99,8 +101,7 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
     try:
         verify_step(storage, path, manifest, checksums=True)
     except CheckpointIntegrityError as error:
-        detail = str(error).split(" is damaged: ", 1)[-1].rsplit(". Load an earlier", 1)[0]
-        problems.extend(detail.split("; "))
+        problems.extend(error.problems)
     notes.append(f"titan manifest: {len(manifest.files)} files checked (size and sha256)")
 
 
@@ -120,7 +121,7 @@ def _check_coverage(source: DcpSource, problems: list[str]) -> None:
                     f"{key}: shard at offsets {lo} sizes {n} exceeds shape {list(shape)}"
                 )
             boxes.append((lo, n))
-        volume = sum(_numel(n) for _, n in boxes)
+        volume = sum(math.prod(n) for _, n in boxes)
         overlap = _first_overlap(boxes)
         if overlap:
             (a, _), (b, _) = overlap
@@ -139,7 +140,7 @@ def _first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple | None:
     if not boxes or not boxes[0][0]:  # scalars: any two chunks overlap
         return (boxes[0], boxes[1]) if len(boxes) > 1 else None
     active: list[tuple[list[int], list[int]]] = []
-    for box in sorted((b for b in boxes if _numel(b[1])), key=lambda b: b[0][0]):
+    for box in sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0][0]):
         start = box[0][0]
         active = [a for a in active if a[0][0] + a[1][0] > start]
         for other in active:
@@ -149,16 +150,9 @@ def _first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple | None:
     return None
 
 
-def _numel(sizes: list[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
 def _overlap(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) -> bool:
     (ao, an), (bo, bn) = a, b
-    if _numel(an) == 0 or _numel(bn) == 0:
+    if math.prod(an) == 0 or math.prod(bn) == 0:
         return False
     return all(x < y + m and y < x + k for x, k, y, m in zip(ao, an, bo, bn, strict=True))
 

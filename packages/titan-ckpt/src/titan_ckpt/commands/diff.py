@@ -9,12 +9,12 @@ read a bounded batch at a time from each side.
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import torch
 
-from titan_ckpt.sources import Source, batches, dtype_name, open_source
+from titan_ckpt.formats.base import Source, batches, dtype_name, select_keys
+from titan_ckpt.formats.source import open_source
 
 __all__ = ["diff_paths", "render_diff"]
 
@@ -40,17 +40,11 @@ def diff_paths(
         right.close()
 
 
-def _keep(key: str, include: list[str], exclude: list[str]) -> bool:
-    if include and not any(fnmatch.fnmatchcase(key, p) for p in include):
-        return False
-    return not any(fnmatch.fnmatchcase(key, p) for p in exclude)
-
-
 def _diff(
     left: Source, right: Source, atol: float, rtol: float, include: list[str], exclude: list[str]
 ) -> dict[str, Any]:
-    lk = [k for k in left.entries if _keep(k, include, exclude)]
-    rk = {k for k in right.entries if _keep(k, include, exclude)}
+    lk = select_keys(left.entries, include, exclude)
+    rk = set(select_keys(right.entries, include, exclude))
     only_a = [k for k in lk if k not in rk]
     only_b = sorted(rk - set(lk))
     common = [k for k in lk if k in rk]

@@ -6,11 +6,11 @@ interpreter, whatever the checkpoint's size:
 
 - safetensors: the header is written from the tensors' shapes and dtypes, then the data;
 - DCP and torch.save: the file layout is planned by torch over stand-in tensors without data,
-  and each tensor's bytes are written when it arrives (``titan_ckpt.streaming``).
+  and each tensor's bytes are written when it arrives (``titan_ckpt.formats``).
 
-Model-aware HF conversion goes through a registered ``StateDictAdapter`` (``--model``), built
-from the model args a titan checkpoint records (``titan_ckpt.model_record``), ``--flavor`` or
-a Hugging Face config (``--hf-config`` or the HF folder's config.json). To HF, the adapter
+Model-aware HF conversion goes through a registered ``StateDictAdapter`` (``model``), built
+from the model args a titan checkpoint records (``titan_ckpt.model_record``), ``flavor`` or
+a Hugging Face config (``hf_config`` or the HF folder's config.json). To HF, the adapter
 checks these against the checkpoint's tensor shapes (a contradiction is a usage error, before
 anything is written), so the written config.json describes the tensors.
 An adapter with the streaming methods (``to_hf_items`` / ``from_hf_items``) converts tensor by
@@ -20,18 +20,21 @@ once, and the conversion then holds the model's weights once.
 
 The output is written into a temporary sibling of the destination and renamed into place at
 the end: a failed conversion leaves nothing behind.
+
+Errors (``CheckpointConfigError``) name the ``ConvertOptions`` fields as ``options.<field>``
+(``options.to='hf' needs options.model``); the ``titan-ckpt`` command shows them as its flags
+(``--to hf needs --model``).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -45,32 +48,25 @@ from titan_ckpt.adapter import (
     streams,
     to_hf_items,
 )
-from titan_ckpt.layout import Manifest, read_manifest, write_commit
+from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.formats.base import Source, TensorSpec, batches, dtype_name, group_of, select_keys
+from titan_ckpt.formats.dcp import save_dcp_streaming
+from titan_ckpt.formats.safetensors import encode_object, write_safetensors_shards
+from titan_ckpt.formats.source import open_source
+from titan_ckpt.formats.torch_save import save_torch_streaming
+from titan_ckpt.layout import Manifest, commit_step, read_manifest
 from titan_ckpt.model_record import (
     MODEL_RECORD,
     adapter_record,
     model_record,
     model_tensor_shapes,
 )
-from titan_ckpt.shards import write_safetensors_shards
-from titan_ckpt.sources import (
-    Source,
-    batches,
-    encode_object,
-    group_of,
-    open_source,
-)
 from titan_ckpt.storage import LocalStorage
-from titan_ckpt.streaming import TensorSpec, save_dcp_streaming, save_torch_streaming
 
-__all__ = ["ConvertError", "ConvertOptions", "convert", "parse_size", "read_hf_config"]
+__all__ = ["ConvertOptions", "convert", "read_hf_config"]
 
 TARGETS = ("dcp", "torch", "safetensors", "hf")
 ROPE_SCALINGS = ("none", "llama3")
-
-
-class ConvertError(ValueError):
-    """A conversion that cannot be done as asked (bad usage: exit status 2)."""
 
 
 @dataclass(kw_only=True)
@@ -101,29 +97,40 @@ class ConvertOptions:
     """Largest safetensors file; more goes into numbered shards with an index json."""
     overwrite: bool = False
     """Replace an existing non-empty DST."""
-    progress: bool | None = None
-    """Show a progress line on stderr; None: only when stderr is a terminal."""
+    on_progress: Callable[[int, int], None] | None = None
+    """Called with (tensor bytes done, total) after each tensor, and once more at the end."""
+    on_note: Callable[[str], None] | None = None
+    """Called with a note about an assumption made (e.g. the RoPE of the written
+    config.json); None: a ``UserWarning``."""
     trust_pickles: bool = False
-    """Unpickle a DCP SRC's metadata and records without the allowlist (see safe_pickle)."""
+    """Unpickle a DCP SRC's metadata and records without the allowlist (see
+    ``titan_ckpt.formats.pickles``)."""
 
 
 def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
     """Convert ``src`` into ``dst``; returns a summary (keys, bytes, seconds)."""
     if options.to not in TARGETS:
-        raise ConvertError(f"--to {options.to!r}: choose one of {', '.join(TARGETS)}.")
+        raise CheckpointConfigError(
+            f"options.to={options.to!r}: choose one of {', '.join(TARGETS)}."
+        )
     if options.rope_scaling is not None and options.to != "hf":
-        raise ConvertError(
-            f"--rope-scaling sets the RoPE of the written config.json; it needs --to hf, not "
-            f"--to {options.to}."
+        raise CheckpointConfigError(
+            "options.rope_scaling sets the RoPE of the written config.json; it needs "
+            f"options.to='hf', not options.to={options.to!r}."
         )
     if options.rope_scaling not in (None, *ROPE_SCALINGS):
-        raise ConvertError(
-            f"--rope-scaling {options.rope_scaling!r}: choose one of {', '.join(ROPE_SCALINGS)}."
+        raise CheckpointConfigError(
+            f"options.rope_scaling={options.rope_scaling!r}: choose one of "
+            f"{', '.join(ROPE_SCALINGS)}."
         )
     if options.flavor is not None and options.hf_config is not None:
-        raise ConvertError("Give --flavor or --hf-config, not both: each describes the model.")
+        raise CheckpointConfigError(
+            "Give options.flavor or options.hf_config, not both: each describes the model."
+        )
     if options.to == "torch" and dst.endswith("/"):
-        raise ConvertError(f"--to torch writes one file; {dst!r} names a directory.")
+        raise CheckpointConfigError(
+            f"options.to='torch' writes one file; {dst!r} names a directory."
+        )
     _check_destination(dst, options.overwrite)
     started = time.perf_counter()
     source = open_source(src, trust_pickles=options.trust_pickles)
@@ -131,7 +138,10 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
         adapter = _adapter(source, options)
         keys = _selected(source, options, hf_model=adapter is not None)
         if not keys:
-            raise ConvertError(f"No keys of {src} are left after --model-only/--include/--exclude.")
+            raise CheckpointConfigError(
+                f"No keys of {src} are left after "
+                "options.model_only/options.include/options.exclude."
+            )
         parent = os.path.dirname(os.path.abspath(dst))
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.tmp-")
@@ -164,7 +174,9 @@ def _check_destination(dst: str, overwrite: bool) -> None:
         return
     if os.path.isdir(dst) and not os.listdir(dst):
         return
-    raise ConvertError(f"{dst} exists and is not empty; pass --overwrite to replace it.")
+    raise CheckpointConfigError(
+        f"{dst} exists and is not empty; pass options.overwrite=True to replace it."
+    )
 
 
 def _replace(out: str, dst: str, overwrite: bool) -> None:
@@ -172,7 +184,9 @@ def _replace(out: str, dst: str, overwrite: bool) -> None:
     if os.path.exists(dst):
         if os.path.isdir(dst) and not os.path.islink(dst):
             if os.listdir(dst) and not overwrite:
-                raise ConvertError(f"{dst} appeared during the conversion; not replacing it.")
+                raise CheckpointConfigError(
+                    f"{dst} appeared during the conversion; not replacing it."
+                )
             shutil.rmtree(dst)
         else:
             os.remove(dst)
@@ -180,55 +194,52 @@ def _replace(out: str, dst: str, overwrite: bool) -> None:
 
 
 def _selected(source: Source, options: ConvertOptions, *, hf_model: bool) -> list[str]:
-    keys = []
-    for key in source.entries:
-        if (options.model_only or hf_model) and group_of(key) != "model":
-            continue
-        if options.include and not any(fnmatch.fnmatchcase(key, p) for p in options.include):
-            continue
-        if any(fnmatch.fnmatchcase(key, p) for p in options.exclude):
-            continue
-        keys.append(key)
+    keys = select_keys(source.entries, options.include, options.exclude)
+    if options.model_only or hf_model:
+        keys = [key for key in keys if group_of(key) == "model"]
     return keys
 
 
 def _adapter(source: Source, options: ConvertOptions) -> Any:
-    """The state-dict adapter when SRC or DST is an HF model folder and --model is given.
+    """The state-dict adapter when SRC or DST is an HF model folder and a model is named.
 
     To HF, the model is described by the model record of SRC's manifest (titan-train's real
-    args), --flavor and/or --hf-config, checked against SRC's tensors by the adapter; a
-    titan step with a record needs neither --model nor --flavor. From HF, by --flavor, else
-    --hf-config, else SRC's config.json. A safetensors source without config.json counts as
-    HF weights when --flavor or --hf-config says what model they are."""
+    args), flavor and/or hf_config, checked against SRC's tensors by the adapter; a
+    titan step with a record needs neither model nor flavor. From HF, by flavor, else
+    hf_config, else SRC's config.json. A safetensors source without config.json counts as
+    HF weights when flavor or hf_config says what model they are."""
     record = model_record(source) if options.to == "hf" else None
     model = options.model or (record["name"] if record and record.get("name") else None)
     if model is None:
         if options.to == "hf":
-            raise ConvertError(
-                "--to hf needs --model (an installed state-dict adapter, e.g. llama3) and "
-                "--flavor (e.g. debugmodel, 8B) or --hf-config (a Hugging Face config.json) to "
-                f"name the Hugging Face layout and write config.json; {source.path} records no "
-                "model to take them from."
+            raise CheckpointConfigError(
+                "options.to='hf' needs options.model (an installed state-dict adapter, e.g. "
+                "llama3) and options.flavor (e.g. debugmodel, 8B) or options.hf_config (a "
+                "Hugging Face config.json) to name the Hugging Face layout and write "
+                f"config.json; {source.path} records no model to take them from."
             )
         if options.flavor is not None or options.hf_config is not None:
-            flag = "--flavor" if options.flavor is not None else "--hf-config"
-            raise ConvertError(f"{flag} needs --model (the adapter to use).")
+            given = "options.flavor" if options.flavor is not None else "options.hf_config"
+            raise CheckpointConfigError(f"{given} needs options.model (the adapter to use).")
         return None
     if record is not None and record.get("name") not in (None, model):
         record = None  # another model's record says nothing about this adapter's args
     described = options.flavor is not None or options.hf_config is not None
     from_hf = source.format == "hf" or (source.format == "safetensors" and described)
     if options.to != "hf" and not from_hf:
-        raise ConvertError(
-            f"--model converts to or from a Hugging Face folder; {source.path} is "
-            f"{source.format} and --to is {options.to}."
+        raise CheckpointConfigError(
+            f"options.model converts to or from a Hugging Face folder; {source.path} is "
+            f"{source.format} and options.to={options.to!r}."
         )
     if options.to == "hf" and source.format == "hf":
-        raise ConvertError("SRC is already a Hugging Face folder; use --to safetensors to copy.")
+        raise CheckpointConfigError(
+            "SRC is already a Hugging Face folder; use options.to='safetensors' to copy."
+        )
     if options.to == "hf" and not (described or record):
-        raise ConvertError(
-            f"--to hf needs --flavor (e.g. debugmodel, 8B) or --hf-config (a Hugging Face "
-            f"config.json): {source.path} records no model args to describe the model."
+        raise CheckpointConfigError(
+            "options.to='hf' needs options.flavor (e.g. debugmodel, 8B) or options.hf_config "
+            f"(a Hugging Face config.json): {source.path} records no model args to describe "
+            "the model."
         )
     where, kwargs = _descriptions(source, options, record)
     try:
@@ -236,11 +247,11 @@ def _adapter(source: Source, options: ConvertOptions) -> Any:
     except (ValueError, KeyError, TypeError) as error:
         # An adapter that cannot describe this model, a description that contradicts the
         # tensors, or an adapter that does not take what it was given.
-        raise ConvertError(
+        raise CheckpointConfigError(
             f"The {model!r} adapter cannot be built from {where}: {type(error).__name__}: {error}"
         ) from None
     except LookupError as error:  # no adapter of that name is installed
-        raise ConvertError(str(error)) from None
+        raise CheckpointConfigError(str(error)) from None
     if options.to == "hf" and record is None and options.rope_scaling is None:
         _note_rope_assumption(source, options, adapter)
     return adapter
@@ -250,8 +261,8 @@ def _descriptions(
     source: Source, options: ConvertOptions, record: dict[str, Any] | None
 ) -> tuple[str, dict[str, Any]]:
     """How the error message names the model's descriptions, and the adapter factory's
-    keywords: the recorded args, --flavor (or the recorded one), --hf-config or SRC's
-    config.json, --rope-scaling, and (to HF) SRC's model tensor shapes."""
+    keywords: the recorded args, flavor (or the recorded one), hf_config or SRC's
+    config.json, rope_scaling, and (to HF) SRC's model tensor shapes."""
     kwargs: dict[str, Any] = {}
     names = []
     if record is not None:
@@ -259,7 +270,7 @@ def _descriptions(
         names.append(f"the model args recorded in {source.path}")
     if options.flavor is not None:
         kwargs["flavor"] = options.flavor
-        names.append(f"--flavor {options.flavor}")
+        names.append(f"options.flavor={options.flavor!r}")
     elif options.hf_config is not None:
         kwargs["hf_config"] = read_hf_config(options.hf_config)
         names.append(options.hf_config)
@@ -271,7 +282,7 @@ def _descriptions(
         names.append(f"{source.path}/config.json")
     if options.rope_scaling is not None:
         kwargs["overrides"] = {"rope_scaling": options.rope_scaling}
-        names.append(f"--rope-scaling {options.rope_scaling}")
+        names.append(f"options.rope_scaling={options.rope_scaling!r}")
     if options.to == "hf":
         kwargs["tensor_shapes"] = model_tensor_shapes(source)
     return " and ".join(names), kwargs
@@ -285,52 +296,36 @@ def _note_rope_assumption(source: Source, options: ConvertOptions, adapter: Any)
         return  # a model without RoPE settings, or the given config.json says it
     scaling = config["rope_scaling"]
     said = "null (plain RoPE)" if scaling is None else json.dumps(scaling, sort_keys=True)
-    print(
-        f"titan-ckpt convert: {source.path} records no model args; assuming the RoPE of "
-        f"--flavor {options.flavor}: rope_scaling = {said} (choose with --rope-scaling none "
-        "or llama3).",
-        file=sys.stderr,
+    note = (
+        f"{source.path} records no model args; assuming the RoPE of "
+        f"options.flavor={options.flavor!r}: rope_scaling = {said} (choose with "
+        "options.rope_scaling='none' or options.rope_scaling='llama3')."
     )
+    if options.on_note is not None:
+        options.on_note(note)
+    else:
+        warnings.warn(note, stacklevel=3)
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` as a dict; ConvertError if it is not one."""
+    """A Hugging Face ``config.json`` as a dict; ``CheckpointConfigError`` if it is not one."""
     try:
         with open(path) as f:
             config = json.load(f)
     except OSError as error:
-        raise ConvertError(f"--hf-config {path}: {error.strerror or error}.") from None
+        raise CheckpointConfigError(
+            f"options.hf_config={path!r}: {error.strerror or error}."
+        ) from None
     except ValueError as error:
-        raise ConvertError(f"--hf-config {path} is not JSON: {error}.") from None
+        raise CheckpointConfigError(f"options.hf_config={path!r} is not JSON: {error}.") from None
     if not isinstance(config, dict):
-        raise ConvertError(f"--hf-config {path} holds a {type(config).__name__}, not an object.")
+        raise CheckpointConfigError(
+            f"options.hf_config={path!r} holds a {type(config).__name__}, not an object."
+        )
     return config
 
 
 # --- streaming -----------------------------------------------------------------------------
-
-
-class _Progress:
-    def __init__(self, total_bytes: int, enabled: bool | None) -> None:
-        self.total = max(total_bytes, 1)
-        self.done = 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.started = time.perf_counter()
-
-    def add(self, n: int) -> None:
-        self.done += n
-        if self.enabled:
-            rate = self.done / max(time.perf_counter() - self.started, 1e-9) / (1 << 20)
-            sys.stderr.write(
-                f"\rconverting: {100 * self.done / self.total:5.1f}% "
-                f"({self.done / (1 << 20):.0f}/{self.total / (1 << 20):.0f} MiB, {rate:.0f} MiB/s)"
-            )
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.add(self.total - self.done)
-            sys.stderr.write("\n")
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -341,8 +336,9 @@ def _cast(value: Any, dtype: torch.dtype | None) -> Any:
 
 def _stream(source: Source, keys: list[str], options: ConvertOptions):
     """(key, value) in ``keys`` order, reading a batch of about the largest tensor at a time."""
-    tensor_bytes = sum(source.entries[k].nbytes for k in keys if source.entries[k].is_tensor)
-    progress = _Progress(tensor_bytes, options.progress)
+    total = max(sum(source.entries[k].nbytes for k in keys if source.entries[k].is_tensor), 1)
+    report = options.on_progress or (lambda done, total: None)
+    done = 0
     budget = max(max((source.entries[k].nbytes for k in keys), default=0), 1)
     try:
         for group in batches(source, keys, budget):
@@ -351,10 +347,11 @@ def _stream(source: Source, keys: list[str], options: ConvertOptions):
                 value = values.pop(key)
                 yield key, _cast(value, options.dtype)
                 if isinstance(value, torch.Tensor):
-                    progress.add(source.entries[key].nbytes)
+                    done += source.entries[key].nbytes
+                    report(done, total)
                 del value
     finally:
-        progress.close()
+        report(total, total)
 
 
 def _out_dtype(source: Source, key: str, dtype: torch.dtype | None) -> torch.dtype:
@@ -397,9 +394,9 @@ def _model_specs(
     """(key, (shape, dtype)) of the model tensors an HF conversion reads, in stream order."""
     others = [k for k in keys if not source.entries[k].is_tensor]
     if others:
-        raise ConvertError(
+        raise CheckpointConfigError(
             f"{source.path} holds non-tensor model entries {others[:3]}, which a Hugging Face "
-            "model has no place for; drop them with --exclude."
+            "model has no place for; drop them with options.exclude."
         )
     return [
         (k, (source.entries[k].shape or (), _out_dtype(source, k, options.dtype))) for k in keys
@@ -413,7 +410,7 @@ def _plan(
     try:
         return plan_items(convert, _model_specs(source, keys, options))
     except (KeyError, ValueError, TypeError, RuntimeError, NotImplementedError) as error:
-        raise ConvertError(
+        raise CheckpointConfigError(
             f"The {options.model!r} adapter cannot convert {source.path}: "
             f"{type(error).__name__}: {error}"
         ) from None
@@ -436,15 +433,15 @@ def _write_hf(
         LocalStorage(), out, specs, values, max_shard_size=options.max_shard_size
     )
     with open(os.path.join(out, "config.json"), "w") as f:
-        # From --hf-config: its keys that the adapter does not set (token ids, ...) stay.
+        # From hf_config: its keys that the adapter does not set (token ids, ...) stay.
         given = read_hf_config(options.hf_config) if options.hf_config is not None else {}
         config = {**given, **adapter.hf_config()}
         if options.dtype is not None:
-            config["torch_dtype"] = str(options.dtype).removeprefix("torch.")
+            config["torch_dtype"] = dtype_name(options.dtype)
         else:
             dtypes = {dtype for _, dtype in specs.values() if dtype.is_floating_point}
             if len(dtypes) == 1:
-                config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")
+                config["torch_dtype"] = dtype_name(dtypes.pop())
         json.dump(config, f, indent=2, sort_keys=True)
     return written
 
@@ -498,7 +495,7 @@ def _write_dcp(
         model_only=groups == ["model"],
         metadata=metadata,
     )
-    write_commit(LocalStorage(), out, manifest)
+    commit_step(LocalStorage(), out, manifest)
     return written
 
 
@@ -516,19 +513,3 @@ _WRITERS = {
     "dcp": _write_dcp,
     "torch": _write_torch,
 }
-
-
-def parse_size(text: str) -> int:
-    """``5GB``, ``500MB``, ``2GiB``, ``1000`` -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
-    t = text.strip().upper()
-    number = t.rstrip("KMGTIB")
-    unit = t[len(number) :]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1
-    if unit not in units or value <= 0:
-        raise ConvertError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB.")
-    return int(value * units[unit])

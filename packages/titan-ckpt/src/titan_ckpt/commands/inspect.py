@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from titan_ckpt.layout import read_manifest, scan_steps
-from titan_ckpt.sources import STATE_GROUPS, Source, batches, detect, dtype_name, group_of
+from titan_ckpt.formats.base import STATE_GROUPS, Source, batches, dtype_name, group_of
+from titan_ckpt.formats.source import detect, open_source
+from titan_ckpt.layout import read_manifest, scan_steps, step_dir
 from titan_ckpt.storage import LocalStorage
 
 __all__ = ["inspect_path", "render"]
@@ -26,8 +27,6 @@ _OBJECT_REPR_LIMIT = 200
 def inspect_path(path: str, *, stats: bool = False, trust_pickles: bool = False) -> dict[str, Any]:
     """The inspect report of ``path`` as a JSON-able dict (``trust_pickles``: see
     ``open_source``)."""
-    from titan_ckpt.sources import open_source
-
     if detect(path) == "folder":
         return _inspect_folder(path)
     source = open_source(path, trust_pickles=trust_pickles)
@@ -54,7 +53,7 @@ def _inspect_folder(path: str) -> dict[str, Any]:
     kinds |= {s: "torchtitan" for s in scan.torchtitan}
     kinds |= {s: "foreign" for s in scan.foreign}
     for step, kind in sorted(kinds.items()):
-        directory = os.path.join(path, f"step-{step}")
+        directory = step_dir(storage, path, step)
         manifest = read_manifest(storage, directory)
         mtime = os.path.getmtime(directory)
         steps.append(

@@ -1,0 +1,378 @@
+"""The ``titan-ckpt`` command: inspect, verify, diff and convert checkpoints.
+
+    titan-ckpt inspect outputs/checkpoint              # every step: committed?, size, age
+    titan-ckpt inspect outputs/checkpoint/step-1000 --json
+    titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged
+    titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
+    titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
+    titan-ckpt convert step-1000 hf-out --to hf        # a titan-train step records its model
+
+Works on DCP step directories (ours, with a commit marker, or torchtitan's plain ones),
+safetensors files and folders (Hugging Face included) and torch.save files. Bad usage prints
+one ``titan-ckpt: error: ...`` line and exits with status 2. Pickles inside a DCP checkpoint
+are unpickled under an allowlist (``titan_ckpt.formats.pickles``); one that asks for anything else
+is refused with one message and exit status 1, unless ``--trust-pickles``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from titan_ckpt.__about__ import __version__
+from titan_ckpt.commands.convert import ConvertOptions, convert
+from titan_ckpt.commands.diff import diff_paths, render_diff
+from titan_ckpt.commands.inspect import inspect_path, render
+from titan_ckpt.commands.verify import verify_path
+from titan_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointReadError,
+    UnsafeCheckpointError,
+)
+
+__all__ = ["flag_text", "main", "parse_size"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"titan-ckpt: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="titan-ckpt",
+        description="Inspect, verify, diff and convert checkpoints (DCP, safetensors, HF, "
+        "torch.save).",
+    )
+    parser.add_argument("--version", action="version", version=f"titan-ckpt {__version__}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="list steps, or every key's shape, dtype, bytes and sharding",
+        description="For a checkpoint folder: its steps, committed or not, size and age. For "
+        "a DCP step, safetensors file or folder, or torch.save file: every key's shape, dtype "
+        "and bytes (DCP: shards and ranks), grouped by top-level state with totals, reading "
+        "metadata only unless --stats.",
+    )
+    inspect.add_argument("path", help="checkpoint folder, step directory or file")
+    _trust(inspect)
+    inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+    inspect.add_argument(
+        "--stats", action="store_true", help="load tensors: min, max, mean, std, NaN/Inf counts"
+    )
+
+    verify = commands.add_parser(
+        "verify",
+        help="check the commit marker, manifest, shard coverage and readability",
+        description="Exit 0 if intact, 1 if damaged (naming files and keys), 2 on bad usage. "
+        "A DCP step without a titan commit marker (e.g. torchtitan's) gets every check but the "
+        "manifest's sizes and checksums.",
+    )
+    verify.add_argument("path", help="step directory, checkpoint folder or file")
+    _trust(verify)
+    verify.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    diff = commands.add_parser(
+        "diff",
+        help="compare two checkpoints key by key (any formats)",
+        description="Keys only on one side, shape/dtype changes and per-tensor max abs and "
+        "relative differences. Exit 0 if equal within |a-b| <= atol + rtol*|b| (default: "
+        "bit-exact), 1 if different.",
+    )
+    diff.add_argument("a", help="first checkpoint")
+    diff.add_argument("b", help="second checkpoint")
+    _trust(diff)
+    diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    diff.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    _filters(diff)
+    diff.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    convert = commands.add_parser(
+        "convert",
+        help="convert between DCP, torch.save, safetensors and HF folders",
+        description="Stream SRC into DST in another format. DST is written beside itself "
+        "under a temporary name and renamed at the end; an existing non-empty DST is refused "
+        "unless --overwrite.",
+    )
+    convert.add_argument("src", help="DCP step, safetensors file/folder, HF folder or torch file")
+    convert.add_argument("dst", help="output directory (a file for torch and *.safetensors)")
+    _trust(convert)
+    convert.add_argument(
+        "--to", required=True, choices=["dcp", "torch", "safetensors", "hf"], help="output format"
+    )
+    convert.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors")
+    convert.add_argument(
+        "--model-only",
+        action="store_true",
+        help="keep only model keys (drop optimizer, dataloader, ...)",
+    )
+    _filters(convert)
+    convert.add_argument(
+        "--model",
+        help="state-dict adapter for HF (e.g. llama3); to HF, default: the model a titan "
+        "checkpoint records",
+    )
+    convert.add_argument(
+        "--flavor",
+        help="model flavor for --to hf (e.g. debugmodel, 8B), not needed when SRC records its "
+        "model args (titan-train writes them); checked against SRC's tensors, whose vocabulary "
+        "is written",
+    )
+    convert.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="a Hugging Face config.json describing the model, instead of --flavor (shapes no "
+        "flavor has); to HF it is also the base of the written config.json, from HF it "
+        "replaces SRC's",
+    )
+    convert.add_argument(
+        "--rope-scaling",
+        choices=["none", "llama3"],
+        help="RoPE of the written config.json for a checkpoint that records no model args: "
+        "none (plain RoPE, e.g. torchtitan's July 2025 Llama 3) or llama3 (Llama 3.1 "
+        "scaling); default: the flavor's, with the assumption printed",
+    )
+    convert.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)",
+    )
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    convert.add_argument("--json", action="store_true", help="print a JSON summary")
+    return parser
+
+
+def _trust(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        help="unpickle DCP metadata and records without the allowlist (DCP types, torch "
+        "sizes/dtypes/tensors, plain containers): only for checkpoints you made yourself with "
+        "custom objects; a stranger's pickle can run code",
+    )
+
+
+def _filters(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="only keys matching this glob (repeatable)",
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="drop keys matching this glob (repeatable)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``titan-ckpt``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    _unmap_freed_buffers()
+    try:
+        return _quiet_on_closed_pipe(_COMMANDS[args.command], args)
+    except (CheckpointFormatError, CheckpointConfigError, FileNotFoundError, LookupError) as error:
+        print(f"titan-ckpt: error: {flag_text(str(error))}", file=sys.stderr)
+        return 2
+    except UnsafeCheckpointError as error:  # refused, not damaged: the message says why
+        print(f"titan-ckpt: error: {error}", file=sys.stderr)
+        return 1
+    except (CheckpointReadError, CheckpointIntegrityError) as error:
+        print(f"titan-ckpt: error: {error} (run titan-ckpt verify on it)", file=sys.stderr)
+        return 1
+
+
+def _unmap_freed_buffers() -> None:
+    """Make freed tensor buffers leave the process (glibc only; elsewhere a no-op).
+
+    glibc serves an allocation from its own heap, not a fresh mapping, once it is below a
+    threshold that it raises to the largest block freed so far (up to 32 MiB), and a freed
+    heap block need not go back to the OS. Streaming many same-sized tensors then grows the
+    resident memory by several tensors that are no longer held. A fixed 1 MiB threshold
+    gives every larger buffer its own mapping, unmapped when the tensor is freed, so the
+    command's peak memory is what it holds: one batch of tensors, not the allocator's slack.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_mmap_threshold = -3  # malloc.h's M_MMAP_THRESHOLD
+    mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(1 << 20))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    report = inspect_path(args.path, stats=args.stats, trust_pickles=args.trust_pickles)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = verify_path(args.path, trust_pickles=args.trust_pickles)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{'OK' if report['ok'] else 'DAMAGED'}: {args.path}")
+        for problem in report["problems"]:
+            print(f"  damaged: {problem}")
+        for note in report["notes"]:
+            print(f"  note: {note}")
+    return 0 if report["ok"] else 1
+
+
+def _diff(args: argparse.Namespace) -> int:
+    if args.atol < 0 or args.rtol < 0:
+        print("titan-ckpt: error: --atol and --rtol must be >= 0.", file=sys.stderr)
+        return 2
+    report = diff_paths(
+        args.a,
+        args.b,
+        atol=args.atol,
+        rtol=args.rtol,
+        include=args.include,
+        exclude=args.exclude,
+        trust_pickles=args.trust_pickles,
+    )
+    print(json.dumps(report, indent=2) if args.json else render_diff(report))
+    return 0 if report["equal"] else 1
+
+
+def _convert(args: argparse.Namespace) -> int:
+    progress = _Progress() if sys.stderr.isatty() else None
+    options = ConvertOptions(
+        to=args.to,
+        dtype=_DTYPES[args.dtype] if args.dtype else None,
+        model_only=args.model_only,
+        include=args.include,
+        exclude=args.exclude,
+        model=args.model,
+        flavor=args.flavor,
+        hf_config=args.hf_config,
+        rope_scaling=args.rope_scaling,
+        max_shard_size=parse_size(args.max_shard_size),
+        overwrite=args.overwrite,
+        trust_pickles=args.trust_pickles,
+        on_progress=progress,
+        on_note=lambda note: print(f"titan-ckpt convert: {flag_text(note)}", file=sys.stderr),
+    )
+    summary = convert(args.src, args.dst, options)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(
+            f"wrote {summary['dst']} ({summary['to']}): {summary['keys']} keys, "
+            f"{summary['bytes'] / (1 << 20):.1f} MiB in {summary['seconds']:.2f} s"
+        )
+    return 0
+
+
+_OPTION = re.compile(
+    # Not inside a word or a path (my_options.to, /data/options.model/x).
+    r"(?<![\w.-])options\.(to|dtype|model_only|include|exclude|model|flavor|hf_config|"
+    r"rope_scaling|max_shard_size|overwrite|trust_pickles)\b(?!-|/(?!options\.))(?:=('[^']*'|\w+))?"
+)
+
+
+def flag_text(message: str) -> str:
+    """A library message in the command's words: ``options.to='hf'`` -> ``--to hf``,
+    ``options.hf_config`` -> ``--hf-config``, ``options.overwrite=True`` -> ``--overwrite``."""
+
+    def flag(m: re.Match) -> str:
+        name, value = "--" + m.group(1).replace("_", "-"), m.group(2)
+        if value is None or value == "True":
+            return name
+        return f"{name} {value.strip(chr(39))}"
+
+    return _OPTION.sub(flag, message)
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1000`` -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
+    t = text.strip().upper()
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise CheckpointConfigError(
+            f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB."
+        )
+    return int(value * units[unit])
+
+
+class _Progress:
+    """Prints ``convert``'s progress on one line of stderr (a terminal)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.finished = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.finished:
+            return
+        rate = done / max(time.perf_counter() - self.started, 1e-9) / (1 << 20)
+        sys.stderr.write(
+            f"\rconverting: {100 * done / total:5.1f}% "
+            f"({done / (1 << 20):.0f}/{total / (1 << 20):.0f} MiB, {rate:.0f} MiB/s)"
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+            self.finished = True
+        sys.stderr.flush()
+
+
+_COMMANDS = {"inspect": _inspect, "verify": _verify, "diff": _diff, "convert": _convert}
+
+
+def _quiet_on_closed_pipe(
+    command: Callable[[argparse.Namespace], int], args: argparse.Namespace
+) -> int:
+    """Run ``command``; when the reader of stdout goes away (``titan-ckpt inspect ... | head``),
+    stop quietly with status 141 (128 + SIGPIPE, as a program SIGPIPE ends), not with a
+    traceback."""
+    try:
+        status = command(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's final flush fails no more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Every error titan-ckpt raises on purpose, under one root: ``CheckpointError``.
+
+- ``CheckpointConfigError`` (also a ``ValueError``): a setting or argument that cannot work,
+  naming the option, the value and what is allowed; also a checkpoint that does not fit the
+  model it is loaded into (the fix is the configuration: another path or another model).
+- ``CheckpointFormatError`` (also a ``ValueError``): a path that is not a checkpoint a reader
+  understands (bad usage: the command exits 2).
+- ``CheckpointReadError`` (also a ``RuntimeError``): stored data that cannot be read back (a
+  damaged file: exit 1); ``UnsafeCheckpointError``, a pickle asking for something outside the
+  allowlist, is one (nothing of it was run).
+- ``CheckpointIntegrityError`` (also a ``RuntimeError``): a committed step whose files differ
+  from its manifest; ``problems`` lists each damaged file.
+- ``CheckpointWriteError`` (also a ``RuntimeError``): a save failed, its partial step removed;
+  ``DiskFullError`` when space ran out.
+
+The second bases keep ``except ValueError`` / ``except RuntimeError`` callers working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CheckpointConfigError",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointIntegrityError",
+    "CheckpointReadError",
+    "CheckpointWriteError",
+    "ConvertError",
+    "DiskFullError",
+    "UnsafeCheckpointError",
+]
+
+
+class CheckpointError(Exception):
+    """The root of every error titan-ckpt raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors are broadcast between ranks: keep keyword attributes through pickling.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type, args: tuple, attrs: dict) -> BaseException:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(attrs)
+    return error
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """A checkpoint setting that cannot work, naming the key, the value and what is allowed."""
+
+
+ConvertError = CheckpointConfigError
+"""The former name of a conversion asked for that cannot be done (a usage error)."""
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+    """The path is not a checkpoint this tool reads (a usage error, exit status 2)."""
+
+
+class CheckpointReadError(CheckpointError, RuntimeError):
+    """Stored data that cannot be read back (a damaged checkpoint, exit status 1)."""
+
+
+class UnsafeCheckpointError(CheckpointReadError):
+    """Pickled checkpoint data names a class or function that titan-ckpt does not unpickle.
+
+    Raised before that object is looked up, so nothing the pickle asks for has run. The
+    message names the file and the global (``module.qualname``); ``found`` and ``file`` hold
+    them. A checkpoint made by oneself with custom objects loads with ``trust_pickles``.
+    """
+
+    found: str = ""
+    file: str = ""
+
+    @classmethod
+    def refused(cls, file: str, found: str) -> UnsafeCheckpointError:
+        """The one message for a refused global ``found`` in ``file``."""
+        error = cls(
+            f"{file} asks to unpickle {found}, which a checkpoint does not need (only DCP's "
+            "metadata types, torch sizes, dtypes and tensors, and plain containers are "
+            "unpickled): a checkpoint from an unknown source could run code this way, so "
+            "nothing of it was run. If you made this checkpoint yourself with custom objects, "
+            "pass --trust-pickles to titan-ckpt, or set checkpoint.trust_pickles = true."
+        )
+        error.found, error.file = found, file
+        return error
+
+
+class CheckpointIntegrityError(CheckpointError, RuntimeError):
+    """A committed step whose files do not match its manifest (missing, resized, altered).
+
+    ``problems`` names each damaged file (``"<file>: missing"``, ...); the message joins them.
+    """
+
+    def __init__(self, message: str, *, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[str] = list(problems or [])
+        """One line per damaged file."""
+
+
+class CheckpointWriteError(CheckpointError, RuntimeError):
+    """A checkpoint save failed; its partial step was removed and committed steps are intact."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        """The step directory whose write failed."""
+
+
+class DiskFullError(CheckpointWriteError):
+    """A checkpoint save failed because its filesystem ran out of space."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.needed = needed
+        """Bytes the step needs (estimated from the state saved), if known."""
+        self.free = free
+        """Bytes that were free for it (free now plus its removed partial files), if known."""

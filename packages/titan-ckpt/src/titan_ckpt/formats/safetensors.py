@@ -1,0 +1,397 @@
+"""The safetensors format: dtype names, one checked header reader, one lazy tensor reader,
+the (sharded) writer, and the codec for non-tensor entries.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON, then the data
+section. The JSON maps each tensor's name to ``{"dtype", "shape", "data_offsets": [begin,
+end]}`` (offsets relative to the data section), plus an optional ``__metadata__`` of strings.
+
+``read_header`` trusts none of it: before anything is allocated, the header must fit in the
+file (a header claiming terabytes is refused without reading it), and every tensor must have a
+known dtype, a shape of non-negative whole numbers, and a byte range inside the data section
+whose length is shape x dtype size, not overlapping another tensor's. A reader that then
+allocates ``entry.nbytes`` allocates at most the file's size. ``SafetensorsFiles`` reads
+tensors lazily on top of it, through a ``Storage``; the command's ``SafetensorsSource`` and
+the manager's Hugging Face import (``titan_ckpt.hf``) both read through it.
+
+Writing: the header (every tensor's dtype, shape and byte range) comes first, so
+``write_safetensors_shards`` takes every tensor's (shape, dtype) up front and the data as a
+stream of ``(key, tensor)`` pairs in that order; it holds one tensor at a time. Tensors go
+into files of at most ``max_shard_size`` bytes (a larger tensor gets a file of its own), named
+as Hugging Face names them: ``model.safetensors`` when one file holds everything, else
+``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
+(``metadata.total_size`` and a ``weight_map`` from each key to its file). Both ``titan-ckpt
+convert`` and the manager's Hugging Face export write through here.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import itertools
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+from titan_ckpt.errors import CheckpointReadError
+from titan_ckpt.formats.base import Entry, Source, TensorSpec, read_exactly
+from titan_ckpt.formats.pickles import refusal
+from titan_ckpt.storage import LocalStorage, Storage
+
+__all__ = [
+    "INDEX_NAME",
+    "MAX_HEADER_BYTES",
+    "OBJECT_PREFIX",
+    "SINGLE_NAME",
+    "ST_DTYPES",
+    "TORCH_TO_ST",
+    "SafetensorsFiles",
+    "SafetensorsSource",
+    "StHeader",
+    "StTensor",
+    "decode_object",
+    "encode_object",
+    "read_header",
+    "write_safetensors_shards",
+]
+
+MAX_HEADER_BYTES = 100 << 20
+"""The largest header read (the safetensors library's own limit)."""
+OBJECT_PREFIX = "titan.object:"  # safetensors __metadata__ key of a non-tensor entry
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_ALIGN = 8  # safetensors pads its header so tensor data starts 8-byte aligned
+
+# safetensors dtype names <-> torch dtypes (the format's own spelling).
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StTensor:
+    """One tensor of a safetensors file; ``begin``/``end`` are absolute file offsets."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class StHeader:
+    """A checked safetensors header: tensors by key (file order) and ``__metadata__``."""
+
+    tensors: dict[str, StTensor] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    data_start: int = 8
+
+
+def read_header(f: IO[bytes], file_size: int, name: str) -> StHeader:
+    """Read and check the header of the safetensors file open as ``f`` (``file_size`` bytes,
+    ``name`` in errors); ``CheckpointReadError`` saying what is wrong."""
+    f.seek(0)
+    raw = f.read(8)
+    if len(raw) != 8 or file_size < 8:
+        raise CheckpointReadError(f"{name} is too short ({file_size} bytes) to be safetensors.")
+    (n,) = struct.unpack("<Q", raw)
+    if n > file_size - 8 or n > MAX_HEADER_BYTES:
+        raise CheckpointReadError(
+            f"{name}: its header claims {n} bytes, but the file holds {file_size} bytes (and "
+            f"headers are at most {MAX_HEADER_BYTES}): a damaged or truncated safetensors file."
+        )
+    text = f.read(n)
+    if len(text) != n:
+        raise CheckpointReadError(f"{name}: the header ends after {len(text)} of {n} bytes.")
+    try:
+        parsed = json.loads(text)
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise CheckpointReadError(f"{name}: the header is not JSON ({error}).") from None
+    if not isinstance(parsed, dict):
+        raise CheckpointReadError(f"{name}: the header is a {type(parsed).__name__}, not a map.")
+    header = StHeader(data_start=8 + n)
+    meta = parsed.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise CheckpointReadError(f"{name}: __metadata__ is not a map of strings.")
+    header.metadata = meta
+    data_size = file_size - header.data_start
+    for key, spec in parsed.items():
+        header.tensors[key] = _tensor(name, key, spec, header.data_start, data_size)
+    _check_disjoint(name, header.tensors.values())
+    return header
+
+
+def _tensor(name: str, key: str, spec: Any, start: int, data_size: int) -> StTensor:
+    where = f"{name}: tensor {key!r}"
+    if not isinstance(spec, dict):
+        raise CheckpointReadError(f"{where} is described by a {type(spec).__name__}, not a map.")
+    dtype = ST_DTYPES.get(spec.get("dtype")) if isinstance(spec.get("dtype"), str) else None
+    if dtype is None:
+        raise CheckpointReadError(
+            f"{where} has dtype {spec.get('dtype')!r}; known: {', '.join(ST_DTYPES)}."
+        )
+    shape, offsets = spec.get("shape"), spec.get("data_offsets")
+    if not isinstance(shape, list) or not all(_whole(d) for d in shape):
+        raise CheckpointReadError(f"{where} has shape {shape!r}, not a list of sizes >= 0.")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(o) for o in offsets)):
+        raise CheckpointReadError(f"{where} has data_offsets {offsets!r}, not [begin, end].")
+    begin, end = offsets
+    if not begin <= end <= data_size:
+        raise CheckpointReadError(
+            f"{where}: data_offsets [{begin}, {end}] lie outside the {data_size}-byte data "
+            "section (a truncated or damaged file)."
+        )
+    numel = math.prod(shape)
+    if numel * dtype.itemsize != end - begin:
+        raise CheckpointReadError(
+            f"{where}: a {shape} {dtype} tensor has {numel * dtype.itemsize} bytes, but its "
+            f"data_offsets [{begin}, {end}] span {end - begin}."
+        )
+    return StTensor(key, dtype, tuple(shape), start + begin, start + end)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_disjoint(name: str, tensors: Any) -> None:
+    placed = sorted((t for t in tensors if t.nbytes), key=lambda t: t.begin)
+    for a, b in itertools.pairwise(placed):
+        if b.begin < a.end:
+            raise CheckpointReadError(
+                f"{name}: the bytes of tensors {a.key!r} and {b.key!r} overlap (a damaged file)."
+            )
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+class SafetensorsFiles:
+    """The tensors of safetensors files, read lazily through ``storage``: every header is
+    read and checked first (``read_header``), the data of a key only when asked for, into
+    memory of its own (not mapped: mapped pages would stay resident).
+
+    ``tensors``: key -> (file path, checked header entry), in key order; ``metadata``: each
+    file's ``__metadata__`` merged (the non-tensor entries titan writes live there).
+    """
+
+    def __init__(self, storage: Storage, paths: Iterable[str]) -> None:
+        self.storage = storage
+        self.tensors: dict[str, tuple[str, StTensor]] = {}
+        self.metadata: dict[str, str] = {}
+        for path in paths:
+            with storage.open(path, "rb") as f:
+                header = read_header(f, storage.size(path), path)
+            self.metadata.update(header.metadata)
+            for key, t in header.tensors.items():
+                self.tensors[key] = (path, t)
+        self.tensors = dict(sorted(self.tensors.items()))
+
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        """Every tensor's (shape, dtype), in key order."""
+        return {key: (t.shape, t.dtype) for key, (_, t) in self.tensors.items()}
+
+    def items(self, keys: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key, tensor)`` for ``keys`` (default: all, in key order), one tensor at a time;
+        each file is opened once."""
+        with contextlib.ExitStack() as stack:
+            opened: dict[str, Any] = {}
+            for key in self.tensors if keys is None else keys:
+                path, t = self.tensors[key]
+                if path not in opened:
+                    opened[path] = stack.enter_context(self.storage.open(path, "rb"))
+                # read_header checked that [begin, end) is inside the file and is the
+                # tensor's size, so this allocates no more than the file holds.
+                tensor = torch.empty(t.shape, dtype=t.dtype)
+                read_exactly(opened[path], t.begin, tensor, f"{path}: {key}")
+                yield key, tensor
+                del tensor
+
+
+class SafetensorsSource(Source):
+    """A ``.safetensors`` file, or a folder of them (sharded with an index, or an HF folder)."""
+
+    format = "safetensors"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        if os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            self.root = path
+            if os.path.exists(os.path.join(path, "config.json")):
+                self.format = "hf"
+                with open(os.path.join(path, "config.json")) as f:
+                    self.info["config"] = json.load(f)
+        else:
+            names = [os.path.basename(path)]
+            self.root = os.path.dirname(path) or "."
+        self._files = names
+        self._data = SafetensorsFiles(LocalStorage(), [os.path.join(self.root, n) for n in names])
+        self.objects: dict[str, str] = {}
+        for k, v in self._data.metadata.items():
+            if k.startswith(OBJECT_PREFIX):
+                self.objects[k[len(OBJECT_PREFIX) :]] = v
+            else:
+                self.info.setdefault("metadata", {})[k] = v
+        for key, (full, t) in self._data.tensors.items():
+            name = os.path.basename(full)
+            self.entries[key] = Entry(
+                key,
+                t.shape,
+                t.dtype,
+                t.nbytes,
+                shards=[{"file": name, "offset": t.begin, "length": t.nbytes}],
+            )
+        for key, blob in self.objects.items():
+            self.entries[key] = Entry(key, None, None, len(blob))
+        self.entries = dict(sorted(self.entries.items()))
+
+    def files(self) -> list[str]:
+        return list(self._files)
+
+    def read(self, keys: list[str]) -> dict[str, Any]:
+        out = {key: decode_object(self.objects[key]) for key in keys if key in self.objects}
+        out.update(self._data.items([k for k in keys if k not in self.objects]))
+        return {key: out[key] for key in keys}
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def encode_object(value: Any) -> str:
+    """A non-tensor entry as text for safetensors' ``__metadata__`` (torch.save, base64)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def decode_object(text: str) -> Any:
+    """The value ``encode_object`` wrote (only plain values and tensors unpickle)."""
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
+    except Exception as error:
+        raise refusal("a non-tensor entry in __metadata__", error) or CheckpointReadError(
+            f"a non-tensor entry in __metadata__ does not load ({type(error).__name__}: "
+            f"{str(error)[:200]})"
+        ) from None
+
+
+def _sync(f: IO) -> None:
+    """Flush ``f`` to disk where it is a local file (remote files sync on close)."""
+    f.flush()
+    # io.UnsupportedOperation (no file descriptor) is an OSError.
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        os.fsync(f.fileno())
+
+
+def write_safetensors_shards(
+    storage: Storage,
+    folder: str,
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    values: Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_size: int,
+    objects: dict[str, str] | None = None,
+    single: str | None = None,
+) -> int:
+    """Write the tensors ``specs`` (key -> (shape, dtype), in file order), whose data
+    ``values`` yields in the same order, into ``folder`` as safetensors shards plus an index
+    (or one ``model.safetensors``). ``objects`` (text) go into the first file's
+    ``__metadata__``. ``single`` names one file to write everything into instead. Returns
+    the tensor bytes written."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, (shape, dtype) in specs.items():
+        n = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + n > max_shard_size and single is None:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += n
+    if len(shards) == 1:
+        names = [SINGLE_NAME]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    written = 0
+    weight_map = {}
+    it = iter(values)
+    for shard_index, (name, shard_keys) in enumerate(zip(names, shards, strict=True)):
+        header: dict[str, Any] = {}
+        offset = 0
+        for key in shard_keys:
+            shape, dtype = specs[key]
+            n = math.prod(shape) * dtype.itemsize
+            header[key] = {
+                "dtype": TORCH_TO_ST[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
+            offset += n
+            weight_map[key] = name
+        if shard_index == 0 and objects:
+            header["__metadata__"] = {f"{OBJECT_PREFIX}{k}": v for k, v in objects.items()}
+        else:
+            header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % _ALIGN)
+        path = single or storage.join(folder, name)
+        with storage.open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for key in shard_keys:
+                got, value = next(it, (None, None))
+                if got != key:
+                    raise RuntimeError(
+                        f"The tensor stream gave {got!r} where the layout planned {key!r}: a "
+                        "state-dict adapter's output must not depend on tensor values."
+                    )
+                shape, dtype = specs[key]
+                if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                    raise RuntimeError(
+                        f"{key}: got {list(value.shape)} {value.dtype}, the header says "
+                        f"{list(shape)} {dtype}"
+                    )
+                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
+                written += data.numel()
+                # Drop the tensor before the next one is read: the writer holds one at a time.
+                del value, data
+            _sync(f)
+    for extra, _ in it:  # runs the stream to its end: last progress update, then its close
+        raise RuntimeError(f"The tensor stream gave {extra!r}, which the layout did not plan.")
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": written}, "weight_map": weight_map}
+        text = json.dumps(index, indent=2, sort_keys=True)
+        with storage.open(storage.join(folder, INDEX_NAME), "wb") as f:
+            f.write(text.encode())
+            _sync(f)
+    return written

@@ -1,0 +1,159 @@
+"""One error family: every error titan-ckpt raises on purpose is a ``CheckpointError``;
+integrity errors carry their problems as a list; the library names ``ConvertOptions`` fields
+and the command shows its flags."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import titan_ckpt
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointManager,
+    CheckpointReadError,
+    CheckpointWriteError,
+    DiskFullError,
+    LocalStorage,
+    ModelState,
+    OptimizerState,
+    UnsafeCheckpointError,
+    read_manifest,
+    verify_step,
+)
+from titan_ckpt.commands.cli import flag_text
+from titan_ckpt.commands.convert import ConvertOptions, convert
+from titan_ckpt.errors import ConvertError
+from titan_ckpt.formats.base import select_keys
+from titan_ckpt.layout import commit_step, hash_files
+
+
+def test_one_root_and_the_old_bases():
+    for cls in (CheckpointConfigError, CheckpointFormatError):
+        assert issubclass(cls, CheckpointError)
+        assert issubclass(cls, ValueError)
+    for cls in (CheckpointReadError, CheckpointIntegrityError, CheckpointWriteError):
+        assert issubclass(cls, CheckpointError)
+        assert issubclass(cls, RuntimeError)
+    assert issubclass(UnsafeCheckpointError, CheckpointReadError)
+    assert issubclass(DiskFullError, CheckpointWriteError)
+    assert ConvertError is CheckpointConfigError
+
+
+def test_errors_keep_their_fields_between_ranks():
+    # Rank 0 broadcasts the error every rank raises: a pickle round trip keeps its fields.
+    error = CheckpointIntegrityError("damaged", problems=["a: missing", "b: 3 bytes"])
+    again = pickle.loads(pickle.dumps(error))
+    assert (type(again), str(again), again.problems) == (
+        CheckpointIntegrityError, "damaged", ["a: missing", "b: 3 bytes"])  # fmt: skip
+    full = pickle.loads(pickle.dumps(DiskFullError("full", path="/x", needed=5, free=1)))
+    assert (full.path, full.needed, full.free) == ("/x", 5, 1)
+
+
+def test_integrity_problems_are_a_list_one_per_file(common, tmp_path):
+    manager = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(tmp_path), interval=1),
+        model_parts=common.make_model(),
+    )
+    manager.save(1)
+    manager.close()
+    step = tmp_path / "step-1"
+    data = sorted(p for p in step.iterdir() if p.suffix == ".distcp")
+    data[0].unlink()
+    (step / ".metadata").write_bytes((step / ".metadata").read_bytes() + b"x")
+    manifest = read_manifest(LocalStorage(), str(step))
+    with pytest.raises(CheckpointIntegrityError) as caught:
+        verify_step(LocalStorage(), str(step), manifest, checksums=True)
+    size = (step / ".metadata").stat().st_size
+    assert caught.value.problems == sorted(
+        [f"{data[0].name}: missing", f".metadata: {size} bytes, the manifest says {size - 1}"]
+    )
+
+
+def test_bad_input_to_the_states_is_a_config_error():
+    with pytest.raises(CheckpointConfigError, match="model_parts is empty"):
+        ModelState([])
+    with pytest.raises(CheckpointConfigError, match="one optimizer per model part"):
+        OptimizerState([torch.nn.Linear(2, 2)] * 2, [])
+    model = ModelState(torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointConfigError, match=r"lacks model keys \['weight', 'bias'\]"):
+        model.load_state_dict({})
+
+
+def test_commit_step_takes_other_ranks_hashes_and_hashes_the_rest(tmp_path):
+    storage = LocalStorage()
+    (tmp_path / "__0_0.distcp").write_bytes(b"rank zero")
+    (tmp_path / "__1_0.distcp").write_bytes(b"rank one")
+    (tmp_path / ".tmp-partial").write_bytes(b"skipped")
+    theirs = hash_files(storage, str(tmp_path), prefix="__1_")
+    assert list(theirs) == ["__1_0.distcp"]
+    theirs["__1_0.distcp"]["sha256"] = "0" * 64  # taken as given: not hashed again
+    manifest = titan_ckpt.Manifest(step=1, world_size=2, states=["model"], model_only=True)
+    commit_step(storage, str(tmp_path), manifest, theirs)
+    written = read_manifest(storage, str(tmp_path))
+    assert sorted(written.files) == ["__0_0.distcp", "__1_0.distcp"]
+    assert written.files["__1_0.distcp"]["sha256"] == "0" * 64
+    assert (
+        written.files["__0_0.distcp"]
+        == hash_files(storage, str(tmp_path), prefix="__0_")["__0_0.distcp"]
+    )
+
+
+def test_select_keys_keeps_order_and_applies_both_globs():
+    keys = ["tok.weight", "layers.0.w", "layers.1.w", "optimizer.state.x"]
+    assert select_keys(keys) == keys
+    assert select_keys(keys, ["layers.*"], ["*.1.*"]) == ["layers.0.w"]
+    assert select_keys(keys, exclude=["optimizer.*"]) == keys[:3]
+
+
+def test_library_errors_name_options_and_the_command_shows_flags(tmp_path, saved_folder):
+    step = str(saved_folder / "step-2")
+    with pytest.raises(CheckpointConfigError) as caught:
+        convert(step, str(tmp_path / "o"), ConvertOptions(to="hf"))
+    message = str(caught.value)
+    assert message.startswith("options.to='hf' needs options.model (an installed")
+    assert "--" not in message
+    assert flag_text(message).startswith("--to hf needs --model (an installed")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("library", "command"),
+    [
+        ("options.hf_config needs options.model.", "--hf-config needs --model."),
+        ("pass options.overwrite=True to replace it", "pass --overwrite to replace it"),
+        ("after options.model_only/options.include/options.exclude.",
+         "after --model-only/--include/--exclude."),
+        ("choose with options.rope_scaling='none' or", "choose with --rope-scaling none or"),
+        ("/data/options.model/x and my_options.to", "/data/options.model/x and my_options.to"),
+    ],
+)  # fmt: skip
+def test_flag_text(library, command):
+    assert flag_text(library) == command
+
+
+def test_progress_reaches_the_total_once_more_at_the_end(tmp_path, saved_folder):
+    calls: list[tuple[int, int]] = []
+    options = ConvertOptions(
+        to="safetensors", model_only=True, on_progress=lambda *a: calls.append(a)
+    )
+    summary = convert(str(saved_folder / "step-2"), str(tmp_path / "m.safetensors"), options)
+    total = calls[-1][1]
+    assert calls[-1] == (total, total)
+    assert total == summary["bytes"]
+    done = [d for d, _ in calls[:-1]]
+    assert done == sorted(done)
+    assert done[-1] == total
+
+
+def test_the_old_command_module_runs_the_new_command():
+    from titan_ckpt import cli
+    from titan_ckpt.commands import cli as commands_cli
+
+    assert cli.main is commands_cli.main
