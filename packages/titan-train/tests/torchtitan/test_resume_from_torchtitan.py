@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -282,3 +283,59 @@ def test_seed_checkpoint_refuses_a_foreign_step_0(tmp_path, capsys):
     assert err.count("titan-train: error:") == 1
     assert "step-0 (a model-only DCP checkpoint" in err
     assert snapshot(out) == before
+
+
+class Poison:
+    """Pickles as ``os.system("touch <marker>")``: unpickling it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_poisoned_torchtitan_step_runs_nothing_on_any_path(plugin, tmp_path, capsys):
+    """torchtitan's step with a ``.metadata`` that would run code (no titan marker, so it is
+    told apart by that metadata): resuming from its folder, loading it as initial_load_path
+    and every titan-ckpt command stop with one message naming the global; nothing runs."""
+    from titan_ckpt.cli import main as titan_ckpt
+
+    marker = tmp_path / "pwned"
+    out = tmp_path / "out"
+    step = out / "checkpoint" / f"step-{STEP}"
+    shutil.copytree(DATA / "checkpoint" / f"step-{STEP}", step)
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # torchtitan's file: trusted
+    metadata.planner_data = {"note": Poison(marker)}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    pickle.loads((step / ".metadata").read_bytes())  # the control: plain unpickling runs it
+    assert marker.exists()
+    marker.unlink()
+    before = snapshot(tmp_path)
+    system = f"{os.system.__module__}.system"
+
+    runs = {
+        "resume": ["--job.dump_folder", str(out)],
+        "initial_load_path": ["--job.dump_folder", str(tmp_path / "fresh"),
+                              "--checkpoint.initial_load_path", str(step)],
+    }  # fmt: skip
+    for name, args in runs.items():
+        assert main(["train", *TRAIN, *args]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("titan-train: error:") == 1, err
+        assert f"{step / '.metadata'} asks to unpickle {system}" in err, err
+        assert "WARNING" not in err  # one message, not a warning before it
+    commands = [
+        ["inspect", step], ["verify", step], ["verify", step.parent],
+        ["diff", step, DATA / "checkpoint" / f"step-{STEP}"],
+        ["convert", step, tmp_path / "hf", "--to", "hf", "--model", "llama3",
+         "--rope-scaling", "none"],
+    ]  # fmt: skip
+    for command in commands:
+        assert titan_ckpt([str(a) for a in command]) == 1, command
+        err = capsys.readouterr().err
+        assert err.count("titan-ckpt: error:") == 1, err
+        assert system in err, err
+    assert not marker.exists()
+    assert snapshot(tmp_path) == before  # nothing written, nothing changed
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "hf").exists()
