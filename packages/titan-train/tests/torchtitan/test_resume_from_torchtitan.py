@@ -338,4 +338,5 @@ def test_a_poisoned_torchtitan_step_runs_nothing_on_any_path(plugin, tmp_path, c
         assert system in err, err
     assert not marker.exists()
     assert snapshot(tmp_path) == before  # nothing written, nothing changed
-    assert not (tmp_path / "fresh").exists() and not (tmp_path / "hf").exists()
+    assert not (tmp_path / "fresh").exists()
+    assert not (tmp_path / "hf").exists()
