@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from titan_ckpt import (
+    COMMIT_MARKER,
+    OWNER_MARKER,
     CheckpointConfig,
     CheckpointManager,
     CheckpointWriteError,
@@ -147,13 +149,16 @@ def test_no_warning_when_two_steps_fit(tmp_path, caplog):
 
 
 class FailingStorage(LocalStorage):
-    """Local storage whose commit-marker write fails with ``code`` (after DCP wrote)."""
+    """Local storage whose write of the marker ``name`` fails with ``code``: the commit
+    marker (after DCP wrote), or the owner marker (before anything else of the step)."""
 
-    def __init__(self, code: int) -> None:
-        self.code = code
+    def __init__(self, code: int, name: str = COMMIT_MARKER) -> None:
+        self.code, self.name = code, name
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        raise OSError(self.code, "injected")
+        if path.endswith("/" + self.name):
+            raise OSError(self.code, "injected")
+        super().write_atomic(path, data)
 
 
 def test_a_full_disk_at_the_commit_marker_is_reported_the_same(tmp_path):
@@ -163,6 +168,20 @@ def test_a_full_disk_at_the_commit_marker_is_reported_the_same(tmp_path):
         with pytest.raises(DiskFullError, match="No step of this run is committed yet"):
             m.save(1)
     assert not (tmp_path / "ckpt" / "step-1").exists()
+
+
+def test_a_full_disk_at_the_first_file_of_a_step_is_reported_the_same(tmp_path):
+    # The owner marker is the first file of a step: a disk already full fails there.
+    storage = FailingStorage(errno.ENOSPC, OWNER_MARKER)
+    for mode in ("disabled", "async"):
+        cfg = CheckpointConfig(
+            enable=True, folder=str(tmp_path / "ckpt"), interval=1, async_mode=mode
+        )
+        with CheckpointManager(cfg, model_parts=make_model(), storage=storage) as m:  # noqa: SIM117
+            with pytest.raises(DiskFullError, match=r"the disk is full at .*step-1") as caught:
+                m.save(1)
+        assert caught.value.needed == STEP
+        assert not (tmp_path / "ckpt" / "step-1").exists()
 
 
 def test_other_write_errors_name_the_path_and_cause(tmp_path):

@@ -293,7 +293,7 @@ class CheckpointManager:
             logger.info("Saved %s in %.2f s", directory, time.monotonic() - begin)
             return True
 
-        self._prepare_step(directory, curr_step)
+        self._prepare_step(directory, curr_step, needed)
         with self._quiet_single_process():
             response = dcp.async_save(
                 state,
@@ -349,7 +349,7 @@ class CheckpointManager:
 
         A failed write raises one ``CheckpointWriteError`` on every rank (``SaveWatch.settle``).
         """
-        self._prepare_step(directory, manifest.step)
+        self._prepare_step(directory, manifest.step, needed)
         try:
             with self._quiet_single_process():
                 dcp.save(
@@ -395,7 +395,7 @@ class CheckpointManager:
         if self._rank == 0:
             self._commit(directory, manifest, purger, hashed=own)
 
-    def _prepare_step(self, directory: str, step: int) -> None:
+    def _prepare_step(self, directory: str, step: int, needed: int | None = None) -> None:
         """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
         an earlier save of ours left there; refuse a directory someone else wrote."""
         error = None
@@ -405,6 +405,8 @@ class CheckpointManager:
             except Exception as e:  # delivered to every rank, raised there
                 error = e
         error = self._agree(error)
+        if isinstance(error, WRITE_ERRORS):  # the owner marker: a full disk says so the same way
+            self._watch.settle(error, directory=directory, step=step, needed=needed)
         if error is not None:
             raise error
         self._barrier()

@@ -17,7 +17,7 @@ import sys
 import torch
 
 import titan_ckpt.manager
-from titan_ckpt import CheckpointConfig, CheckpointManager
+from titan_ckpt import COMMIT_MARKER, CheckpointConfig, CheckpointManager
 
 
 def die(*args, **kwargs):
@@ -40,9 +40,15 @@ def main() -> None:
     if point == "before-marker":
         titan_ckpt.manager.write_commit = die
     elif point == "before-rename" and hasattr(storage, "fs"):
-        storage.fs.mv = die
+        move = storage.fs.mv
+        storage.fs.mv = lambda a, b, *args, **kw: (  # the commit marker's, not the owner's
+            die() if b.endswith(COMMIT_MARKER) else move(a, b, *args, **kw)
+        )
     elif point == "before-rename":
-        os.replace = die
+        replace = os.replace
+        os.replace = lambda a, b, *args, **kw: (
+            die() if str(b).endswith(COMMIT_MARKER) else replace(a, b, *args, **kw)
+        )
     elif point == "torn-marker":
 
         def torn(path: str, data: bytes) -> None:
