@@ -340,3 +340,27 @@ def test_a_poisoned_torchtitan_step_runs_nothing_on_any_path(plugin, tmp_path, c
     assert snapshot(tmp_path) == before  # nothing written, nothing changed
     assert not (tmp_path / "fresh").exists()
     assert not (tmp_path / "hf").exists()
+
+
+def test_current_torchtitan_layout_carries_the_token_count(plugin, tmp_path, capsys):
+    """torchtitan since August 2025 saves ``train_state.ntokens_seen`` and the schedule as
+    ``{"last_epoch": n}``: the recorded step rewritten in that layout resumes with its count."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    flat = tmp_path / "step.pt"
+    dcp_to_torch_save(DATA / "checkpoint" / f"step-{STEP}", flat)
+    state = torch.load(flat, weights_only=False)  # torchtitan's recorded file: trusted here
+    state["lr_scheduler"] = {"last_epoch": STEP}
+    state["train_state"] = {"step": STEP, "ntokens_seen": 1000}
+    torch.save(state, flat)
+    out = tmp_path / "out"
+    torch_save_to_dcp(flat, out / "checkpoint" / f"step-{STEP}")
+
+    last = STEP + 2
+    run = ["train", "--job.dump_folder", str(out), *TRAIN, "--training.steps", str(last)]
+    assert main(run) == 0
+    capsys.readouterr()
+    saved = {"lr_scheduler": {"step": 0}, "train_state": {"step": 0, "tokens_seen": 0}}
+    dcp.load(saved, checkpoint_id=str(out / "checkpoint" / f"step-{last}"), no_dist=True)
+    assert saved["lr_scheduler"]["step"] == last
+    assert saved["train_state"] == {"step": last, "tokens_seen": 1000 + 2 * 64}
