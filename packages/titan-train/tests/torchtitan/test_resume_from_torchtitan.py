@@ -364,3 +364,13 @@ def test_current_torchtitan_layout_carries_the_token_count(plugin, tmp_path, cap
     dcp.load(saved, checkpoint_id=str(out / "checkpoint" / f"step-{last}"), no_dist=True)
     assert saved["lr_scheduler"]["step"] == last
     assert saved["train_state"] == {"step": last, "tokens_seen": 1000 + 2 * 64}
+
+
+def test_every_step_trains_at_torchtitans_learning_rate(plugin, tmp_path):
+    """The same 10-step run in titan-train: each step's lr is the one torchtitan's own
+    trainer used at that step (recorded), warmup, decay and the last step included."""
+    out = tmp_path / "out"
+    assert main(["train", "--job.dump_folder", str(out), *TRAIN, "--checkpoint.no_enable"]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    lrs = [r["lr"] for r in map(json.loads, lines) if "loss" in r]
+    assert lrs == pytest.approx(META["lrs"], rel=1e-6)
