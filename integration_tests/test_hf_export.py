@@ -176,6 +176,7 @@ def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(
              "ffn hidden size (intermediate_size): expected 1024 from the HF config, found 768"],
         ),
     }  # fmt: skip
+    before = _disk(step.parent, tmp_path)
     for flags, fields in cases.values():
         dst = tmp_path / "out"
         proc = titan_ckpt_here("convert", step, dst, "--to", "hf", "--model", "llama3", *flags)
@@ -185,6 +186,14 @@ def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(
             assert field in proc.stderr, (field, proc.stderr)
         assert not dst.exists()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    # Nothing on disk changed: the checkpoint read, the config given, no output left.
+    assert _disk(step.parent, tmp_path) == before
+
+
+def _disk(*roots):
+    """Every path under ``roots``: a file's bytes, None for a directory."""
+    paths = [p for root in roots for p in sorted(root.rglob("*"))]
+    return {p: p.read_bytes() if p.is_file() else None for p in paths}
 
 
 def test_recorded_args_describe_the_export(tmp_path, titan_ckpt_here):

@@ -10,7 +10,8 @@ data for titan's "resume from torchtitan" tests:
   its loss on that batch (computed from the step-N weights), the learning rate of every step,
   and the model's weights after the optimizer step N + 1;
 - ``reference.json``: the shape, schedule and optimizer settings of the run, the losses and
-  learning rates of every step, and where the data came from.
+  learning rates of every step, and where the data came from;
+- ``logits.pt``: torchtitan's logits from the step-N weights (``record_logits.py``).
 
 The model is a tiny Llama 3 (``tt_tiny``, added to torchtitan's flavor registry at run time)
 with plain RoPE (torchtitan's July 2025 Llama 3 has no frequency scaling) and a vocabulary of
@@ -237,6 +238,12 @@ def main() -> None:
         "losses": steps["losses"],
     }
     (out / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
+    logits = Path(__file__).resolve().with_name("record_logits.py")
+    subprocess.run(
+        [sys.executable, str(logits), "--torchtitan", args.torchtitan, "--data", str(out)],
+        env=env,
+        check=True,
+    )
     print(f"recorded into {out}")
 
 

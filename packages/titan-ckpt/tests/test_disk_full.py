@@ -161,16 +161,6 @@ class FailingStorage(LocalStorage):
         super().write_atomic(path, data)
 
 
-def test_a_full_disk_at_the_owner_marker_is_reported_the_same(tmp_path):
-    # The first file of a save is the owner marker: a disk already full fails there.
-    cfg = CheckpointConfig(enable=True, folder=str(tmp_path / "ckpt"), interval=1)
-    storage = FailingStorage(errno.ENOSPC, marker=OWNER_MARKER)
-    with CheckpointManager(cfg, model_parts=make_model(), storage=storage) as m:  # noqa: SIM117
-        with pytest.raises(DiskFullError, match="No step of this run is committed yet"):
-            m.save(1)
-    assert not (tmp_path / "ckpt" / "step-1").exists()
-
-
 def test_a_full_disk_at_the_commit_marker_is_reported_the_same(tmp_path):
     cfg = CheckpointConfig(enable=True, folder=str(tmp_path / "ckpt"), interval=1)
     storage = FailingStorage(errno.ENOSPC)
@@ -178,6 +168,20 @@ def test_a_full_disk_at_the_commit_marker_is_reported_the_same(tmp_path):
         with pytest.raises(DiskFullError, match="No step of this run is committed yet"):
             m.save(1)
     assert not (tmp_path / "ckpt" / "step-1").exists()
+
+
+def test_a_full_disk_at_the_first_file_of_a_step_is_reported_the_same(tmp_path):
+    # The owner marker is the first file of a step: a disk already full fails there.
+    storage = FailingStorage(errno.ENOSPC, OWNER_MARKER)
+    for mode in ("disabled", "async"):
+        cfg = CheckpointConfig(
+            enable=True, folder=str(tmp_path / "ckpt"), interval=1, async_mode=mode
+        )
+        with CheckpointManager(cfg, model_parts=make_model(), storage=storage) as m:  # noqa: SIM117
+            with pytest.raises(DiskFullError, match=r"the disk is full at .*step-1") as caught:
+                m.save(1)
+        assert caught.value.needed == STEP
+        assert not (tmp_path / "ckpt" / "step-1").exists()
 
 
 def test_other_write_errors_name_the_path_and_cause(tmp_path):

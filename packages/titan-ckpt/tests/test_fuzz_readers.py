@@ -30,7 +30,7 @@ def pristine(tmp_path_factory, common) -> Path:
     """step-1/ (model, AdamW state, train state), st/model.safetensors and model.pt."""
     pytest.importorskip("safetensors")
     from titan_ckpt import CheckpointConfig, CheckpointManager, OptimizerState
-    from titan_ckpt.cli import main
+    from titan_ckpt.commands.cli import main
 
     root = tmp_path_factory.mktemp("fuzz") / "pristine"
     model = common.make_model(seed=0)

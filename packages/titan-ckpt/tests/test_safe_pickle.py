@@ -131,6 +131,7 @@ def _refused(code: int, err: str, marker: Path) -> None:
         ["diff", "{clean}", "{step}"],
         ["convert", "{step}", "{out}", "--to", "safetensors"],
         ["convert", "{step}", "{out}", "--to", "dcp"],
+        ["convert", "{step}", "{out}", "--to", "torch"],
     ],
 )
 def test_every_command_refuses_a_poisoned_metadata(

@@ -380,12 +380,23 @@ def test_a_torchtitan_key_titan_cannot_honour_is_one_message_and_exit_2(
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "tt.toml"
     path.write_text(toml)
-    before = sorted(tmp_path.rglob("*"))
+    # The dump folder (./outputs) already holds a run's records: they must stay as they are.
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    before = _disk(tmp_path)
     assert main(["train", "--job.config_file", str(path), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("titan-train: error:") == 1
     assert message in err
-    assert sorted(tmp_path.rglob("*")) == before  # nothing written
+    assert _disk(tmp_path) == before  # nothing written, nothing changed
+
+
+def _disk(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder``: a file's bytes, None for a directory."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def test_float8_training_is_refused_when_training_starts(tmp_path, monkeypatch, capsys):

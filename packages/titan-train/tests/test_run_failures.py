@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titan_ckpt import LocalStorage, scan_steps
-from titan_ckpt.cli import main as titan_ckpt_main
+from titan_ckpt.commands.cli import main as titan_ckpt_main
 from titan_train.cli import main
 
 TINY = [

@@ -42,7 +42,8 @@ class CheckpointConfig:
     load_step: int = -1
     """Step to resume from; -1 takes the newest committed step."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """States not to restore on resume, e.g. ["dataloader", "lr_scheduler"]; never "model"."""
+    """States not to restore on resume, e.g. dataloader,lr_scheduler (a TOML list or a comma
+    list); never model."""
     initial_load_path: str | None = None
     """Checkpoint to start from when the folder holds none: a step directory, a checkpoint
     folder (its newest committed step), or a Hugging Face folder with initial_load_in_hf."""

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from titan_ckpt.config import DATALOADER
-from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.errors import CheckpointConfigError, UnsafeCheckpointError
 from titan_ckpt.storage import Storage
 
 __all__ = [
@@ -56,11 +56,14 @@ _SIGNATURE = ("train_state.step", "lr_scheduler.last_epoch")
 
 
 def read_state_keys(storage: Storage, directory: str) -> set[str] | None:
-    """The keys in the DCP metadata of ``directory``; None if it has no readable ``.metadata``."""
+    """The keys in the DCP metadata of ``directory``; None if it has no readable ``.metadata``.
+    ``UnsafeCheckpointError`` if that metadata asks to unpickle what a checkpoint never needs."""
     if not storage.exists(storage.join(directory, ".metadata")):
         return None
     try:
         metadata = storage.dcp_reader(directory).read_metadata()
+    except UnsafeCheckpointError:
+        raise  # a pickle asking to run something: one error naming it, never "not ours"
     except Exception as e:  # a damaged or alien .metadata: not a checkpoint we understand
         logger.warning("Cannot read the DCP metadata of %s: %s", directory, e)
         return None

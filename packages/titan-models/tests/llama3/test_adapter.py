@@ -152,6 +152,10 @@ def test_rope_override_reaches_config_json_and_matches_transformers(tiny, rope):
     config = adapter.hf_config()
     assert config["rope_scaling"] == (None if rope == "none" else described["rope_scaling"])
     assert (config["rope_scaling"] is None) == (rope == "none")
+    # transformers 5 reads rope_parameters first: it says the same, so a base config.json's
+    # (convert --hf-config) cannot override the choice.
+    rope_type = config["rope_scaling"] or {"rope_type": "default"}
+    assert config["rope_parameters"] == {**rope_type, "rope_theta": adapter.args.rope_theta}
     model = Llama3(adapter.args)
     model.load_state_dict(tiny.reference_state_dict())
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -282,3 +283,94 @@ def test_seed_checkpoint_refuses_a_foreign_step_0(tmp_path, capsys):
     assert err.count("titan-train: error:") == 1
     assert "step-0 (a model-only DCP checkpoint" in err
     assert snapshot(out) == before
+
+
+class Poison:
+    """Pickles as ``os.system("touch <marker>")``: unpickling it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_poisoned_torchtitan_step_runs_nothing_on_any_path(plugin, tmp_path, capsys):
+    """torchtitan's step with a ``.metadata`` that would run code (no titan marker, so it is
+    told apart by that metadata): resuming from its folder, loading it as initial_load_path
+    and every titan-ckpt command stop with one message naming the global; nothing runs."""
+    from titan_ckpt.commands.cli import main as titan_ckpt
+
+    marker = tmp_path / "pwned"
+    out = tmp_path / "out"
+    step = out / "checkpoint" / f"step-{STEP}"
+    shutil.copytree(DATA / "checkpoint" / f"step-{STEP}", step)
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # torchtitan's file: trusted
+    metadata.planner_data = {"note": Poison(marker)}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    pickle.loads((step / ".metadata").read_bytes())  # the control: plain unpickling runs it
+    assert marker.exists()
+    marker.unlink()
+    before = snapshot(tmp_path)
+    system = f"{os.system.__module__}.system"
+
+    runs = {
+        "resume": ["--job.dump_folder", str(out)],
+        "initial_load_path": ["--job.dump_folder", str(tmp_path / "fresh"),
+                              "--checkpoint.initial_load_path", str(step)],
+    }  # fmt: skip
+    for name, args in runs.items():
+        assert main(["train", *TRAIN, *args]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("titan-train: error:") == 1, err
+        assert f"{step / '.metadata'} asks to unpickle {system}" in err, err
+        assert "WARNING" not in err  # one message, not a warning before it
+    commands = [
+        ["inspect", step], ["verify", step], ["verify", step.parent],
+        ["diff", step, DATA / "checkpoint" / f"step-{STEP}"],
+        ["convert", step, tmp_path / "hf", "--to", "hf", "--model", "llama3",
+         "--rope-scaling", "none"],
+    ]  # fmt: skip
+    for command in commands:
+        assert titan_ckpt([str(a) for a in command]) == 1, command
+        err = capsys.readouterr().err
+        assert err.count("titan-ckpt: error:") == 1, err
+        assert system in err, err
+    assert not marker.exists()
+    assert snapshot(tmp_path) == before  # nothing written, nothing changed
+    assert not (tmp_path / "fresh").exists()
+    assert not (tmp_path / "hf").exists()
+
+
+def test_current_torchtitan_layout_carries_the_token_count(plugin, tmp_path, capsys):
+    """torchtitan since August 2025 saves ``train_state.ntokens_seen`` and the schedule as
+    ``{"last_epoch": n}``: the recorded step rewritten in that layout resumes with its count."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    flat = tmp_path / "step.pt"
+    dcp_to_torch_save(DATA / "checkpoint" / f"step-{STEP}", flat)
+    state = torch.load(flat, weights_only=False)  # torchtitan's recorded file: trusted here
+    state["lr_scheduler"] = {"last_epoch": STEP}
+    state["train_state"] = {"step": STEP, "ntokens_seen": 1000}
+    torch.save(state, flat)
+    out = tmp_path / "out"
+    torch_save_to_dcp(flat, out / "checkpoint" / f"step-{STEP}")
+
+    last = STEP + 2
+    run = ["train", "--job.dump_folder", str(out), *TRAIN, "--training.steps", str(last)]
+    assert main(run) == 0
+    capsys.readouterr()
+    saved = {"lr_scheduler": {"step": 0}, "train_state": {"step": 0, "tokens_seen": 0}}
+    dcp.load(saved, checkpoint_id=str(out / "checkpoint" / f"step-{last}"), no_dist=True)
+    assert saved["lr_scheduler"]["step"] == last
+    assert saved["train_state"] == {"step": last, "tokens_seen": 1000 + 2 * 64}
+
+
+def test_every_step_trains_at_torchtitans_learning_rate(plugin, tmp_path):
+    """The same 10-step run in titan-train: each step's lr is the one torchtitan's own
+    trainer used at that step (recorded), warmup, decay and the last step included."""
+    out = tmp_path / "out"
+    assert main(["train", "--job.dump_folder", str(out), *TRAIN, "--checkpoint.no_enable"]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    lrs = [r["lr"] for r in map(json.loads, lines) if "loss" in r]
+    assert lrs == pytest.approx(META["lrs"], rel=1e-6)

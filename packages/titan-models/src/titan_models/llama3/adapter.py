@@ -184,6 +184,12 @@ class Llama3StateDictAdapter:
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings,
             }
+        # transformers 5 reads RoPE from ``rope_parameters`` before ``rope_scaling``: written
+        # too, so a base config.json (``--hf-config``) cannot leave a contradicting one behind.
+        config["rope_parameters"] = {
+            **(config["rope_scaling"] or {"rope_type": "default"}),
+            "rope_theta": a.rope_theta,
+        }
         return config
 
 
