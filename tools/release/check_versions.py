@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, Package, compatible_range, packages  # noqa: E402
+from common import ROOT, Package, compatible_range, packages
 
 _HEADING = re.compile(r"^## (.*)$", re.MULTILINE)
 _RELEASE = re.compile(r"^\[(?P<version>[^\]]+)\] - (?P<date>\d{4}-\d{2}-\d{2})$")

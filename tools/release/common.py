@@ -8,10 +8,10 @@ Each package lives in ``packages/<dist>/`` with its version in ``src/<module>/__
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -49,7 +49,7 @@ class Package:
         text = self.about_file.read_text()
         match = _VERSION_LINE.search(text)
         if match is None:
-            raise ValueError(f"{self.about_file}: no line `__version__ = \"X.Y.Z\"`")
+            raise ValueError(f'{self.about_file}: no line `__version__ = "X.Y.Z"`')
         return Version(match.group(1))
 
     @property
