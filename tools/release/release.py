@@ -1,5 +1,6 @@
 """Build, check, tag and publish the titan packages; rehearse a whole release locally.
 
+    python tools/release/release.py prepare PKG VERSION   # date the changelog, set the version
     python tools/release/release.py build   [--out DIST] [PKG ...]
     python tools/release/release.py check   [--out DIST] [PKG ...]
     python tools/release/release.py tag     [--dry-run] [PKG ...]
@@ -26,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from artifacts import build, check_dists, publish_folder, publish_twine
 from common import PACKAGES, ROOT, packages
+from packaging.version import Version
+from prepare import prepare
 from rehearsal import rehearse
 from tagging import tag
 
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     pub = sub.choices["publish"]
     pub.add_argument("--index", type=Path, help="a PEP 503 simple folder to publish into")
     pub.add_argument("--repository-url", help="an index to upload to with twine")
+    prep = sub.add_parser("prepare", help="date the changelog's notes and set the version")
+    prep.add_argument("package", choices=PACKAGES)
+    prep.add_argument("version", type=Version)
     reh = sub.add_parser("rehearse")
     reh.add_argument("--out", type=Path, help="work folder (default: a new temporary one)")
     reh.add_argument(
@@ -57,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         help="quick: titan-dims and titan-ckpt smokes only (all five still build and install)",
     )
     args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare(_chosen([args.package])[0], args.version)
+        return 0
     if args.command == "rehearse":
         return rehearse(packages(ROOT), args.out, quick=args.smoke == "quick")
     chosen = _chosen(args.packages)

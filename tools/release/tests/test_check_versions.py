@@ -58,3 +58,27 @@ def test_cli_exit_codes(tree, capsys) -> None:
     (tree / "packages/titan-optim/CHANGELOG.md").unlink()
     assert check_versions.main(["--root", str(tree)]) == 1
     assert "titan-optim/CHANGELOG.md: missing" in capsys.readouterr().err
+
+
+def test_prepare_dates_the_changelog_and_keeps_the_tree_consistent(tree, edit) -> None:
+    import datetime
+
+    from common import packages
+    from prepare import prepare
+    from tagging import blockers
+
+    dims = packages(tree)[0]
+    assert any("no `## [0.1.0] - YYYY-MM-DD` heading" in b for b in blockers(dims, tree))
+    prepare(dims, dims.version, datetime.date(2026, 12, 24))
+    text = dims.changelog.read_text()
+    assert "## [Unreleased]\n\n## [0.1.0] - 2026-12-24\n\n### Added\n- `ParallelDims`" in text
+    assert "Nothing has been published yet" not in text
+    assert check_versions.check(tree) == []
+    assert not any("heading" in b for b in blockers(dims, tree))
+    # a breaking release of titan-dims: its dependents' ranges must follow
+    edit(dims.changelog, "## [Unreleased]\n", "## [Unreleased]\n\n### Removed\n- x\n")
+    prepare(dims, packages(tree)[0].version.__class__("0.2.0"), datetime.date(2026, 12, 25))
+    assert "## [0.2.0] - 2026-12-25\n\n### Removed\n- x\n\n## [0.1.0] - 2026-12-24" in (
+        dims.changelog.read_text()
+    )
+    assert sum("does not admit titan-dims 0.2.0" in p for p in check_versions.check(tree)) == 2
