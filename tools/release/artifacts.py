@@ -126,18 +126,20 @@ def check_dists(pkgs: list[Package], out: Path) -> int:
     return 1 if failed else 0
 
 
-def publish_folder(pkgs: list[Package], out: Path, index: Path) -> None:
-    """Copy the dists into ``index`` and (re)write its PEP 503 pages; refuse to overwrite."""
-    for pkg in pkgs:
-        page = index / pkg.name
+def publish_files(files: list[Path], index: Path) -> None:
+    """Copy wheels/sdists into the PEP 503 folder ``index`` and rewrite its pages; a file
+    already there with other contents is never replaced (a version is published once)."""
+    for file in files:
+        project = file.name.split("-")[0].replace("_", "-")
+        page = index / project
         page.mkdir(parents=True, exist_ok=True)
-        for file in dists(pkg, out):
-            target = page / file.name
-            if target.exists() and target.read_bytes() != file.read_bytes():
-                raise SystemExit(f"error: {target} exists with other contents; never republish")
-            shutil.copy2(file, target)
+        target = page / file.name
+        if target.exists() and target.read_bytes() != file.read_bytes():
+            raise SystemExit(f"error: {target} exists with other contents; never republish")
+        shutil.copy2(file, target)
+    for page in sorted(p for p in index.iterdir() if p.is_dir()):
         links = []
-        for file in sorted(page.glob("*.*")):
+        for file in sorted(page.iterdir()):
             if file.name == "index.html":
                 continue
             digest = hashlib.sha256(file.read_bytes()).hexdigest()
@@ -145,10 +147,16 @@ def publish_folder(pkgs: list[Package], out: Path, index: Path) -> None:
             links.append(f'<a href="{name}#sha256={digest}">{name}</a><br>')
         body = "\n".join(links)
         (page / "index.html").write_text(f"<!DOCTYPE html>\n<html><body>\n{body}\n</body></html>\n")
-        print(f"published {pkg.name} {pkg.version} to {page}")
     projects = sorted(p.name for p in index.iterdir() if (p / "index.html").is_file())
     anchors = "\n".join(f'<a href="{n}/">{n}</a><br>' for n in projects)
     (index / "index.html").write_text(f"<!DOCTYPE html>\n<html><body>\n{anchors}\n</body></html>\n")
+
+
+def publish_folder(pkgs: list[Package], out: Path, index: Path) -> None:
+    """Publish the built wheel and sdist of each package to the PEP 503 folder ``index``."""
+    for pkg in pkgs:
+        publish_files(dists(pkg, out), index)
+        print(f"published {pkg.name} {pkg.version} to {index / pkg.name}")
 
 
 def publish_twine(pkgs: list[Package], out: Path, url: str) -> int:

@@ -11,8 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from artifacts import build, check_dists, publish_folder
-from common import ROOT, Package
+from artifacts import build, check_dists, publish_files, publish_folder
+from common import PACKAGES, ROOT, Package
+from matrix import run_matrix
+from packaging.version import Version
 from tagging import tag
 
 SMOKE = Path(__file__).resolve().parent / "smoke"
@@ -55,18 +57,23 @@ def _fresh_venv(work: Path) -> tuple[Path, Path]:
     return venv, constraints
 
 
-def _install(pkg: Package, venv: Path, index: Path, constraints: Path, work: Path) -> None:
-    """``pip install <name>`` from the local index; every titan-* must come from it."""
-    report = work / f"install-{pkg.name}.json"
+def _pip_install(wanted: list[str], venv: Path, index: Path, constraints: Path, log: Path) -> None:
+    """``pip install`` by name from the local index; every titan-* must come from it."""
+    report = log.with_suffix(".json")
     cmd = [venv / "bin/python", "-m", "pip", "install", "--report", report]
-    cmd += ["--extra-index-url", index.as_uri(), "-c", constraints, pkg.name]
-    _run(cmd, work, work / f"install-{pkg.name}.log")
+    cmd += ["--extra-index-url", index.as_uri(), "-c", constraints, *wanted]
+    _run(cmd, log.parent, log)
     for item in json.loads(report.read_text())["install"]:
         name, url = item["metadata"]["name"], item["download_info"]["url"]
         if name.startswith("titan-") and not url.startswith(index.as_uri()):
             raise SystemExit(f"error: {name} was installed from {url}, not the local index")
         if name == "torch":
-            raise SystemExit(f"error: installing {pkg.name} replaced torch ({url})")
+            raise SystemExit(f"error: installing {wanted} replaced torch ({url})")
+
+
+def _install(pkg: Package, venv: Path, index: Path, constraints: Path, work: Path) -> None:
+    """``pip install <name>``: the way a user gets the package."""
+    _pip_install([pkg.name], venv, index, constraints, work / f"install-{pkg.name}.log")
     print(f"   pip install {pkg.name}: ok ({pkg.name} {pkg.version} from {index})")
 
 
@@ -117,5 +124,21 @@ def rehearse(pkgs: list[Package], out: Path | None, *, quick: bool) -> int:
         if not quick or pkg.name in ("titan-dims", "titan-ckpt"):
             _smoke(pkg, venv, work)
         print(f"   {pkg.name}: {time.monotonic() - began:.0f} s")
+    print("== mixed versions: last releases with this tree, where the ranges admit them")
+
+    def mix(pins: dict[str, Version], higher: Package) -> None:
+        _run([venv / "bin/python", "-m", "pip", "uninstall", "-y", *PACKAGES], work, work / "u.log")
+        wanted = [f"{name}=={version}" for name, version in pins.items()]
+        if higher.name == "titan-models":
+            wanted.append("titan-optim")  # its smoke trains with titan-optim too
+        log = work / f"mix-{'-'.join(w.replace('==', '-') for w in wanted)}.log"
+        _pip_install(wanted, venv, index, constraints, log)
+        _smoke(higher, venv, work)
+
+    def publish(folder: Path) -> None:
+        publish_files(sorted(folder.glob("*/*.whl")), index)
+
+    if run_matrix(pkgs, ROOT, work, publish, mix) != 0:
+        return 1
     print(f"== release rehearsal ok in {time.monotonic() - started:.0f} s")
     return 0
