@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,16 @@ def _help(command: str, sub: list[str]) -> str:
     return done.stdout
 
 
-def cli_page() -> str:
+def all_helps() -> dict[tuple[str, ...], str]:
+    """The --help of every command, keyed by (command, *subcommand); run side by side, since
+    each one imports torch."""
+    calls = [(command, sub) for command, subs in COMMANDS.items() for sub in subs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        texts = pool.map(lambda call: _help(*call), calls)
+    return {(command, *sub): text for (command, sub), text in zip(calls, texts, strict=True)}
+
+
+def cli_page(helps: dict[tuple[str, ...], str]) -> str:
     """The --help of every command, verbatim."""
     lines = ["# Command reference", "", "Each command's `--help`, as it prints it.", ""]
     for command, subs in COMMANDS.items():
@@ -178,7 +188,7 @@ def cli_page() -> str:
         for sub in subs:
             if sub:
                 lines += [f"### `{command} {' '.join(sub)}`", ""]
-            lines += ["```text", _help(command, sub).rstrip(), "```", ""]
+            lines += ["```text", helps[(command, *sub)].rstrip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -198,8 +208,9 @@ def generate(out: Path) -> None:
     (out / "index.md").write_text(index_page())
     for name in PACKAGES:
         (out / "packages" / f"{name}.md").write_text(package_page(name))
-    (out / "config.md").write_text(config_page(_help("titan-train", ["train"])))
-    (out / "cli.md").write_text(cli_page())
+    helps = all_helps()
+    (out / "config.md").write_text(config_page(helps[("titan-train", "train")]))
+    (out / "cli.md").write_text(cli_page(helps))
     print(f"wrote the reference pages to {out}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -41,12 +42,30 @@ def parser_options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def cli_page() -> str:
-    return gen_reference.cli_page()
+def pages(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The generated reference pages: those CI just built and published to the site when
+    TITAN_REFERENCE_PAGES names their folder (so the test checks the real artifact), else
+    freshly generated ones."""
+    built = os.environ.get("TITAN_REFERENCE_PAGES")
+    if built:
+        return Path(built)
+    out = tmp_path_factory.mktemp("reference")
+    gen_reference.generate(out)
+    return out
 
 
-def test_every_config_key_is_in_the_reference(cli_page: str) -> None:
-    page = gen_reference.config_page(cli_page)
+@pytest.fixture(scope="module")
+def cli_page(pages: Path) -> str:
+    return (pages / "cli.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def config_page(pages: Path) -> str:
+    return (pages / "config.md").read_text()
+
+
+def test_every_config_key_is_in_the_reference(config_page: str) -> None:
+    page = config_page
     keys = config_keys(JobConfig())
     assert len(keys) > 100  # the walk found the whole tree
     missing = [key for key in keys if f"| `{key}` |" not in page]
@@ -56,9 +75,10 @@ def test_every_config_key_is_in_the_reference(cli_page: str) -> None:
     assert "(torchtitan: `model.hf_assets_path`)" in page
 
 
-def test_every_titan_train_option_is_in_the_command_reference(cli_page: str) -> None:
-    config = gen_reference.config_page(cli_page)
-    rows = {line.split("`")[1]: line for line in config.splitlines() if line.startswith("| `")}
+def test_every_titan_train_option_is_in_the_command_reference(
+    cli_page: str, config_page: str
+) -> None:
+    rows = {line.split("`")[1]: line for line in config_page.splitlines() if line.startswith("| `")}
     missing = [
         key
         for key in config_keys(JobConfig())
@@ -81,16 +101,27 @@ def test_every_option_of_the_argparse_commands_is_in_the_reference(
     assert not missing, missing
 
 
+def test_each_package_page_has_its_readme_api_and_changelog(pages: Path) -> None:
+    for name in gen_reference.PACKAGES:
+        page = (pages / "packages" / f"{name}.md").read_text()
+        assert page.startswith(f"# {name}\n")
+        modules = gen_reference.api_modules(name)
+        assert modules, name
+        for module in modules:
+            assert f"\n::: {module}\n" in page
+        assert "\n### [Unreleased]" in page  # the changelog, one heading level down
+
+
 def test_a_broken_cross_reference_fails_the_build(tmp_path: Path) -> None:
-    pages = tmp_path / "src"
-    pages.mkdir()
-    (pages / "index.md").write_text(
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "index.md").write_text(
         "# x\n\nSee [ParallelDims][titan_dims.ParallelDims] and [gone][titan_dims.NoSuchThing].\n"
         "\n::: titan_dims.ParallelDims\n"
     )
     config = (gen_reference.DOCS / "mkdocs.yml").read_text()
     config = re.sub(r"(?ms)^nav:.*?(?=^validation:)", "", config)
-    config = config.replace("docs_dir: _build/src", f"docs_dir: {pages}")
+    config = config.replace("docs_dir: _build/src", f"docs_dir: {src}")
     config = config.replace("site_dir: _build/site", f"site_dir: {tmp_path / 'site'}")
     config = config.replace("- ../packages/", f"- {gen_reference.ROOT}/packages/")
     (tmp_path / "mkdocs.yml").write_text(config)
@@ -99,7 +130,7 @@ def test_a_broken_cross_reference_fails_the_build(tmp_path: Path) -> None:
     assert done.returncode != 0, done.stderr
     assert "titan_dims.NoSuchThing" in done.stderr
     # the good reference alone builds
-    (pages / "index.md").write_text(
+    (src / "index.md").write_text(
         "# x\n\n[ParallelDims][titan_dims.ParallelDims]\n\n::: titan_dims.ParallelDims\n"
     )
     done = subprocess.run(cmd, capture_output=True, text=True)

@@ -90,6 +90,7 @@ def _smoke(pkg: Package, venv: Path, work: Path) -> None:
         _run([bin_ / "titan-ckpt", "inspect", "--json", ckpt / "step-1"], work, log)
         states = json.loads(log.read_text())["manifest"]["states"]
         assert states == ["model", "optimizer"], states
+        log.write_text(f"ckpt smoke ok: titan-ckpt verify OK, inspect shows states {states}\n")
     elif pkg.name == "titan-models":
         _run([bin_ / "python", SMOKE / "models_optim.py"], work, log)
     elif pkg.name == "titan-train":
