@@ -38,12 +38,17 @@ def tag(pkgs: list[Package], root: Path, *, dry_run: bool) -> int:
     for pkg in pkgs:
         existing = _git(root, "rev-parse", "--verify", "--quiet", f"{pkg.tag}^{{commit}}")
         if existing.returncode == 0:
-            if existing.stdout.strip() == head:
-                print(f"{pkg.tag}: already at HEAD")
+            folder = str(pkg.folder.relative_to(root))
+            changed = _git(root, "diff", "--quiet", pkg.tag, "HEAD", "--", folder).returncode
+            if existing.stdout.strip() == head or changed == 0:
+                print(f"{pkg.tag}: released, unchanged since: nothing to tag")
                 continue
-            print(f"error: {pkg.tag} already exists at {existing.stdout.strip()[:12]}, not HEAD;")
-            print(f"       {pkg.name} {pkg.version} was released: bump the version to change it")
-            failed = True
+            message = (
+                f"{pkg.name} changed since {pkg.tag} (released): bump its version to release "
+                "it (RELEASING.md, step 2)"
+            )
+            print(f"  before a real release: {message}" if dry_run else f"error: {message}")
+            failed |= not dry_run
             continue
         problems = blockers(pkg, root)
         if dry_run:

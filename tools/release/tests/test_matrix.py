@@ -54,3 +54,26 @@ def test_last_release_reads_the_tags(tree, edit) -> None:
     assert last_release(packages(tree)[1], tree) == Version("0.0.5")
     edit(tree / DIMS_ABOUT, '"0.1.0"', '"0.1.1"')
     assert last_release(packages(tree)[0], tree) == Version("0.1.0")
+
+
+def test_tagging_a_released_version(tree, capsys) -> None:
+    from tagging import tag
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tree), *args], check=True, capture_output=True)
+
+    ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    git("init", "-q")
+    git("add", "-A")
+    git(*ident, "commit", "-q", "-m", "x")
+    dims = packages(tree)[:1]
+    git("tag", "titan-dims-v0.1.0")
+    git(*ident, "commit", "-q", "--allow-empty", "-m", "y")
+    assert tag(dims, tree, dry_run=False) == 0  # released, nothing changed: nothing to do
+    assert "released, unchanged since" in capsys.readouterr().out
+    readme = tree / "packages/titan-dims/README.md"
+    readme.write_text(readme.read_text() + "\nmore\n")
+    git(*ident, "commit", "-q", "-am", "z")
+    assert tag(dims, tree, dry_run=True) == 0  # the rehearsal notes it
+    assert "changed since titan-dims-v0.1.0 (released): bump its version" in capsys.readouterr().out
+    assert tag(dims, tree, dry_run=False) == 1  # a real release refuses
