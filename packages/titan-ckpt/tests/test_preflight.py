@@ -77,3 +77,27 @@ def test_a_writable_folder_passes_and_is_not_created(tmp_path):
     check_folder_writable(CheckpointConfig(enable=True, folder=str(folder)))
     check_folder_writable(CheckpointConfig(enable=True, folder=f"file://{folder}"))
     assert not (tmp_path / "new").exists()
+
+
+def test_a_start_point_that_does_not_exist_is_refused_before_any_work(tmp_path):
+    # The same decision the load takes, without a model: a trainer runs it first.
+    from titan_ckpt import check_folder_contents
+
+    folder = tmp_path / "ckpt"
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(CheckpointConfigError, match=r"initial_load_path=.*does not exist"):
+        check_folder_contents(
+            CheckpointConfig(enable=True, folder=str(folder), initial_load_path=str(missing))
+        )
+    with pytest.raises(CheckpointConfigError, match=r"load_step=3, but .* holds no committed"):
+        check_folder_contents(CheckpointConfig(enable=True, folder=str(folder), load_step=3))
+    manager = build(str(folder))
+    manager.save(2, force=True)
+    manager.close()
+    with pytest.raises(CheckpointConfigError, match=r"load_step=3 is not a committed .*\[2\]"):
+        check_folder_contents(CheckpointConfig(enable=True, folder=str(folder), load_step=3))
+    # A folder with a committed step resumes from it: initial_load_path is not consulted.
+    check_folder_contents(
+        CheckpointConfig(enable=True, folder=str(folder), initial_load_path=str(missing))
+    )
+    assert not missing.exists()

@@ -22,10 +22,10 @@ from titan_ckpt.layout import (
     Manifest,
     read_manifest,
     scan_steps,
-    step_dir,
+    step_of,
     verify_step,
 )
-from titan_ckpt.preflight import foreign_steps_error
+from titan_ckpt.preflight import foreign_steps_error, resolve_start
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
@@ -76,50 +76,23 @@ def plan_load(
     scan = scan_steps(storage, config.folder)
     if scan.foreign:
         raise foreign_steps_error(storage, config.folder, scan.foreign)
-    loadable = sorted(scan.committed + scan.torchtitan)
-    if loadable:
-        if step == -1:
-            step = loadable[-1]
+    start = resolve_start(storage, config, scan, step=step)
+    if start is None:
+        return None
+    kind, directory = start
+    if kind == "hf":
+        return LoadPlan("hf", directory, None)
+    if kind == "resume":
+        step = step_of(directory.rstrip("/").rsplit("/", 1)[-1])
         newer = [s for s in scan.committed if s > step]
-        if newer and step in loadable:
+        if newer:
             logger.warning(
                 "Resuming from step %d while newer committed steps %s exist; saving "
                 "those steps again will replace them",
                 step,
                 newer,
             )
-        elif step not in loadable:
-            note = ""
-            if step in scan.uncommitted:
-                note = " (present but uncommitted: an interrupted save)"
-            raise CheckpointConfigError(
-                f"checkpoint.load_step={step} is not a committed checkpoint in "
-                f"{config.folder}{note}; committed steps: {loadable}."
-            )
-        directory = step_dir(storage, config.folder, step)
-        return _checked(storage, model, "resume", directory, checksums, config.trust_pickles)
-    if step != -1:
-        raise CheckpointConfigError(
-            f"checkpoint.load_step={step}, but {config.folder} holds no committed "
-            "checkpoint. Use -1 to start fresh, or point checkpoint.folder elsewhere."
-        )
-    path = config.initial_load_path
-    if path is None:
-        return None
-    if not storage.exists(path):
-        raise CheckpointConfigError(f"checkpoint.initial_load_path={path!r} does not exist.")
-    if config.initial_load_in_hf:
-        return LoadPlan("hf", path, None)
-    if not storage.exists(storage.join(path, ".metadata")):
-        inner_scan = scan_steps(storage, path)
-        inner = sorted(inner_scan.committed + inner_scan.torchtitan)
-        if not inner:
-            raise CheckpointConfigError(
-                f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
-                "(no .metadata) nor a folder of committed step-<N> checkpoints."
-            )
-        path = step_dir(storage, path, inner[-1])
-    return _checked(storage, model, "initial", path, checksums, config.trust_pickles)
+    return _checked(storage, model, kind, directory, checksums, config.trust_pickles)
 
 
 def _checked(

@@ -39,6 +39,7 @@ __all__ = [
     "check_folder_writable",
     "foreign_steps_error",
     "open_storage",
+    "resolve_start",
     "saves_step",
 ]
 
@@ -184,6 +185,9 @@ def check_folder_contents(
     scan = scan_steps(storage, config.folder, log=False)  # loading logs them
     if scan.foreign:
         raise foreign_steps_error(storage, config.folder, scan.foreign)
+    # The start point too (load_step, initial_load_path): the same decision and errors as
+    # the load, taken before the model exists.
+    resolve_start(storage, config, scan, step=config.load_step)
     if final_step is not None:
         clash = _collisions(config, scan, final_step)
         if clash:
@@ -197,3 +201,54 @@ def check_folder_contents(
                 "directories away, or use another checkpoint.folder."
             )
     return scan
+
+
+def resolve_start(
+    storage: Storage, config: CheckpointConfig, scan: StepScan, *, step: int
+) -> tuple[str, str] | None:
+    """Where a run starts, from the folder's ``scan``: ``("resume", step directory)`` (the
+    newest loadable step, or ``step`` unless it is -1), ``("initial", directory)`` or
+    ``("hf", folder)`` from ``config.initial_load_path``, or None for a fresh start. Raises
+    ``CheckpointConfigError`` for a start point that does not exist. Reads no tensor and no
+    model: a trainer runs it before any work, and ``CheckpointManager.load`` again."""
+    loadable = sorted(scan.committed + scan.torchtitan)
+    if loadable:
+        if step == -1:
+            step = loadable[-1]
+        if step not in loadable:
+            note = (
+                " (present but uncommitted: an interrupted save)"
+                if step in scan.uncommitted
+                else ""
+            )
+            raise CheckpointConfigError(
+                f"checkpoint.load_step={step} is not a committed checkpoint in "
+                f"{config.folder}{note}; committed steps: {loadable}."
+            )
+        return "resume", step_dir(storage, config.folder, step)
+    if step != -1:
+        raise CheckpointConfigError(
+            f"checkpoint.load_step={step}, but {config.folder} holds no committed "
+            "checkpoint. Use -1 to start fresh, or point checkpoint.folder elsewhere."
+        )
+    path = config.initial_load_path
+    if path is None:
+        return None
+    if not storage.exists(path):
+        raise CheckpointConfigError(
+            f"checkpoint.initial_load_path={path!r} does not exist. Point it at a step "
+            "directory, a folder of step-<N> checkpoints or (with initial_load_in_hf) a "
+            "Hugging Face folder, or unset it to start from fresh weights."
+        )
+    if config.initial_load_in_hf:
+        return "hf", path
+    if not storage.exists(storage.join(path, ".metadata")):
+        inner_scan = scan_steps(storage, path, log=False)
+        inner = sorted(inner_scan.committed + inner_scan.torchtitan)
+        if not inner:
+            raise CheckpointConfigError(
+                f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "
+                "(no .metadata) nor a folder of committed step-<N> checkpoints."
+            )
+        path = step_dir(storage, path, inner[-1])
+    return "initial", path
