@@ -30,9 +30,14 @@ from titan_models.parallel import (
     ParallelizeConfig,
     Pipeline,
     PipelineConfig,
+    StepContext,
+    check_seq_len,
     context_parallel_batch,
     context_parallel_shard,
+    reduce_loss,
+    step_context,
 )
+from titan_models.ops import plain_loss, repeat_kv
 from titan_models.spec import ModelSpec
 
 __all__ = [
@@ -49,13 +54,19 @@ __all__ = [
     "Pipeline",
     "PipelineConfig",
     "RopeScaling",
+    "StepContext",
     "__version__",
     "check_parallelism",
+    "check_seq_len",
     "context_parallel_batch",
     "context_parallel_shard",
     "llama3_args",
     "make_adapter",
     "parallelize_llama",
     "pipeline_llama",
+    "plain_loss",
+    "reduce_loss",
+    "repeat_kv",
     "rope_scaling_of",
+    "step_context",
 ]

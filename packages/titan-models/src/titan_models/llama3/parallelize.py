@@ -28,6 +28,7 @@ from titan_models.parallel.activation_checkpoint import apply_activation_checkpo
 from titan_models.parallel.config import ParallelizeConfig
 from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
 from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
+from titan_models.parallel.step import check_seq_len
 
 __all__ = ["apply_tp", "check_parallelism", "parallelize_llama"]
 
@@ -48,15 +49,7 @@ def check_parallelism(
                 f"holds whole attention heads. Choose tp among "
                 f"{[d for d in range(1, heads + 1) if heads % d == 0]}."
             )
-    seq_len = args.max_seq_len if seq_len is None else seq_len
-    divisor = parallel_dims.seq_len_divisor
-    if seq_len % divisor:
-        raise ConfigError(
-            f"seq_len={seq_len} must be divisible by {divisor} (tp={tp} x cp="
-            f"{parallel_dims.cp} x 2: sequence parallel splits it tp ways, load-balanced "
-            f"context parallel into 2 x cp chunks). Nearest valid: "
-            f"{max(divisor, seq_len // divisor * divisor)}."
-        )
+    check_seq_len(args.max_seq_len if seq_len is None else seq_len, parallel_dims)
     if parallel_dims.cp_enabled:
         # Raises for torch's context parallel on a device it has no kernels for.
         resolve_cp_attention(config.cp_attention, parallel_dims.device_type or detect_device_type())
@@ -158,7 +151,7 @@ def parallelize_llama(
         mesh_names = (
             ("dp_replicate", "dp_shard_cp")
             if parallel_dims.dp_replicate_enabled
-            else ("dp_shard_cp")
+            else ("dp_shard_cp",)
         )
         apply_fsdp(
             model,
