@@ -25,6 +25,7 @@ from titan_models.llama3 import (
     pipeline_llama,
     rope_scaling_of,
 )
+from titan_models.ops import plain_loss, repeat_kv
 from titan_models.parallel import (
     ActivationCheckpointConfig,
     ParallelizeConfig,
@@ -37,7 +38,6 @@ from titan_models.parallel import (
     reduce_loss,
     step_context,
 )
-from titan_models.ops import plain_loss, repeat_kv
 from titan_models.spec import ModelSpec
 
 __all__ = [

@@ -8,9 +8,10 @@ schedule per optimizer. Both containers are ``Stateful`` for ``torch.distributed
 """
 
 from titan_optim.__about__ import __version__
+from titan_optim.build import build_optimizers
 from titan_optim.clip import NonFiniteGradError, clip_grad_norm_
 from titan_optim.config import OptimizerConfig, OptimizerConfigError, ParamGroupRule
-from titan_optim.container import OptimizersContainer, build_optimizers
+from titan_optim.container import OptimizersContainer
 from titan_optim.ft import FTOptimizersContainer
 from titan_optim.in_backward import OptimizerInBackwardError, OptimizersInBackwardContainer
 from titan_optim.lr_scheduler import (
@@ -19,6 +20,7 @@ from titan_optim.lr_scheduler import (
     WarmupStableDecay,
     build_lr_schedulers,
 )
+from titan_optim.protocol import Optimizers
 
 __all__ = [
     "FTOptimizersContainer",
@@ -28,6 +30,7 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerConfigError",
     "OptimizerInBackwardError",
+    "Optimizers",
     "OptimizersContainer",
     "OptimizersInBackwardContainer",
     "ParamGroupRule",

@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
+
 from titan_models.errors import ConfigError
 from titan_models.ops import plain_loss
 from titan_models.parallel.config import PipelineConfig
