@@ -122,9 +122,12 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         if replicas is None
         else replicas.data_parallel(dp_rank, dims.dp_degree)
     )
-    dataloader = build_dataloader(
-        config.training, tokenizer, dp_rank=data_rank, dp_degree=data_degree
+    data = config.training.data_config(
+        seq_len=config.training.seq_len,
+        local_batch_size=config.training.local_batch_size,
+        infinite=True,
     )
+    dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
     validator = _build_validator(config, plan, tokenizer, dp_rank)
     args, model_parts, pipeline = _build_model(
         config, plan, tokenizer.vocab_size, validator is not None

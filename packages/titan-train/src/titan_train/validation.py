@@ -13,6 +13,7 @@ rank reports the same number.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torch import nn
 from titan_dims import ParallelDims
 from titan_models import Pipeline, StepContext, reduce_loss, step_context
 from titan_train.config_loader import ConfigError
-from titan_train.data import DataConfig, build_dataloader
+from titan_train.data import DataSource, build_dataloader
 from titan_train.step import batch_loss
 from titan_train.tokenizer import Tokenizer
 
@@ -28,17 +29,15 @@ __all__ = ["ValidationConfig", "Validator"]
 
 
 @dataclass(kw_only=True)
-class ValidationConfig:
-    """Evaluate the loss of a validation dataset every ``freq`` training steps."""
+class ValidationConfig(DataSource):
+    """Evaluate the loss of a validation dataset every ``freq`` training steps. Its data keys
+    are ``training``'s (``dataset``, ``dataset_path``, ``text_column``); the default is the
+    training corpus itself (titan ships no held-out split): point it at your own."""
+
+    SECTION: ClassVar[str] = "validation"
 
     enable: bool = False
     """Run validation during training."""
-    dataset: str = "embedded"
-    """Like ``training.dataset``: ``embedded``, a local json/jsonl/parquet/txt file or
-    folder, a format name with ``dataset_path``, or a Hugging Face hub name. The default is
-    the training corpus itself (titan ships no held-out split): point it at your own."""
-    dataset_path: str | None = None
-    """Where the dataset's files are, when ``dataset`` names a hub dataset or a format."""
     freq: int = 10
     """Validate after every this many training steps (and after the last step)."""
     steps: int = -1
@@ -49,6 +48,7 @@ class ValidationConfig:
     """Tokens per validation sequence."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for key in ("freq", "local_batch_size", "seq_len"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -97,12 +97,8 @@ class Validator:
         self.dims = dims
         self.device = device
         self.step_context = step_context or _default_context(dims)
-        data = DataConfig(
-            dataset=config.dataset,
-            dataset_path=config.dataset_path,
-            seq_len=config.seq_len,
-            local_batch_size=config.local_batch_size,
-            infinite=False,
+        data = config.data_config(
+            seq_len=config.seq_len, local_batch_size=config.local_batch_size, infinite=False
         )
         self.dataloader = build_dataloader(
             data, tokenizer, dp_rank=dp_rank, dp_degree=dims.dp_degree
