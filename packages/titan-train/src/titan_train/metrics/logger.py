@@ -164,6 +164,7 @@ class MetricsLogger:
             lr: learning rate of the step.
             extra: more scalars to record (e.g. ``{"validation/loss": 2.3}``).
         """
+        # Long only by its docstring and the record's one-line fields.
         window = self._window
         window["steps"] += 1
         window["tokens"] += tokens
