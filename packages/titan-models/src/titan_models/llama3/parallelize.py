@@ -39,8 +39,10 @@ def check_parallelism(
     config: ParallelizeConfig,
     *,
     seq_len: int | None = None,
-) -> None:
-    """Raise ``ConfigError`` if ``args`` cannot be parallelized as asked."""
+) -> str | None:
+    """Raise ``ConfigError`` if ``args`` cannot be parallelized as asked; return the
+    context-parallel implementation ``config.cp_attention`` resolves to on this device
+    (``None`` without context parallel)."""
     tp = parallel_dims.tp
     for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if heads % tp:
@@ -50,9 +52,11 @@ def check_parallelism(
                 f"{[d for d in range(1, heads + 1) if heads % d == 0]}."
             )
     check_seq_len(args.max_seq_len if seq_len is None else seq_len, parallel_dims)
+    implementation = None
     if parallel_dims.cp_enabled:
         # Raises for torch's context parallel on a device it has no kernels for.
-        resolve_cp_attention(config.cp_attention, parallel_dims.device_type or detect_device_type())
+        device_type = parallel_dims.device_type or detect_device_type()
+        implementation = resolve_cp_attention(config.cp_attention, device_type)
     if parallel_dims.ep_enabled:
         raise ConfigError(
             f"ep={parallel_dims.ep}: Llama 3 is a dense model without experts; set ep=1."
@@ -68,6 +72,7 @@ def check_parallelism(
             f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
             f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
         )
+    return implementation
 
 
 def apply_tp(model: Llama3, tp_mesh, *, loss_parallel: bool) -> None:
@@ -132,15 +137,14 @@ def parallelize_llama(
     inside ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
     config = config or ParallelizeConfig()
-    check_parallelism(model.args, parallel_dims, config, seq_len=seq_len)
+    cp_implementation = check_parallelism(model.args, parallel_dims, config, seq_len=seq_len)
     device_type = parallel_dims.device_type or detect_device_type()
 
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel)
     if parallel_dims.cp_enabled:
         attentions = [block.attention for block in model.layers.values()]
-        implementation = resolve_cp_attention(config.cp_attention, device_type)
-        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), implementation)
+        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), cp_implementation)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint)
     if config.compile:
         for block in model.layers.values():
