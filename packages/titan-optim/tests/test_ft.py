@@ -89,3 +89,31 @@ def test_uncommitted_step_is_skipped(manager):
     before = model.weight.detach().clone()
     optimizers.step()
     assert torch.equal(model.weight, before)
+
+
+def _count_allreduces(manager, monkeypatch):
+    calls = []
+    real = manager.allreduce
+
+    def allreduce(tensor, *args, **kwargs):
+        calls.append(tensor.shape)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(manager, "allreduce", allreduce)
+    return calls
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_gradients_are_averaged_once_per_step_before_clipping(manager, monkeypatch, clip):
+    """The replica-group average runs inside the container (clip first, else step), once."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ft = FTOptimizersContainer(build_optimizers(model, OptimizerConfig(lr=0.1)), manager)
+    calls = _count_allreduces(manager, monkeypatch)
+    ft.zero_grad()
+    model(torch.randn(4, 3)).sum().backward()
+    if clip:
+        ft.clip_grad_norm_(1.0)
+        assert len(calls) == 2  # weight and bias, before the norm was taken
+    ft.step()
+    assert sorted(calls) == sorted([model.weight.shape, model.bias.shape])

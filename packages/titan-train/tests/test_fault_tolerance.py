@@ -28,7 +28,7 @@ from titan_train.fault_tolerance import (
     check_fault_tolerance,
     lighthouse_address,
 )
-from titan_train.trainer import check_seq_lens
+from titan_train.preflight import check_seq_lens
 from titan_train.validation import ValidationConfig
 
 # torchft 0.2.0 logs through the deprecated Logger.warn; that is its business, not ours.

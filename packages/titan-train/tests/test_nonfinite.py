@@ -71,3 +71,11 @@ def test_zero_stops_at_the_first_nonfinite_step():
 def test_config_refuses_bad_limits(value):
     with pytest.raises(ConfigError, match=r"training\.skip_nonfinite_steps"):
         TrainingConfig(skip_nonfinite_steps=value)
+
+
+def test_a_device_tensor_norm_is_read_only_for_finiteness():
+    guard = NonFiniteGuard(limit=1)
+    assert not guard.observe(1, torch.tensor(3.0))
+    assert guard.observe(2, torch.tensor(float("inf")))
+    with pytest.raises(NonFiniteStepsError, match="gradient norm is nan"):
+        guard.observe(3, torch.tensor(float("nan")))

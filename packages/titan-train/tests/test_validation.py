@@ -5,7 +5,6 @@ integration_tests/test_train_runs.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -16,8 +15,8 @@ from titan_models import Llama3
 from titan_train.config import ConfigError
 from titan_train.data import DataConfig, build_dataloader
 from titan_train.registry import load_model_spec
+from titan_train.step import cross_entropy_loss
 from titan_train.tokenizer import load_tokenizer
-from titan_train.trainer import cross_entropy_loss
 from titan_train.validation import ValidationConfig, Validator
 
 SEQ = 16
@@ -55,8 +54,6 @@ def _validator(config, tokenizer, **kwargs):
         tokenizer,
         dims=ParallelDims(world_size=1, device_type="cpu"),
         device=torch.device("cpu"),
-        loss_fn=cross_entropy_loss,
-        loss_context=contextlib.nullcontext,
         **kwargs,
     )
 
@@ -106,12 +103,6 @@ def test_a_set_smaller_than_one_step_is_refused_when_built(tokenizer, corpus):
     config = ValidationConfig(enable=True, dataset=corpus, seq_len=SEQ, local_batch_size=1000)
     with pytest.raises(ConfigError, match="fewer tokens than one validation step"):
         _validator(config, tokenizer)
-
-
-def test_pipeline_needs_a_multiple_of_its_microbatches(tokenizer):
-    config = ValidationConfig(enable=True, local_batch_size=6, seq_len=SEQ)
-    with pytest.raises(ConfigError, match=r"validation\.local_batch_size=6 must be a multiple"):
-        _validator(config, tokenizer, pipeline_microbatches=4)
 
 
 @pytest.mark.parametrize(

@@ -29,13 +29,18 @@ from titan_models.llama3 import (
     pipeline_llama,
     rope_scaling_of,
 )
+from titan_models.ops import plain_loss, repeat_kv
 from titan_models.parallel import (
     ActivationCheckpointConfig,
     ParallelizeConfig,
     Pipeline,
     PipelineConfig,
+    StepContext,
+    check_seq_len,
     context_parallel_batch,
     context_parallel_shard,
+    reduce_loss,
+    step_context,
 )
 from titan_models.spec import ModelSpec
 
@@ -54,15 +59,21 @@ __all__ = [
     "Pipeline",
     "PipelineConfig",
     "RopeScaling",
+    "StepContext",
     "__version__",
     "check_parallelism",
+    "check_seq_len",
     "context_parallel_batch",
     "context_parallel_shard",
     "llama3_args",
     "make_adapter",
     "parallelize_llama",
     "pipeline_llama",
+    "plain_loss",
+    "reduce_loss",
+    "repeat_kv",
     "rope_scaling_of",
+    "step_context",
 ]
 
 

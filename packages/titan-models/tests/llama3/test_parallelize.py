@@ -29,7 +29,12 @@ from titan_models import (
     [
         ({"world_size": 8, "tp": 4}, 32, "tp=4 must divide n_kv_heads=2"),
         ({"world_size": 8, "tp": 8}, 32, "tp=8 must divide n_heads=4"),
-        ({"world_size": 8, "tp": 2}, 30, r"seq_len=30 must be divisible by 4 \(tp=2 x cp=1"),
+        (
+            {"world_size": 8, "tp": 2},
+            30,
+            r"seq_len=30 must be divisible by 4 = tensor_parallel_degree \(2\) x "
+            r"context_parallel_degree \(1\)",
+        ),
         ({"world_size": 4, "dp_replicate": 2, "dp_shard": 1, "tp": 2}, 32, "use HSDP instead"),
         ({"world_size": 8, "cp": 2, "tp": 2}, 36, r"seq_len=36 must be divisible by 8"),
         ({"world_size": 8, "ep": 2}, 32, "dense model without experts"),

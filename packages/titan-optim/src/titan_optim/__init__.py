@@ -10,9 +10,10 @@ used is an ``OptimizerConfigError`` (also a ``ValueError``), see ``titan_optim.e
 """
 
 from titan_optim.__about__ import __version__
+from titan_optim.build import build_optimizers
 from titan_optim.clip import clip_grad_norm_
 from titan_optim.config import OptimizerConfig, ParamGroupRule
-from titan_optim.container import OptimizersContainer, build_optimizers
+from titan_optim.container import OptimizersContainer
 from titan_optim.errors import (
     NonFiniteGradError,
     OptimError,
@@ -27,6 +28,7 @@ from titan_optim.lr_scheduler import (
     WarmupStableDecay,
     build_lr_schedulers,
 )
+from titan_optim.protocol import Optimizers
 
 __all__ = [
     "FTOptimizersContainer",
@@ -37,6 +39,7 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerConfigError",
     "OptimizerInBackwardError",
+    "Optimizers",
     "OptimizersContainer",
     "OptimizersInBackwardContainer",
     "ParamGroupRule",

@@ -26,11 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from titan_optim.build import build_optimizer, group_parameters, warn_fallback
 from titan_optim.clip import clip_grad_norm_
-from titan_optim.config import OptimizerConfig
 
-__all__ = ["OptimizersContainer", "StepHook", "build_optimizers"]
+__all__ = ["OptimizersContainer", "StepHook"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,34 +170,3 @@ class OptimizersContainer:
         for model, opts in zip(self.model_parts, self._part_optimizers, strict=True):
             if opts:
                 set_optimizer_state_dict(model, opts, optim_state_dict=state_dict, options=_FLAT)
-
-
-def build_optimizers(
-    model_parts: nn.Module | Sequence[nn.Module],
-    config: OptimizerConfig | None = None,
-    *,
-    pipeline_parallel: bool = False,
-) -> OptimizersContainer:
-    """Build one optimizer per model part (or per parameter, with optimizer-in-backward).
-
-    ``pipeline_parallel`` says the model is split into stages across ranks even when this
-    rank holds one part; optimizer-in-backward refuses it.
-    """
-    config = config or OptimizerConfig()
-    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
-    if config.early_step_in_backward:
-        # Imported here: in_backward subclasses this module's container.
-        from titan_optim.in_backward import OptimizersInBackwardContainer
-
-        return OptimizersInBackwardContainer(parts, config, pipeline_parallel=pipeline_parallel)
-    part_optimizers, reasons = [], []
-    for part in parts:
-        groups = group_parameters(part, config)
-        if not groups:  # a part with nothing to train (e.g. frozen) gets no optimizer
-            part_optimizers.append([])
-            continue
-        opt, reason = build_optimizer(groups, config)
-        part_optimizers.append([opt])
-        reasons.append(reason)
-    warn_fallback(reasons)
-    return OptimizersContainer(parts, part_optimizers)

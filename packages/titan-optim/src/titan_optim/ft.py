@@ -1,8 +1,11 @@
 """``FTOptimizersContainer``: an ``OptimizersContainer`` driven by a torchft ``Manager``.
 
-With torchft, replica groups join and leave while training runs. ``zero_grad`` starts the
-manager's quorum and ``step`` commits only when the manager says every participant's
-gradients were reduced. A recovering peer asks a healthy replica for its optimizer state
+With torchft, replica groups join and leave while training runs. Each step's torchft duties
+live in the container a trainer already calls every step: ``zero_grad`` starts the manager's
+quorum; ``clip_grad_norm_`` first averages every gradient over the participating replica
+groups (so every group clips and steps the same gradient), and ``step`` does so when no
+clipping ran; ``step`` commits only when the manager says every participant's gradients were
+reduced. A recovering peer asks a healthy replica for its optimizer state
 from a background thread, possibly mid-step: computing it then from the optimizers could
 initialise empty optimizer state (``get_optimizer_state_dict`` does that by taking a step
 with lr 0, which also shifts Adam's step count) or read a half-updated lr. So the state
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from titan_optim.container import OptimizersContainer
 
@@ -54,6 +58,8 @@ class FTOptimizersContainer:
         self.optimizers = optimizers
         self.manager = manager
         self._cache: dict[str, Any] | None = None
+        self._averaged = False
+        """Whether this step's gradients were averaged over the replica groups already."""
         if state_key is not None:
             manager.register_state_dict_fn(state_key, self.load_state_dict, self.state_dict)
 
@@ -72,9 +78,30 @@ class FTOptimizersContainer:
         """Start the manager's quorum for this step, then clear gradients."""
         self.manager.start_quorum()
         self.optimizers.zero_grad(set_to_none=set_to_none)
+        self._averaged = False
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """Average every gradient's local tensor over the participating replica groups
+        (every group has the same layout, so local shards line up); once per step."""
+        if self._averaged:
+            return
+        works = []
+        for part in self.optimizers.model_parts:
+            for param in part.parameters():
+                grad = param.grad
+                if grad is None:
+                    continue
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                works.append(self.manager.allreduce(local))
+        for work in works:
+            work.wait()
+        self._averaged = True
 
     def step(self) -> None:
-        """Step only if the manager commits this step; refresh the cached state if so."""
+        """Average the gradients (if clipping did not), then step only if the manager
+        commits this step; refresh the cached state if so."""
+        self.average_gradients()
         if self.manager.should_commit():
             self.optimizers.step()
             self._cache = self.optimizers.state_dict()
@@ -87,7 +114,9 @@ class FTOptimizersContainer:
         pp_group: dist.ProcessGroup | DeviceMesh | None = None,
         on_nonfinite: str = "skip",
     ) -> torch.Tensor:
-        """The inner container's ``clip_grad_norm_``."""
+        """Average the gradients over the replica groups, then the inner container's
+        ``clip_grad_norm_``."""
+        self.average_gradients()
         return self.optimizers.clip_grad_norm_(
             max_norm, norm_type=norm_type, pp_group=pp_group, on_nonfinite=on_nonfinite
         )

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_optim.build import build_optimizer, group_parameters, warn_fallback
 from titan_optim.config import OptimizerConfig
 from titan_optim.container import OptimizersContainer
 from titan_optim.errors import OptimizerInBackwardError
+from titan_optim.param_groups import build_optimizer, group_parameters, warn_fallback
 
 __all__ = ["OptimizerInBackwardError", "OptimizersInBackwardContainer"]
 

@@ -26,6 +26,7 @@ from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train import compat
 from titan_train.config_loader import load_config, to_dict
+from titan_train.data import DataSource
 from titan_train.errors import ConfigError, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
@@ -77,14 +78,10 @@ class ModelSection:
 
 
 @dataclass(kw_only=True)
-class TrainingConfig:
-    """The training loop: data, batch sizes, steps, clipping, seeding."""
+class TrainingConfig(DataSource):
+    """The training loop: data (``dataset``, ``dataset_path``, ``text_column``: a
+    ``titan_train.data.DataSource``), batch sizes, steps, clipping, seeding."""
 
-    dataset: str = "embedded"
-    """``embedded`` (Python's own documentation, shipped with every Python), a local
-    json/jsonl/parquet/txt file or folder, or a Hugging Face hub name."""
-    dataset_path: str | None = None
-    """Where the dataset's files are, when ``dataset`` is a hub name or format name."""
     local_batch_size: int = 8
     """Sequences per rank per forward/backward."""
     global_batch_size: int = -1
@@ -109,6 +106,7 @@ class TrainingConfig:
     the norm is clipping's. Not a torchtitan key (torchtitan applies such updates)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
             check_int(f"training.{key}", getattr(self, key), minimum=1)
         check_int(

@@ -5,12 +5,15 @@ the others.
 Each replica group is an ordinary titan run (one process or a torchrun job, any layout but
 pipeline parallel) started with the same config and its own ``fault_tolerance.replica_id``.
 A torchft lighthouse (``torchft_lighthouse``) decides every step which groups take part.
-Per step, in every group:
+The run meets torchft at build time (``ReplicaGroup``: the manager, the data sharding, the
+optimizer wrapping) and, per step, only inside its optimizer container (titan-optim's
+``FTOptimizersContainer``), in every group:
 
-- ``zero_grad`` starts the step's quorum (titan-optim's ``FTOptimizersContainer``);
-- after backward, each gradient's local tensor is averaged over the participating groups
-  through the torchft ``Manager`` (every group has the same layout, so local shards line
-  up), before clipping, so every group clips and steps the same gradient;
+- ``zero_grad`` starts the step's quorum;
+- ``clip_grad_norm_`` first averages each gradient's local tensor over the participating
+  groups through the torchft ``Manager`` (every group has the same layout, so local shards
+  line up), so every group clips and steps the same gradient (``step`` does it when
+  clipping is off);
 - the optimizer steps only when the manager commits the step;
 - data is sharded over all groups: global data-parallel rank
   ``replica_id x local dp degree + local dp rank``, degree ``group_size x local dp degree``;
@@ -25,14 +28,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titan_dims import ParallelDims
 from titan_train.errors import ConfigError, check_int
@@ -213,26 +213,13 @@ class ReplicaGroup:
         return self.replica_id * dp_degree + dp_rank, self.config.group_size * dp_degree
 
     def wrap_optimizers(self, optimizers: Any) -> Any:
-        """``optimizers`` driven by the manager (quorum on ``zero_grad``, commit on
-        ``step``). Their state reaches recovering peers through the checkpointer's
-        callbacks, so it is not registered a second time."""
+        """``optimizers`` driven by the manager (quorum on ``zero_grad``, gradient averaging
+        in ``clip_grad_norm_`` / ``step``, commit on ``step``). Their state reaches
+        recovering peers through the checkpointer's callbacks, so it is not registered a
+        second time."""
         from titan_optim import FTOptimizersContainer
 
         return FTOptimizersContainer(optimizers, self.manager, state_key=None)
-
-    @torch.no_grad()
-    def average_gradients(self, model_parts: Iterable[nn.Module]) -> None:
-        """Average every gradient's local tensor over the participating replica groups."""
-        works = []
-        for part in model_parts:
-            for param in part.parameters():
-                grad = param.grad
-                if grad is None:
-                    continue
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                works.append(self.manager.allreduce(local))
-        for work in works:
-            work.wait()
 
     def participants(self) -> int:
         """Replica groups taking part in this step."""

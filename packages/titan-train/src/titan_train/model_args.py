@@ -18,6 +18,7 @@ from typing import Any
 
 from titan_ckpt import MODEL_RECORD
 from titan_ckpt.adapter import takes_keyword
+from titan_models import ModelSpec
 from titan_train.config import ModelSection
 
 __all__ = ["build_model_args", "check_resumed_model", "model_metadata", "state_dict_adapter"]
@@ -25,7 +26,9 @@ __all__ = ["build_model_args", "check_resumed_model", "model_metadata", "state_d
 logger = logging.getLogger("titan_train")
 
 
-def build_model_args(spec: Any, model: ModelSection, *, vocab_size: int, max_seq_len: int) -> Any:
+def build_model_args(
+    spec: ModelSpec, model: ModelSection, *, vocab_size: int, max_seq_len: int
+) -> Any:
     """``spec.args_fn(flavor, **overrides)`` for this run."""
     overrides: dict[str, Any] = {"vocab_size": vocab_size, "max_seq_len": max_seq_len}
     if model.rope_scaling != "flavor":
@@ -43,7 +46,7 @@ def _as_json(args: Any) -> dict[str, Any] | None:
         return None
 
 
-def model_metadata(spec: Any, flavor: str, args: Any) -> dict[str, Any]:
+def model_metadata(spec: ModelSpec, flavor: str, args: Any) -> dict[str, Any]:
     """``CheckpointManager(metadata=...)``: the model's name, flavor and real args."""
     record: dict[str, Any] = {"name": spec.name, "flavor": flavor}
     as_json = _as_json(args)
@@ -58,7 +61,7 @@ def model_metadata(spec: Any, flavor: str, args: Any) -> dict[str, Any]:
     return {MODEL_RECORD: record}
 
 
-def state_dict_adapter(spec: Any, flavor: str, args: Any) -> Any:
+def state_dict_adapter(spec: ModelSpec, flavor: str, args: Any) -> Any:
     """The spec's HF adapter for the model as built (its real args: vocabulary, RoPE), or
     for its flavor when the spec's factory does not take ``model_args``."""
     if takes_keyword(spec.state_dict_adapter, "model_args"):

@@ -11,13 +11,17 @@ reported in the metrics as ``skipped_steps``.
 
 The norm is the one clipping computes, the same on every rank, so every rank decides alike;
 with clipping off (``training.max_norm = 0``) no norm exists and nothing is skipped or
-counted.
+counted. The guard takes the norm as a device tensor and reads only whether it is finite:
+the one host sync per step that deciding to skip an update needs (clipping already waited
+for the norm to decide the same); the value itself is read only on the rare bad step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+
+import torch
 
 from titan_train.errors import NonFiniteStepsError
 
@@ -41,10 +45,19 @@ class NonFiniteGuard:
         self.skipped = 0
         """Non-finite steps skipped in this process, in all."""
 
-    def observe(self, step: int, grad_norm: float | None) -> bool:
+    def observe(self, step: int, grad_norm: torch.Tensor | float | None) -> bool:
         """Account ``step``; True if its update is skipped. Raises ``NonFiniteStepsError``
-        when this makes more than ``limit`` in a row."""
-        if grad_norm is None or math.isfinite(grad_norm):
+        when this makes more than ``limit`` in a row. ``grad_norm`` may be a tensor on the
+        device (a scalar)."""
+        if grad_norm is None:
+            self.consecutive = 0
+            return False
+        if isinstance(grad_norm, torch.Tensor):
+            if bool(torch.isfinite(grad_norm)):
+                self.consecutive = 0
+                return False
+            grad_norm = grad_norm.item()
+        elif math.isfinite(grad_norm):
             self.consecutive = 0
             return False
         self.consecutive += 1

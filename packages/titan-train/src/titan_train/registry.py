@@ -9,8 +9,8 @@ others.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from typing import Any
 
+from titan_models import ModelSpec
 from titan_train.errors import UnknownModelError
 
 __all__ = ["MODELS_ENTRY_POINT_GROUP", "UnknownModelError", "list_models", "load_model_spec"]
@@ -23,8 +23,9 @@ def list_models() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=MODELS_ENTRY_POINT_GROUP)})
 
 
-def load_model_spec(name: str) -> Any:
-    """The spec registered as ``name``: its flavors, model class and parallelize plan."""
+def load_model_spec(name: str) -> ModelSpec:
+    """The spec registered as ``name``: its flavors, model class and parallelize plan (a
+    ``titan_models.ModelSpec``, or an object with the same attributes)."""
     found = [ep for ep in entry_points(group=MODELS_ENTRY_POINT_GROUP) if ep.name == name]
     if not found:
         known = ", ".join(list_models()) or "none (install titan-models)"
@@ -32,4 +33,5 @@ def load_model_spec(name: str) -> Any:
             f"model.name={name!r} is not a registered model; registered: {known}. A model "
             f"package registers itself under the '{MODELS_ENTRY_POINT_GROUP}' entry-point group."
         )
-    return found[0].load()
+    spec: ModelSpec = found[0].load()
+    return spec

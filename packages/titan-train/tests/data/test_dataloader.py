@@ -148,9 +148,12 @@ def test_empty_dataset_is_an_error_not_a_hang():
         next(iter(_loader(docs=[])))
 
 
-def test_build_from_a_training_section_like_object():
-    section = SimpleNamespace(dataset="embedded", seq_len=16, local_batch_size=3, steps=10)
-    loader = build_dataloader(section, TOKENIZER, dp_rank=1, dp_degree=2)
+def test_build_from_the_training_section():
+    from titan_train.config import TrainingConfig
+
+    section = TrainingConfig(dataset="embedded", seq_len=16, local_batch_size=3, steps=10)
+    data = section.data_config(seq_len=16, local_batch_size=3, infinite=True)
+    loader = build_dataloader(data, TOKENIZER, dp_rank=1, dp_degree=2)
     assert loader.infinite
     assert loader.dp_rank == 1
     inputs, labels = next(iter(loader))
@@ -158,6 +161,13 @@ def test_build_from_a_training_section_like_object():
     direct = TextDataLoader(open_documents(DataConfig()), TOKENIZER, seq_len=16,
                             local_batch_size=6)  # fmt: skip
     assert torch.equal(inputs, next(iter(direct))[0][1::2])
+
+
+def test_only_a_data_config_is_taken():
+    """No more matching of look-alike objects' field names: the sections convert explicitly."""
+    section = SimpleNamespace(dataset="embedded", seq_len=16, local_batch_size=3)
+    with pytest.raises(TypeError, match=r"takes a DataConfig.*\.data_config\("):
+        build_dataloader(section, TOKENIZER)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as dcp
 from titan_ckpt import CheckpointConfig, CheckpointManager
 from titan_models.llama3 import Llama3
 from titan_optim import LRSchedulerConfig, OptimizerConfig, build_lr_schedulers, build_optimizers
+from titan_train import TrainState, cross_entropy_loss
 from titan_train.cli import main
-from titan_train.trainer import TrainState, cross_entropy_loss
 
 HERE = Path(__file__).parent
 DATA = HERE / "data"

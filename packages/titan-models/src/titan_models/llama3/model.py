@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional
 
 from titan_models.llama3.args import Llama3Args, RopeScaling
+from titan_models.ops import repeat_kv
 
 __all__ = [
     "Attention",
@@ -97,11 +98,7 @@ class CausalAttention(nn.Module):
     parallelize plan can swap it, e.g. for context-parallel attention."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            # Each key/value head serves n_rep consecutive query heads.
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 

@@ -28,6 +28,7 @@ from titan_models.parallel.activation_checkpoint import apply_activation_checkpo
 from titan_models.parallel.config import ParallelizeConfig
 from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
 from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
+from titan_models.parallel.step import check_seq_len
 
 __all__ = ["apply_tp", "check_parallelism", "parallelize_llama"]
 
@@ -38,8 +39,10 @@ def check_parallelism(
     config: ParallelizeConfig,
     *,
     seq_len: int | None = None,
-) -> None:
-    """Raise ``ModelConfigError`` if ``args`` cannot be parallelized as asked."""
+) -> str | None:
+    """Raise ``ModelConfigError`` if ``args`` cannot be parallelized as asked; return the
+    context-parallel implementation ``config.cp_attention`` resolves to on this device
+    (``None`` without context parallel)."""
     tp = parallel_dims.tp
     for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if heads % tp:
@@ -48,18 +51,12 @@ def check_parallelism(
                 f"holds whole attention heads. Choose tp among "
                 f"{[d for d in range(1, heads + 1) if heads % d == 0]}."
             )
-    seq_len = args.max_seq_len if seq_len is None else seq_len
-    divisor = parallel_dims.seq_len_divisor
-    if seq_len % divisor:
-        raise ModelConfigError(
-            f"seq_len={seq_len} must be divisible by {divisor} (tp={tp} x cp="
-            f"{parallel_dims.cp} x 2: sequence parallel splits it tp ways, load-balanced "
-            f"context parallel into 2 x cp chunks). Nearest valid: "
-            f"{max(divisor, seq_len // divisor * divisor)}."
-        )
+    check_seq_len(args.max_seq_len if seq_len is None else seq_len, parallel_dims)
+    implementation = None
     if parallel_dims.cp_enabled:
         # Raises for torch's context parallel on a device it has no kernels for.
-        resolve_cp_attention(config.cp_attention, parallel_dims.device_type or detect_device_type())
+        device_type = parallel_dims.device_type or detect_device_type()
+        implementation = resolve_cp_attention(config.cp_attention, device_type)
     if parallel_dims.ep_enabled:
         raise ModelConfigError(
             f"ep={parallel_dims.ep}: Llama 3 is a dense model without experts; set ep=1."
@@ -75,6 +72,7 @@ def check_parallelism(
             f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
             f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
         )
+    return implementation
 
 
 def apply_tp(model: Llama3, tp_mesh, *, loss_parallel: bool) -> None:
@@ -139,15 +137,14 @@ def parallelize_llama(
     inside ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
     config = config or ParallelizeConfig()
-    check_parallelism(model.args, parallel_dims, config, seq_len=seq_len)
+    cp_implementation = check_parallelism(model.args, parallel_dims, config, seq_len=seq_len)
     device_type = parallel_dims.device_type or detect_device_type()
 
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel)
     if parallel_dims.cp_enabled:
         attentions = [block.attention for block in model.layers.values()]
-        implementation = resolve_cp_attention(config.cp_attention, device_type)
-        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), implementation)
+        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), cp_implementation)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint)
     if config.compile:
         for block in model.layers.values():
@@ -158,7 +155,7 @@ def parallelize_llama(
         mesh_names = (
             ("dp_replicate", "dp_shard_cp")
             if parallel_dims.dp_replicate_enabled
-            else ("dp_shard_cp")
+            else ("dp_shard_cp",)
         )
         apply_fsdp(
             model,

@@ -13,10 +13,10 @@ from titan_models.parallel.context_parallel import (
     TorchContextParallelAttention,
     apply_context_parallel,
     context_parallel_batch,
-    context_parallel_positions,
-    context_parallel_shard,
+    open_context_parallel,
     resolve_cp_attention,
 )
+from titan_models.parallel.cp_sharding import context_parallel_positions, context_parallel_shard
 from titan_models.parallel.data_parallel import (
     apply_ddp,
     apply_fsdp,
@@ -26,6 +26,12 @@ from titan_models.parallel.data_parallel import (
 )
 from titan_models.parallel.pipeline import Pipeline, build_schedule, split_blocks, stages_of_rank
 from titan_models.parallel.ring_attention import RingContextParallelAttention
+from titan_models.parallel.step import (
+    StepContext,
+    check_seq_len,
+    reduce_loss,
+    step_context,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -35,6 +41,7 @@ __all__ = [
     "Pipeline",
     "PipelineConfig",
     "RingContextParallelAttention",
+    "StepContext",
     "TorchContextParallelAttention",
     "apply_activation_checkpointing",
     "apply_context_parallel",
@@ -42,12 +49,16 @@ __all__ = [
     "apply_fsdp",
     "auto_param_dtype",
     "build_schedule",
+    "check_seq_len",
     "context_parallel_batch",
     "context_parallel_positions",
     "context_parallel_shard",
     "cpu_has_fast_bf16",
+    "open_context_parallel",
+    "reduce_loss",
     "resolve_cp_attention",
     "resolve_param_dtype",
     "split_blocks",
     "stages_of_rank",
+    "step_context",
 ]

@@ -19,8 +19,9 @@ on the flash/efficient kernels, overlapping the K/V exchange with compute. ``aut
 it on CUDA. All three rotate each token by the RoPE angle of its global position through
 the same attention input hook, so no model buffer needs sharding.
 
-A trainer runs each step inside :func:`context_parallel_batch`, which does what the chosen
-implementation needs, so it never branches on it.
+A trainer runs each step inside its :class:`~titan_models.StepContext` (or
+:func:`context_parallel_batch`), which does what the chosen implementation needs, so it never
+branches on it. The sharding itself is :mod:`titan_models.parallel.cp_sharding`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from torch.nn import functional
 
 from titan_dims import ParallelDims, detect_device_type
 from titan_models.errors import ModelConfigError, check_choice
+from titan_models.ops import repeat_kv
 from titan_models.parallel.config import CP_ATTENTIONS, ParallelizeConfig
+from titan_models.parallel.cp_sharding import (
+    ShardedAttention,
+    context_parallel_positions,
+    context_parallel_shard,
+)
+from titan_models.parallel.ring_attention import RingContextParallelAttention
 
 __all__ = [
     "ContextParallelAttention",
@@ -45,6 +53,7 @@ __all__ = [
     "context_parallel_batch",
     "context_parallel_positions",
     "context_parallel_shard",
+    "open_context_parallel",
     "resolve_cp_attention",
     "torch_context_parallel_runs_on",
 ]
@@ -73,29 +82,6 @@ def resolve_cp_attention(choice: str, device_type: str) -> str:
     return choice
 
 
-def context_parallel_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
-    """The global positions of the ``seq_len / cp`` tokens ``cp_rank`` holds, in local order:
-    chunk ``cp_rank`` then chunk ``2 cp - 1 - cp_rank`` of ``2 cp`` equal chunks."""
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f"seq_len={seq_len} must be divisible by 2 x cp = {2 * cp} for load-balanced "
-            "context parallel."
-        )
-    chunk = seq_len // (2 * cp)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
-    return torch.cat((first, second))
-
-
-def context_parallel_shard(
-    tensor: torch.Tensor, cp_rank: int, cp: int, *, dim: int = 1
-) -> torch.Tensor:
-    """This rank's load-balanced share of ``tensor`` along ``dim`` (the sequence): apply it
-    to the inputs and to the labels alike."""
-    positions = context_parallel_positions(tensor.shape[dim], cp_rank, cp)
-    return tensor.index_select(dim, positions.to(tensor.device))
-
-
 class _AllGatherSeq(torch.autograd.Function):
     """All-gather along dim 2 (sequence of (batch, heads, seq, head_dim)); the backward
     reduce-scatters (sums) the gradients, since every rank's attention used every shard."""
@@ -119,25 +105,16 @@ class _AllGatherSeq(torch.autograd.Function):
         return out.movedim(0, 2), None
 
 
-class ContextParallelAttention(nn.Module):
+class ContextParallelAttention(ShardedAttention):
     """Causal attention of this rank's load-balanced queries over the keys and values of the
     whole ``cp`` group; drop-in for :class:`~titan_models.llama3.model.CausalAttention`."""
-
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.group = cp_mesh.get_group()
-        self.cp = cp_mesh.size()
-        self.cp_rank = cp_mesh.get_local_rank()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         local = q.shape[2]
         seq_len = local * self.cp
         k = _AllGatherSeq.apply(k, self.group)
         v = _AllGatherSeq.apply(v, self.group)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         q_pos = context_parallel_positions(seq_len, self.cp_rank, self.cp).to(q.device)
         k_pos = torch.cat(
             [context_parallel_positions(seq_len, r, self.cp) for r in range(self.cp)]
@@ -158,25 +135,24 @@ def _rope_for_positions(cp_rank: int, cp: int):
     return hook
 
 
-# Open torch context_parallel contexts (entered through context_parallel_batch).
-_torch_cp_depth = 0
-
-
 class TorchContextParallelAttention(nn.Module):
     """Causal SDPA (GQA heads repeated) for torch's ``context_parallel``, which swaps SDPA for
     ring attention while its context is open. Outside :func:`context_parallel_batch` it
     raises rather than silently attend within this rank's shard only."""
 
+    open_contexts = 0
+    """torch ``context_parallel`` contexts open now (entered only through
+    :func:`open_context_parallel`). Process-wide on purpose, not a context variable: under
+    activation checkpointing the forward is recomputed during backward, which autograd may
+    run on another thread, and torch's own context is process-wide too."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if not _torch_cp_depth:
+        if not TorchContextParallelAttention.open_contexts:
             raise RuntimeError(
                 "This model uses torch's context parallel (cp_attention='torch', or 'auto' on "
                 "CUDA): run its forward and backward inside titan_models.context_parallel_batch."
             )
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         # is_causal (not a mask): torch's ring attention handles exactly this case.
         return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -189,9 +165,6 @@ def apply_context_parallel(
     ``torch``, see :func:`resolve_cp_attention`): its inputs are this rank's load-balanced
     share of the sequence (see :func:`context_parallel_batch`). Apply after tensor parallel,
     whose input hook must see the sequence first."""
-    # Imported here: the ring module builds on this one's sharding.
-    from titan_models.parallel.ring_attention import RingContextParallelAttention
-
     cp, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     for attention in attentions:
         if implementation == "torch":
@@ -220,17 +193,43 @@ def context_parallel_batch(
     only shards it; with torch's it also opens torch's ``context_parallel`` (which shards
     in place, so it gets copies) for the duration. Without context parallel this yields
     ``inputs, labels`` unchanged. The caller's tensors are never modified.
+
+    This resolves ``config.cp_attention`` at every call; a trainer takes a
+    :class:`~titan_models.StepContext` (``step_context``), which resolves it once.
     """
     if not parallel_dims.cp_enabled:
         yield inputs, labels
         return
-    cp = parallel_dims.cp
-    # Both checks raise before any communication. A sequence that does not split into
-    # 2 x cp chunks would make torch silently drop load balancing.
-    context_parallel_positions(inputs.shape[1], 0, cp)
+    # Both checks raise before any communication (the cp mesh is not touched yet).
+    context_parallel_positions(inputs.shape[1], 0, parallel_dims.cp)
     device_type = parallel_dims.device_type or detect_device_type()
     implementation = resolve_cp_attention(config.cp_attention, device_type)
-    cp_mesh = parallel_dims.get_mesh("cp")
+    with open_context_parallel(
+        inputs,
+        labels,
+        cp_mesh=parallel_dims.get_mesh("cp"),
+        implementation=implementation,
+        rotate_method=config.cp_rotate_method,
+    ) as batch:
+        yield batch
+
+
+@contextlib.contextmanager
+def open_context_parallel(
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    cp_mesh: DeviceMesh,
+    implementation: str,
+    rotate_method: str = "allgather",
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`context_parallel_batch` for an implementation already resolved
+    (:func:`resolve_cp_attention`): yield this rank's share of ``(inputs, labels)``, with
+    torch's ``context_parallel`` open around the block when ``implementation == "torch"``."""
+    cp = cp_mesh.size()
+    # Raises before any communication: a sequence that does not split into 2 x cp chunks
+    # would make torch silently drop load balancing.
+    context_parallel_positions(inputs.shape[1], 0, cp)
     if implementation != "torch":
         cp_rank = cp_mesh.get_local_rank()
         yield (
@@ -242,8 +241,7 @@ def context_parallel_batch(
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-    global _torch_cp_depth
-    set_rotate_method(config.cp_rotate_method)
+    set_rotate_method(rotate_method)
     # torch resizes its buffers in place: give it copies, which need no restoring. The RoPE
     # table is not among them: the attention input hook picks its rows by global position.
     inputs, labels = inputs.clone(), labels.clone()
@@ -253,8 +251,8 @@ def context_parallel_batch(
         buffer_seq_dims=[1, 1],
         no_restore_buffers={inputs, labels},
     ):
-        _torch_cp_depth += 1
+        TorchContextParallelAttention.open_contexts += 1
         try:
             yield inputs, labels
         finally:
-            _torch_cp_depth -= 1
+            TorchContextParallelAttention.open_contexts -= 1

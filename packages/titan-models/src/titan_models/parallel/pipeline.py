@@ -23,9 +23,9 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
-from torch.distributed.tensor import DTensor
 
 from titan_models.errors import ModelConfigError
+from titan_models.ops import plain_loss
 from titan_models.parallel.config import PipelineConfig
 
 __all__ = ["Pipeline", "build_schedule", "split_blocks", "stages_of_rank"]
@@ -140,15 +140,28 @@ class Pipeline:
         ranks with the last pass ``targets`` (others may pass them too: they are ignored).
         Returns the mean microbatch loss (a plain tensor) on the last stage's rank, ``None``
         elsewhere. With tensor parallel and ``loss_parallel``, call it inside
-        ``torch.distributed.tensor.parallel.loss_parallel()``."""
-        kwargs = {}
+        ``torch.distributed.tensor.parallel.loss_parallel()`` (or the plan's
+        ``StepContext``)."""
+        return self._run(self.schedule.step, inputs, targets)
+
+    def eval(
+        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Forward only (no gradients) of one batch through the schedule; arguments and
+        result as :meth:`step`."""
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def _run(
+        self,
+        run: Callable[..., object],
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
-        if self.has_last_stage:
-            kwargs = {"target": targets, "losses": losses}
+        kwargs = {"target": targets, "losses": losses} if self.has_last_stage else {}
         args = (inputs,) if self.has_first_stage else ()
-        self.schedule.step(*args, **kwargs)
+        run(*args, **kwargs)
         if not self.has_last_stage:
             return None
         # Under loss parallel each microbatch loss is a replicated DTensor.
-        plain = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
-        return torch.stack([loss.detach() for loss in plain]).mean()
+        return torch.stack([plain_loss(loss).detach() for loss in losses]).mean()

@@ -3,7 +3,7 @@ blocks, and each rank merges its queries' attention over every block with an onl
 softmax, so a rank never holds more than two blocks of K/V (its own and the one in flight)
 instead of the whole sequence (``cp_attention="titan_ring"``).
 
-Sharding is the load-balanced one of :mod:`titan_models.parallel.context_parallel`: rank r
+Sharding is the load-balanced one of :mod:`titan_models.parallel.cp_sharding`: rank r
 holds chunks r and ``2 cp - 1 - r`` of ``2 cp``. Step s of the ring attends this rank's
 queries to the block of rank ``r - s``, masked by global positions (causal), while the next
 block is already on its way (send to ``r + 1``, receive from ``r - 1``). Blocks merge by
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from titan_models.parallel.context_parallel import context_parallel_positions
+from titan_models.parallel.cp_sharding import ShardedAttention, context_parallel_positions
 
 __all__ = ["RingContextParallelAttention"]
 
@@ -126,18 +124,12 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-class RingContextParallelAttention(nn.Module):
+class RingContextParallelAttention(ShardedAttention):
     """Causal attention of this rank's load-balanced queries over the keys and values of the
     whole ``cp`` group, passed around a ring; drop-in for
     :class:`~titan_models.llama3.model.CausalAttention`. Same results as
     :class:`~titan_models.parallel.ContextParallelAttention`, with K/V memory of two
     blocks instead of the whole sequence."""
-
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.group = cp_mesh.get_group()
-        self.cp = cp_mesh.size()
-        self.cp_rank = cp_mesh.get_local_rank()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, heads, length, dim = q.shape

@@ -6,7 +6,7 @@ stateful dataloader whose state reshards when the data-parallel degree changes.
     inputs, labels = next(iter(loader))      # 8 x 256 each; labels are inputs shifted by one
 """
 
-from titan_train.data.config import DataConfig, DataError
+from titan_train.data.config import DataConfig, DataError, DataSource
 from titan_train.data.dataloader import TextDataLoader, build_dataloader
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
 from titan_train.data.sources import DocumentSource, open_documents
@@ -15,6 +15,7 @@ __all__ = [
     "EMBEDDED_DATASET",
     "DataConfig",
     "DataError",
+    "DataSource",
     "DocumentSource",
     "TextDataLoader",
     "build_dataloader",

@@ -1,21 +1,30 @@
-"""``DataConfig``: where documents come from and how they are cut into batches.
+"""``DataSource`` and ``DataConfig``: where documents come from and how they are cut into
+batches.
 
 Keys follow torchtitan's ``[training]`` section (``dataset``, ``dataset_path``,
 ``seq_len``, ``local_batch_size``); ``text_column`` and ``infinite`` are titan's.
+``DataSource`` holds the keys of a document source; the trainer's ``[training]`` and
+``[validation]`` sections extend it, so ``training.text_column`` and
+``validation.text_column`` are real keys, and each turns into a ``DataConfig``
+(``data_config``) that names its own section in errors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from titan_train.errors import DataError, check_int
 
-__all__ = ["DataConfig", "DataError"]
+__all__ = ["DataConfig", "DataError", "DataSource"]
 
 
 @dataclass(kw_only=True)
-class DataConfig:
-    """Documents in, ``(inputs, labels)`` batches of ``local_batch_size x seq_len`` out."""
+class DataSource:
+    """Where documents come from: the keys ``[training]`` and ``[validation]`` share."""
+
+    SECTION: ClassVar[str] = "training"
+    """The config section these keys are set in (errors name it)."""
 
     dataset: str = "embedded"
     """``embedded`` (Python's documentation, no files needed), a local json/jsonl/parquet/
@@ -25,6 +34,37 @@ class DataConfig:
     """Where the dataset's files are, when ``dataset`` names a hub dataset or a format."""
     text_column: str = "text"
     """The column holding each document's text."""
+
+    @property
+    def section(self) -> str:
+        """The config section these keys are set in (errors name it)."""
+        return self.SECTION
+
+    def __post_init__(self) -> None:
+        for key in ("dataset", "text_column"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(
+                    f"{self.section}.{key}={value!r} is not allowed; it must be a non-empty string."
+                )
+
+    def data_config(self, *, seq_len: int, local_batch_size: int, infinite: bool) -> DataConfig:
+        """These documents cut into batches of ``local_batch_size x seq_len``."""
+        return DataConfig(
+            dataset=self.dataset,
+            dataset_path=self.dataset_path,
+            text_column=self.text_column,
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            infinite=infinite,
+            source_section=self.section,
+        )
+
+
+@dataclass(kw_only=True)
+class DataConfig(DataSource):
+    """Documents in, ``(inputs, labels)`` batches of ``local_batch_size x seq_len`` out."""
+
     seq_len: int = 512
     """Tokens per sequence; documents are packed into windows of ``seq_len + 1`` tokens."""
     local_batch_size: int = 8
@@ -32,13 +72,15 @@ class DataConfig:
     infinite: bool = True
     """Start over at the first document when the data runs out (counting epochs); if
     false, stop after the last complete batch."""
+    source_section: str = "training"
+    """The config section a user sets these keys in, named by errors (``training`` or
+    ``validation`` for the trainer's)."""
+
+    @property
+    def section(self) -> str:
+        return self.source_section
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "local_batch_size"):
-            check_int(f"training.{key}", getattr(self, key), minimum=1, error=DataError)
-        for key in ("dataset", "text_column"):
-            value = getattr(self, key)
-            if not isinstance(value, str) or not value.strip():
-                raise DataError(
-                    f"training.{key}={value!r} is not allowed; it must be a non-empty string."
-                )
+            check_int(f"{self.section}.{key}", getattr(self, key), minimum=1, error=DataError)
+        super().__post_init__()

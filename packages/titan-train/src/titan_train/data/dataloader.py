@@ -17,7 +17,6 @@ keeps only its own windows) — cheap next to a training step.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -161,25 +160,23 @@ class TextDataLoader:
 
 
 def build_dataloader(
-    config: Any, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_degree: int = 1
+    config: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_degree: int = 1
 ) -> TextDataLoader:
     """The dataloader of ``config`` for one data-parallel rank.
 
     Args:
-        config: a ``DataConfig``, or any object with some of its attributes (such as the
-            trainer's ``[training]`` section); missing ones take ``DataConfig``'s defaults.
+        config: what to read and how to batch it (the trainer's sections give theirs with
+            ``DataSource.data_config``).
         tokenizer: the tokenizer (``titan_train.tokenizer.load_tokenizer``).
         dp_rank: this rank's index among the data-parallel ranks (plain int: no process
             group is needed).
         dp_degree: the number of data-parallel ranks.
     """
     if not isinstance(config, DataConfig):
-        config = DataConfig(
-            **{
-                f.name: getattr(config, f.name)
-                for f in dataclasses.fields(DataConfig)
-                if hasattr(config, f.name)
-            }
+        raise TypeError(
+            f"build_dataloader takes a DataConfig, not {type(config).__name__}; a trainer "
+            "section gives its own with .data_config(seq_len=..., local_batch_size=..., "
+            "infinite=...)."
         )
     return TextDataLoader(
         open_documents(config),

@@ -56,10 +56,13 @@ class _ListSource:
 class _HFSource:
     """A streaming ``datasets.IterableDataset``; ``text_column`` checked on the first row."""
 
-    def __init__(self, name: str, dataset: Any, text_column: str) -> None:
+    def __init__(
+        self, name: str, dataset: Any, text_column: str, section: str = "training"
+    ) -> None:
         self.name = name
         self.dataset = dataset
         self.text_column = text_column
+        self.section = section
 
     def iter_from(self, index: int) -> Iterator[str]:
         rows = self.dataset.skip(index) if index else self.dataset
@@ -69,7 +72,7 @@ class _HFSource:
             except KeyError:
                 raise DataError(
                     f"dataset {self.name!r} has no column {self.text_column!r}; its columns are "
-                    f"{sorted(row)}. Set training.text_column to one of them."
+                    f"{sorted(row)}. Set {self.section}.text_column to one of them."
                 ) from None
             yield text if isinstance(text, str) else str(text)
 
@@ -120,7 +123,7 @@ def open_documents(config: DataConfig) -> DocumentSource:
             dataset = _load_streaming(os.fspath(local), name=subset)
         except Exception as e:
             raise DataError(f"cannot read {path!r} as a copy of {hub_name!r}: {e}") from e
-        return _HFSource(path, dataset, config.text_column)
+        return _HFSource(path, dataset, config.text_column, config.section)
     if local.exists():
         builder, files = _local_files(local, fmt)
         kwargs: dict[str, Any] = {"data_files": files}
@@ -130,13 +133,18 @@ def open_documents(config: DataConfig) -> DocumentSource:
             dataset = _load_streaming(builder, **kwargs)
         except Exception as e:  # datasets raises many kinds; the message is what matters
             raise DataError(f"cannot read {target!r} as {builder}: {e}") from e
-        return _HFSource(target, dataset, "text" if builder == "text" else config.text_column)
+        return _HFSource(
+            target,
+            dataset,
+            "text" if builder == "text" else config.text_column,
+            config.section,
+        )
     if path or fmt is not None or _format_of(local) or target.startswith((".", "/", "~")):
         raise DataError(
-            f"training.dataset_path={target!r} does not exist; give an existing file or "
-            "folder, or training.dataset='embedded' for the built-in corpus."
+            f"{config.section}.dataset_path={target!r} does not exist; give an existing file or "
+            f"folder, or {config.section}.dataset='embedded' for the built-in corpus."
             if path
-            else f"training.dataset={target!r}: no such file or folder."
+            else f"{config.section}.dataset={target!r}: no such file or folder."
         )
 
     logger.info("loading %r from the Hugging Face hub (streaming)", hub_name)
@@ -144,9 +152,9 @@ def open_documents(config: DataConfig) -> DocumentSource:
         dataset = _load_streaming(hub_name, name=subset)
     except Exception as e:
         raise DataError(
-            f"training.dataset={target!r} is not a local file or folder, and loading "
+            f"{config.section}.dataset={target!r} is not a local file or folder, and loading "
             f"{hub_name!r} from the Hugging Face hub failed ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}). Without a network use "
-            "training.dataset='embedded' or a local json/jsonl/parquet/txt file."
+            f"{config.section}.dataset='embedded' or a local json/jsonl/parquet/txt file."
         ) from e
-    return _HFSource(hub_name, dataset, config.text_column)
+    return _HFSource(hub_name, dataset, config.text_column, config.section)

@@ -137,7 +137,7 @@ class MetricsLogger:
         self,
         *,
         step: int,
-        loss: float,
+        loss: float | None,
         tokens: int,
         step_seconds: float,
         devices: int = 1,
@@ -151,7 +151,9 @@ class MetricsLogger:
 
         Args:
             step: the step just finished (1-based).
-            loss: its loss (averaged over data-parallel ranks if the caller did so).
+            loss: its loss (averaged over data-parallel ranks if the caller did so); read
+                only on reporting steps (``should_log``), so a caller that does not want to
+                wait for the device passes ``None`` on the others.
             tokens: tokens of the whole step: every micro-batch of every data-parallel rank
                 and replica group (``titan_train.metrics.tokens_of_step``).
             step_seconds: wall time of the whole step, data loading included.
@@ -162,6 +164,7 @@ class MetricsLogger:
             lr: learning rate of the step.
             extra: more scalars to record (e.g. ``{"validation/loss": 2.3}``).
         """
+        # Long only by its docstring and the record's one-line fields.
         window = self._window
         window["steps"] += 1
         window["tokens"] += tokens
@@ -171,6 +174,8 @@ class MetricsLogger:
         window["data_seconds"] += data_seconds
         if not self.should_log(step):
             return None
+        if loss is None:
+            raise ValueError(f"step {step} is a reporting step: MetricsLogger.log needs its loss.")
 
         seconds = max(window["seconds"], 1e-12)
         tps = window["device_tokens"] / seconds  # tokens/s per device

@@ -1,0 +1,52 @@
+"""titan-train: pretrain a titan model from a ``JobConfig``, or write your own loop.
+
+    from titan_train import JobConfig, run
+    run(JobConfig())                      # what ``titan-train`` does, in one call
+
+The run is four public pieces, so a loop of your own reuses the rest:
+
+    plan = preflight(config, World.current(device))   # every check, before any work
+    training_run = build(config, plan)                 # the parts, resumed: a TrainingRun
+    result = train_step(training_run, batches)         # one optimizer step: a StepResult
+    close(training_run)
+"""
+
+from titan_train.__about__ import __version__
+from titan_train.build import TrainingRun, build, close
+from titan_train.config import ConfigError, JobConfig, parse_job_config
+from titan_train.preflight import BatchPlan, Plan, World, preflight
+from titan_train.state import TrainState
+from titan_train.step import (
+    StepResult,
+    batch_loss,
+    cross_entropy_loss,
+    next_batches,
+    report_step,
+    train_step,
+)
+from titan_train.trainer import run, train, validate, write_seed_checkpoint
+
+__all__ = [
+    "BatchPlan",
+    "ConfigError",
+    "JobConfig",
+    "Plan",
+    "StepResult",
+    "TrainState",
+    "TrainingRun",
+    "World",
+    "__version__",
+    "batch_loss",
+    "build",
+    "close",
+    "cross_entropy_loss",
+    "next_batches",
+    "parse_job_config",
+    "preflight",
+    "report_step",
+    "run",
+    "train",
+    "train_step",
+    "validate",
+    "write_seed_checkpoint",
+]

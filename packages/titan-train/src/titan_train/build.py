@@ -1,0 +1,298 @@
+"""``build(config, plan) -> TrainingRun``: every part of a training run, built and resumed.
+
+The order is the one the parts depend on, and the one that keeps runs reproducible: data
+(tokenizer, training and validation loaders), the model (on the meta device, parallelized or
+split into pipeline stages, then allocated and initialized from ``training.seed``), the
+optimizers and LR schedules, the checkpointer (which resumes everything it can), then
+metrics and the profiler. With fault tolerance the run is one replica group of a torchft
+job: the ``ReplicaGroup`` shards the data over all groups and drives the optimizer container
+(``titan_optim.FTOptimizersContainer``: quorum, gradient averaging, commit); the loop never
+sees it except to count the step's participants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_ckpt import CheckpointManager
+from titan_models import Pipeline, StepContext
+from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
+from titan_train.config import JobConfig
+from titan_train.data import TextDataLoader, build_dataloader
+from titan_train.fault_tolerance import ReplicaGroup
+from titan_train.metrics import MetricsLogger
+from titan_train.model_args import (
+    build_model_args,
+    check_resumed_model,
+    model_metadata,
+    state_dict_adapter,
+)
+from titan_train.nonfinite import NonFiniteGuard
+from titan_train.preflight import Plan
+from titan_train.profiling import Profiler
+from titan_train.state import TrainState
+from titan_train.step import Batch, cross_entropy_loss
+from titan_train.tokenizer import Tokenizer, load_tokenizer
+from titan_train.validation import Validator
+
+__all__ = ["TrainingRun", "build", "close"]
+
+logger = logging.getLogger("titan_train")
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """The parts of one training run, as ``build`` made them (the fields are fixed; the
+    parts keep their own state: ``train_state.step`` advances, the dataloader moves on)."""
+
+    config: JobConfig
+    plan: Plan
+    """What preflight decided: world, layout, batch plan, model spec, step context."""
+    model_parts: list[nn.Module]
+    """The model, or this rank's pipeline stages, in stage order."""
+    pipeline: Pipeline | None
+    """The pipeline schedule over ``model_parts``; ``None`` without pipeline parallelism."""
+    optimizers: Optimizers
+    schedulers: LRSchedulersContainer
+    dataloader: TextDataLoader
+    batches: Iterator[Batch]
+    """The training batches, an iterator over ``dataloader`` (resumed where it stood)."""
+    checkpointer: CheckpointManager
+    validator: Validator | None
+    """``None`` unless ``validation.enable``."""
+    metrics: MetricsLogger | None
+    """``None`` for a seed-checkpoint run, which trains no step."""
+    profiler: Profiler | None
+    """``None`` for a seed-checkpoint run."""
+    train_state: TrainState
+    nonfinite: NonFiniteGuard
+    replicas: ReplicaGroup | None
+    """This process's torchft replica group; ``None`` without fault tolerance."""
+    output_folder: str
+    """Where metrics and traces go (per replica group with fault tolerance)."""
+
+    @property
+    def step_context(self) -> StepContext:
+        """How each step drives the parallel plan (``plan.step_context``)."""
+        return self.plan.step_context
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """The pipeline-parallel mesh (gradient norms span its stages); ``None`` without."""
+        dims = self.plan.parallel_dims
+        return dims.get_mesh("pp") if dims.pp_enabled else None
+
+
+def build(config: JobConfig, plan: Plan) -> TrainingRun:
+    """Build and resume every part of the run ``plan`` describes (needs the process group
+    of ``plan.world``). A seed-checkpoint run (``checkpoint.create_seed_checkpoint``) gets
+    no metrics or profiler. Call ``close(run)`` when done, also on failure."""
+    replicas = None
+    if config.fault_tolerance.enable:
+        world = plan.world
+        replicas = ReplicaGroup(
+            config.fault_tolerance,
+            device=world.device,
+            rank=world.rank,
+            world_size=world.world_size,
+        )
+    try:
+        return _build(config, plan, replicas)
+    except BaseException:
+        if replicas is not None:
+            replicas.close()
+        raise
+
+
+def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> TrainingRun:
+    # Over 60 lines on purpose: one straight sequence in the order the parts depend on
+    # (and the order that keeps runs reproducible), mostly constructor keywords; split up,
+    # the parts would only be passed around between the pieces.
+    dims, world = plan.parallel_dims, plan.world
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
+    dp_rank = dims.dp_rank(world.rank)
+    # With torchft, data is sharded over the data-parallel ranks of every replica group.
+    data_rank, data_degree = (
+        (dp_rank, dims.dp_degree)
+        if replicas is None
+        else replicas.data_parallel(dp_rank, dims.dp_degree)
+    )
+    data = config.training.data_config(
+        seq_len=config.training.seq_len,
+        local_batch_size=config.training.local_batch_size,
+        infinite=True,
+    )
+    dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
+    validator = _build_validator(config, plan, tokenizer, dp_rank)
+    args, model_parts, pipeline = _build_model(
+        config, plan, tokenizer.vocab_size, validator is not None
+    )
+
+    optimizers: Any = build_optimizers(
+        model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled
+    )
+    optimizers.warn_on_skip = False  # the NonFiniteGuard reports each skipped step
+    schedulers = build_lr_schedulers(
+        optimizers, config.lr_scheduler, training_steps=config.training.steps
+    )
+    if replicas is not None:
+        optimizers = replicas.wrap_optimizers(optimizers)
+
+    train_state = TrainState()
+    # The model as built (name, flavor, real args), recorded with every checkpoint.
+    metadata = model_metadata(plan.spec, config.model.flavor, args)
+    checkpointer = CheckpointManager(
+        plan.checkpoint,
+        model_parts=model_parts,
+        states={
+            "optimizer": optimizers,
+            "lr_scheduler": schedulers,
+            "dataloader": dataloader,
+            "train_state": train_state,
+        },
+        state_dict_adapter=state_dict_adapter(plan.spec, config.model.flavor, args),
+        metadata=metadata,
+        ft_manager=None if replicas is None else replicas.manager,
+        ft_replica_id=None if replicas is None else replicas.replica_id,
+        data_parallel_degree=data_degree,
+    )
+    checkpointer.load()
+    check_resumed_model(checkpointer.loaded_metadata, metadata)
+    return _with_reporting(
+        config,
+        TrainingRun(
+            config=config,
+            plan=plan,
+            model_parts=model_parts,
+            pipeline=pipeline,
+            optimizers=optimizers,
+            schedulers=schedulers,
+            dataloader=dataloader,
+            batches=iter(dataloader),
+            checkpointer=checkpointer,
+            validator=validator,
+            metrics=None,
+            profiler=None,
+            train_state=train_state,
+            nonfinite=NonFiniteGuard(config.training.skip_nonfinite_steps),
+            replicas=replicas,
+            # Each replica group reports its own numbers, in its own folder.
+            output_folder=config.job.dump_folder
+            if replicas is None
+            else os.path.join(config.job.dump_folder, f"ft-replica-{replicas.replica_id}"),
+        ),
+        flops_per_token=args.flops_per_token(config.training.seq_len),
+    )
+
+
+def _with_reporting(config: JobConfig, run: TrainingRun, *, flops_per_token: float) -> TrainingRun:
+    """``run`` with its metrics logger and profiler; a seed-checkpoint run gets none."""
+    if config.checkpoint.create_seed_checkpoint:
+        return run
+    world = run.plan.world
+    metrics = MetricsLogger(
+        config.metrics,
+        dump_folder=run.output_folder,
+        rank=world.rank,
+        flops_per_token=flops_per_token,
+        device=world.device,
+        total_steps=config.training.steps,
+    )
+    profiler = Profiler(
+        config.profiling,
+        dump_folder=run.output_folder,
+        rank=world.rank,
+        device=world.device,
+        step=run.train_state.step,
+    )
+    return dataclasses.replace(run, metrics=metrics, profiler=profiler)
+
+
+def _build_validator(
+    config: JobConfig, plan: Plan, tokenizer: Tokenizer, dp_rank: int
+) -> Validator | None:
+    if not config.validation.enable:
+        return None
+    return Validator(
+        config.validation,
+        tokenizer,
+        dims=plan.parallel_dims,
+        dp_rank=dp_rank,
+        device=plan.world.device,
+        step_context=plan.step_context,
+    )
+
+
+def _build_model(
+    config: JobConfig, plan: Plan, vocab_size: int, validating: bool
+) -> tuple[Any, list[nn.Module], Pipeline | None]:
+    """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init),
+    and the pipeline. Same seed everywhere: every rank initializes its shards of the same
+    full model."""
+    training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
+    longest = max(training.seq_len, config.validation.seq_len if validating else 0)
+    args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
+    torch.manual_seed(training.seed)
+    if training.deterministic:
+        torch.use_deterministic_algorithms(True)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    pipeline = None
+    if dims.pp_enabled:
+        assert spec.pipeline_fn is not None  # preflight refused a family without one
+        # Gradient accumulation runs as more microbatches of one schedule step: the
+        # schedule divides gradients by its microbatch count, which then spans the step.
+        batches = plan.batches
+        pipeline = spec.pipeline_fn(
+            model,
+            dims,
+            config.pipeline,
+            config.parallelize,
+            local_batch_size=batches.local_batch_size * batches.accumulation_steps,
+            loss_fn=cross_entropy_loss,
+            device=device,
+            seq_len=training.seq_len,
+        )
+        model_parts = pipeline.model_parts
+    else:
+        model_parts = [
+            spec.parallelize_fn(model, dims, config.parallelize, seq_len=training.seq_len)
+        ]
+    for part in model_parts:
+        part.to_empty(device=device)
+        part.init_weights(buffer_device=device)
+        part.train()
+    logger.info(
+        "%s %s: %s parameters, %s; %d x %d tokens per step (%d accumulation steps)",
+        spec.name,
+        config.model.flavor,
+        f"{args.num_params():,}",
+        dims,
+        plan.batches.global_batch_size,
+        training.seq_len,
+        plan.batches.accumulation_steps,
+    )
+    return args, model_parts, pipeline
+
+
+def close(run: TrainingRun) -> None:
+    """Close what holds files, threads or servers: profiler, checkpointer (waits for an
+    async save), metrics, the torchft manager. Safe after a failure."""
+    try:
+        if run.profiler is not None:
+            run.profiler.close()
+        run.checkpointer.close()
+        if run.metrics is not None:
+            run.metrics.close()
+    finally:
+        if run.replicas is not None:
+            run.replicas.close()

@@ -1,0 +1,228 @@
+"""``preflight(config, world) -> Plan``: every check a config must pass before any work.
+
+One place for every rule that can be decided from the config and the world alone (no process
+group, no model, no data), in the order a user meets them:
+
+- the converters and dtype titan supports (``compat.check_supported``);
+- the parallel layout (``ParallelDims``) and the batch plan (global = local x dp x
+  accumulation);
+- the model name and flavor, and whether the family can be pipelined;
+- the sequence lengths against the layout's divisor (the one rule, ``titan_models``'
+  ``check_seq_len``) and the validation batch against the pipeline's microbatches;
+- the checkpoint folder (writable, holding nothing titan would touch wrongly);
+- fault tolerance (layout, seed checkpoint, lighthouse);
+- optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
+- the context-parallel implementation for this device, resolved once into the plan's
+  ``StepContext``.
+
+Each failure is one ``ConfigError`` (or the owning package's config error) naming the key,
+the value and a fix; the CLI exits 2 on it. Unit-tested without processes
+(``tests/test_preflight.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from titan_ckpt import CheckpointConfig, check_folder_contents, check_folder_writable
+from titan_dims import ParallelDims
+from titan_models import ConfigError as ModelConfigError
+from titan_models import ModelSpec, StepContext, check_seq_len, step_context
+from titan_train.compat import check_supported
+from titan_train.config import ConfigError, JobConfig
+from titan_train.fault_tolerance import check_fault_tolerance
+from titan_train.registry import load_model_spec
+
+__all__ = [
+    "BatchPlan",
+    "Plan",
+    "World",
+    "check_checkpoint_folder",
+    "check_optimizer_in_backward",
+    "check_seq_lens",
+    "checkpoint_settings",
+    "plan_batches",
+    "preflight",
+]
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes a run trains on: this one's rank, how many, and its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @classmethod
+    def current(cls, device: torch.device) -> World:
+        """This process in the initialized default process group."""
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch splits over data-parallel ranks and accumulation steps."""
+
+    local_batch_size: int
+    global_batch_size: int
+    accumulation_steps: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What preflight decided: everything ``build`` needs besides the config."""
+
+    world: World
+    parallel_dims: ParallelDims
+    batches: BatchPlan
+    spec: ModelSpec
+    step_context: StepContext
+    """How each step drives the parallel plan (CP implementation resolved here, once)."""
+    checkpoint: CheckpointConfig
+    """The ``[checkpoint]`` section with its folder resolved under ``job.dump_folder``."""
+    pipeline_microbatches: int | None
+    """The pipeline schedule's microbatches per step; ``None`` without pipelining."""
+
+
+def preflight(config: JobConfig, world: World) -> Plan:
+    """Check ``config`` for ``world`` before any work; return the run's ``Plan``. Raises a
+    config error (``ConfigError`` or the owning package's) at the first rule it breaks."""
+    check_supported(config.model.converters, config.parallelize.param_dtype)
+    dims = ParallelDims.from_config(
+        config.parallelism, world.world_size, device_type=world.device.type
+    )
+    batches = plan_batches(config, dims)
+    spec = check_model(config, dims)
+    check_seq_lens(config, dims)
+    microbatches = None
+    if dims.pp_enabled:
+        steps = batches.local_batch_size * batches.accumulation_steps
+        microbatches = steps // config.pipeline.microbatch_size
+        check_validation_microbatches(config, microbatches)
+    check_checkpoint_folder(config)
+    check_fault_tolerance(
+        config.fault_tolerance,
+        dims,
+        create_seed_checkpoint=config.checkpoint.create_seed_checkpoint,
+    )
+    check_optimizer_in_backward(config, dims)
+    return Plan(
+        world=world,
+        parallel_dims=dims,
+        batches=batches,
+        spec=spec,
+        step_context=step_context(dims, config.parallelize),
+        checkpoint=checkpoint_settings(config),
+        pipeline_microbatches=microbatches,
+    )
+
+
+def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
+    """Check the batch sizes against the data-parallel degree; raise ``ConfigError``."""
+    local = config.training.local_batch_size
+    per_micro_step = local * dims.dp_degree
+    wanted = config.training.global_batch_size
+    global_batch = per_micro_step if wanted == -1 else wanted
+    if global_batch % per_micro_step:
+        raise ConfigError(
+            f"training.global_batch_size={wanted} must be a multiple of local_batch_size "
+            f"({local}) x data-parallel degree ({dims.dp_degree}) = {per_micro_step}; e.g. "
+            f"{max(1, global_batch // per_micro_step) * per_micro_step}, or -1 for no "
+            "accumulation."
+        )
+    return BatchPlan(local, global_batch, global_batch // per_micro_step)
+
+
+def check_model(config: JobConfig, dims: ParallelDims) -> ModelSpec:
+    """The registered spec of ``model.name``; raises unless ``model.flavor`` is one of its
+    flavors and, with pipeline parallelism, the family can be pipelined."""
+    spec = load_model_spec(config.model.name)
+    if config.model.flavor not in spec.flavors:
+        raise ConfigError(
+            f"model.flavor={config.model.flavor!r} is not a flavor of {spec.name}; choose "
+            f"from {', '.join(spec.flavors)}."
+        )
+    if dims.pp_enabled and spec.pipeline_fn is None:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp}: model {spec.name!r} cannot be "
+            "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
+        )
+    return spec
+
+
+def check_seq_lens(config: JobConfig, dims: ParallelDims) -> None:
+    """Raise ``ConfigError`` unless ``training.seq_len`` (and ``validation.seq_len`` when
+    validation is on) is a multiple of the layout's ``seq_len_divisor`` (the rule is
+    ``titan_models.check_seq_len``, the same the parallelize plans apply)."""
+    lengths = {"training.seq_len": config.training.seq_len}
+    if config.validation.enable:
+        lengths["validation.seq_len"] = config.validation.seq_len
+    for name, seq_len in lengths.items():
+        try:
+            check_seq_len(seq_len, dims, name=name)
+        except ModelConfigError as error:
+            raise ConfigError(str(error)) from None
+
+
+def check_validation_microbatches(config: JobConfig, microbatches: int) -> None:
+    """Under pipeline parallelism the validation batch is split into the schedule's
+    microbatches: raise ``ConfigError`` unless it divides."""
+    local = config.validation.local_batch_size
+    if config.validation.enable and local % microbatches:
+        raise ConfigError(
+            f"validation.local_batch_size={local} must be a multiple of the pipeline's "
+            f"{microbatches} microbatches (training.local_batch_size x accumulation steps / "
+            f"pipeline.microbatch_size) under pipeline parallelism; e.g. {microbatches}."
+        )
+
+
+def check_optimizer_in_backward(config: JobConfig, dims: ParallelDims) -> None:
+    """Raise ``ConfigError`` when ``optimizer.early_step_in_backward`` meets what it cannot
+    work with: each parameter steps during backward, so no global gradient norm exists
+    (clipping), FSDP hands out sharded gradients after backward (bypassing the hook), a
+    pipeline schedule runs a backward per microbatch, and torchft averages gradients after
+    backward."""
+    if not config.optimizer.early_step_in_backward:
+        return
+    conflicts = []
+    if config.training.max_norm > 0:
+        conflicts.append(f"gradient clipping (training.max_norm={config.training.max_norm}: set 0)")
+    if dims.fsdp_enabled:
+        conflicts.append(
+            f"FSDP (data_parallel_shard_degree x context_parallel_degree = "
+            f"{dims.dp_shard * dims.cp}: set both to 1)"
+        )
+    if dims.pp_enabled:
+        conflicts.append(f"pipeline parallelism (pipeline_parallel_degree={dims.pp}: set 1)")
+    if config.fault_tolerance.enable:
+        conflicts.append("fault tolerance (fault_tolerance.enable: set false)")
+    if conflicts:
+        raise ConfigError(
+            "optimizer.early_step_in_backward=true steps each parameter during backward and "
+            f"cannot be combined with {'; '.join(conflicts)}; or set "
+            "optimizer.early_step_in_backward=false."
+        )
+
+
+def checkpoint_settings(config: JobConfig) -> CheckpointConfig:
+    """The ``[checkpoint]`` section with its folder under ``job.dump_folder`` (a URL as is)."""
+    folder = config.checkpoint.folder
+    if "://" not in folder:
+        folder = os.path.join(config.job.dump_folder, folder)
+    return replace(config.checkpoint, folder=folder)
+
+
+def check_checkpoint_folder(config: JobConfig) -> None:
+    """Raise ``CheckpointConfigError`` before any work unless the checkpoint folder can take
+    this run's saves (``titan_ckpt.check_folder_writable``: writable, its filesystem
+    installed) and holds no step directory titan cannot use nor one of torchtitan's that this
+    run would save over (``titan_ckpt.check_folder_contents``): nothing titan did not write
+    is ever touched."""
+    settings = checkpoint_settings(config)
+    storage = check_folder_writable(settings)
+    check_folder_contents(settings, final_step=config.training.steps, storage=storage)

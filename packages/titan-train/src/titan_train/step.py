@@ -1,0 +1,169 @@
+"""One training step, and the one forward path training and validation share.
+
+``train_step(run, batches)`` runs a whole optimizer step: clear gradients (which also starts
+torchft's quorum), forward and backward of every micro-batch (gradient accumulation, or the
+pipeline's microbatches), clipping (torchft averages gradients first, inside its optimizer
+container), the non-finite guard, the optimizer and LR steps. It returns a ``StepResult``
+of tensors and counts: nothing in it waits for the device, except the one finiteness check
+of the gradient norm that deciding to skip an update needs. Reducing the loss over the
+ranks and reading numbers on the host happen only on reporting steps (``report_step``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from titan_models import Pipeline, StepContext, plain_loss, reduce_loss
+from titan_train.metrics import StepTokens, tokens_of_step
+
+if TYPE_CHECKING:
+    from titan_train.build import TrainingRun
+
+__all__ = [
+    "Batch",
+    "StepResult",
+    "batch_loss",
+    "cross_entropy_loss",
+    "next_batches",
+    "report_step",
+    "train_step",
+]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""``(inputs, labels)``, each ``(batch, seq_len)`` token ids."""
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``(batch, seq, vocab)`` logits, computed in fp32."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced, still on the device."""
+
+    step: int
+    """The step just taken (1-based)."""
+    loss: torch.Tensor | None
+    """This rank's mean loss over the step's micro-batches (plain, detached); ``None`` on a
+    pipeline rank without the last stage. ``titan_models.reduce_loss`` gives the job's."""
+    grad_norm: torch.Tensor | None
+    """The global gradient norm before clipping; ``None`` with clipping off."""
+    tokens: StepTokens
+    """Tokens of the whole step (all ranks and replica groups) and the devices sharing it."""
+    lr: float
+    """The learning rate this step trained with."""
+
+
+def batch_loss(
+    model_parts: list[nn.Module],
+    pipeline: Pipeline | None,
+    context: StepContext,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    backward_scale: int | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+) -> torch.Tensor | None:
+    """The mean loss of one whole batch (a plain, detached tensor; ``None`` on a pipeline
+    rank without the last stage), run inside the plan's step context.
+
+    ``backward_scale`` trains: the backward of ``loss / backward_scale`` runs too (the
+    number of micro-batches the gradients average over; a pipeline scales its own).
+    ``None`` evaluates only (call it under ``torch.no_grad``)."""
+    with context(inputs, labels) as (inputs, labels):
+        if pipeline is not None:
+            train = backward_scale is not None
+            return pipeline.step(inputs, labels) if train else pipeline.eval(inputs, labels)
+        loss = loss_fn(model_parts[0](inputs), labels)
+        if backward_scale is not None:
+            (loss / backward_scale).backward()
+    # Under loss parallel the loss is a replicated DTensor; hand out its plain value.
+    return plain_loss(loss.detach())
+
+
+def next_batches(
+    batch_iter: Iterator[Batch], count: int, device: torch.device
+) -> tuple[list[Batch], float]:
+    """The next ``count`` (inputs, labels) batches on ``device``, and seconds spent waiting."""
+    started = time.perf_counter()
+    out = []
+    for _ in range(count):
+        inputs, labels = next(batch_iter)
+        out.append((inputs.to(device), labels.to(device)))
+    return out, time.perf_counter() - started
+
+
+def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
+    """One optimizer step of ``run`` over ``batches`` (its accumulation steps' micro-batches);
+    advances ``run.train_state``. Raises ``NonFiniteStepsError`` past the allowed run of
+    inf/nan gradient norms, before the step's update."""
+    state, training = run.train_state, run.config.training
+    state.step += 1
+    run.optimizers.zero_grad()
+    loss = _forward_backward(run, batches)
+    replica_groups = 1 if run.replicas is None else run.replicas.participants()
+    tokens = tokens_of_step(
+        sum(labels.numel() for _, labels in batches), run.plan.parallel_dims, replica_groups
+    )
+    state.tokens_seen += tokens.global_tokens
+    grad_norm = None
+    if training.max_norm > 0:
+        grad_norm = run.optimizers.clip_grad_norm_(training.max_norm, pp_group=run.pp_mesh)
+        # Past the limit this raises: before the step's update and its checkpoint.
+        run.nonfinite.observe(state.step, grad_norm)
+    run.checkpointer.maybe_wait_for_staging()
+    run.optimizers.step()
+    lr = run.schedulers.get_last_lr()[0]  # the lr this step trained with
+    run.schedulers.step()
+    return StepResult(step=state.step, loss=loss, grad_norm=grad_norm, tokens=tokens, lr=lr)
+
+
+def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | None:
+    """Forward and backward of every micro-batch, gradients averaged over them; this rank's
+    mean loss (``None`` on a pipeline rank without the last stage)."""
+    if run.pipeline is not None:
+        # One schedule step over all micro-batches, concatenated: the schedule splits them
+        # into its microbatches and divides the gradients by their count.
+        inputs = torch.cat([inputs for inputs, _ in batches])
+        labels = torch.cat([labels for _, labels in batches])
+        return batch_loss(
+            run.model_parts, run.pipeline, run.step_context, inputs, labels, backward_scale=1
+        )
+    loss_sum = torch.zeros((), device=batches[0][1].device)
+    for inputs, labels in batches:
+        loss_sum += batch_loss(
+            run.model_parts, None, run.step_context, inputs, labels, backward_scale=len(batches)
+        )
+    return loss_sum / len(batches)
+
+
+def report_step(
+    run: TrainingRun, result: StepResult, *, started: float, data_seconds: float
+) -> None:
+    """Account the step in the metrics. On reporting steps only (``metrics.should_log``) the
+    loss is reduced over the ranks and numbers are read on the host: that read waits for
+    the device, so the clock is read after it and the step time stays honest."""
+    reporting = run.metrics.should_log(result.step)
+    loss = grad_norm = None
+    if reporting:
+        dims = run.plan.parallel_dims
+        loss = reduce_loss(result.loss, dims, device=run.plan.world.device).item()
+        grad_norm = None if result.grad_norm is None else float(result.grad_norm)
+    run.metrics.log(
+        step=result.step,
+        loss=loss,
+        grad_norm=grad_norm,
+        lr=result.lr,
+        tokens=result.tokens.global_tokens,
+        devices=result.tokens.devices,
+        step_seconds=time.perf_counter() - started,
+        data_seconds=data_seconds,
+        extra=None if result.grad_norm is None else {"skipped_steps": run.nonfinite.skipped},
+    )

@@ -1,0 +1,140 @@
+"""``preflight(config, world)``: every check before any work, in one process and without a
+process group (a ``World`` is three plain values). What it decides (batch plan, layout,
+context-parallel implementation, checkpoint folder) and what it refuses, each with one
+error naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_dims import ParallelDims, ParallelismConfig
+from titan_models import ConfigError as ModelConfigError
+from titan_train import ConfigError, JobConfig, Plan, World, preflight
+from titan_train.cli import main
+from titan_train.preflight import checkpoint_settings, plan_batches
+
+CPU = torch.device("cpu")
+
+
+def world(size: int = 1) -> World:
+    return World(rank=0, world_size=size, device=CPU)
+
+
+def job(tmp_path, **sections) -> JobConfig:
+    config = JobConfig(**sections)
+    config.job.dump_folder = str(tmp_path / "out")
+    return config
+
+
+def degrees(**kwargs) -> ParallelismConfig:
+    return ParallelismConfig(**{f"{k}_degree": v for k, v in kwargs.items()})
+
+
+def test_a_plain_config_plans_one_process(tmp_path):
+    plan = preflight(job(tmp_path), world())
+    assert isinstance(plan, Plan)
+    assert plan.parallel_dims.world_size == 1
+    assert (plan.batches.local_batch_size, plan.batches.accumulation_steps) == (8, 1)
+    assert plan.spec.name == "llama3"
+    assert plan.step_context.cp_attention is None
+    assert plan.pipeline_microbatches is None
+    assert plan.checkpoint.folder == str(tmp_path / "out" / "checkpoint")
+    assert not (tmp_path / "out").exists(), "preflight writes nothing"
+
+
+def test_the_context_parallel_implementation_is_resolved_once_into_the_plan(tmp_path):
+    config = job(
+        tmp_path, parallelism=degrees(data_parallel_shard=1, context_parallel=2, tensor_parallel=2)
+    )
+    config.training.seq_len = 64
+    plan = preflight(config, world(4))
+    assert plan.step_context.cp_attention == "titan"  # auto on CPU
+    assert plan.step_context.loss_parallel  # tp with sharded logits
+
+
+def test_torch_context_parallel_on_cpu_is_refused(tmp_path):
+    config = job(tmp_path, parallelism=degrees(data_parallel_shard=1, context_parallel=2))
+    config.parallelize.cp_attention = "torch"
+    with pytest.raises(ModelConfigError, match="cp_attention='torch' cannot run on device 'cpu'"):
+        preflight(config, world(2))
+
+
+@pytest.mark.parametrize(
+    ("local", "global_", "dp", "expected"),
+    [(4, -1, 2, (4, 8, 1)), (2, 8, 2, (2, 8, 2)), (1, 12, 3, (1, 12, 4))],
+)
+def test_batch_plan_splits_the_global_batch(tmp_path, local, global_, dp, expected):
+    config = job(tmp_path)
+    config.training.local_batch_size, config.training.global_batch_size = local, global_
+    plan = plan_batches(config, ParallelDims(world_size=dp, dp_shard=dp))
+    assert (plan.local_batch_size, plan.global_batch_size, plan.accumulation_steps) == expected
+
+
+def test_a_global_batch_that_does_not_split_is_refused(tmp_path):
+    config = job(tmp_path)
+    config.training.local_batch_size, config.training.global_batch_size = 3, 8
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size=8 must be a multiple .* = 6; e\.g\. 6"
+    ):
+        plan_batches(config, ParallelDims(world_size=2, dp_shard=2))
+
+
+def test_an_unknown_flavor_is_refused(tmp_path):
+    config = job(tmp_path)
+    config.model.flavor = "13B"
+    with pytest.raises(ConfigError, match=r"model\.flavor='13B' is not a flavor of llama3"):
+        preflight(config, world())
+
+
+def test_validation_batch_must_split_into_the_pipelines_microbatches(tmp_path):
+    config = job(tmp_path, parallelism=degrees(data_parallel_shard=1, pipeline_parallel=2))
+    config.training.local_batch_size = 4
+    config.validation.enable, config.validation.local_batch_size = True, 6
+    with pytest.raises(ConfigError, match=r"validation\.local_batch_size=6 must be a multiple"):
+        preflight(config, world(2))
+    config.validation.local_batch_size = 8
+    assert preflight(config, world(2)).pipeline_microbatches == 4
+
+
+@pytest.mark.parametrize(
+    ("size", "parallelism", "max_norm", "named"),
+    [
+        (1, degrees(), 1.0, "gradient clipping (training.max_norm=1.0"),
+        (2, degrees(data_parallel_shard=2), 0.0, "FSDP"),
+        (2, degrees(data_parallel_shard=1, pipeline_parallel=2), 0.0, "pipeline parallelism"),
+    ],
+)
+def test_optimizer_in_backward_conflicts_are_refused_before_any_work(
+    tmp_path, size, parallelism, max_norm, named
+):
+    config = job(tmp_path, parallelism=parallelism)
+    config.optimizer.early_step_in_backward = True
+    config.training.max_norm = max_norm
+    with pytest.raises(ConfigError, match="early_step_in_backward=true") as error:
+        preflight(config, world(size))
+    assert named in str(error.value)
+
+
+def test_optimizer_in_backward_alone_passes(tmp_path):
+    config = job(tmp_path)
+    config.optimizer.early_step_in_backward = True
+    config.training.max_norm = 0.0
+    preflight(config, world())
+
+
+def test_optimizer_in_backward_with_clipping_exits_2_and_writes_nothing(tmp_path, capsys):
+    """It used to fail at step 1 with a traceback, after building and loading everything."""
+    out = tmp_path / "out"
+    code = main(["train", "--job.dump_folder", str(out), "--optimizer.early_step_in_backward"])
+    assert code == 2
+    assert "training.max_norm=1.0" in capsys.readouterr().err
+    assert not out.exists()
+    assert not dist.is_initialized()
+
+
+def test_a_url_checkpoint_folder_stays_a_url(tmp_path):
+    config = job(tmp_path)
+    config.checkpoint.folder = "s3://bucket/ckpt"
+    assert checkpoint_settings(config).folder == "s3://bucket/ckpt"
