@@ -80,6 +80,12 @@ class CheckpointConfig:
     run code."""
 
     def __post_init__(self) -> None:
+        self._check_types()
+        self._check_values()
+        self._check_load_settings()
+        self._check_save_settings()
+
+    def _check_types(self) -> None:
         for name in (
             "enable",
             "initial_load_model_only",
@@ -96,6 +102,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise CheckpointConfigError(f"checkpoint.{name}={value!r} must be true or false.")
+
+    def _check_values(self) -> None:
         _check_int("interval", self.interval, minimum=1)
         _check_int("keep_latest_k", self.keep_latest_k, minimum=0)
         if self.keep_latest_k == 1:
@@ -119,6 +127,8 @@ class CheckpointConfig:
                 f"checkpoint.export_dtype={self.export_dtype!r} is not one of "
                 f"{', '.join(EXPORT_DTYPES)}."
             )
+
+    def _check_load_settings(self) -> None:
         if isinstance(self.exclude_from_loading, str):
             # A comma-separated CLI value, as torchtitan accepts it.
             self.exclude_from_loading = [
@@ -152,6 +162,8 @@ class CheckpointConfig:
                 "checkpoint.initial_load_in_hf=true needs checkpoint.initial_load_path, the "
                 "Hugging Face folder to read."
             )
+
+    def _check_save_settings(self) -> None:
         if self.last_save_in_hf and not self.last_save_model_only:
             raise CheckpointConfigError(
                 "checkpoint.last_save_in_hf=true needs checkpoint.last_save_model_only=true: "

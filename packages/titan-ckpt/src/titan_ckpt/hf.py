@@ -100,33 +100,23 @@ def save_hf(
     # The writer receives into memory on its model's device (the backend's device).
     recv_device = next(iter(local.values())).device if local else torch.device("cpu")
 
-    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
-        # Every rank walks the same keys in the same order: each full_tensor() is one
-        # collective that all ranks of the parameter's mesh enter together, and each send
-        # meets the writer's receive for the same key.
-        for key, (shape, spec_dtype) in specs:
-            value = local.get(key)
-            if value is not None:
-                value = value.detach()
-                if value.is_floating_point():
-                    value = value.to(dtype)
-                if isinstance(value, DTensor):
-                    value = value.full_tensor()
-            sender = senders[key]
-            if writer:
-                if sender is not None:  # another pipeline stage's
-                    value = torch.empty(shape, dtype=spec_dtype, device=recv_device)
-                    dist.recv(value, src=sender)
-                yield key, value.cpu()
-            elif sender == rank:
-                dist.send(value.contiguous(), dst=writer_rank)
-            del value  # before the next gather: one full tensor at a time
+    # Lazy: nothing is gathered until the generator is walked below.
+    gathered = _gathered(
+        specs,
+        local,
+        senders,
+        dtype,
+        writer=writer,
+        rank=rank,
+        writer_rank=writer_rank,
+        recv_device=recv_device,
+    )
 
     if not writer:
-        for _ in gathered():
+        for _ in gathered:
             pass
         return
-    values = to_hf_items(adapter, gathered())
+    values = to_hf_items(adapter, gathered)
     if planned is None:  # the whole-dict fallback: rank 0 holds the model once
         hf = dict(values)
         planned = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
@@ -138,6 +128,40 @@ def save_hf(
     config["torch_dtype"] = dtype_name(dtype)
     text = json.dumps(config, indent=2, sort_keys=True).encode()
     storage.write_atomic(storage.join(directory, HF_CONFIG), text)
+
+
+def _gathered(
+    specs: list[tuple[str, TensorSpec]],
+    local: dict[str, torch.Tensor],
+    senders: dict[str, int | None],
+    dtype: torch.dtype,
+    *,
+    writer: bool,
+    rank: int,
+    writer_rank: int,
+    recv_device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensors, on the writer; on the other ranks, walking it does their part."""
+    # Every rank walks the same keys in the same order: each full_tensor() is one
+    # collective that all ranks of the parameter's mesh enter together, and each send
+    # meets the writer's receive for the same key.
+    for key, (shape, spec_dtype) in specs:
+        value = local.get(key)
+        if value is not None:
+            value = value.detach()
+            if value.is_floating_point():
+                value = value.to(dtype)
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+        sender = senders[key]
+        if writer:
+            if sender is not None:  # another pipeline stage's
+                value = torch.empty(shape, dtype=spec_dtype, device=recv_device)
+                dist.recv(value, src=sender)
+            yield key, value.cpu()
+        elif sender == rank:
+            dist.send(value.contiguous(), dst=writer_rank)
+        del value  # before the next gather: one full tensor at a time
 
 
 def _owners(

@@ -69,7 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
+    _add_inspect(commands)
+    _add_verify(commands)
+    _add_diff(commands)
+    _add_convert(commands)
+    return parser
 
+
+def _add_inspect(commands: argparse._SubParsersAction) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="list steps, or every key's shape, dtype, bytes and sharding",
@@ -85,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         "--stats", action="store_true", help="load tensors: min, max, mean, std, NaN/Inf counts"
     )
 
+
+def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser(
         "verify",
         help="check the commit marker, manifest, shard coverage and readability",
@@ -96,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     _trust(verify)
     verify.add_argument("--json", action="store_true", help="print JSON for scripts")
 
+
+def _add_diff(commands: argparse._SubParsersAction) -> None:
     diff = commands.add_parser(
         "diff",
         help="compare two checkpoints key by key (any formats)",
@@ -111,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     _filters(diff)
     diff.add_argument("--json", action="store_true", help="print JSON for scripts")
 
+
+def _add_convert(commands: argparse._SubParsersAction) -> None:
     convert = commands.add_parser(
         "convert",
         help="convert between DCP, torch.save, safetensors and HF folders",
@@ -163,7 +176,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     convert.add_argument("--json", action="store_true", help="print a JSON summary")
-    return parser
 
 
 def _trust(parser: argparse.ArgumentParser) -> None:

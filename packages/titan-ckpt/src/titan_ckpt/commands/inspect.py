@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
-from titan_ckpt.formats.base import STATE_GROUPS, Source, batches, dtype_name, group_of
+from titan_ckpt.formats.base import (
+    STATE_GROUPS,
+    Entry,
+    Source,
+    batches,
+    dtype_name,
+    group_of,
+)
 from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import read_manifest, scan_steps, step_dir
 from titan_ckpt.storage import LocalStorage
@@ -75,18 +82,7 @@ def _inspect_folder(path: str) -> dict[str, Any]:
 def _inspect_source(source: Source, *, stats: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": source.path, "format": source.format}
     if source.format == "dcp":
-        manifest = read_manifest(LocalStorage(), source.path)
-        report["manifest"] = (
-            None
-            if manifest is None
-            else {
-                "step": manifest.step,
-                "world_size": manifest.world_size,
-                "states": manifest.states,
-                "model_only": manifest.model_only,
-                "created": manifest.created,
-            }
-        )
+        report["manifest"] = _manifest_summary(source.path)
     if source.info:
         report["info"] = source.info
     files = source.files()
@@ -104,19 +100,7 @@ def _inspect_source(source: Source, *, stats: bool) -> dict[str, Any]:
     for key, e in source.entries.items():
         g = groups.setdefault(group_of(key), {"tensors": [], "objects": [], "bytes": 0, "numel": 0})
         if e.is_tensor:
-            row: dict[str, Any] = {
-                "key": key,
-                "shape": list(e.shape or ()),
-                "dtype": dtype_name(e.dtype) if e.dtype else None,
-                "bytes": e.nbytes,
-            }
-            if source.format == "dcp":
-                row["shards"] = len(e.shards)
-                row["ranks"] = sorted({s["rank"] for s in e.shards if s["rank"] is not None})
-                row["files"] = sorted({s["file"] for s in e.shards if s["file"]})
-            if key in tensor_stats:
-                row["stats"] = tensor_stats[key]
-            g["tensors"].append(row)
+            g["tensors"].append(_tensor_row(source, key, e, tensor_stats))
             g["bytes"] += e.nbytes
             g["numel"] += e.numel
         else:
@@ -133,6 +117,37 @@ def _inspect_source(source: Source, *, stats: bool) -> dict[str, Any]:
         "numel": sum(g["numel"] for g in groups.values()),
     }
     return report
+
+
+def _manifest_summary(path: str) -> dict[str, Any] | None:
+    manifest = read_manifest(LocalStorage(), path)
+    if manifest is None:
+        return None
+    return {
+        "step": manifest.step,
+        "world_size": manifest.world_size,
+        "states": manifest.states,
+        "model_only": manifest.model_only,
+        "created": manifest.created,
+    }
+
+
+def _tensor_row(
+    source: Source, key: str, e: Entry, tensor_stats: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "key": key,
+        "shape": list(e.shape or ()),
+        "dtype": dtype_name(e.dtype) if e.dtype else None,
+        "bytes": e.nbytes,
+    }
+    if source.format == "dcp":
+        row["shards"] = len(e.shards)
+        row["ranks"] = sorted({s["rank"] for s in e.shards if s["rank"] is not None})
+        row["files"] = sorted({s["file"] for s in e.shards if s["file"]})
+    if key in tensor_stats:
+        row["stats"] = tensor_stats[key]
+    return row
 
 
 def tensor_statistics(t: torch.Tensor) -> dict[str, Any]:
@@ -184,17 +199,7 @@ _KIND_LABELS = {
 def render(report: dict[str, Any]) -> str:
     """The text form of an inspect report."""
     if report["format"] == "folder":
-        lines = [f"checkpoint folder {report['path']}: {len(report['steps'])} step(s)"]
-        for s in report["steps"]:
-            state = _KIND_LABELS[s.get("kind", "committed" if s["committed"] else "interrupted")]
-            extra = ""
-            if s["committed"]:
-                extra = f", world size {s['world_size']}, states {', '.join(s['states'])}"
-            lines.append(
-                f"  step-{s['step']:<10} {human_bytes(s['bytes']):>10}  {_age(s['age_seconds'])}"
-                f"  {state}{extra}"
-            )
-        return "\n".join(lines)
+        return _render_folder(report)
     head = f"{report['format']} checkpoint {report['path']}"
     lines = [head]
     manifest = report.get("manifest", "absent")
@@ -218,23 +223,7 @@ def render(report: dict[str, Any]) -> str:
         )
         width = max((len(t["key"]) for t in g["tensors"]), default=0)
         for t in g["tensors"]:
-            shape = "[" + ", ".join(map(str, t["shape"])) + "]"
-            line = (
-                f"  {t['key']:<{width}}  {shape:<16} {t['dtype']:<10} {human_bytes(t['bytes']):>10}"
-            )
-            if is_dcp:
-                ranks = ",".join(map(str, t["ranks"])) or "?"
-                line += f"  {t['shards']} shard(s), rank(s) {ranks}"
-            if has_stats and "stats" in t:
-                s = t["stats"]
-                if s["min"] is None:
-                    line += f"  (no finite values; nan={s['nan']} inf={s['inf']})"
-                else:
-                    line += (
-                        f"  min={s['min']:.4g} max={s['max']:.4g} mean={s['mean']:.4g} "
-                        f"std={s['std']:.4g} nan={s['nan']} inf={s['inf']}"
-                    )
-            lines.append(line)
+            lines.append(_tensor_line(t, width, is_dcp=is_dcp, has_stats=has_stats))
         for o in g["objects"]:
             lines.append(f"  {o['key']} = {o['value']}")
     total = report["total"]
@@ -244,3 +233,35 @@ def render(report: dict[str, Any]) -> str:
         f"{human_bytes(total['bytes'])}; {total['objects']} other values"
     )
     return "\n".join(lines)
+
+
+def _render_folder(report: dict[str, Any]) -> str:
+    lines = [f"checkpoint folder {report['path']}: {len(report['steps'])} step(s)"]
+    for s in report["steps"]:
+        state = _KIND_LABELS[s.get("kind", "committed" if s["committed"] else "interrupted")]
+        extra = ""
+        if s["committed"]:
+            extra = f", world size {s['world_size']}, states {', '.join(s['states'])}"
+        lines.append(
+            f"  step-{s['step']:<10} {human_bytes(s['bytes']):>10}  {_age(s['age_seconds'])}"
+            f"  {state}{extra}"
+        )
+    return "\n".join(lines)
+
+
+def _tensor_line(t: dict[str, Any], width: int, *, is_dcp: bool, has_stats: bool) -> str:
+    shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+    line = f"  {t['key']:<{width}}  {shape:<16} {t['dtype']:<10} {human_bytes(t['bytes']):>10}"
+    if is_dcp:
+        ranks = ",".join(map(str, t["ranks"])) or "?"
+        line += f"  {t['shards']} shard(s), rank(s) {ranks}"
+    if has_stats and "stats" in t:
+        s = t["stats"]
+        if s["min"] is None:
+            line += f"  (no finite values; nan={s['nan']} inf={s['inf']})"
+        else:
+            line += (
+                f"  min={s['min']:.4g} max={s['max']:.4g} mean={s['mean']:.4g} "
+                f"std={s['std']:.4g} nan={s['nan']} inf={s['inf']}"
+            )
+    return line

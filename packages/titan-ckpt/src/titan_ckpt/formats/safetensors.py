@@ -328,15 +328,7 @@ def write_safetensors_shards(
     (or one ``model.safetensors``). ``objects`` (text) go into the first file's
     ``__metadata__``. ``single`` names one file to write everything into instead. Returns
     the tensor bytes written."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key, (shape, dtype) in specs.items():
-        n = math.prod(shape) * dtype.itemsize
-        if shards[-1] and size + n > max_shard_size and single is None:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += n
+    shards = _plan_shards(specs, max_shard_size=max_shard_size, single=single)
     if len(shards) == 1:
         names = [SINGLE_NAME]
     else:
@@ -345,46 +337,14 @@ def write_safetensors_shards(
     weight_map = {}
     it = iter(values)
     for shard_index, (name, shard_keys) in enumerate(zip(names, shards, strict=True)):
-        header: dict[str, Any] = {}
-        offset = 0
         for key in shard_keys:
-            shape, dtype = specs[key]
-            n = math.prod(shape) * dtype.itemsize
-            header[key] = {
-                "dtype": TORCH_TO_ST[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + n],
-            }
-            offset += n
             weight_map[key] = name
-        if shard_index == 0 and objects:
-            header["__metadata__"] = {f"{OBJECT_PREFIX}{k}": v for k, v in objects.items()}
-        else:
-            header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % _ALIGN)
+        raw = _shard_header(specs, shard_keys, objects if shard_index == 0 else None)
         path = single or storage.join(folder, name)
         with storage.open(path, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            for key in shard_keys:
-                got, value = next(it, (None, None))
-                if got != key:
-                    raise RuntimeError(
-                        f"The tensor stream gave {got!r} where the layout planned {key!r}: a "
-                        "state-dict adapter's output must not depend on tensor values."
-                    )
-                shape, dtype = specs[key]
-                if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                    raise RuntimeError(
-                        f"{key}: got {list(value.shape)} {value.dtype}, the header says "
-                        f"{list(shape)} {dtype}"
-                    )
-                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))
-                written += data.numel()
-                # Drop the tensor before the next one is read: the writer holds one at a time.
-                del value, data
+            written += _write_shard_data(f, specs, shard_keys, it)
             _sync(f)
     for extra, _ in it:  # runs the stream to its end: last progress update, then its close
         raise RuntimeError(f"The tensor stream gave {extra!r}, which the layout did not plan.")
@@ -394,4 +354,78 @@ def write_safetensors_shards(
         with storage.open(storage.join(folder, INDEX_NAME), "wb") as f:
             f.write(text.encode())
             _sync(f)
+    return written
+
+
+def _plan_shards(
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    max_shard_size: int,
+    single: str | None,
+) -> list[list[str]]:
+    """The keys of each shard, in file order: a new shard where one would pass the limit."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, (shape, dtype) in specs.items():
+        n = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + n > max_shard_size and single is None:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += n
+    return shards
+
+
+def _shard_header(
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    shard_keys: list[str],
+    objects: dict[str, str] | None,
+) -> bytes:
+    """One shard's JSON header, padded to the alignment; ``objects`` go into its metadata."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key in shard_keys:
+        shape, dtype = specs[key]
+        n = math.prod(shape) * dtype.itemsize
+        header[key] = {
+            "dtype": TORCH_TO_ST[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    if objects:
+        header["__metadata__"] = {f"{OBJECT_PREFIX}{k}": v for k, v in objects.items()}
+    else:
+        header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    return raw
+
+
+def _write_shard_data(
+    f: IO,
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    shard_keys: list[str],
+    it: Iterator[tuple[str, torch.Tensor]],
+) -> int:
+    """Write the shard's tensors from the stream ``it`` into ``f``; returns the bytes."""
+    written = 0
+    for key in shard_keys:
+        got, value = next(it, (None, None))
+        if got != key:
+            raise RuntimeError(
+                f"The tensor stream gave {got!r} where the layout planned {key!r}: a "
+                "state-dict adapter's output must not depend on tensor values."
+            )
+        shape, dtype = specs[key]
+        if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+            raise RuntimeError(
+                f"{key}: got {list(value.shape)} {value.dtype}, the header says "
+                f"{list(shape)} {dtype}"
+            )
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        f.write(memoryview(data.numpy()))
+        written += data.numel()
+        # Drop the tensor before the next one is read: the writer holds one at a time.
+        del value, data
     return written

@@ -12,6 +12,7 @@ import copy
 from collections.abc import Callable
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from titan_dims import ParallelDims, detect_device_type
@@ -38,6 +39,52 @@ def _stage_model(model: Llama3, blocks: list[int], *, first: bool, last: bool) -
     return part
 
 
+def _check_pipeline(
+    model: Llama3,
+    parallel_dims: ParallelDims,
+    pipeline_config: PipelineConfig,
+    parallelize_config: ParallelizeConfig,
+    local_batch_size: int,
+    seq_len: int | None,
+) -> None:
+    pp = parallel_dims.pp
+    if pp < 2:
+        raise ModelConfigError(f"pipeline_llama needs pp > 1 (got pp={pp}); use parallelize_llama.")
+    check_parallelism(model.args, parallel_dims, parallelize_config, seq_len=seq_len)
+    if local_batch_size % pipeline_config.microbatch_size:
+        raise ModelConfigError(
+            f"local_batch_size={local_batch_size} is not a multiple of "
+            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
+        )
+
+
+def _build_stages(
+    model: Llama3,
+    stage_blocks: list[list[int]],
+    ids: list[int],
+    parallel_dims: ParallelDims,
+    parallelize_config: ParallelizeConfig,
+    *,
+    device: torch.device,
+    pp_mesh: DeviceMesh,
+    seq_len: int | None,
+) -> tuple[list[Llama3], list[PipelineStage]]:
+    """This rank's stage models ``ids``, each parallelized, and their ``PipelineStage``s."""
+    num_stages = len(stage_blocks)
+    parts, stages = [], []
+    for stage_id in ids:
+        part = _stage_model(
+            model,
+            stage_blocks[stage_id],
+            first=stage_id == 0,
+            last=stage_id == num_stages - 1,
+        )
+        parallelize_llama(part, parallel_dims, parallelize_config, seq_len=seq_len)
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+    return parts, stages
+
+
 def pipeline_llama(
     model: Llama3,
     parallel_dims: ParallelDims,
@@ -59,14 +106,9 @@ def pipeline_llama(
     """
     parallelize_config = parallelize_config or ParallelizeConfig()
     pp = parallel_dims.pp
-    if pp < 2:
-        raise ModelConfigError(f"pipeline_llama needs pp > 1 (got pp={pp}); use parallelize_llama.")
-    check_parallelism(model.args, parallel_dims, parallelize_config, seq_len=seq_len)
-    if local_batch_size % pipeline_config.microbatch_size:
-        raise ModelConfigError(
-            f"local_batch_size={local_batch_size} is not a multiple of "
-            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
-        )
+    _check_pipeline(
+        model, parallel_dims, pipeline_config, parallelize_config, local_batch_size, seq_len
+    )
     stage_blocks = split_blocks(model.args.n_layers, pp, pipeline_config)
     num_stages = len(stage_blocks)
 
@@ -78,17 +120,16 @@ def pipeline_llama(
         num_stages,
         v_shape=pipeline_config.schedule == "ZBVZeroBubble",
     )
-    parts, stages = [], []
-    for stage_id in ids:
-        part = _stage_model(
-            model,
-            stage_blocks[stage_id],
-            first=stage_id == 0,
-            last=stage_id == num_stages - 1,
-        )
-        parallelize_llama(part, parallel_dims, parallelize_config, seq_len=seq_len)
-        parts.append(part)
-        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+    parts, stages = _build_stages(
+        model,
+        stage_blocks,
+        ids,
+        parallel_dims,
+        parallelize_config,
+        device=device,
+        pp_mesh=pp_mesh,
+        seq_len=seq_len,
+    )
     schedule = build_schedule(
         stages,
         pipeline_config,

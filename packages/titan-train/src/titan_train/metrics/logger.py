@@ -164,7 +164,6 @@ class MetricsLogger:
             lr: learning rate of the step.
             extra: more scalars to record (e.g. ``{"validation/loss": 2.3}``).
         """
-        # Long only by its docstring and the record's one-line fields.
         window = self._window
         window["steps"] += 1
         window["tokens"] += tokens
@@ -177,6 +176,23 @@ class MetricsLogger:
         if loss is None:
             raise ValueError(f"step {step} is a reporting step: MetricsLogger.log needs its loss.")
 
+        record, memory_kind = self._record(step, loss, grad_norm, lr, extra)
+        self._window = _empty_window()
+
+        logger.info("%s", self._console_line(record, memory_kind))
+        self._write(step, record)
+        return record
+
+    def _record(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float | None,
+        lr: float | None,
+        extra: Mapping[str, float] | None,
+    ) -> tuple[dict[str, Any], str]:
+        """The reporting step's record from the window, and the kind of memory it reports."""
+        window = self._window
         seconds = max(window["seconds"], 1e-12)
         tps = window["device_tokens"] / seconds  # tokens/s per device
         memory, memory_kind = memory_gib(self.device)
@@ -198,11 +214,7 @@ class MetricsLogger:
         if self.total_steps is not None:
             record["eta_s"] = max(self.total_steps - step, 0) * record["step_s"]
         record.update({k: float(v) for k, v in (extra or {}).items()})
-        self._window = _empty_window()
-
-        logger.info("%s", self._console_line(record, memory_kind))
-        self._write(step, record)
-        return record
+        return record, memory_kind
 
     def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write scalars outside the training step (e.g. validation) to every backend."""

@@ -67,14 +67,7 @@ def train_bpe(
             for pair in itertools.pairwise(word):
                 pair_count[pair] -= freq
                 changed.add(pair)
-            out, i = [], 0
-            while i < len(word):
-                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
-                    out.append(new_id)
-                    i += 2
-                else:
-                    out.append(word[i])
-                    i += 1
+            out = _merge_pair(word, a, b, new_id)
             words[w] = out
             for pair in itertools.pairwise(word):
                 pair_words[pair].discard(w)
@@ -90,3 +83,16 @@ def train_bpe(
                 del pair_count[pair]
                 pair_words.pop(pair, None)
     return ranks
+
+
+def _merge_pair(word: list[int], a: int, b: int, new_id: int) -> list[int]:
+    """``word`` with every non-overlapping ``a, b`` (left to right) replaced by ``new_id``."""
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
