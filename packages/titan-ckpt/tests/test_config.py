@@ -31,15 +31,28 @@ def test_defaults_match_torchtitan():
     ("kwargs", "match"),
     [
         ({"keep_latest_k": 1}, r"keep_latest_k=1 is not allowed.*at least 2"),
-        ({"keep_latest_k": -3}, r"keep_latest_k=-3 must be >= 0"),
-        ({"interval": 0}, r"interval=0 must be >= 1"),
-        ({"interval": 2.5}, r"interval=2.5 must be a whole number"),
-        ({"load_step": -2}, r"load_step=-2 must be >= -1"),
-        ({"async_mode": "fast"}, r"async_mode='fast' is not one of disabled, async, async_with"),
-        ({"export_dtype": "int8"}, r"export_dtype='int8' is not one of float32, bfloat16"),
+        (
+            {"keep_latest_k": -3},
+            r"keep_latest_k=-3 is not allowed; it must be a whole number >= 0\.",
+        ),
+        ({"interval": 0}, r"interval=0 is not allowed; it must be a whole number >= 1\."),
+        ({"interval": 2.5}, r"interval=2.5 is not allowed; it must be a whole number >= 1"),
+        (
+            {"load_step": -2},
+            r"load_step=-2 is not allowed; it must be -1 \(the newest committed step\) or a "
+            r"whole number >= 0\.",
+        ),
+        (
+            {"async_mode": "fast"},
+            r"async_mode='fast' is not allowed; choose one of 'disabled', 'async', 'async_with",
+        ),
+        (
+            {"export_dtype": "int8"},
+            r"export_dtype='int8' is not allowed; choose one of 'float32', 'bfloat16'",
+        ),
         ({"exclude_from_loading": ["model"]}, r"names 'model'.*always restores the model"),
         ({"folder": ""}, r"folder='' must be a non-empty"),
-        ({"enable": "yes"}, r"enable='yes' must be true or false"),
+        ({"enable": "yes"}, r"enable='yes' is not allowed; it must be true or false"),
         ({"last_save_in_hf": True, "last_save_model_only": False}, r"needs .*last_save_model_only"),
         (
             {
@@ -51,8 +64,14 @@ def test_defaults_match_torchtitan():
         ),
         ({"initial_load_in_hf": True}, r"needs checkpoint.initial_load_path"),
         ({"create_seed_checkpoint": True}, r"create_seed_checkpoint=true needs .*enable=true"),
-        ({"hf_max_shard_size": 0}, r"hf_max_shard_size=0 must be >= 1"),
-        ({"hf_max_shard_size": "5GB"}, r"hf_max_shard_size='5GB' must be a whole number"),
+        (
+            {"hf_max_shard_size": 0},
+            r"hf_max_shard_size=0 is not allowed; it must be a whole number >= 1",
+        ),
+        (
+            {"hf_max_shard_size": "5GB"},
+            r"hf_max_shard_size='5GB' is not allowed; it must be a whole number",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_key_and_value(kwargs, match):

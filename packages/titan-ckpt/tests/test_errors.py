@@ -1,6 +1,8 @@
 """One error family: every error titan-ckpt raises on purpose is a ``CheckpointError``;
 integrity errors carry their problems as a list; the library names ``ConvertOptions`` fields
-and the command shows its flags."""
+and the command shows its flags; the shared checks (``check_int``, ``check_number``,
+``check_choice``, ``check_bool``) raise the config error with the message every titan package's
+``errors.py`` uses (those cases, at the end, are the same in every ``test_errors.py``)."""
 
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ from titan_ckpt import (
 )
 from titan_ckpt.commands.cli import flag_text
 from titan_ckpt.commands.convert import ConvertOptions, convert
-from titan_ckpt.errors import ConvertError
+from titan_ckpt.errors import ConvertError, check_bool, check_choice, check_int, check_number
 from titan_ckpt.formats.base import select_keys
 from titan_ckpt.layout import commit_step, hash_files
+
+CONFIG_ERROR = CheckpointConfigError
 
 
 def test_one_root_and_the_old_bases():
@@ -157,3 +161,79 @@ def test_the_old_command_module_runs_the_new_command():
     from titan_ckpt.commands import cli as commands_cli
 
     assert cli.main is commands_cli.main
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: check_int("a.n", 0, minimum=1),
+            "a.n=0 is not allowed; it must be a whole number >= 1.",
+        ),
+        (
+            lambda: check_int("a.n", 2.0, minimum=1),
+            "a.n=2.0 is not allowed; it must be a whole number >= 1.",
+        ),
+        (
+            lambda: check_int("a.n", True, minimum=0),
+            "a.n=True is not allowed; it must be a whole number >= 0.",
+        ),
+        (
+            lambda: check_int("a.n", -2, minimum=1, sentinel=(-1, "all of them")),
+            "a.n=-2 is not allowed; it must be -1 (all of them) or a whole number >= 1.",
+        ),
+        (
+            lambda: check_int("a.n", "3", minimum=0, hint="0 turns it off"),
+            "a.n='3' is not allowed; it must be a whole number >= 0 (0 turns it off).",
+        ),
+        (
+            lambda: check_number("a.x", -0.5, low=0),
+            "a.x=-0.5 is not allowed; it must be a finite number >= 0.",
+        ),
+        (
+            lambda: check_number("a.x", 0, low=0, low_open=True),
+            "a.x=0 is not allowed; it must be a finite number > 0.",
+        ),
+        (
+            lambda: check_number("a.x", 1.0, low=0, high=1, high_open=True),
+            "a.x=1.0 is not allowed; it must be a finite number in [0, 1).",
+        ),
+        (
+            lambda: check_number("a.x", float("nan")),
+            "a.x=nan is not allowed; it must be a finite number.",
+        ),
+        (
+            lambda: check_number("a.x", "1e-3", high=1),
+            "a.x='1e-3' is not allowed; it must be a finite number <= 1.",
+        ),
+        (
+            lambda: check_choice("a.c", "z", ("x", "y")),
+            "a.c='z' is not allowed; choose one of 'x', 'y'.",
+        ),
+        (
+            lambda: check_bool("a.b", "false"),
+            "a.b='false' is not allowed; it must be true or false.",
+        ),
+    ],
+)
+def test_checks_raise_the_config_error_with_one_message_shape(call, message):
+    with pytest.raises(CONFIG_ERROR) as error:
+        call()
+    assert str(error.value) == message
+
+
+def test_checks_return_good_values():
+    assert check_int("n", 3, minimum=1) == 3
+    assert check_int("n", -1, minimum=1, sentinel=(-1, "rest")) == -1
+    assert check_number("x", 1, low=0, high=1) == 1.0
+    assert isinstance(check_number("x", 1, low=0), float)
+    assert check_choice("c", "y", ["x", "y"]) == "y"
+    assert check_bool("b", False) is False
+
+
+def test_checks_raise_another_error_when_asked():
+    with pytest.raises(KeyError):
+        check_int("n", 0, minimum=1, error=KeyError)
+    with pytest.raises(ValueError) as error:
+        check_number("max_norm", -1.0, low=0, error=ValueError)
+    assert type(error.value) is ValueError

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.errors import CheckpointConfigError, check_bool, check_choice, check_int
 
 __all__ = ["ASYNC_MODES", "EXPORT_DTYPES", "CheckpointConfig", "CheckpointConfigError"]
 
@@ -99,34 +99,30 @@ class CheckpointConfig:
             "verify_checksums",
             "trust_pickles",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise CheckpointConfigError(f"checkpoint.{name}={value!r} must be true or false.")
+            check_bool(f"checkpoint.{name}", getattr(self, name))
 
     def _check_values(self) -> None:
-        _check_int("interval", self.interval, minimum=1)
-        _check_int("keep_latest_k", self.keep_latest_k, minimum=0)
+        check_int("checkpoint.interval", self.interval, minimum=1)
+        check_int("checkpoint.keep_latest_k", self.keep_latest_k, minimum=0)
         if self.keep_latest_k == 1:
             raise CheckpointConfigError(
                 "checkpoint.keep_latest_k=1 is not allowed: while the newest step is still being "
                 "written, the one before it is the only complete checkpoint, so at least 2 must "
                 "be kept. Use 0 (keep all) or >= 2."
             )
-        _check_int("load_step", self.load_step, minimum=-1)
-        _check_int("hf_max_shard_size", self.hf_max_shard_size, minimum=1)
+        check_int(
+            "checkpoint.load_step",
+            self.load_step,
+            minimum=0,
+            sentinel=(-1, "the newest committed step"),
+        )
+        check_int("checkpoint.hf_max_shard_size", self.hf_max_shard_size, minimum=1)
         if not isinstance(self.folder, str) or not self.folder:
             raise CheckpointConfigError(
                 f"checkpoint.folder={self.folder!r} must be a non-empty path or fsspec URL."
             )
-        if self.async_mode not in ASYNC_MODES:
-            raise CheckpointConfigError(
-                f"checkpoint.async_mode={self.async_mode!r} is not one of {', '.join(ASYNC_MODES)}."
-            )
-        if self.export_dtype not in EXPORT_DTYPES:
-            raise CheckpointConfigError(
-                f"checkpoint.export_dtype={self.export_dtype!r} is not one of "
-                f"{', '.join(EXPORT_DTYPES)}."
-            )
+        check_choice("checkpoint.async_mode", self.async_mode, ASYNC_MODES)
+        check_choice("checkpoint.export_dtype", self.export_dtype, EXPORT_DTYPES)
 
     def _check_load_settings(self) -> None:
         if isinstance(self.exclude_from_loading, str):
@@ -178,12 +174,3 @@ class CheckpointConfig:
     def export_torch_dtype(self) -> torch.dtype:
         """``export_dtype`` as a ``torch.dtype``."""
         return EXPORT_DTYPES[self.export_dtype]
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointConfigError(
-            f"checkpoint.{name}={value!r} must be a whole number >= {minimum}."
-        )
-    if value < minimum:
-        raise CheckpointConfigError(f"checkpoint.{name}={value} must be >= {minimum}.")
