@@ -127,9 +127,15 @@ def _cell(text: str) -> str:
 def config_page(train_help: str) -> str:
     """Every TOML key of ``JobConfig``, section by section; ``train_help`` is the output of
     ``titan-train train --help``, to mark the keys that have no command-line flag."""
-    from titan_train.config import TORCHTITAN_KEYS, JobConfig
+    from titan_train.compat import KEYS
+    from titan_train.config import JobConfig
 
-    torchtitan = {new.lstrip("!"): old for old, new in TORCHTITAN_KEYS.items()}
+    # titan key -> the torchtitan names moved to it (July 2025 and later spellings).
+    spellings: dict[str, list[str]] = {}
+    for old, entry in KEYS.items():
+        if entry.action == "move" and entry.to:
+            spellings.setdefault(entry.to, []).append(f"not {old}" if entry.negate else old)
+    torchtitan = {key: "`, `".join(names) for key, names in spellings.items()}
     job = JobConfig()
     lines = [
         "# Configuration reference",

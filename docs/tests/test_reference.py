@@ -13,7 +13,7 @@ from pathlib import Path
 import gen_reference
 import pytest
 
-from titan_ckpt.cli import _parser as ckpt_parser
+from titan_ckpt.commands.cli import _parser as ckpt_parser
 from titan_dims.cli import _parser as dims_parser
 from titan_train.config import JobConfig
 
