@@ -6,6 +6,7 @@ the tests (through ``load_common`` in conftest.py), so both sides build the same
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -98,6 +99,24 @@ def init() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     return dist.get_rank()
+
+
+def finish() -> None:
+    """End a worker that succeeded: free what holds gloo work, destroy the process group, and
+    leave without interpreter teardown.
+
+    Why: with torch 2.13, a gloo group still referenced (by FSDP state, a device mesh) is freed
+    during interpreter finalization, and now and then that aborts the process ("terminate
+    called without an active exception", exit -6) after all its work is done; see
+    pytorch/pytorch#179291. ``os._exit`` skips that teardown; what the test reads was written
+    and flushed before.
+    """
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_result(name: str, payload: dict) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import init, write_result
+from common import finish, init, write_result
 from small_disk import QuotaStorage
 from torch.distributed.fsdp import fully_shard
 
@@ -54,8 +54,8 @@ def main() -> None:
             shutil.rmtree(disk / mode)
         dist.barrier()
     write_result("disk_full", results)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish()

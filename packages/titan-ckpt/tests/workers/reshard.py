@@ -12,17 +12,16 @@ One script for both, so the suite starts as few torch processes as it can.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
 
 import torch
-import torch.distributed as dist
 from common import (
     DataPosition,
     TrainState,
     eval_loss,
+    finish,
     full_params,
     init,
     make_model,
@@ -150,5 +149,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # free FSDP state (it holds gloo work) while the group exists
-    dist.destroy_process_group()
+    finish()

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
-from common import DataPosition, init, make_model
+from common import DataPosition, finish, init, make_model
 
 from titan_ckpt import CheckpointConfig, CheckpointManager
 
@@ -29,8 +28,8 @@ def main() -> None:
             config, model_parts=model, states={"dataloader": data}, data_parallel_degree=degree
         ) as manager:
             manager.save(1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -10,14 +10,13 @@ OUT_DIR/run/step-3/hf. Each rank reports whether the reloaded weights equal the 
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 from common import (
     StreamingRenamingAdapter,
+    finish,
     full_params,
     init,
     llama3_args,
@@ -102,5 +101,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # free FSDP state (it holds gloo work) while the group exists
-    dist.destroy_process_group()
+    finish()

@@ -6,12 +6,10 @@ test can check what ``convert`` reassembles from the two ranks' shards.
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
-import torch.distributed as dist
-from common import TrainState, full_params, init, make_model, shard, write_result
+from common import TrainState, finish, full_params, init, make_model, shard, write_result
 
 from titan_ckpt import CheckpointConfig, CheckpointManager, OptimizerState
 
@@ -34,5 +32,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # free FSDP state (it holds gloo work) while the group exists
-    dist.destroy_process_group()
+    finish()
