@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from titan_dims import ParallelDims, ParallelismConfig
-from titan_models import ConfigError as ModelConfigError
+from titan_models import ModelConfigError
 from titan_train import ConfigError, JobConfig, Plan, World, preflight
 from titan_train.cli import main
 from titan_train.preflight import checkpoint_settings, plan_batches
@@ -115,6 +115,57 @@ def test_optimizer_in_backward_conflicts_are_refused_before_any_work(
     with pytest.raises(ConfigError, match="early_step_in_backward=true") as error:
         preflight(config, world(size))
     assert named in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("size", "parallelism", "pipeline", "message"),
+    [
+        (3, degrees(data_parallel_shard=1, tensor_parallel=3), {}, "tp=3 must divide n_heads=16"),
+        (2, degrees(data_parallel_shard=2, expert_parallel=2), {}, "dense model without experts"),
+        (
+            2,
+            degrees(data_parallel_shard=1, pipeline_parallel=2),
+            {"layers_per_stage": 4},
+            "layers_per_stage=4 does not divide n_layers=6",
+        ),
+        (
+            2,
+            degrees(data_parallel_shard=1, pipeline_parallel=2),
+            {"microbatch_size": 3},
+            "local_batch_size=8 is not a multiple of pipeline.microbatch_size=3",
+        ),
+        (
+            4,
+            degrees(data_parallel_shard=1, pipeline_parallel=4),
+            {"split_points": ["layers.2", "layers.1", "layers.4"]},
+            "must name increasing blocks",
+        ),
+    ],
+)
+def test_a_flavor_the_layout_cannot_train_is_refused_by_preflight(
+    tmp_path, size, parallelism, pipeline, message
+):
+    """These were found only while building the model (after the tokenizer, the data and
+    the process group); the spec's check_fn now runs them in preflight."""
+    config = job(tmp_path, parallelism=parallelism)
+    config.training.seq_len = 96  # a multiple of tp=3's sequence-parallel divisor, 6
+    for key, value in pipeline.items():
+        setattr(config.pipeline, key, value)
+    with pytest.raises(ModelConfigError, match=message):
+        preflight(config, world(size))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_pipeline_check_counts_the_accumulated_batch(tmp_path):
+    # 2 accumulation steps of 8 rows run as one schedule step of 16: microbatches of 16 fit.
+    config = job(tmp_path, parallelism=degrees(data_parallel_shard=1, pipeline_parallel=2))
+    config.training.global_batch_size = 16
+    config.pipeline.microbatch_size = 16
+    config.validation.local_batch_size = 1
+    assert preflight(config, world(2)).pipeline_microbatches == 1
+    config.training.global_batch_size = 8
+    with pytest.raises(ModelConfigError, match="local_batch_size=8 is not a multiple"):
+        preflight(config, world(2))
 
 
 def test_optimizer_in_backward_alone_passes(tmp_path):

@@ -40,6 +40,14 @@ class ModelSpec:
     (recorded with checkpoints as JSON). The trainer overrides ``vocab_size`` and
     ``max_seq_len``, and ``rope_scaling`` (``"none"`` or ``"llama3"``) when
     ``model.rope_scaling`` asks."""
+    check_fn: Callable[..., None] | None = None
+    """``check_fn(args, parallel_dims, parallelize_config, *, seq_len=None,
+    pipeline_config=None, local_batch_size=None)``: raise ``ModelConfigError`` when ``args``
+    cannot be trained with this layout (heads per tensor-parallel rank, the pipeline split,
+    experts per expert-parallel rank). It needs no process group and no model, so a trainer
+    calls it before any work; ``pipeline_config`` and ``local_batch_size`` (the batch one
+    data-parallel rank steps with) come with pipeline parallelism. ``None``: the family's
+    plans check as they build."""
     pipeline_fn: Callable[..., Any] | None = None
     """``pipeline_fn(model, parallel_dims, pipeline_config, parallelize_config, *,
     local_batch_size, loss_fn, device=None, seq_len=None)`` -> a ``Pipeline``; ``None`` if

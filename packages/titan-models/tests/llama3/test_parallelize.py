@@ -15,10 +15,13 @@ import torch
 
 from titan_dims import ParallelDims
 from titan_models import (
+    LLAMA3,
     ActivationCheckpointConfig,
     Llama3,
     ModelConfigError,
     ParallelizeConfig,
+    PipelineConfig,
+    check_llama,
     check_parallelism,
     parallelize_llama,
 )
@@ -51,6 +54,40 @@ def test_impossible_layouts_fail_before_any_work(tiny, degrees, seq_len, match):
     assert dict(model.named_parameters()).keys() == before.keys()
     with pytest.raises(ModelConfigError, match=match):
         check_parallelism(tiny.tiny_args(), dims, ParallelizeConfig(), seq_len=seq_len)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "local_batch_size", "match"),
+    [
+        (PipelineConfig(layers_per_stage=3), 8, "layers_per_stage=3 does not divide n_layers=2"),
+        (PipelineConfig(microbatch_size=3), 8, "local_batch_size=8 is not a multiple"),
+        (PipelineConfig(schedule="Interleaved1F1B"), 8, "at least as many blocks"),
+        (None, None, "needs pipeline_config and local_batch_size"),
+    ],
+)
+def test_check_llama_refuses_a_pipeline_without_a_process_group(
+    tiny, pipeline, local_batch_size, match
+):
+    """The spec's check_fn: what pipeline_llama would refuse, decided from the args alone."""
+    assert LLAMA3.check_fn is check_llama
+    dims = ParallelDims(world_size=2, pp=2)
+    with pytest.raises(ModelConfigError, match=match):
+        check_llama(
+            tiny.tiny_args(),
+            dims,
+            ParallelizeConfig(),
+            seq_len=32,
+            pipeline_config=pipeline,
+            local_batch_size=local_batch_size,
+        )
+    check_llama(
+        tiny.tiny_args(),
+        dims,
+        ParallelizeConfig(),
+        seq_len=32,
+        pipeline_config=PipelineConfig(microbatch_size=2),
+        local_batch_size=8,
+    )
 
 
 def test_torch_context_parallel_on_cpu_fails_before_any_work(tiny):

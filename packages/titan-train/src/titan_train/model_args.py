@@ -27,10 +27,14 @@ logger = logging.getLogger("titan_train")
 
 
 def build_model_args(
-    spec: ModelSpec, model: ModelSection, *, vocab_size: int, max_seq_len: int
+    spec: ModelSpec, model: ModelSection, *, vocab_size: int | None, max_seq_len: int
 ) -> Any:
-    """``spec.args_fn(flavor, **overrides)`` for this run."""
-    overrides: dict[str, Any] = {"vocab_size": vocab_size, "max_seq_len": max_seq_len}
+    """``spec.args_fn(flavor, **overrides)`` for this run; ``vocab_size=None`` keeps the
+    flavor's (preflight checks the layout before any tokenizer is loaded: no layout rule
+    depends on the vocabulary)."""
+    overrides: dict[str, Any] = {"max_seq_len": max_seq_len}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
     if model.rope_scaling != "flavor":
         overrides["rope_scaling"] = model.rope_scaling
     return spec.args_fn(model.flavor, **overrides)

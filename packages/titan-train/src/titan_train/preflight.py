@@ -9,6 +9,8 @@ group, no model, no data), in the order a user meets them:
 - the model name and flavor, and whether the family can be pipelined;
 - the sequence lengths against the layout's divisor (the one rule, ``titan_models``'
   ``check_seq_len``) and the validation batch against the pipeline's microbatches;
+- the flavor against the layout (the spec's ``check_fn``: for Llama 3 heads per
+  tensor-parallel rank, no experts, the pipeline's microbatches and stage split);
 - the checkpoint folder (writable, holding nothing titan would touch wrongly);
 - fault tolerance (layout, seed checkpoint, lighthouse);
 - optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
@@ -30,11 +32,11 @@ import torch.distributed as dist
 
 from titan_ckpt import CheckpointConfig, check_folder_contents, check_folder_writable
 from titan_dims import ParallelDims
-from titan_models import ConfigError as ModelConfigError
-from titan_models import ModelSpec, StepContext, check_seq_len, step_context
+from titan_models import ModelConfigError, ModelSpec, StepContext, check_seq_len, step_context
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
 from titan_train.fault_tolerance import check_fault_tolerance
+from titan_train.model_args import build_model_args
 from titan_train.registry import load_model_spec
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "Plan",
     "World",
     "check_checkpoint_folder",
+    "check_model_layout",
     "check_optimizer_in_backward",
     "check_seq_lens",
     "checkpoint_settings",
@@ -99,6 +102,7 @@ def preflight(config: JobConfig, world: World) -> Plan:
     batches = plan_batches(config, dims)
     spec = check_model(config, dims)
     check_seq_lens(config, dims)
+    check_model_layout(config, dims, spec, batches)
     microbatches = None
     if dims.pp_enabled:
         steps = batches.local_batch_size * batches.accumulation_steps
@@ -167,6 +171,30 @@ def check_seq_lens(config: JobConfig, dims: ParallelDims) -> None:
             check_seq_len(seq_len, dims, name=name)
         except ModelConfigError as error:
             raise ConfigError(str(error)) from None
+
+
+def check_model_layout(
+    config: JobConfig, dims: ParallelDims, spec: ModelSpec, batches: BatchPlan
+) -> None:
+    """Raise the model package's config error when the flavor cannot be trained with this
+    layout: the spec's ``check_fn`` (for Llama 3: heads per tensor-parallel rank, dense only,
+    the pipeline's microbatches and stage split), on the flavor's args as the run will build
+    them (its longest sequence, its RoPE setting)."""
+    if spec.check_fn is None:
+        return
+    longest = max(
+        config.training.seq_len, config.validation.seq_len if config.validation.enable else 0
+    )
+    args = build_model_args(spec, config.model, vocab_size=None, max_seq_len=longest)
+    spec.check_fn(
+        args,
+        dims,
+        config.parallelize,
+        seq_len=config.training.seq_len,
+        pipeline_config=config.pipeline if dims.pp_enabled else None,
+        # Gradient accumulation runs as more microbatches of one schedule step.
+        local_batch_size=batches.local_batch_size * batches.accumulation_steps,
+    )
 
 
 def check_validation_microbatches(config: JobConfig, microbatches: int) -> None:

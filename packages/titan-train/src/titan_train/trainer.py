@@ -22,6 +22,7 @@ import logging
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from titan_dims import init_distributed, set_collective_timeout
@@ -58,24 +59,29 @@ def run(config: JobConfig) -> TrainState:
     is destroyed on the way out, also when training fails."""
     device = init_distributed(timeout=timedelta(seconds=config.comm.init_timeout_seconds))
     try:
-        world = World.current(device)
-        _setup_logging(world.rank)
-        plan = preflight(config, world)
-        training_run = build(config, plan)
-        try:
-            if config.checkpoint.create_seed_checkpoint:
-                write_seed_checkpoint(training_run)
-            else:
-                train(training_run)
-        finally:
-            close(training_run)
-        dist.barrier()
-        return training_run.train_state
+        return _run_in_group(config, device)
     finally:
-        # Free the model, optimizers and checkpointer first: FSDP state holds gloo work, and
-        # gloo work destroyed during interpreter shutdown can abort the process.
+        # The model, optimizers and checkpointer went with _run_in_group's frame; collect
+        # them now: FSDP state holds gloo work, and a gloo group freed during interpreter
+        # shutdown can abort the process after a successful run.
         gc.collect()
         dist.destroy_process_group()
+
+
+def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
+    world = World.current(device)
+    _setup_logging(world.rank)
+    plan = preflight(config, world)
+    training_run = build(config, plan)
+    try:
+        if config.checkpoint.create_seed_checkpoint:
+            write_seed_checkpoint(training_run)
+        else:
+            train(training_run)
+    finally:
+        close(training_run)
+    dist.barrier()
+    return training_run.train_state
 
 
 def train(run: TrainingRun) -> None:

@@ -10,7 +10,12 @@ from titan_models.llama3.args import (
     rope_scaling_of,
 )
 from titan_models.llama3.model import Llama3
-from titan_models.llama3.parallelize import apply_tp, check_parallelism, parallelize_llama
+from titan_models.llama3.parallelize import (
+    apply_tp,
+    check_llama,
+    check_parallelism,
+    parallelize_llama,
+)
 from titan_models.llama3.pipeline import pipeline_llama
 from titan_models.llama3.spec import LLAMA3
 
@@ -24,6 +29,7 @@ __all__ = [
     "RopeScaling",
     "apply_tp",
     "args_from_hf_config",
+    "check_llama",
     "check_parallelism",
     "llama3_args",
     "make_adapter",

@@ -25,12 +25,13 @@ from titan_models.errors import ModelConfigError
 from titan_models.llama3.args import Llama3Args
 from titan_models.llama3.model import Llama3
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_models.parallel.config import ParallelizeConfig
+from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
 from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
 from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
+from titan_models.parallel.pipeline import split_blocks
 from titan_models.parallel.step import check_seq_len
 
-__all__ = ["apply_tp", "check_parallelism", "parallelize_llama"]
+__all__ = ["apply_tp", "check_llama", "check_parallelism", "parallelize_llama"]
 
 
 def check_parallelism(
@@ -73,6 +74,34 @@ def check_parallelism(
             f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
         )
     return implementation
+
+
+def check_llama(
+    args: Llama3Args,
+    parallel_dims: ParallelDims,
+    parallelize_config: ParallelizeConfig,
+    *,
+    seq_len: int | None = None,
+    pipeline_config: PipelineConfig | None = None,
+    local_batch_size: int | None = None,
+) -> None:
+    """Raise ``ModelConfigError`` if a Llama 3 of ``args`` cannot be trained with this layout:
+    :func:`check_parallelism`, and under pipeline parallelism the microbatches and the stage
+    split. No process group or model needed (``LLAMA3.check_fn``)."""
+    check_parallelism(args, parallel_dims, parallelize_config, seq_len=seq_len)
+    if not parallel_dims.pp_enabled:
+        return
+    if pipeline_config is None or local_batch_size is None:
+        raise ModelConfigError(
+            f"pp={parallel_dims.pp}: checking a pipeline needs pipeline_config and "
+            "local_batch_size."
+        )
+    if local_batch_size % pipeline_config.microbatch_size:
+        raise ModelConfigError(
+            f"local_batch_size={local_batch_size} is not a multiple of "
+            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
+        )
+    split_blocks(args.n_layers, parallel_dims.pp, pipeline_config)
 
 
 def apply_tp(model: Llama3, tp_mesh, *, loss_parallel: bool) -> None:

@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 from titan_dims import ParallelDims, detect_device_type
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import Llama3
-from titan_models.llama3.parallelize import check_parallelism, parallelize_llama
+from titan_models.llama3.parallelize import check_llama, parallelize_llama
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
 from titan_models.parallel.pipeline import Pipeline, build_schedule, split_blocks, stages_of_rank
 
@@ -50,12 +50,14 @@ def _check_pipeline(
     pp = parallel_dims.pp
     if pp < 2:
         raise ModelConfigError(f"pipeline_llama needs pp > 1 (got pp={pp}); use parallelize_llama.")
-    check_parallelism(model.args, parallel_dims, parallelize_config, seq_len=seq_len)
-    if local_batch_size % pipeline_config.microbatch_size:
-        raise ModelConfigError(
-            f"local_batch_size={local_batch_size} is not a multiple of "
-            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
-        )
+    check_llama(
+        model.args,
+        parallel_dims,
+        parallelize_config,
+        seq_len=seq_len,
+        pipeline_config=pipeline_config,
+        local_batch_size=local_batch_size,
+    )
 
 
 def _build_stages(
