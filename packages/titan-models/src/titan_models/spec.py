@@ -7,11 +7,13 @@ installed. A spec holds only references; nothing is built until the trainer asks
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from titan_dims import ParallelDims
 
 __all__ = ["ModelSpec"]
 
@@ -48,6 +50,17 @@ class ModelSpec:
     calls it before any work; ``pipeline_config`` and ``local_batch_size`` (the batch one
     data-parallel rank steps with) come with pipeline parallelism. ``None``: the family's
     plans check as they build."""
+    post_step_fn: (
+        Callable[[Sequence[nn.Module], ParallelDims], Callable[[], None] | None] | None
+    ) = None
+    """``post_step_fn(model_parts, parallel_dims)`` -> what to run after every optimizer step
+    taken (a trainer registers it as the optimizer container's step post-hook), or ``None``;
+    e.g. the mixture-of-experts bias update, which all-reduces the tokens each expert received
+    over the data-parallel and context-parallel ranks."""
+    metrics_fn: Callable[[Sequence[nn.Module]], Mapping[str, float]] | None = None
+    """``metrics_fn(model_parts)`` -> named numbers a trainer logs at its reporting steps
+    (e.g. the share of tokens each expert received). It may read the device: call it only
+    when logging."""
     pipeline_fn: Callable[..., Any] | None = None
     """``pipeline_fn(model, parallel_dims, pipeline_config, parallelize_config, *,
     local_batch_size, loss_fn, device=None, seq_len=None)`` -> a ``Pipeline``; ``None`` if

@@ -141,6 +141,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled
     )
     optimizers.warn_on_skip = False  # the NonFiniteGuard reports each skipped step
+    _register_post_step(plan, model_parts, optimizers)
     schedulers = build_lr_schedulers(
         optimizers, config.lr_scheduler, training_steps=config.training.steps
     )
@@ -192,6 +193,17 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         ),
         flops_per_token=args.flops_per_token(config.training.seq_len),
     )
+
+
+def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: Any) -> None:
+    """The model family's after-step work (``ModelSpec.post_step_fn``, e.g. the experts' bias
+    update) as a step post-hook of the inner container: under torchft it then runs only for
+    steps that commit, and never for a skipped step."""
+    if plan.spec.post_step_fn is None:
+        return
+    hook = plan.spec.post_step_fn(model_parts, plan.parallel_dims)
+    if hook is not None:
+        optimizers.register_step_post_hook(lambda _container: hook())
 
 
 def _with_reporting(config: JobConfig, run: TrainingRun, *, flops_per_token: float) -> TrainingRun:

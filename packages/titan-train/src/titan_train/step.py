@@ -165,5 +165,17 @@ def report_step(
         devices=result.tokens.devices,
         step_seconds=time.perf_counter() - started,
         data_seconds=data_seconds,
-        extra=None if result.grad_norm is None else {"skipped_steps": run.nonfinite.skipped},
+        extra=_extra_metrics(run, result) if reporting else None,
     )
+
+
+def _extra_metrics(run: TrainingRun, result: StepResult) -> dict[str, float]:
+    """Skipped steps (when clipping reads the norm) and the model family's own numbers
+    (``ModelSpec.metrics_fn``); read at reporting steps only."""
+    extra: dict[str, float] = {}
+    if result.grad_norm is not None:
+        extra["skipped_steps"] = run.nonfinite.skipped
+    metrics_fn = run.plan.spec.metrics_fn
+    if metrics_fn is not None:
+        extra.update(metrics_fn(run.model_parts))
+    return extra

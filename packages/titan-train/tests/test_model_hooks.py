@@ -1,0 +1,63 @@
+"""A model family's own step work and numbers reach the trainer through its ``ModelSpec``:
+``post_step_fn`` runs after every optimizer step taken (the experts' bias update of a
+mixture-of-experts model), ``metrics_fn`` is read at reporting steps only and lands in
+``metrics.jsonl`` beside the loss. One process, the real trainer loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+import torch.distributed as dist
+
+from titan_dims import ParallelDims, init_distributed
+from titan_train import JobConfig, World, build, close, preflight, train
+
+
+def test_post_step_and_metrics_hooks_run_in_the_trainer_loop(tmp_path):
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path)
+    config.training.steps, config.training.seq_len, config.training.local_batch_size = 4, 32, 2
+    config.lr_scheduler.warmup_steps = 1
+    config.checkpoint.enable = False
+    config.metrics.log_freq = 2
+    config.metrics.enable_tensorboard = False
+
+    calls: list[tuple[int, int]] = []  # (step hook calls so far, metrics reads so far)
+    reads: list[int] = []
+
+    def post_step_fn(model_parts, parallel_dims):
+        assert isinstance(parallel_dims, ParallelDims)
+        first = model_parts[0]
+        before = first.norm.weight.detach().clone()
+
+        def after_step() -> None:
+            # Runs after the optimizer moved the weights.
+            assert not torch.equal(first.norm.weight.detach(), before)
+            before.copy_(first.norm.weight.detach())
+            calls.append((len(calls) + 1, len(reads)))
+
+        return after_step
+
+    def metrics_fn(model_parts):
+        reads.append(len(calls))
+        return {"model/steps_seen": float(len(calls))}
+
+    device = init_distributed()
+    try:
+        plan = preflight(config, World.current(device))
+        spec = dataclasses.replace(plan.spec, post_step_fn=post_step_fn, metrics_fn=metrics_fn)
+        run = build(config, dataclasses.replace(plan, spec=spec))
+        try:
+            train(run)
+        finally:
+            close(run)
+    finally:
+        dist.destroy_process_group()
+
+    assert [n for n, _ in calls] == [1, 2, 3, 4]
+    assert reads == [1, 2, 4]  # at the reporting steps (the first, then every 2nd), after the hook
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["model/steps_seen"]) for r in records if "model/steps_seen" in r]
+    assert logged == [(1, 1.0), (2, 2.0), (4, 4.0)]
