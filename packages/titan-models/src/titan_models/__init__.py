@@ -40,6 +40,7 @@ from titan_models.llama3 import (
     pipeline_llama,
     rope_scaling_of,
 )
+from titan_models.moe import MoE, MoEArgs
 from titan_models.ops import plain_loss, repeat_kv
 from titan_models.parallel import (
     ActivationCheckpointConfig,
@@ -67,6 +68,8 @@ __all__ = [
     "Llama3",
     "Llama3Args",
     "Llama3StateDictAdapter",
+    "MoE",
+    "MoEArgs",
     "ModelConfigError",
     "ModelError",
     "ModelSpec",
