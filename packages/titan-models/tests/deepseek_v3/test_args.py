@@ -94,7 +94,6 @@ def test_flavors_carry_torchtitans_shapes_and_copies_are_independent():
 
 
 def test_moe_args_carry_the_routing_fields():
-    pytest.importorskip("titan_models.moe")  # TODO(dsv3): drop once ws-moe is merged
     moe = deepseek_v3_args("671B", aux_loss_alpha=1e-4).moe_args()
     got = {k: getattr(moe, k) for k in ("num_experts", "num_shared_experts", "top_k")}
     assert got == {"num_experts": 256, "num_shared_experts": 1, "top_k": 8}

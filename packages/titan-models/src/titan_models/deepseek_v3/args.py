@@ -14,12 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from titan_models.errors import ModelConfigError, check_bool, check_choice, check_int, check_number
-
-if TYPE_CHECKING:
-    from titan_models.moe import MoEArgs
+from titan_models.moe import MoEArgs
 
 __all__ = [
     "DEEPSEEK_V3_FLAVORS",
@@ -199,8 +197,6 @@ class DeepSeekV3Args:
 
     def moe_args(self) -> MoEArgs:
         """The MoE blocks' routing and expert settings, as :class:`titan_models.moe.MoEArgs`."""
-        from titan_models.moe import MoEArgs
-
         return MoEArgs(
             num_experts=self.n_routed_experts,
             num_shared_experts=self.n_shared_experts,

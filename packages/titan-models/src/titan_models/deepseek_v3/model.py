@@ -22,6 +22,7 @@ from torch import nn
 
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope
+from titan_models.moe import MoE
 
 __all__ = [
     "DeepSeekV3",
@@ -148,8 +149,6 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = layer_id >= args.n_dense_layers
         if self.moe_enabled:
-            from titan_models.moe import MoE  # TODO(dsv3): top level once ws-moe lands
-
             self.moe = MoE(args.moe_args(), dim=args.dim, hidden_dim=args.moe_inter_dim)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
