@@ -262,3 +262,24 @@ def test_multi_token_prediction_layers_are_dropped():
     hf = adapter.to_hf(our_model(args).state_dict())
     mtp = {k.replace("layers.2.", "layers.3."): v for k, v in hf.items() if ".layers.2." in k}
     assert adapter.from_hf({**hf, **mtp}).keys() == adapter.from_hf(hf).keys()
+
+
+def test_torchtitans_rope_table_is_dropped_and_meta_tensors_convert():
+    args = tiny_args(load_balance_coeff=None)
+    state_dict = our_model(args).state_dict()
+    assert not any(k.endswith("expert_bias") or k.endswith("tokens_per_expert") for k in state_dict)
+    with_table = {**state_dict, "freqs_cis": torch.zeros(64, 4, dtype=torch.complex64)}
+    adapter = make_adapter(
+        model_args=args, tensor_shapes={k: v.shape for k, v in with_table.items()}
+    )
+    hf = adapter.to_hf(with_table)
+    # HF's router always has the selection bias: a zero one stands in for none.
+    assert not hf["model.layers.1.mlp.gate.e_score_correction_bias"].any()
+    assert adapter.from_hf(hf).keys() == state_dict.keys()
+    # titan-ckpt plans a conversion on meta tensors first: same keys and shapes.
+    meta = {k: torch.empty_like(v, device="meta") for k, v in hf.items()}
+    planned = dict(adapter.from_hf_items(meta.items()))
+    assert {k: v.shape for k, v in planned.items()} == {k: v.shape for k, v in state_dict.items()}
+    hf["model.layers.1.mlp.gate.e_score_correction_bias"] += 1.0
+    with pytest.raises(ModelConfigError, match=r"expert_bias is nonzero.*load_balance_coeff"):
+        adapter.from_hf(hf)

@@ -14,6 +14,7 @@ writes), so no permutation is needed; an HF config with ``rope_interleave: false
 ``(i, i + d/2)``) has the rotated rows of ``q_proj``/``q_b_proj`` and
 ``kv_a_proj_with_mqa`` permuted on the way in and out.
 
+torchtitan's ``freqs_cis`` (its RoPE table, saved with its checkpoints) is dropped.
 ``moe.tokens_per_expert`` (the count of tokens routed since the last bias update, zero in a
 checkpoint taken after an optimizer step) has no HF counterpart: it is left out going to HF
 and comes back as zeros. HF's multi-token-prediction layers (``model.layers.<n_layers>``
@@ -72,6 +73,8 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 _HF_FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROPE_ROWS = {"wq", "wq_b", "wkv_a"}
+# torchtitan saves its RoPE table with the weights; titan derives it from the args.
+_TORCHTITAN_ROPE = "freqs_cis"
 
 
 class DeepSeekV3StateDictAdapter:
@@ -107,6 +110,8 @@ class DeepSeekV3StateDictAdapter:
             if key in _TOP_NAMES:
                 yield _TOP_NAMES[key], value
                 continue
+            if key == _TORCHTITAN_ROPE:
+                continue  # torchtitan's saved RoPE table: derived from the args
             match = _TITAN_LAYER.match(key)
             if match is None:
                 raise KeyError(f"{key!r} is not a DeepSeek-V3 parameter name.")
@@ -185,7 +190,8 @@ class DeepSeekV3StateDictAdapter:
         self, prefix: str, name: str, value: torch.Tensor
     ) -> Iterator[tuple[str, torch.Tensor]]:
         if name == "moe.expert_bias" and self.args.load_balance_coeff is None:
-            if value.count_nonzero():
+            # The output never depends on values (titan-ckpt plans on meta tensors first).
+            if value.device.type != "meta" and value.count_nonzero():
                 raise ModelConfigError(
                     f"{prefix}moe.expert_bias is nonzero in the checkpoint, but the model has "
                     "load_balance_coeff=None (no bias): set load_balance_coeff to keep it."
@@ -257,6 +263,7 @@ def _fit(
 ) -> DeepSeekV3Args:
     """The first claim's args with the tensors' vocabulary, after checking every claim's
     names and shapes against the tensors (``(source, args, fixes_vocab)``)."""
+    shapes = {k: v for k, v in shapes.items() if k != _TORCHTITAN_ROPE}
     emb = shapes.get("tok_embeddings.weight") or shapes.get("output.weight")
     vocab = int(emb[0]) if emb is not None else claims[0][1].vocab_size
     problems = []
