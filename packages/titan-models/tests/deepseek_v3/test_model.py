@@ -145,3 +145,13 @@ def test_backward_reaches_every_parameter():
     model(torch.randint(0, args.vocab_size, (2, 16))).sum().backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
     assert missing == []
+
+
+def test_latent_attention_under_context_parallel_equals_the_whole_sequence(run_torchrun, tmp_path):
+    # titan's all-gather context parallel swaps inner_attention; values (12 channels) are
+    # narrower than queries and keys (16), and YaRN's softmax factor rides in the queries.
+    results = run_torchrun("deepseek_v3_cp.py", 2, tmp_path, timeout=120)
+    assert set(results) == {"plain", "yarn"}  # yarn: max_seq_len 64 > original_seq_len 32
+    for name, (out_diff, grad_diff) in results.items():
+        assert out_diff < 1e-6, name
+        assert grad_diff < 1e-5, name  # relative: the summed gradients are O(10-100)
