@@ -66,8 +66,9 @@ _LAYER_NAMES = {
 }
 # Stacks of one (shared) or n_routed_experts (routed) right-multiplied matrices.
 _PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_SHARED = {f"moe.shared_expert.{w}": f"mlp.shared_experts.{p}.weight" for w, p in
-           _PROJECTIONS.items()}  # fmt: skip
+_SHARED = {
+    f"moe.shared_expert.{w}": f"mlp.shared_experts.{p}.weight" for w, p in _PROJECTIONS.items()
+}
 _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
@@ -268,8 +269,8 @@ def _fit(
     vocab = int(emb[0]) if emb is not None else claims[0][1].vocab_size
     problems = []
     for source, args, fixes_vocab in claims:
-        expected = _expected_shapes(args if fixes_vocab else
-                                    dataclasses.replace(args, vocab_size=vocab))  # fmt: skip
+        described = args if fixes_vocab else dataclasses.replace(args, vocab_size=vocab)
+        expected = _expected_shapes(described)
         wrong = [
             f"{name}: expected {list(expected[name])}, found {list(shape)}"
             for name, shape in shapes.items()

@@ -46,8 +46,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, args: DeepSeekV3Args) -> torch.Tensor
     high = min(math.ceil(pair_index(args.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=inv_freq.dtype, device=inv_freq.device) - low) /
-            (high - low)).clamp(0, 1)  # fmt: skip
+    pairs = torch.arange(dim // 2, dtype=inv_freq.dtype, device=inv_freq.device)
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)
     # ramp 0: kept (high frequency), 1: fully interpolated (low frequency).
     return inv_freq / args.rope_factor * ramp + inv_freq * (1 - ramp)
 
