@@ -1,11 +1,14 @@
-"""titan-models: Llama 3 for PyTorch pretraining and the plans that parallelize it.
+"""titan-models: Llama 3 and DeepSeek-V3 for PyTorch pretraining and the plans that
+parallelize them.
 
 ``Llama3`` (flavors debugmodel to 405B, built on the meta device, then ``init_weights``),
 ``parallelize_llama`` (tensor + sequence parallel, context parallel, activation
 checkpointing, per-block compile, FSDP2/HSDP/DDP, driven by ``titan_dims.ParallelDims`` and
 ``ParallelizeConfig``), ``pipeline_llama`` (stages and schedules from
 ``torch.distributed.pipelining``) and ``Llama3StateDictAdapter`` (to and from Hugging Face
-``LlamaForCausalLM``). Every error raised for a setting that cannot work is a
+``LlamaForCausalLM``); ``DeepSeekV3`` (flavors debugmodel to 671B, mixture-of-experts blocks
+from ``titan_models.moe``) and ``DeepSeekV3StateDictAdapter`` (to and from
+``DeepseekV3ForCausalLM``). Every error raised for a setting that cannot work is a
 ``ModelConfigError`` (a ``ValueError``; ``ConfigError`` before, still importable for one
 release), under the package's root ``ModelError``: see ``titan_models.errors``.
 """
@@ -13,6 +16,13 @@ release), under the package's root ``ModelError``: see ``titan_models.errors``.
 import warnings
 
 from titan_models.__about__ import __version__
+from titan_models.deepseek_v3 import (
+    DEEPSEEK_V3_FLAVORS,
+    DeepSeekV3,
+    DeepSeekV3Args,
+    DeepSeekV3StateDictAdapter,
+    deepseek_v3_args,
+)
 from titan_models.errors import DEPRECATED_CONFIG_ERROR, ModelConfigError, ModelError
 from titan_models.llama3 import (
     LLAMA3,
@@ -30,6 +40,7 @@ from titan_models.llama3 import (
     pipeline_llama,
     rope_scaling_of,
 )
+from titan_models.moe import MoE, MoEArgs
 from titan_models.ops import plain_loss, repeat_kv
 from titan_models.parallel import (
     ActivationCheckpointConfig,
@@ -46,13 +57,19 @@ from titan_models.parallel import (
 from titan_models.spec import ModelSpec
 
 __all__ = [
+    "DEEPSEEK_V3_FLAVORS",
     "LLAMA3",
     "LLAMA3_FLAVORS",
     "ROPE_SCALING_CHOICES",
     "ActivationCheckpointConfig",
+    "DeepSeekV3",
+    "DeepSeekV3Args",
+    "DeepSeekV3StateDictAdapter",
     "Llama3",
     "Llama3Args",
     "Llama3StateDictAdapter",
+    "MoE",
+    "MoEArgs",
     "ModelConfigError",
     "ModelError",
     "ModelSpec",
@@ -67,6 +84,7 @@ __all__ = [
     "check_seq_len",
     "context_parallel_batch",
     "context_parallel_shard",
+    "deepseek_v3_args",
     "llama3_args",
     "make_adapter",
     "parallelize_llama",

@@ -1,0 +1,222 @@
+"""The DeepSeek-V3 decoder: multi-head latent attention (MLA) with decoupled, YaRN-scaled
+RoPE, dense SwiGLU blocks, then mixture-of-experts blocks (:class:`titan_models.moe.MoE`).
+
+Parameter names and shapes equal torchtitan's DeepSeek-V3 of July 2025, so its checkpoints
+load unchanged (its ``freqs_cis`` buffer aside: here the RoPE table is derived from the args
+and stays out of checkpoints, as in titan's Llama 3). The model knows nothing about
+parallelism. Build it on the meta device, parallelize, then materialize:
+
+    with torch.device("meta"):
+        model = DeepSeekV3(deepseek_v3_args("16B"))
+    ...  # parallelize
+    model.to_empty(device=titan_dims.detect_device_type())
+    model.init_weights()
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope
+from titan_models.moe import MoE
+
+__all__ = [
+    "DeepSeekV3",
+    "MultiHeadLatentAttention",
+    "TransformerBlock",
+    "yarn_rope_table",
+]
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, args: DeepSeekV3Args) -> torch.Tensor:
+    """YaRN as DeepSeek-V3 applies it: frequencies that turn more than ``beta_fast`` times
+    within ``original_seq_len`` are kept, those that turn fewer than ``beta_slow`` times are
+    divided by ``rope_factor``, and the channel pairs in between blend linearly."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+
+    def pair_index(turns: float) -> float:
+        # The channel pair whose wavelength fits ``turns`` times into original_seq_len.
+        return dim * math.log(args.original_seq_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_index(args.beta_fast)), 0)
+    high = min(math.ceil(pair_index(args.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pairs = torch.arange(dim // 2, dtype=inv_freq.dtype, device=inv_freq.device)
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)
+    # ramp 0: kept (high frequency), 1: fully interpolated (low frequency).
+    return inv_freq / args.rope_factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_rope_table(args: DeepSeekV3Args, device: torch.device | str | None = None) -> torch.Tensor:
+    """Cosines and sines of every (position, rotated channel pair): shape
+    ``(max_seq_len, qk_rope_head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine; YaRN-scaled
+    when ``args.yarn``. The layout of :func:`titan_models.llama3.model.rope_table`, so the
+    context-parallel hooks pick rows by position the same way."""
+    dim = args.qk_rope_head_dim
+    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    if args.yarn:
+        inv_freq = _yarn_inv_freq(inv_freq, args)
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head latent attention: keys and values come from one low-rank latent per token
+    (``wkv_a`` -> ``kv_norm`` -> ``wkv_b``), queries from ``wq`` or, with ``q_lora_rank``,
+    a low-rank ``wq_a`` -> ``q_norm`` -> ``wq_b``. Each head's query/key has
+    ``qk_nope_head_dim`` channels without position and ``qk_rope_head_dim`` rotated ones; the
+    key's rotated part is computed once (in ``wkv_a``) and shared by all heads.
+
+    Head counts are read off the projections' outputs, so the same code runs on a
+    tensor-parallel shard holding some of the heads (``wq``/``wq_b``/``wkv_b`` column-wise,
+    ``wo`` row-wise; ``wkv_a``, ``wq_a`` and the norms are per token, not per head). The
+    attention itself is the ``inner_attention`` submodule (causal SDPA at the default scale
+    1/sqrt(qk_head_dim)), which a context-parallel plan swaps; a YaRN softmax scale is folded
+    into the queries first, so a swapped attention needs no scale argument.
+    """
+
+    def __init__(self, args: DeepSeekV3Args) -> None:
+        super().__init__()
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_head_dim
+        self.v_head_dim = args.v_head_dim
+        q_out = args.n_heads * args.qk_head_dim
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, q_out, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, q_out, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(
+            self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        self.inner_attention = CausalAttention()
+        # SDPA scales by 1/sqrt(qk_head_dim); this makes it args.softmax_scale.
+        self.q_scale = args.softmax_scale * self.qk_head_dim**0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bs, seqlen, -1, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope)  # (bs, seq, 1, rope dim): all heads
+        kv = self.wkv_b(self.kv_norm(latent)).view(
+            bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim
+        )
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        projections = [self.wkv_a, self.wkv_b]
+        projections += [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        for linear in projections:
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        self.kv_norm.reset_parameters()
+        if self.q_lora_rank:
+            self.q_norm.reset_parameters()
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention, then a dense SwiGLU ``feed_forward`` (blocks
+    before ``n_dense_layers``) or a mixture of experts ``moe`` (the others)."""
+
+    def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MultiHeadLatentAttention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe_enabled = layer_id >= args.n_dense_layers
+        if self.moe_enabled:
+            self.moe = MoE(args.moe_args(), dim=args.dim, hidden_dim=args.moe_inter_dim)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+        # Deeper blocks start with smaller output projections so the residual stream's
+        # variance does not grow with depth.
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        if self.moe_enabled:
+            self.moe.init_weights(self.init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.init_std)
+
+
+class DeepSeekV3(nn.Module):
+    """DeepSeek-V3: token embedding, ``n_layers`` blocks, final norm and output projection.
+
+    ``layers`` is a ``ModuleDict`` keyed by ``str(index)``: a pipeline stage deletes the
+    blocks it does not own (and sets ``tok_embeddings``/``norm``/``output`` to ``None``),
+    and the remaining parameters keep their names, so checkpoints stay stage-independent.
+    """
+
+    def __init__(self, args: DeepSeekV3Args) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from args, so it stays out of checkpoints; rebuilt by init_weights after
+        # a meta-device construction.
+        self.register_buffer("rope", yarn_rope_table(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
+        without the embedding, ``tokens`` is the previous stage's hidden state; on one
+        without the output, the hidden state is returned."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The whole table goes down: attention slices it to the sequence length it sees.
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialize every parameter, the MoE blocks' expert-balance buffers and the RoPE
+        table (on ``buffer_device``, by default where the table already lives). Works on
+        sharded (DTensor) parameters."""
+        device = buffer_device if buffer_device is not None else self.rope.device
+        self.rope = yarn_rope_table(self.args, device)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights(device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            # Logits start with unit-ish scale: std dim^-1/2, cut at 3 sigma.
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

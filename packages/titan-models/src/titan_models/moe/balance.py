@@ -1,0 +1,126 @@
+"""Load balance across experts: the auxiliary-loss-free bias update and the load metrics.
+
+After each optimizer step a trainer calls, in this order:
+
+1. ``expert_load(model_parts, group)``: per MoE layer, the share of tokens of the least
+   and the most loaded expert and the normalized entropy of the shares, from the tokens
+   counted since the last update (for metrics);
+2. ``update_expert_bias(model_parts, group)``: all-reduce the counts over ``group``, nudge
+   each expert's selection bias toward balance, and zero the counts.
+
+``expert_load`` must come first: the update zeroes what it reads.
+
+``group`` is the data-parallel (and context-parallel) group whose ranks see different
+tokens of the same layers: a ``ProcessGroup``, a one-dimensional ``DeviceMesh``, or ``None``
+for the default group when ``torch.distributed`` is initialized with more than one rank
+(no communication otherwise). Under pipeline parallelism ranks of the default group hold
+different layers: pass the ``dp_cp`` group. All ranks of ``group`` must call together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_models.moe.layer import MoE
+
+__all__ = ["expert_load", "moe_layers", "update_expert_bias"]
+
+Group = dist.ProcessGroup | DeviceMesh | None
+
+# Wrappers that activation checkpointing, torch.compile and FSDP insert into FQNs.
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """Every ``MoE`` in ``model`` (itself included) with its FQN, in module order; the FQN
+    leaves out the wrappers that activation checkpointing and compile insert."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            parts = [part for part in name.split(".") if part not in _WRAPPER_NAMES]
+            found.append((".".join(parts), module))
+    return found
+
+
+def _all_layers(model_parts: nn.Module | Iterable[nn.Module]) -> list[tuple[str, MoE]]:
+    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+    return [layer for part in parts for layer in moe_layers(part)]
+
+
+def _process_group(group: Group) -> dist.ProcessGroup | None:
+    """The group to all-reduce over, or ``None`` when there is nothing to reduce with."""
+    if isinstance(group, DeviceMesh):
+        return group.get_group()
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def _summed_counts(layers: list[MoE], group: Group) -> torch.Tensor:
+    """The layers' ``tokens_per_expert`` stacked (layers, experts), summed over ``group`` in
+    one all-reduce."""
+    counts = torch.stack([layer.tokens_per_expert for layer in layers])
+    process_group = _process_group(group)
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        dist.all_reduce(counts, group=process_group)
+    return counts
+
+
+@torch.no_grad()
+def update_expert_bias(model_parts: nn.Module | Iterable[nn.Module], group: Group = None) -> None:
+    """The auxiliary-loss-free load-balancing step (DeepSeek-V3) for every MoE layer.
+
+    For a layer with ``load_balance_coeff`` c and counts n (summed over ``group``):
+    ``delta = c * sign(mean(n) - n)``, centered to mean 0, is added to ``expert_bias``, so
+    underloaded experts become likelier to be chosen and overloaded ones less. Then every
+    layer's counts are zeroed. Layers without a bias only have their counts zeroed; a model
+    without MoE layers is left alone (no communication).
+    """
+    layers = [layer for _, layer in _all_layers(model_parts)]
+    biased = [layer for layer in layers if layer.expert_bias is not None]
+    if biased:
+        counts = _summed_counts(biased, group)
+        for layer, layer_counts in zip(biased, counts, strict=True):
+            delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
+            layer.expert_bias.add_(delta - delta.mean())
+    for layer in layers:
+        layer.tokens_per_expert.zero_()
+
+
+@torch.no_grad()
+def expert_load(
+    model_parts: nn.Module | Iterable[nn.Module], group: Group = None
+) -> dict[str, float]:
+    """Per MoE layer, from the tokens counted since the last ``update_expert_bias`` (summed
+    over ``group``): ``moe/<layer>/min_share`` and ``moe/<layer>/max_share`` (fractions of
+    the layer's routed tokens that its least and most loaded expert received; 1/E each when
+    balanced) and ``moe/<layer>/entropy`` (entropy of the shares over log E: 1 balanced, 0
+    all on one expert). ``<layer>`` is the layer's FQN without a trailing ``.moe``
+    (``layers.1``). Layers that counted no tokens are left out. Call it before
+    ``update_expert_bias``, which zeroes the counts."""
+    named = _all_layers(model_parts)
+    if not named:
+        return {}
+    counts = _summed_counts([layer for _, layer in named], group)
+    metrics: dict[str, float] = {}
+    for (name, _), layer_counts in zip(named, counts, strict=True):
+        total = layer_counts.sum()
+        if total <= 0:
+            continue
+        shares = (layer_counts / total).double()
+        entropy = -(shares * shares.clamp_min(1e-300).log()).sum().item()
+        num_experts = shares.numel()
+        layer_name = "" if name == "moe" else name.removesuffix(".moe")
+        prefix = "/".join(filter(None, ("moe", layer_name)))
+        metrics[f"{prefix}/min_share"] = shares.min().item()
+        metrics[f"{prefix}/max_share"] = shares.max().item()
+        metrics[f"{prefix}/entropy"] = entropy / math.log(num_experts) if num_experts > 1 else 1.0
+    return metrics

@@ -1,0 +1,151 @@
+"""The routed experts as stacked weights, run as grouped matmuls or by a per-expert loop.
+
+``GroupedExperts`` holds ``w1``, ``w3`` (num_experts, dim, hidden) and ``w2`` (num_experts,
+hidden, dim), torchtitan's names and layout, and computes the SwiGLU
+``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` for rows of ``x`` already sorted by expert.
+
+Two implementations, equal in result (bit for bit on CPU in fp32, where torch's grouped mm
+multiplies each group with the same kernel as a plain matmul):
+
+- ``torch._grouped_mm`` with int32 cumulative offsets: one call per weight. It needs
+  rows whose byte strides are multiples of 16 (``dim`` and ``hidden`` multiples of
+  16 / element size) and a dtype its kernel has. Whether the device has it is probed once
+  per (device type, dtype) by running it (``grouped_mm_supported``), never by device name.
+- the fallback: one matmul per expert over its contiguous slice of rows (the counts are
+  read to the host once per call), skipping experts without tokens.
+
+Expert-parallel and tensor-parallel plans turn the weights into DTensors; the experts
+compute on their local shards (``to_local``) and the plan's hooks move the tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn import functional
+
+__all__ = [
+    "GroupedExperts",
+    "grouped_mm_supported",
+    "run_experts_grouped_mm",
+    "run_experts_loop",
+]
+
+
+def run_experts_grouped_mm(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of each expert over its rows of ``x`` (rows sorted by expert, ``counts[e]``
+    of them for expert ``e``, summing to ``len(x)``), by three grouped matmuls."""
+    # Offsets are the cumulative row ends; the last must be len(x): rows past it come back
+    # uninitialized.
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    hidden = functional.silu(torch._grouped_mm(x, w1, offs=offsets))
+    hidden = hidden * torch._grouped_mm(x, w3, offs=offsets)
+    return torch._grouped_mm(hidden, w2, offs=offsets)
+
+
+def run_experts_loop(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """The same as ``run_experts_grouped_mm``, one expert's slice at a time."""
+    outputs = []
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count == 0:
+            continue
+        rows = x[start : start + count]
+        hidden = functional.silu(rows @ w1[expert]) * (rows @ w3[expert])
+        outputs.append(hidden @ w2[expert])
+        start += count
+    if not outputs:
+        # No rows (an expert-parallel rank may receive none): expert 0 over the empty rows,
+        # so that every weight still takes part in the backward (with zero gradients).
+        hidden = functional.silu(x @ w1[0]) * (x @ w3[0])
+        return hidden @ w2[0]
+    return torch.cat(outputs)
+
+
+@functools.cache
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward on ``device_type`` in
+    ``dtype`` and agrees with plain matmuls: probed once on tiny aligned inputs (one group
+    empty), cached for the process."""
+    return _probe_grouped_mm(device_type, dtype)
+
+
+@torch.compiler.disable
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    device = torch.device(device_type)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=generator).to(device, dtype).requires_grad_()
+    w = torch.randn(3, 16, 16, generator=generator).to(device, dtype).requires_grad_()
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32, device=device)
+    try:
+        with torch.enable_grad():
+            out = torch._grouped_mm(x, w, offs=offsets)
+            out.backward(torch.ones_like(out))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    if device.type == "meta":
+        return True
+    expected = torch.cat((x[:2] @ w[0], x[2:] @ w[2])).detach()
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    return bool(
+        torch.allclose(out.detach().float(), expected.float(), rtol=tolerance, atol=tolerance)
+    )
+
+
+def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``x`` and the weights meet ``_grouped_mm``'s layout rules and the device has
+    it for their dtype."""
+    if x.shape[0] == 0 or any(w.dtype != x.dtype for w in weights):
+        return False
+    # Rows (and each matrix's rows) must start at 16-byte multiples.
+    align = max(1, 16 // x.element_size())
+    if any(w.shape[-1] % align or w.shape[-2] % align for w in weights):
+        return False
+    return grouped_mm_supported(x.device.type, x.dtype)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts with stacked weights ``w1``, ``w3`` (E, dim, hidden) and
+    ``w2`` (E, hidden, dim)."""
+
+    def __init__(
+        self, dim: int, hidden_dim: int, num_experts: int, *, use_grouped_mm: bool = True
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``x`` (N, dim) sorted by expert, ``counts[e]`` rows for (local) expert
+        ``e``; with ``counts=None`` every row goes through expert 0 (a shared expert, which
+        has only that one)."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if counts is None:
+            hidden = functional.silu(x @ w1[0]) * (x @ w3[0])
+            return hidden @ w2[0]
+        if self.use_grouped_mm and _grouped_mm_fits(x, w1, w2, w3):
+            return run_experts_grouped_mm(w1, w2, w3, x.contiguous(), counts)
+        return run_experts_loop(w1, w2, w3, x, counts)
+
+    def init_weights(self, init_std: float) -> None:
+        """``w1`` with std 0.02, ``w2`` and ``w3`` with ``init_std`` (truncated normals), as
+        torchtitan initializes them."""
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)

@@ -1,0 +1,169 @@
+"""``MoE``: a mixture-of-experts feed-forward layer (router, routed experts, shared expert).
+
+Submodules, parameters and buffers carry torchtitan's names and shapes (its July 2025
+``deepseek_v3`` MoE), so checkpoints move between the two unchanged:
+
+- ``router.gate``: ``nn.Linear(dim, num_experts, bias=False)``;
+- ``experts.w1``, ``experts.w3`` (num_experts, dim, hidden_dim), ``experts.w2``
+  (num_experts, hidden_dim, dim);
+- ``shared_expert.w1``, ``.w3`` (1, dim, hidden_dim * num_shared_experts), ``.w2`` (1,
+  hidden_dim * num_shared_experts, dim): a ``GroupedExperts`` of one expert, as torchtitan
+  stores it; ``None`` without shared experts;
+- buffers ``expert_bias`` and ``tokens_per_expert`` (num_experts,) fp32, persistent, when
+  ``load_balance_coeff`` is set. Without it there is no ``expert_bias`` (``None``) and
+  ``tokens_per_expert`` is a non-persistent buffer, kept for the load metrics only, so the
+  state dict is torchtitan's in both cases. ``aux_loss`` (a scalar, non-persistent) holds
+  the last sequence balance loss.
+
+Token counting: every forward adds the tokens each expert received to
+``tokens_per_expert``, except where it would count the same tokens again or tokens that do
+not train: not under ``torch.no_grad()`` / inference mode (evaluation), and not while
+autograd's backward is running, which is where activation checkpointing recomputes the
+forward (``update_expert_bias`` consumes and zeroes the counts after each step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan_models.moe.args import MoEArgs
+from titan_models.moe.experts import GroupedExperts
+from titan_models.moe.router import Routing, TokenChoiceTopKRouter
+
+__all__ = ["MoE", "sequence_balance_loss"]
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (where activation
+    checkpointing recomputes forwards). torch.utils.checkpoint asks the same question."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def sequence_balance_loss(routing: Routing, batch: int, alpha: float) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss ``alpha * sum_i f_i * P_i``, averaged over the
+    ``batch`` sequences that ``routing`` covers (tokens in sequence order).
+
+    Per sequence of ``T`` tokens: ``f_i = E / (K T) * (tokens that chose expert i)`` (no
+    gradient) and ``P_i = mean over tokens of s_i / sum_j s_j`` (the unbiased scores,
+    normalized per token).
+    """
+    num_experts, top_k = routing.scores.shape[-1], routing.experts.shape[-1]
+    scores = routing.scores.view(batch, -1, num_experts)
+    seq_len = scores.shape[1]
+    chosen = routing.experts.view(batch, -1)
+    counts = torch.zeros(batch, num_experts, device=chosen.device, dtype=torch.float32)
+    counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=torch.float32))
+    fraction = counts * (num_experts / (top_k * seq_len))
+    probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return alpha * (fraction * probability).sum(dim=-1).mean()
+
+
+class _AddAuxLossGradient(torch.autograd.Function):
+    """Identity on ``output`` in the forward; in the backward, also gives ``aux_loss`` the
+    gradient ``scale``, as if ``scale * aux_loss`` had been added to the training loss."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_meta = (aux_loss.dtype, aux_loss.device)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        dtype, device = ctx.aux_meta
+        return grad_output, torch.full((), ctx.scale, dtype=dtype, device=device), None
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routed SwiGLU experts plus optional shared experts.
+
+    ``forward`` maps (batch, seq, dim) to the same shape: the router picks ``top_k``
+    experts per token (bias-corrected selection, unbiased weights), tokens are sorted by
+    expert and run through ``experts`` (one grouped matmul per weight, or the fallback),
+    and each token's expert outputs, times their weights, are added in ascending expert
+    order, then the shared expert's output.
+
+    With ``aux_loss_alpha > 0`` the layer adds DeepSeek-V3's sequence balance loss to the
+    backward itself (the trainer's loss does not change): its gradient reaches the router as
+    if ``aux_loss_grad_scale * aux_loss`` were part of the loss. Set ``aux_loss_grad_scale``
+    to the factor the trainer scales its loss by (1 / gradient-accumulation steps) to weigh
+    both alike; the default 1 suits one micro-batch per step.
+    """
+
+    def __init__(self, args: MoEArgs, *, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.args = args
+        self.num_experts = args.num_experts
+        self.top_k = args.top_k
+        self.load_balance_coeff = args.load_balance_coeff
+        self.aux_loss_alpha = args.aux_loss_alpha
+        self.aux_loss_grad_scale = 1.0
+        self.router = TokenChoiceTopKRouter(dim, args)
+        self.experts = GroupedExperts(
+            dim, hidden_dim, args.num_experts, use_grouped_mm=args.use_grouped_mm
+        )
+        self.shared_expert = (
+            GroupedExperts(dim, hidden_dim * args.num_shared_experts, 1)
+            if args.num_shared_experts > 0
+            else None
+        )
+        counts = torch.zeros(args.num_experts, dtype=torch.float32)
+        self.expert_bias: torch.Tensor | None
+        if args.load_balance_coeff is not None:
+            self.register_buffer("expert_bias", torch.zeros_like(counts), persistent=True)
+            self.register_buffer("tokens_per_expert", counts, persistent=True)
+        else:
+            self.expert_bias = None
+            self.register_buffer("tokens_per_expert", counts, persistent=False)
+        self.register_buffer("aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, dim) -> (batch, seq, dim)."""
+        batch, seq_len, dim = x.shape
+        tokens = x.reshape(batch * seq_len, dim)
+        routing = self.router(tokens, self.expert_bias)
+        slot_experts = routing.experts.flatten()  # slot t * top_k + j: token t's j-th expert
+        counts = torch.bincount(slot_experts, minlength=self.num_experts)
+        if torch.is_grad_enabled() and not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
+        # Slots sorted by expert (stable: tokens in order within an expert).
+        order = torch.argsort(slot_experts, stable=True)
+        routed = self.experts(tokens[order // self.top_k], counts)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = routed[inverse].view(batch * seq_len, self.top_k, dim)
+        weighted = (per_slot.float() * routing.weights.unsqueeze(-1)).to(x.dtype)
+        out = weighted[:, 0]
+        for j in range(1, self.top_k):  # ascending expert order, one addition at a time
+            out = out + weighted[:, j]
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        out = out.view(batch, seq_len, dim)
+        if self.aux_loss_alpha > 0:
+            out = self._add_aux_loss(out, routing, batch)
+        return out
+
+    def _add_aux_loss(self, out: torch.Tensor, routing: Routing, batch: int) -> torch.Tensor:
+        aux_loss = sequence_balance_loss(routing, batch, self.aux_loss_alpha)
+        with torch.no_grad():
+            self.aux_loss.copy_(aux_loss.detach())
+        if not (torch.is_grad_enabled() and aux_loss.requires_grad):
+            return out
+        return _AddAuxLossGradient.apply(out, aux_loss, self.aux_loss_grad_scale)
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
+        """Initialize the router, experts and shared expert (torchtitan's scheme) and zero
+        the buffers, created anew on ``buffer_device`` (default: where they are)."""
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std)
+        device = buffer_device or self.tokens_per_expert.device
+        for name in ("expert_bias", "tokens_per_expert"):
+            if getattr(self, name) is not None:
+                setattr(
+                    self, name, torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+                )
+        self.aux_loss = torch.zeros((), dtype=torch.float32, device=device)
