@@ -10,7 +10,8 @@ multiplies each group with the same kernel as a plain matmul):
 - ``torch._grouped_mm`` with int32 cumulative offsets: one call per weight. It needs
   rows whose byte strides are multiples of 16 (``dim`` and ``hidden`` multiples of
   16 / element size) and a dtype its kernel has. Whether the device has it is probed once
-  per (device type, dtype) by running it (``grouped_mm_supported``), never by device name.
+  per (device type, dtype) by running it (``grouped_mm_supported``), never by device name;
+  under ``torch.compile`` its meta kernel (what tracing runs) must accept the dtype too.
 - the fallback: one matmul per expert over its contiguous slice of rows (the counts are
   read to the host once per call), skipping experts without tokens.
 
@@ -19,8 +20,6 @@ compute on their local shards (``to_local``) and the plan's hooks move the token
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
@@ -69,12 +68,19 @@ def run_experts_loop(
     return torch.cat(outputs)
 
 
-@functools.cache
+# (device type, dtype) -> whether torch._grouped_mm works there: a plain dict, which
+# torch.compile reads as a constant once filled.
+_GROUPED_MM_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
+
+
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward on ``device_type`` in
     ``dtype`` and agrees with plain matmuls: probed once on tiny aligned inputs (one group
     empty), cached for the process."""
-    return _probe_grouped_mm(device_type, dtype)
+    key = (device_type, dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(device_type, dtype)
+    return _GROUPED_MM_SUPPORT[key]
 
 
 @torch.compiler.disable
@@ -109,6 +115,10 @@ def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     # Rows (and each matrix's rows) must start at 16-byte multiples.
     align = max(1, 16 // x.element_size())
     if any(w.shape[-1] % align or w.shape[-2] % align for w in weights):
+        return False
+    # Under torch.compile the op is traced through its meta kernel, which may accept fewer
+    # dtypes than the device's (torch 2.13: bf16 only, while CPU runs fp32 too).
+    if torch.compiler.is_compiling() and not grouped_mm_supported("meta", x.dtype):
         return False
     return grouped_mm_supported(x.device.type, x.dtype)
 

@@ -124,7 +124,9 @@ class MoE(nn.Module):
         tokens = x.reshape(batch * seq_len, dim)
         routing = self.router(tokens, self.expert_bias)
         slot_experts = routing.experts.flatten()  # slot t * top_k + j: token t's j-th expert
-        counts = torch.bincount(slot_experts, minlength=self.num_experts)
+        # Tokens per expert (a static shape, unlike bincount's, for torch.compile).
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, slot_experts, torch.ones_like(slot_experts))
         if torch.is_grad_enabled() and not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)

@@ -1,5 +1,5 @@
 """Model-independent parallelize building blocks: configs, activation checkpointing, context
-parallel (all-gather, ring, torch's), FSDP/DDP, pipelines."""
+parallel (all-gather, ring, torch's), expert parallel, FSDP/DDP, pipelines."""
 
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import (
@@ -24,6 +24,11 @@ from titan_models.parallel.data_parallel import (
     cpu_has_fast_bf16,
     resolve_param_dtype,
 )
+from titan_models.parallel.expert_parallel import (
+    ExpertParallel,
+    apply_expert_parallel,
+    check_expert_parallel,
+)
 from titan_models.parallel.pipeline import Pipeline, build_schedule, split_blocks, stages_of_rank
 from titan_models.parallel.ring_attention import RingContextParallelAttention
 from titan_models.parallel.step import (
@@ -37,6 +42,7 @@ __all__ = [
     "SCHEDULES",
     "ActivationCheckpointConfig",
     "ContextParallelAttention",
+    "ExpertParallel",
     "ParallelizeConfig",
     "Pipeline",
     "PipelineConfig",
@@ -46,9 +52,11 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_context_parallel",
     "apply_ddp",
+    "apply_expert_parallel",
     "apply_fsdp",
     "auto_param_dtype",
     "build_schedule",
+    "check_expert_parallel",
     "check_seq_len",
     "context_parallel_batch",
     "context_parallel_positions",
