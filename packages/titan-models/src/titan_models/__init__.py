@@ -17,11 +17,15 @@ import warnings
 
 from titan_models.__about__ import __version__
 from titan_models.deepseek_v3 import (
+    DEEPSEEK_V3,
     DEEPSEEK_V3_FLAVORS,
     DeepSeekV3,
     DeepSeekV3Args,
     DeepSeekV3StateDictAdapter,
+    check_deepseek_v3,
     deepseek_v3_args,
+    parallelize_deepseek_v3,
+    pipeline_deepseek_v3,
 )
 from titan_models.errors import DEPRECATED_CONFIG_ERROR, ModelConfigError, ModelError
 from titan_models.llama3 import (
@@ -58,6 +62,7 @@ from titan_models.parallel import (
 from titan_models.spec import ModelSpec
 
 __all__ = [
+    "DEEPSEEK_V3",
     "DEEPSEEK_V3_FLAVORS",
     "LLAMA3",
     "LLAMA3_FLAVORS",
@@ -81,6 +86,7 @@ __all__ = [
     "StepContext",
     "__version__",
     "apply_expert_parallel",
+    "check_deepseek_v3",
     "check_llama",
     "check_parallelism",
     "check_seq_len",
@@ -89,7 +95,9 @@ __all__ = [
     "deepseek_v3_args",
     "llama3_args",
     "make_adapter",
+    "parallelize_deepseek_v3",
     "parallelize_llama",
+    "pipeline_deepseek_v3",
     "pipeline_llama",
     "plain_loss",
     "reduce_loss",

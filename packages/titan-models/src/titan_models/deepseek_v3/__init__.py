@@ -14,15 +14,27 @@ from titan_models.deepseek_v3.args import (
     deepseek_v3_args,
 )
 from titan_models.deepseek_v3.model import DeepSeekV3, MultiHeadLatentAttention
+from titan_models.deepseek_v3.parallelize import (
+    apply_tp_deepseek_v3,
+    check_deepseek_v3,
+    parallelize_deepseek_v3,
+)
+from titan_models.deepseek_v3.pipeline import pipeline_deepseek_v3
+from titan_models.deepseek_v3.spec import DEEPSEEK_V3
 
 __all__ = [
+    "DEEPSEEK_V3",
     "DEEPSEEK_V3_FLAVORS",
     "DEEPSEEK_V3_ROPE_SCALINGS",
     "DeepSeekV3",
     "DeepSeekV3Args",
     "DeepSeekV3StateDictAdapter",
     "MultiHeadLatentAttention",
+    "apply_tp_deepseek_v3",
     "args_from_hf_config",
+    "check_deepseek_v3",
     "deepseek_v3_args",
     "make_adapter",
+    "parallelize_deepseek_v3",
+    "pipeline_deepseek_v3",
 ]

@@ -30,6 +30,7 @@ from titan_models.parallel.context_parallel import apply_context_parallel, resol
 from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
 from titan_models.parallel.pipeline import split_blocks
 from titan_models.parallel.step import check_seq_len
+from titan_models.parallel.tensor_parallel import apply_tp_ends
 
 __all__ = ["apply_tp", "check_llama", "check_parallelism", "parallelize_llama"]
 
@@ -113,18 +114,7 @@ def apply_tp(model: Llama3, tp_mesh, *, loss_parallel: bool) -> None:
     The output projection is column-parallel: with ``loss_parallel`` its logits stay
     sharded over the vocabulary as a DTensor.
     """
-    top = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.norm is not None:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        top["output"] = ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    parallelize_module(model, tp_mesh, top)
+    apply_tp_ends(model, tp_mesh, loss_parallel=loss_parallel)
     block_plan = {
         "attention_norm": SequenceParallel(),
         # forward(x, rope): gather x along the sequence; rope is a plain, full tensor.

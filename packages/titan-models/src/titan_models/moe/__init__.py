@@ -4,18 +4,19 @@
 ``titan_models.parallel.expert_parallel`` shards the experts over an ``ep`` mesh."""
 
 from titan_models.moe.args import SCORE_FUNCS, MoEArgs
-from titan_models.moe.balance import expert_load, moe_layers, update_expert_bias
+from titan_models.moe.balance import ExpertBalancer, expert_load, moe_layers, update_expert_bias
 from titan_models.moe.experts import (
     GroupedExperts,
     grouped_mm_supported,
     run_experts_grouped_mm,
     run_experts_loop,
 )
-from titan_models.moe.layer import MoE, sequence_balance_loss
+from titan_models.moe.layer import MoE, sequence_balance_loss, tokens_not_counted
 from titan_models.moe.router import Routing, TokenChoiceTopKRouter
 
 __all__ = [
     "SCORE_FUNCS",
+    "ExpertBalancer",
     "GroupedExperts",
     "MoE",
     "MoEArgs",
@@ -27,5 +28,6 @@ __all__ = [
     "run_experts_grouped_mm",
     "run_experts_loop",
     "sequence_balance_loss",
+    "tokens_not_counted",
     "update_expert_bias",
 ]

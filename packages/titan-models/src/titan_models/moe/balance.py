@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_models.moe.layer import MoE
 
-__all__ = ["expert_load", "moe_layers", "update_expert_bias"]
+__all__ = ["ExpertBalancer", "expert_load", "moe_layers", "update_expert_bias"]
 
 Group = dist.ProcessGroup | DeviceMesh | None
 
@@ -87,12 +87,17 @@ def update_expert_bias(model_parts: nn.Module | Iterable[nn.Module], group: Grou
     layers = [layer for _, layer in _all_layers(model_parts)]
     biased = [layer for layer in layers if layer.expert_bias is not None]
     if biased:
-        counts = _summed_counts(biased, group)
-        for layer, layer_counts in zip(biased, counts, strict=True):
-            delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
-            layer.expert_bias.add_(delta - delta.mean())
+        _nudge_bias(biased, _summed_counts(biased, group))
     for layer in layers:
         layer.tokens_per_expert.zero_()
+
+
+def _nudge_bias(layers: list[MoE], counts: torch.Tensor) -> None:
+    for layer, layer_counts in zip(layers, counts, strict=True):
+        if layer.expert_bias is None:
+            continue
+        delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
+        layer.expert_bias.add_(delta - delta.mean())
 
 
 @torch.no_grad()
@@ -110,8 +115,12 @@ def expert_load(
     if not named:
         return {}
     counts = _summed_counts([layer for _, layer in named], group)
+    return _load_metrics([name for name, _ in named], counts)
+
+
+def _load_metrics(names: list[str], counts: torch.Tensor) -> dict[str, float]:
     metrics: dict[str, float] = {}
-    for (name, _), layer_counts in zip(named, counts, strict=True):
+    for name, layer_counts in zip(names, counts, strict=True):
         total = layer_counts.sum()
         if total <= 0:
             continue
@@ -124,3 +133,48 @@ def expert_load(
         metrics[f"{prefix}/max_share"] = shares.max().item()
         metrics[f"{prefix}/entropy"] = entropy / math.log(num_experts) if num_experts > 1 else 1.0
     return metrics
+
+
+class ExpertBalancer:
+    """What a trainer runs after each optimizer step for the MoE layers of ``model_parts``:
+    one all-reduce of every layer's token counts over ``group``, the bias update of
+    :func:`update_expert_bias` on those counts, and the counts kept for :meth:`metrics`
+    (so a trainer may read the load of the last step at its reporting steps, after the
+    update zeroed the live counts). No host synchronization until :meth:`metrics`.
+
+    Unlike the functions above, ``group=None`` means no reduction: every rank saw the same
+    tokens (tensor parallel) or holds other layers (pipeline parallel) or is alone. Pass the
+    data- and context-parallel group (``parallel_dims.get_mesh("dp_cp")``) otherwise.
+    """
+
+    def __init__(
+        self,
+        model_parts: nn.Module | Iterable[nn.Module],
+        group: dist.ProcessGroup | DeviceMesh | None,
+    ) -> None:
+        named = _all_layers(model_parts)
+        self.names = [name for name, _ in named]
+        self.layers = [layer for _, layer in named]
+        self.group = group
+        self.last_counts: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        """Reduce the counts, nudge the biases, keep the counts, zero the live ones."""
+        if not self.layers:
+            return
+        counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
+        if self.group is not None:
+            process_group = _process_group(self.group)
+            if process_group is not None and dist.get_world_size(process_group) > 1:
+                dist.all_reduce(counts, group=process_group)
+        _nudge_bias(self.layers, counts)
+        self.last_counts = counts
+        for layer in self.layers:
+            layer.tokens_per_expert.zero_()
+
+    def metrics(self) -> dict[str, float]:
+        """``expert_load``'s numbers for the tokens of the last step (empty before one)."""
+        if self.last_counts is None:
+            return {}
+        return _load_metrics(self.names, self.last_counts)

@@ -24,6 +24,9 @@ forward (``update_expert_bias`` consumes and zeroes the counts after each step).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -31,7 +34,25 @@ from titan_models.moe.args import MoEArgs
 from titan_models.moe.experts import GroupedExperts
 from titan_models.moe.router import Routing, TokenChoiceTopKRouter
 
-__all__ = ["MoE", "sequence_balance_loss"]
+__all__ = ["MoE", "sequence_balance_loss", "tokens_not_counted"]
+
+
+_counting_paused = False
+"""Set by :func:`tokens_not_counted` (a plain global: torch.compile guards on its value)."""
+
+
+@contextlib.contextmanager
+def tokens_not_counted() -> Iterator[None]:
+    """Within this context MoE forwards do not add to ``tokens_per_expert``: for forwards
+    that are not training steps but run with gradients on, e.g. the metadata inference
+    forward torch's pipeline stages run once on their first step."""
+    global _counting_paused
+    paused = _counting_paused
+    _counting_paused = True
+    try:
+        yield
+    finally:
+        _counting_paused = paused
 
 
 def _in_backward() -> bool:
@@ -127,7 +148,7 @@ class MoE(nn.Module):
         # Tokens per expert (a static shape, unlike bincount's, for torch.compile).
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, slot_experts, torch.ones_like(slot_experts))
-        if torch.is_grad_enabled() and not _in_backward():
+        if torch.is_grad_enabled() and not _counting_paused and not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
         # Slots sorted by expert (stable: tokens in order within an expert).

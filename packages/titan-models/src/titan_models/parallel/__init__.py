@@ -29,7 +29,13 @@ from titan_models.parallel.expert_parallel import (
     apply_expert_parallel,
     check_expert_parallel,
 )
-from titan_models.parallel.pipeline import Pipeline, build_schedule, split_blocks, stages_of_rank
+from titan_models.parallel.pipeline import (
+    Pipeline,
+    build_pipeline,
+    build_schedule,
+    split_blocks,
+    stages_of_rank,
+)
 from titan_models.parallel.ring_attention import RingContextParallelAttention
 from titan_models.parallel.step import (
     StepContext,
@@ -55,6 +61,7 @@ __all__ = [
     "apply_expert_parallel",
     "apply_fsdp",
     "auto_param_dtype",
+    "build_pipeline",
     "build_schedule",
     "check_expert_parallel",
     "check_seq_len",

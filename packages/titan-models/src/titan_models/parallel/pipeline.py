@@ -8,9 +8,13 @@ and the last stage).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +28,12 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
 
+from titan_dims import ParallelDims, detect_device_type
 from titan_models.errors import ModelConfigError
 from titan_models.ops import plain_loss
 from titan_models.parallel.config import PipelineConfig
 
-__all__ = ["Pipeline", "build_schedule", "split_blocks", "stages_of_rank"]
+__all__ = ["Pipeline", "build_pipeline", "build_schedule", "split_blocks", "stages_of_rank"]
 
 _SCHEDULE_CLASSES = {
     "GPipe": ScheduleGPipe,
@@ -165,3 +170,100 @@ class Pipeline:
             return None
         # Under loss parallel each microbatch loss is a replicated DTensor.
         return torch.stack([plain_loss(loss).detach() for loss in losses]).mean()
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose one-time metadata inference forward (torch runs the stage
+    on the first microbatch, or on empty tensors for later stages, with gradients on, the
+    first time the schedule steps) runs inside ``inference_context``: a model family with
+    state updated by its forwards (an MoE's token counts) keeps that forward out of it."""
+
+    def __init__(
+        self, *args: Any, inference_context: Callable[[], ContextManager[Any]], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._inference_context = inference_context
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with self._inference_context():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+
+def _stage_model(model: nn.Module, blocks: list[int], *, first: bool, last: bool) -> nn.Module:
+    """A copy of ``model`` (on the meta device) with only ``blocks`` of its ``layers``; the
+    first stage alone keeps ``tok_embeddings``, the last alone ``norm`` and ``output``."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in blocks}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if not first:
+        part.tok_embeddings = None
+    if not last:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def build_pipeline(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    pipeline_config: PipelineConfig,
+    parallelize: Callable[[nn.Module], object],
+    *,
+    n_layers: int,
+    local_batch_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device | str | None = None,
+    inference_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> Pipeline:
+    """This rank's pipeline stages of ``model`` and their schedule, for any model family
+    laid out as titan's are: ``tok_embeddings``, ``layers`` (a ``ModuleDict`` keyed by the
+    block's index, so every parameter keeps its full-model name and checkpoints do not
+    depend on the pipeline layout), ``norm`` and ``output``, a forward that skips the ones
+    set to ``None``. Each stage is a copy of ``model`` (built on the meta device) without the
+    other stages' blocks, then ``parallelize(stage)``-ed (the family's plan: FSDP, TP, ...).
+    The family checks its layout first (``split_blocks`` raises for a split that cannot work).
+    ``inference_context`` wraps torch's one-time metadata inference forward (see ``_Stage``).
+    """
+    pp = parallel_dims.pp
+    stage_blocks = split_blocks(n_layers, pp, pipeline_config)
+    num_stages = len(stage_blocks)
+    pp_mesh = parallel_dims.get_mesh("pp")
+    device = torch.device(device if device is not None else detect_device_type())
+    ids = stages_of_rank(
+        pp_mesh.get_local_rank(),
+        pp,
+        num_stages,
+        v_shape=pipeline_config.schedule == "ZBVZeroBubble",
+    )
+    parts, stages = [], []
+    for stage_id in ids:
+        part = _stage_model(
+            model, stage_blocks[stage_id], first=stage_id == 0, last=stage_id == num_stages - 1
+        )
+        parallelize(part)
+        parts.append(part)
+        stages.append(
+            _Stage(
+                part,
+                stage_id,
+                num_stages,
+                device,
+                group=pp_mesh.get_group(),
+                inference_context=inference_context,
+            )
+        )
+    schedule = build_schedule(
+        stages,
+        pipeline_config,
+        n_microbatches=local_batch_size // pipeline_config.microbatch_size,
+        loss_fn=loss_fn,
+    )
+    return Pipeline(
+        schedule=schedule,
+        model_parts=parts,
+        stage_ids=ids,
+        has_first_stage=0 in ids,
+        has_last_stage=num_stages - 1 in ids,
+    )

@@ -1,0 +1,312 @@
+"""The plans that parallelize a DeepSeek-V3 model (or one pipeline stage of it).
+
+Order as for Llama 3: tensor parallel, expert parallel, context parallel, activation
+checkpointing, per-block compile, then FSDP2/HSDP or DDP. What differs:
+
+- **Tensor parallel.** Attention heads are split: ``wq`` (or ``wq_b``) and ``wkv_b`` are
+  column-parallel, ``wo`` row-parallel; the low-rank projections ``wq_a``/``wkv_a`` and their
+  norms stay whole on every rank. The rotated key slice of ``wkv_a``'s output is shared by
+  all heads, so its gradient is partial on each rank: a hook sums it over ``tp`` in backward.
+  An MoE layer runs on the whole (gathered) sequence on every tp rank: routing and the
+  routed experts are replicated (with ``ep`` they are spread over the ep ranks instead), the
+  shared expert is split over its hidden dimension (input gradient summed and output summed
+  over ``tp``).
+- **Expert parallel.** ``titan_models.apply_expert_parallel`` over the ``ep`` mesh; then
+  FSDP shards the experts over ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP), the rest
+  over ``dp_shard_cp``, and divides the experts' gradients by the same data-parallel degree
+  as every other gradient's (their tokens came from all ``dp_shard_cp`` ranks).
+- **Context parallel.** Only titan's all-gather attention: the ring and torch's need equal
+  key and value head sizes (192 and 128 here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan_dims import ParallelDims, detect_device_type
+from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.deepseek_v3.model import DeepSeekV3
+from titan_models.errors import ModelConfigError
+from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
+from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
+from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_param_dtype
+from titan_models.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel
+from titan_models.parallel.pipeline import split_blocks
+from titan_models.parallel.step import check_seq_len
+from titan_models.parallel.tensor_parallel import apply_tp_ends
+
+__all__ = ["apply_tp_deepseek_v3", "check_deepseek_v3", "parallelize_deepseek_v3"]
+
+
+def check_deepseek_v3(
+    args: DeepSeekV3Args,
+    parallel_dims: ParallelDims,
+    parallelize_config: ParallelizeConfig,
+    *,
+    seq_len: int | None = None,
+    pipeline_config: PipelineConfig | None = None,
+    local_batch_size: int | None = None,
+) -> None:
+    """Raise ``ModelConfigError`` if a DeepSeek-V3 of ``args`` cannot be trained with this
+    layout: whole heads per tp rank, experts shared equally by the ep ranks (and experts to
+    share at all), titan's context-parallel attention, and under pipeline parallelism the
+    microbatches and the stage split. No process group or model needed."""
+    _check_layout(args, parallel_dims, parallelize_config, seq_len)
+    if parallel_dims.pp_enabled:
+        _check_pipeline(args, parallel_dims, pipeline_config, local_batch_size)
+
+
+def _check_layout(
+    args: DeepSeekV3Args,
+    parallel_dims: ParallelDims,
+    parallelize_config: ParallelizeConfig,
+    seq_len: int | None,
+) -> None:
+    """What one model (or one pipeline stage) is checked against."""
+    tp = parallel_dims.tp
+    if args.n_heads % tp:
+        raise ModelConfigError(
+            f"Tensor parallel degree tp={tp} must divide n_heads={args.n_heads}: each TP rank "
+            f"holds whole attention heads. Choose tp among "
+            f"{[d for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]}."
+        )
+    check_seq_len(args.max_seq_len if seq_len is None else seq_len, parallel_dims)
+    if parallel_dims.ep_enabled:
+        if args.n_layers <= args.n_dense_layers:
+            raise ModelConfigError(
+                f"ep={parallel_dims.ep}: this DeepSeek-V3 has no MoE block (n_layers="
+                f"{args.n_layers} <= n_dense_layers={args.n_dense_layers}); set ep=1."
+            )
+        check_expert_parallel(args.moe_args(), parallel_dims.ep)
+    if parallel_dims.cp_enabled:
+        device_type = parallel_dims.device_type or detect_device_type()
+        chosen = resolve_cp_attention(parallelize_config.cp_attention, device_type)
+        if chosen != "titan":
+            raise ModelConfigError(
+                f"cp_attention={parallelize_config.cp_attention!r} ({chosen}) cannot run "
+                "DeepSeek-V3's attention, whose keys and values have different head sizes "
+                f"({args.qk_nope_head_dim + args.qk_rope_head_dim} and {args.v_head_dim}); "
+                "set parallelize.cp_attention='titan' (the all-gather attention)."
+            )
+    if parallelize_config.cpu_offload and not parallel_dims.fsdp_enabled:
+        raise ModelConfigError(
+            "cpu_offload=True offloads FSDP's sharded parameters, but FSDP is off here "
+            f"(dp_shard={parallel_dims.dp_shard}, cp={parallel_dims.cp}); set dp_shard > 1 or "
+            "cpu_offload=False."
+        )
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and tp > 1:
+        raise ModelConfigError(
+            f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
+            f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
+        )
+
+
+def _check_pipeline(
+    args: DeepSeekV3Args,
+    parallel_dims: ParallelDims,
+    pipeline_config: PipelineConfig | None,
+    local_batch_size: int | None,
+) -> None:
+    if pipeline_config is None or local_batch_size is None:
+        raise ModelConfigError(
+            f"pp={parallel_dims.pp}: checking a pipeline needs pipeline_config and "
+            "local_batch_size."
+        )
+    if local_batch_size % pipeline_config.microbatch_size:
+        raise ModelConfigError(
+            f"local_batch_size={local_batch_size} is not a multiple of "
+            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
+        )
+    split_blocks(args.n_layers, parallel_dims.pp, pipeline_config)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over ``mesh``: for a
+    tensor every rank holds whole but whose uses are split over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        summed = DTensor.from_local(grad.contiguous(), ctx.mesh, [Partial()], run_check=False)
+        return summed.redistribute(placements=[Replicate()]).to_local(), None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward all-reduces (sums) partial results over ``mesh``; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
+        partial = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)
+        return partial.redistribute(placements=[Replicate()]).to_local()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _shared_rope_key_hook(kv_lora_rank: int, tp_mesh: DeviceMesh):
+    def hook(_module: nn.Module, _inputs: object, out: torch.Tensor) -> torch.Tensor:
+        latent, rope_key = out[..., :kv_lora_rank], out[..., kv_lora_rank:]
+        return torch.cat([latent, _SumGradOverGroup.apply(rope_key, tp_mesh)], dim=-1)
+
+    return hook
+
+
+def _split_shared_expert(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The shared expert (a one-expert ``GroupedExperts``) split over its hidden dimension:
+    w1 and w3 by columns, w2 by rows; the input's gradient and the output are summed over
+    ``tp``."""
+    for name, dim in (("w1", 2), ("w2", 1), ("w3", 2)):
+        weight = getattr(shared, name)
+        shared.register_parameter(
+            name, nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(dim)]))
+        )
+    shared.register_forward_pre_hook(
+        lambda _m, args: (_SumGradOverGroup.apply(args[0], tp_mesh), *args[1:])
+    )
+    shared.register_forward_hook(lambda _m, _args, out: _SumOverGroup.apply(out, tp_mesh))
+
+
+def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    """Tensor and sequence parallel over ``tp_mesh`` (see the module docstring). Between
+    blocks the residual stream is sharded along the sequence, as for Llama 3."""
+    apply_tp_ends(model, tp_mesh, loss_parallel=loss_parallel)
+    for block in model.layers.values():
+        attention = block.attention
+        plan: dict[str, object] = {
+            "attention_norm": SequenceParallel(),
+            # forward(x, rope): gather x along the sequence, as a plain tensor, since the
+            # low-rank projections are plain modules; rope is a plain, full tensor.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None),
+                desired_input_layouts=(Replicate(), None),
+                use_local_output=True,
+            ),
+            "attention.wkv_b": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        }
+        plan["attention.wq" if attention.q_lora_rank == 0 else "attention.wq_b"] = ColwiseParallel()
+        if block.moe_enabled:
+            plan["moe"] = PrepareModuleInput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
+            )
+        else:
+            plan.update(
+                {
+                    "feed_forward": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                    "feed_forward.w3": ColwiseParallel(),
+                }
+            )
+        parallelize_module(block, tp_mesh, plan)
+        attention.wkv_a.register_forward_hook(
+            _shared_rope_key_hook(attention.kv_lora_rank, tp_mesh)
+        )
+        if block.moe_enabled:
+            # The MoE output is whole on every rank: keep this rank's part of the sequence.
+            parallelize_module(
+                block.moe,
+                tp_mesh,
+                PrepareModuleOutput(
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),),
+                    use_local_output=True,
+                ),
+            )
+            if block.moe.shared_expert is not None:
+                _split_shared_expert(block.moe.shared_expert, tp_mesh)
+
+
+def _apply_fsdp(model: DeepSeekV3, parallel_dims: ParallelDims, config: ParallelizeConfig) -> None:
+    device_type = parallel_dims.device_type or detect_device_type()
+    replicate = ("dp_replicate",) if parallel_dims.dp_replicate_enabled else ()
+    if parallel_dims.ep_enabled:
+        # Experts first, over the data-parallel ranks that hold the same experts; the blocks'
+        # FSDP below then leaves them out. Their tokens came from every dp_shard_cp rank (the
+        # all-to-all's backward sums those), so divide as the other gradients are divided.
+        expert_mesh = parallel_dims.get_mesh((*replicate, "dp_shard_mod_ep"))
+        mp = MixedPrecisionPolicy(
+            param_dtype=resolve_param_dtype(config.param_dtype, device_type),
+            reduce_dtype=getattr(torch, config.reduce_dtype),
+        )
+        reshard = config.reshard_after_forward == "always" or (
+            config.reshard_after_forward == "default" and not parallel_dims.pp_enabled
+        )
+        degree = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
+        # A divide factor other than the group's size is a pre-multiplied sum, which gloo
+        # lacks: there, sum and divide after.
+        gloo = dist.get_backend(expert_mesh.get_group(expert_mesh.ndim - 1)) == "gloo"
+        for block in model.layers.values():
+            if block.moe_enabled:
+                experts = fully_shard(
+                    block.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard
+                )
+                experts.set_gradient_divide_factor(float(degree))
+                experts.set_force_sum_reduction_for_comms(gloo)
+    apply_fsdp(
+        model,
+        model.layers,
+        parallel_dims.get_mesh((*replicate, "dp_shard_cp")),
+        config,
+        device_type=device_type,
+        pipeline=parallel_dims.pp_enabled,
+    )
+
+
+def parallelize_deepseek_v3(
+    model: DeepSeekV3,
+    parallel_dims: ParallelDims,
+    config: ParallelizeConfig | None = None,
+    *,
+    seq_len: int | None = None,
+) -> DeepSeekV3:
+    """Apply tensor/sequence parallel, expert parallel, context parallel, activation
+    checkpointing, per-block compile and FSDP2 / HSDP / DDP to ``model`` in place (build it
+    on the meta device first), as ``parallel_dims`` and ``config`` say; return it. Raises
+    ``ModelConfigError`` (the checks of :func:`check_deepseek_v3` but the pipeline's) before
+    touching anything."""
+    config = config or ParallelizeConfig()
+    _check_layout(model.args, parallel_dims, config, seq_len)
+    if parallel_dims.tp_enabled:
+        apply_tp_deepseek_v3(
+            model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel
+        )
+    if parallel_dims.ep_enabled:
+        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
+    if parallel_dims.cp_enabled:
+        attentions = [block.attention for block in model.layers.values()]
+        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), "titan")
+    apply_activation_checkpointing(model.layers, config.activation_checkpoint)
+    if config.compile:
+        for block in model.layers.values():
+            # Expert parallel reads the all-to-all split sizes on the host: a graph break.
+            block.compile(backend=config.compile_backend, fullgraph=not parallel_dims.ep_enabled)
+    if parallel_dims.fsdp_enabled:
+        _apply_fsdp(model, parallel_dims, config)
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
+    return model

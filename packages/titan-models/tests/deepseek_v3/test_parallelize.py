@@ -1,0 +1,130 @@
+"""parallelize_deepseek_v3 and pipeline_deepseek_v3: impossible layouts fail before any work
+(check_deepseek_v3, no process group); under torchrun (gloo, 2 and 4 ranks) FSDP, expert
+parallel (alone, with activation checkpointing, with FSDP over dp_shard_mod_ep, with tensor
+parallel, with pipeline stages, under HSDP), tensor parallel, context parallel and a
+pipeline train a tiny DeepSeek-V3 to the per-step losses of one process, with the experts'
+bias update after each step: the biases and the experts' load (tokens counted on each rank,
+summed over dp x cp) equal one process's too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_dims import ParallelDims
+from titan_models import DeepSeekV3Args, ModelConfigError, ParallelizeConfig, PipelineConfig
+from titan_models.deepseek_v3 import DEEPSEEK_V3, check_deepseek_v3
+
+TWO_RANKS = ("fsdp", "ep", "ep_ac", "tp", "cp", "pp")
+FOUR_RANKS = ("ep_fsdp", "ep_tp", "ep_pp", "hsdp_ep")
+REFERENCES = ("single", "single_5")
+BATCH, SEQ, TOP_K = 4, 32, 2  # workers/deepseek_train.py
+# Losses agree to float32 rounding of different reduction orders, not bitwise.
+TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}
+
+
+def small(**overrides) -> DeepSeekV3Args:
+    fields = dict(
+        vocab_size=256, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=3, n_heads=4,
+        n_routed_experts=4, n_activated_experts=2, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_seq_len=32,
+    )  # fmt: skip
+    return DeepSeekV3Args(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("degrees", "args", "config", "match"),
+    [
+        ({"world_size": 8, "tp": 8}, {}, {}, "tp=8 must divide n_heads=4"),
+        ({"world_size": 8, "dp_shard": 8, "ep": 8}, {}, {}, r"expert_parallel_degree=8 .* 1, 2, 4"),
+        (
+            {"world_size": 2, "dp_shard": 2, "ep": 2},
+            {"n_layers": 1},
+            {},
+            "no MoE block",
+        ),
+        (
+            {"world_size": 2, "cp": 2, "dp_shard": 1},
+            {},
+            {"cp_attention": "titan_ring"},
+            r"different head sizes \(24 and 16\); set parallelize.cp_attention='titan'",
+        ),
+        (
+            {"world_size": 4, "tp": 2, "dp_replicate": 2, "dp_shard": 1},
+            {},
+            {},
+            "use HSDP instead",
+        ),
+    ],
+)
+def test_impossible_layouts_fail_before_any_work(degrees, args, config, match):
+    dims = ParallelDims(device_type="cpu", **{"world_size": 1, **degrees})
+    with pytest.raises(ModelConfigError, match=match):
+        check_deepseek_v3(small(**args), dims, ParallelizeConfig(**config), seq_len=32)
+
+
+def test_the_pipeline_split_is_checked_without_a_process_group():
+    assert DEEPSEEK_V3.check_fn is check_deepseek_v3
+    dims = ParallelDims(world_size=2, pp=2, device_type="cpu")
+    with pytest.raises(ModelConfigError, match="layers_per_stage=2 does not divide n_layers=3"):
+        check_deepseek_v3(
+            small(),
+            dims,
+            ParallelizeConfig(),
+            seq_len=32,
+            pipeline_config=PipelineConfig(layers_per_stage=2),
+            local_batch_size=4,
+        )
+    check_deepseek_v3(
+        small(n_layers=4),
+        dims,
+        ParallelizeConfig(),
+        seq_len=32,
+        pipeline_config=PipelineConfig(),
+        local_batch_size=4,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory, run_torchrun):
+    out = tmp_path_factory.mktemp("two")
+    return run_torchrun("deepseek_train.py", 2, out, *REFERENCES, *TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_rank(tmp_path_factory, run_torchrun):
+    out = tmp_path_factory.mktemp("four")
+    return run_torchrun("deepseek_train.py", 4, out, *REFERENCES, *FOUR_RANKS)
+
+
+def _check(results: dict, layout: str) -> None:
+    reference = "single_5" if "pp" in layout else "single"
+    expected = results[reference]
+    assert expected[-1] < expected[0]
+    torch.testing.assert_close(results[layout], expected, **TOLERANCE)
+    # Every bias moved, by the same steps as in one process (rank 0's stages' layers).
+    bias, expected_bias = results[f"{layout}.bias"], results[f"{reference}.bias"]
+    assert bias
+    assert all(value > 0 for value in bias.values())
+    assert bias == {name: expected_bias[name] for name in bias}
+    # The last step's tokens, counted on each rank and summed over dp x cp: each layer saw
+    # every token of the batch twice (top-2), once; torch's pipeline metadata forward and
+    # activation checkpointing's recomputation are not counted.
+    load, expected_load = results[f"{layout}.load"], results[f"{reference}.load"]
+    counted = {k: v for k, v in load.items() if k.startswith("counted/")}
+    assert counted
+    assert set(counted.values()) == {BATCH * SEQ * TOP_K}
+    if "pp" not in layout:
+        # The shares per expert: a router near-tie may send one token elsewhere under another
+        # reduction order (1 of 256 slots: 0.004 of a share).
+        torch.testing.assert_close(load, expected_load, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("layout", TWO_RANKS)
+def test_two_rank_layout_matches_single_process(layout, two_rank):
+    _check(two_rank, layout)
+
+
+@pytest.mark.parametrize("layout", FOUR_RANKS)
+def test_four_rank_layout_matches_single_process(layout, four_rank):
+    _check(four_rank, layout)
