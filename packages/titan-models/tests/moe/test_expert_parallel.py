@@ -1,7 +1,8 @@
 """Expert parallelism on 2 and 4 gloo ranks (workers/moe_expert_parallel.py) against one
 process: each rank feeds different tokens; outputs, expert-weight gradients and token counts
-equal the single-process layer on the concatenated batch bit for bit (a local expert gets
-its tokens in the same order as one process would: source ranks in rank order). The
+equal the single-process layer on the concatenated batch bit for bit with grouped mm (a
+local expert gets its tokens in the same order as one process would: source ranks in rank
+order), to fp32 rounding with the padded fallback. The
 router's and shared expert's gradients are per-rank partial sums, added over ranks: equal
 to fp32 rounding. Also: DCP checkpoints saved at ep = world load at ep 1 (and ep 2 of 4),
 and uneven experts or a dense model are refused with ModelConfigError."""
@@ -50,7 +51,9 @@ def test_expert_parallel_equals_one_process(case, results):
     names = NAMES[case != "skewed"]
     errors = dict(zip(names, results[case], strict=True))
     for name, error in errors.items():
-        if name in EXACT:
+        # The fallback pads each rank's experts to its own longest count: its batched
+        # matmuls may take other kernels than one process's, so it is held to rounding.
+        if name in EXACT and (case != "fallback" or name == "tokens_per_expert"):
             assert error == 0.0, name
         else:
             assert error < 2e-6, name
