@@ -2,7 +2,9 @@
 process: each rank feeds different tokens; outputs, expert-weight gradients and token counts
 equal the single-process layer on the concatenated batch bit for bit with grouped mm (a
 local expert gets its tokens in the same order as one process would: source ranks in rank
-order), to fp32 rounding with the padded fallback. The
+order), to fp32 rounding with the padded fallback. With FSDP2 as the DeepSeek-V3 plan applies it
+(experts over dp_shard_mod_ep with the job-wide gradient divide factor, the rest over
+dp_shard_cp): the same, gradients averaged over all ranks. The
 router's and shared expert's gradients are per-rank partial sums, added over ranks: equal
 to fp32 rounding. Also: DCP checkpoints saved at ep = world load at ep 1 (and ep 2 of 4),
 and uneven experts or a dense model are refused with ModelConfigError."""
@@ -43,7 +45,8 @@ NAMES = {
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def results(request, tmp_path_factory, run_torchrun):
     out = tmp_path_factory.mktemp(f"ep{request.param}")
-    return run_torchrun("moe_expert_parallel.py", request.param, out, *CASES, "reshard", "refusals")
+    extra = ("fsdp", "reshard", "refusals")
+    return run_torchrun("moe_expert_parallel.py", request.param, out, *CASES, *extra)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -57,6 +60,13 @@ def test_expert_parallel_equals_one_process(case, results):
             assert error == 0.0, name
         else:
             assert error < 2e-6, name
+
+
+def test_expert_parallel_with_fsdp_equals_one_process(results):
+    errors = dict(zip(NAMES[True][:-1], results["fsdp"], strict=True))
+    assert errors.pop("output") == 0.0
+    for name, error in errors.items():
+        assert error < 2e-6, name
 
 
 def test_checkpoint_reshards_across_ep_degrees(results):

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from titan_dims import init_distributed
+from titan_dims import ParallelDims, init_distributed
 from titan_models import ModelConfigError, MoE, MoEArgs, apply_expert_parallel
 
 DIM, HIDDEN, SEQS_PER_RANK, SEQ = 16, 32, 2, 6
@@ -88,6 +89,34 @@ def compare(case: str) -> list[float]:
     return errors
 
 
+def with_fsdp() -> list[float]:
+    """EP over ``ep`` = 2 with FSDP2 as the DeepSeek-V3 plan applies it (experts over
+    ``dp_shard_mod_ep``, the rest over ``dp_shard_cp``), every rank's gradient averaged over
+    all ranks: the experts' FSDP divides by ``fsdp_gradient_divide_factor`` with sum-only
+    collectives (gloo has no PREMUL_SUM). Gradients times world size equal the reference's."""
+    world = dist.get_world_size()
+    dims = ParallelDims(world_size=world, dp_shard=world, ep=2, device_type="cpu")
+    fields = CASES["grouped_mm"]
+    reference, sharded = build(fields), build(fields)
+    apply_expert_parallel(sharded, dims.get_mesh("ep"))
+    fully_shard(sharded.experts, mesh=dims.get_mesh("dp_shard_mod_ep"))
+    fully_shard(sharded, mesh=dims.get_mesh("dp_shard_cp"))
+    sharded.experts.set_gradient_divide_factor(dims.fsdp_gradient_divide_factor)
+    sharded.experts.set_force_sum_reduction_for_comms(True)
+    torch.manual_seed(1)
+    x = torch.randn(world * SEQS_PER_RANK, SEQ, DIM)
+    grad = torch.randn_like(x)
+    reference(x).backward(grad)
+    mine = slice(dist.get_rank() * SEQS_PER_RANK, (dist.get_rank() + 1) * SEQS_PER_RANK)
+    out = sharded(x[mine])
+    out.backward(grad[mine])
+    with torch.no_grad():
+        errors = [max_error(out, reference(x)[mine])]
+    for param, ref in zip(sharded.parameters(), reference.parameters(), strict=True):
+        errors.append(max_error(param.grad.full_tensor() * world, ref.grad))
+    return errors
+
+
 def reshard_checkpoint(out_dir: Path) -> list[float]:
     """Save at ep = world size with DCP; load into an unsharded layer (ep 1) and, on 4 ranks,
     at ep 2: the weights come back equal."""
@@ -141,6 +170,8 @@ def main() -> None:
     for case in sys.argv[2:]:
         if case == "reshard":
             errors = reshard_checkpoint(out_dir)
+        elif case == "fsdp":
+            errors = with_fsdp()
         elif case == "refusals":
             errors = refusals()
         else:
