@@ -45,7 +45,7 @@ NAMES = {
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def results(request, tmp_path_factory, run_torchrun):
     out = tmp_path_factory.mktemp(f"ep{request.param}")
-    extra = ("fsdp", "reshard", "refusals")
+    extra = ("fsdp", "meta", "reshard", "refusals")
     return run_torchrun("moe_expert_parallel.py", request.param, out, *CASES, *extra)
 
 
@@ -72,6 +72,10 @@ def test_expert_parallel_with_fsdp_equals_one_process(results):
 def test_checkpoint_reshards_across_ep_degrees(results):
     assert results["reshard"]
     assert max(results["reshard"]) == 0.0
+
+
+def test_built_on_meta_sharded_then_initialized(results):
+    assert results["meta"] == [0.0]
 
 
 def test_uneven_experts_and_dense_models_are_refused(results):

@@ -149,6 +149,24 @@ def reshard_checkpoint(out_dir: Path) -> list[float]:
     return errors
 
 
+def from_meta() -> list[float]:
+    """Built on the meta device, sharded, then materialized and initialized as a trainer
+    does: local shards of E / ep experts, buffers zeroed, and a forward + backward runs."""
+    world = dist.get_world_size()
+    with torch.device("meta"):
+        moe = MoE(MoEArgs(num_experts=2 * world, top_k=2), dim=DIM, hidden_dim=HIDDEN)
+    apply_expert_parallel(moe, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    moe.to_empty(device="cpu")
+    moe.init_weights(0.02, buffer_device=torch.device("cpu"))
+    local = moe.experts.w1.to_local()
+    moe(torch.randn(2, SEQ, DIM)).sum().backward()
+    failures = float(tuple(local.shape) != (2, DIM, HIDDEN))
+    failures += float(moe.expert_bias.abs().sum() != 0)
+    failures += float(not 0.01 < local.std().item() < 0.03)
+    failures += float(moe.experts.w1.grad is None)
+    return [failures]
+
+
 def refusals() -> list[float]:
     """num_experts not divisible by ep, and a model without MoE layers: one ModelConfigError
     each, and nothing sharded."""
@@ -173,6 +191,8 @@ def main() -> None:
     for case in sys.argv[2:]:
         if case == "reshard":
             errors = reshard_checkpoint(out_dir)
+        elif case == "meta":
+            errors = from_meta()
         elif case == "fsdp":
             errors = with_fsdp()
         elif case == "refusals":
