@@ -1,11 +1,11 @@
-"""The routed experts as stacked weights, run as grouped matmuls or by a per-expert loop.
+"""The routed experts as stacked weights, run as grouped matmuls or by the fallback.
 
 ``GroupedExperts`` holds ``w1``, ``w3`` (num_experts, dim, hidden) and ``w2`` (num_experts,
 hidden, dim), torchtitan's names and layout, and computes the SwiGLU
 ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` for rows of ``x`` already sorted by expert.
 
-Two implementations, equal in result (bit for bit on CPU in fp32, where torch's grouped mm
-multiplies each group with the same kernel as a plain matmul):
+Two implementations, equal in result (the slice loop bit for bit on CPU in fp32, where
+torch's grouped mm multiplies each group with a plain matmul; the padded batch to rounding):
 
 - ``torch._grouped_mm`` with int32 cumulative offsets: one call per weight. It needs
   rows whose byte strides are multiples of 16 (``dim`` and ``hidden`` multiples of
@@ -71,21 +71,6 @@ def run_experts_loop(
     return torch.cat(outputs)
 
 
-# (device type, dtype) -> whether torch._grouped_mm works there: a plain dict, which
-# torch.compile reads as a constant once filled.
-_GROUPED_MM_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward on ``device_type`` in
-    ``dtype`` and agrees with plain matmuls: probed once on tiny aligned inputs (one group
-    empty), cached for the process."""
-    key = (device_type, dtype)
-    if key not in _GROUPED_MM_SUPPORT:
-        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(device_type, dtype)
-    return _GROUPED_MM_SUPPORT[key]
-
-
 def run_experts_padded(
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
@@ -115,6 +100,21 @@ def run_experts_fallback(
     if rows and counts.shape[0] * int(counts.max()) <= 2 * rows:
         return run_experts_padded(w1, w2, w3, x, counts)
     return run_experts_loop(w1, w2, w3, x, counts)
+
+
+# (device type, dtype) -> whether torch._grouped_mm works there: a plain dict, which
+# torch.compile reads as a constant once filled.
+_GROUPED_MM_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward on ``device_type`` in
+    ``dtype`` and agrees with plain matmuls: probed once on tiny aligned inputs (one group
+    empty), cached for the process."""
+    key = (device_type, dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(device_type, dtype)
+    return _GROUPED_MM_SUPPORT[key]
 
 
 @torch.compiler.disable
