@@ -108,3 +108,17 @@ def test_an_unbalanced_router_moves_toward_balance():
         assert load["moe/entropy"] > first["moe/entropy"] + 0.5
     assert moe.expert_bias[0] < 0
     assert moe.expert_bias.sum().abs() < 1e-6
+
+
+def test_layer_names_leave_out_checkpoint_and_compile_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = TwoLayers()
+    model.layers["1"] = checkpoint_wrapper(model.layers["1"])
+    model.layers["2"].moe = torch.compile(model.layers["2"].moe)
+    assert [name for name, _ in moe_layers(model)] == ["layers.1.moe", "layers.2.moe"]
+    for _, layer in moe_layers(model):
+        layer.tokens_per_expert.fill_(1.0)
+    assert set(expert_load(model)) == {
+        f"moe/layers.{i}/{stat}" for i in (1, 2) for stat in ("min_share", "max_share", "entropy")
+    }

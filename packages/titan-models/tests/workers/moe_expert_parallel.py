@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from titan_dims import init_distributed
+from titan_dims import ParallelDims, init_distributed
 from titan_models import ModelConfigError, MoE, MoEArgs, apply_expert_parallel
 
 DIM, HIDDEN, SEQS_PER_RANK, SEQ = 16, 32, 2, 6
@@ -88,6 +89,37 @@ def compare(case: str) -> list[float]:
     return errors
 
 
+def with_fsdp() -> list[float]:
+    """EP over ``ep`` = 2 with FSDP2 as the DeepSeek-V3 plan applies it (experts over
+    ``dp_shard_mod_ep``, the rest over ``dp_shard_cp``), every rank's gradient averaged over
+    all ranks: the experts' FSDP divides by ``fsdp_gradient_divide_factor`` with sum-only
+    collectives (gloo has no PREMUL_SUM). Gradients times world size equal the reference's."""
+    world = dist.get_world_size()
+    dims = ParallelDims(world_size=world, dp_shard=world, ep=2, device_type="cpu")
+    fields = CASES["grouped_mm"]
+    reference, sharded = build(fields), build(fields)
+    apply_expert_parallel(sharded, dims.get_mesh("ep"))
+    experts_mesh = dims.get_mesh("dp_shard_mod_ep")
+    fully_shard(sharded.experts, mesh=experts_mesh)
+    fully_shard(sharded, mesh=dims.get_mesh("dp_shard_cp"))
+    sharded.experts.set_gradient_divide_factor(dims.fsdp_gradient_divide_factor)
+    # Sum-only collectives (pre/post division) where there is a collective: torch 2.13
+    # divides twice on a one-rank mesh with them (its copy path and the post-division).
+    sharded.experts.set_force_sum_reduction_for_comms(experts_mesh.size() > 1)
+    torch.manual_seed(1)
+    x = torch.randn(world * SEQS_PER_RANK, SEQ, DIM)
+    grad = torch.randn_like(x)
+    reference(x).backward(grad)
+    mine = slice(dist.get_rank() * SEQS_PER_RANK, (dist.get_rank() + 1) * SEQS_PER_RANK)
+    out = sharded(x[mine])
+    out.backward(grad[mine])
+    with torch.no_grad():
+        errors = [max_error(out, reference(x)[mine])]
+    for param, ref in zip(sharded.parameters(), reference.parameters(), strict=True):
+        errors.append(max_error(param.grad.full_tensor() * world, ref.grad))
+    return errors
+
+
 def reshard_checkpoint(out_dir: Path) -> list[float]:
     """Save at ep = world size with DCP; load into an unsharded layer (ep 1) and, on 4 ranks,
     at ep 2: the weights come back equal."""
@@ -117,6 +149,24 @@ def reshard_checkpoint(out_dir: Path) -> list[float]:
     return errors
 
 
+def from_meta() -> list[float]:
+    """Built on the meta device, sharded, then materialized and initialized as a trainer
+    does: local shards of E / ep experts, buffers zeroed, and a forward + backward runs."""
+    world = dist.get_world_size()
+    with torch.device("meta"):
+        moe = MoE(MoEArgs(num_experts=2 * world, top_k=2), dim=DIM, hidden_dim=HIDDEN)
+    apply_expert_parallel(moe, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    moe.to_empty(device="cpu")
+    moe.init_weights(0.02, buffer_device=torch.device("cpu"))
+    local = moe.experts.w1.to_local()
+    moe(torch.randn(2, SEQ, DIM)).sum().backward()
+    failures = float(tuple(local.shape) != (2, DIM, HIDDEN))
+    failures += float(moe.expert_bias.abs().sum() != 0)
+    failures += float(not 0.01 < local.std().item() < 0.03)
+    failures += float(moe.experts.w1.grad is None)
+    return [failures]
+
+
 def refusals() -> list[float]:
     """num_experts not divisible by ep, and a model without MoE layers: one ModelConfigError
     each, and nothing sharded."""
@@ -141,6 +191,10 @@ def main() -> None:
     for case in sys.argv[2:]:
         if case == "reshard":
             errors = reshard_checkpoint(out_dir)
+        elif case == "meta":
+            errors = from_meta()
+        elif case == "fsdp":
+            errors = with_fsdp()
         elif case == "refusals":
             errors = refusals()
         else:

@@ -8,8 +8,10 @@ from titan_models.moe.balance import ExpertBalancer, expert_load, moe_layers, up
 from titan_models.moe.experts import (
     GroupedExperts,
     grouped_mm_supported,
+    run_experts_fallback,
     run_experts_grouped_mm,
     run_experts_loop,
+    run_experts_padded,
 )
 from titan_models.moe.layer import MoE, sequence_balance_loss, tokens_not_counted
 from titan_models.moe.router import Routing, TokenChoiceTopKRouter
@@ -25,8 +27,10 @@ __all__ = [
     "expert_load",
     "grouped_mm_supported",
     "moe_layers",
+    "run_experts_fallback",
     "run_experts_grouped_mm",
     "run_experts_loop",
+    "run_experts_padded",
     "sequence_balance_loss",
     "tokens_not_counted",
     "update_expert_bias",

@@ -1,19 +1,20 @@
-"""The routed experts as stacked weights, run as grouped matmuls or by a per-expert loop.
+"""The routed experts as stacked weights, run as grouped matmuls or by the fallback.
 
 ``GroupedExperts`` holds ``w1``, ``w3`` (num_experts, dim, hidden) and ``w2`` (num_experts,
 hidden, dim), torchtitan's names and layout, and computes the SwiGLU
 ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` for rows of ``x`` already sorted by expert.
 
-Two implementations, equal in result (bit for bit on CPU in fp32, where torch's grouped mm
-multiplies each group with the same kernel as a plain matmul):
+Two implementations, equal in result (the slice loop bit for bit on CPU in fp32, where
+torch's grouped mm multiplies each group with a plain matmul; the padded batch to rounding):
 
 - ``torch._grouped_mm`` with int32 cumulative offsets: one call per weight. It needs
   rows whose byte strides are multiples of 16 (``dim`` and ``hidden`` multiples of
   16 / element size) and a dtype its kernel has. Whether the device has it is probed once
   per (device type, dtype) by running it (``grouped_mm_supported``), never by device name;
   under ``torch.compile`` its meta kernel (what tracing runs) must accept the dtype too.
-- the fallback: one matmul per expert over its contiguous slice of rows (the counts are
-  read to the host once per call), skipping experts without tokens.
+- the fallback (the counts are read to the host once per call): batched matmuls over the
+  experts' rows padded to the longest while that at most doubles the rows, else one matmul
+  per expert over its contiguous slice of rows, skipping experts without tokens.
 
 Expert-parallel and tensor-parallel plans turn the weights into DTensors; the experts
 compute on their local shards (``to_local``) and the plan's hooks move the tokens.
@@ -29,8 +30,10 @@ from torch.nn import functional
 __all__ = [
     "GroupedExperts",
     "grouped_mm_supported",
+    "run_experts_fallback",
     "run_experts_grouped_mm",
     "run_experts_loop",
+    "run_experts_padded",
 ]
 
 
@@ -66,6 +69,37 @@ def run_experts_loop(
         hidden = functional.silu(x @ w1[0]) * (x @ w3[0])
         return hidden @ w2[0]
     return torch.cat(outputs)
+
+
+def run_experts_padded(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """The same as ``run_experts_grouped_mm``, by three batched matmuls over the experts'
+    rows padded with zeros to the largest count (the counts are read to the host)."""
+    longest = int(counts.max())
+    num_experts, rows = counts.shape[0], x.shape[0]
+    starts = torch.cumsum(counts, dim=0) - counts
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(num_experts, device=x.device), counts, output_size=rows
+    )
+    # Row i of expert e sits at e * longest + i of the padded batch.
+    slot = expert_of_row * longest + torch.arange(rows, device=x.device) - starts[expert_of_row]
+    padded = x.new_zeros(num_experts * longest, x.shape[1]).index_copy(0, slot, x)
+    padded = padded.view(num_experts, longest, -1)
+    hidden = functional.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+    return torch.bmm(hidden, w2).view(num_experts * longest, -1).index_select(0, slot)
+
+
+def run_experts_fallback(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Where grouped mm is not available: padded batched matmuls while the padding at most
+    doubles the rows (few calls; with many experts several times faster than a loop),
+    else, for skewed loads, the loop over the experts' slices."""
+    rows = x.shape[0]
+    if rows and counts.shape[0] * int(counts.max()) <= 2 * rows:
+        return run_experts_padded(w1, w2, w3, x, counts)
+    return run_experts_loop(w1, w2, w3, x, counts)
 
 
 # (device type, dtype) -> whether torch._grouped_mm works there: a plain dict, which
@@ -151,7 +185,7 @@ class GroupedExperts(nn.Module):
             return hidden @ w2[0]
         if self.use_grouped_mm and _grouped_mm_fits(x, w1, w2, w3):
             return run_experts_grouped_mm(w1, w2, w3, x.contiguous(), counts)
-        return run_experts_loop(w1, w2, w3, x, counts)
+        return run_experts_fallback(w1, w2, w3, x, counts)
 
     def init_weights(self, init_std: float) -> None:
         """``w1`` with std 0.02, ``w2`` and ``w3`` with ``init_std`` (truncated normals), as

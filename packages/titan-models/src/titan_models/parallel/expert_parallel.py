@@ -18,6 +18,14 @@ the gradients the opposite way. The router, the shared expert and the buffers st
 and local: each rank routes its own tokens and counts them, as data parallelism expects.
 A rank whose tokens an expert receives in the same order as a single process would (source
 ranks in rank order) computes bit-identical expert outputs and weight gradients.
+
+Gradients: a local expert's gradient sums over the tokens of every rank in its ep group.
+Where data parallelism averages the other gradients over all ``dp_shard x cp`` ranks, the
+experts' FSDP (over ``dp_shard_mod_ep``) must divide by that whole count too
+(``set_gradient_divide_factor(parallel_dims.fsdp_gradient_divide_factor)``). gloo has no
+PREMUL_SUM, so add ``set_force_sum_reduction_for_comms(True)`` there, but only on a mesh of
+more than one rank: torch 2.13 divides twice on a one-rank mesh with it
+(``tests/workers/moe_expert_parallel.py``, case ``fsdp``, checks both).
 """
 
 from __future__ import annotations
