@@ -1,6 +1,7 @@
 """parallelize_deepseek_v3 and pipeline_deepseek_v3: impossible layouts fail before any work
 (check_deepseek_v3, no process group); under torchrun (gloo, 2 and 4 ranks) FSDP, expert
-parallel (alone, with activation checkpointing, with FSDP over dp_shard_mod_ep, with tensor
+parallel (alone, with activation checkpointing, with per-block compile, with FSDP over
+dp_shard_mod_ep, with tensor
 parallel, with pipeline stages, under HSDP), tensor parallel, context parallel and a
 pipeline train a tiny DeepSeek-V3 to the per-step losses of one process, with the experts'
 bias update after each step: the biases and the experts' load (tokens counted on each rank,
@@ -15,7 +16,7 @@ from titan_dims import ParallelDims
 from titan_models import DeepSeekV3Args, ModelConfigError, ParallelizeConfig, PipelineConfig
 from titan_models.deepseek_v3 import DEEPSEEK_V3, check_deepseek_v3
 
-TWO_RANKS = ("fsdp", "ep", "ep_ac", "tp", "cp", "pp")
+TWO_RANKS = ("fsdp", "ep", "ep_ac", "ep_compile", "tp", "cp", "pp")
 FOUR_RANKS = ("ep_fsdp", "ep_tp", "ep_pp", "hsdp_ep")
 REFERENCES = ("single", "single_5")
 BATCH, SEQ, TOP_K = 4, 32, 2  # workers/deepseek_train.py
@@ -102,6 +103,10 @@ def _check(results: dict, layout: str) -> None:
     expected = results[reference]
     assert expected[-1] < expected[0]
     torch.testing.assert_close(results[layout], expected, **TOLERANCE)
+    # AdamW would hide a wrongly scaled gradient (e.g. experts' divided by the wrong degree).
+    torch.testing.assert_close(
+        results[f"{layout}.grad_norms"], results[f"{reference}.grad_norms"], rtol=1e-4, atol=0
+    )
     # Every bias moved, by the same steps as in one process (rank 0's stages' layers).
     bias, expected_bias = results[f"{layout}.bias"], results[f"{reference}.bias"]
     assert bias
@@ -128,3 +133,10 @@ def test_two_rank_layout_matches_single_process(layout, two_rank):
 @pytest.mark.parametrize("layout", FOUR_RANKS)
 def test_four_rank_layout_matches_single_process(layout, four_rank):
     _check(four_rank, layout)
+
+
+def test_compiled_blocks_ran_inductor_code(two_rank):
+    """Per-block compile with expert parallel: compiled code ran in every step (its losses
+    equal one eager process: test_two_rank_layout_matches_single_process)."""
+    assert two_rank["ep_compile.compiled_calls"] >= 3 * 3  # 3 blocks x 3 steps, at least
+    assert two_rank["ep.compiled_calls"] == 0

@@ -1,6 +1,7 @@
 """Train a tiny DeepSeek-V3 for a few steps under each named layout, with the experts' bias
 update after every step (over ``dp_cp``, as titan-train does); rank 0 writes
-``{layout: [loss per step]}`` to ``<out_dir>/losses.json``, plus ``"<layout>.bias"``: per
+``{layout: [loss per step]}`` to ``<out_dir>/losses.json``, plus ``"<layout>.grad_norms"``
+(the global gradient norm of each step), ``"<layout>.bias"``: per
 MoE layer of rank 0's stages, the sum of |expert_bias| after the last step, and
 ``"<layout>.load"``: the last step's load metrics and ``counted/<layer>``, the tokens the
 last step routed in each layer (summed over dp x cp).
@@ -20,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+import tiny
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -49,6 +51,12 @@ LAYOUTS = {
     "ep": ({"dp_shard": 2, "ep": 2}, {}, None),
     "ep_ac": ({"dp_shard": 2, "ep": 2}, {"activation_checkpoint": {"mode": "full"}}, None),
     "tp": ({"tp": 2, "dp_shard": 1}, {}, None),
+    # Per-block compile (inductor, counting its calls): MoE blocks with graph breaks.
+    "ep_compile": (
+        {"dp_shard": 2, "ep": 2},
+        {"compile": True, "compile_backend": tiny.COUNTING_BACKEND},
+        None,
+    ),
     "cp": ({"cp": 2, "dp_shard": 1}, {}, None),
     "pp": ({"pp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
     # Four ranks.
@@ -140,7 +148,22 @@ def _build(layout: str, dims: ParallelDims, rows: int) -> tuple[list[torch.nn.Mo
     return parts, pipe
 
 
-def train(layout: str) -> tuple[list[float], dict[str, float], dict[str, float]]:
+def _grad_norm(parts: list[torch.nn.Module], dims: ParallelDims) -> float:
+    """The global gradient norm (every parameter's full gradient once; stages summed over
+    ``pp``): AdamW hides a wrongly scaled gradient, the norm does not."""
+    total = torch.zeros((), dtype=torch.float64)
+    for part in parts:
+        for param in part.parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+            total += grad.double().pow(2).sum()
+    if dims.pp_enabled:
+        dist.all_reduce(total, group=dims.get_mesh("pp").get_group())
+    return total.sqrt().item()
+
+
+def train(layout: str) -> tuple[list[float], list[float], dict[str, float], dict[str, float]]:
     degrees = LAYOUTS[layout][0]
     world = 1 if layout.startswith("single") else dist.get_world_size()
     dims = ParallelDims(world_size=world, device_type="cpu", **degrees)
@@ -151,7 +174,7 @@ def train(layout: str) -> tuple[list[float], dict[str, float], dict[str, float]]
     balancer = ExpertBalancer(parts, group)
     optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
     inputs, labels = batches()
-    losses = []
+    losses, grad_norms = [], []
     for step in range(STEPS):
         x, y = inputs[step, start : start + rows], labels[step, start : start + rows]
         cp_batch = context_parallel_batch(x, y, parallel_dims=dims, config=ParallelizeConfig())
@@ -166,6 +189,7 @@ def train(layout: str) -> tuple[list[float], dict[str, float], dict[str, float]]
         if pipe is not None:
             value = torch.zeros(()) if value is None else value.detach().clone()
             dist.all_reduce(value, group=dims.get_mesh("pp").get_group())
+        grad_norms.append(_grad_norm(parts, dims))
         optimizer.step()
         optimizer.zero_grad()
         balancer()
@@ -180,16 +204,21 @@ def train(layout: str) -> tuple[list[float], dict[str, float], dict[str, float]]
     }
     # Tokens the last step routed, per MoE layer, summed over dp x cp: BATCH x SEQ x top-k.
     counted = dict(zip(balancer.names, balancer.last_counts.sum(dim=1).tolist(), strict=True))
-    return losses, bias, {**balancer.metrics(), **{f"counted/{k}": v for k, v in counted.items()}}
+    load = {**balancer.metrics(), **{f"counted/{k}": v for k, v in counted.items()}}
+    return losses, grad_norms, bias, load
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
     init_distributed(device_type="cpu")
+    tiny.register_counting_backend()
     results = {}
     for layout in sys.argv[2:]:
-        losses, bias, load = train(layout)
+        compiled_before = tiny.COMPILED["calls"]
+        losses, grad_norms, bias, load = train(layout)
+        results[f"{layout}.compiled_calls"] = tiny.COMPILED["calls"] - compiled_before
         results[layout] = losses
+        results[f"{layout}.grad_norms"] = grad_norms
         results[f"{layout}.bias"] = bias
         results[f"{layout}.load"] = load
     if dist.get_rank() == 0:

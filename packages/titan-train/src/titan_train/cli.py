@@ -204,18 +204,22 @@ def _pop_launch_flag(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    # Validate here, in one process, so a bad config fails once and not once per rank; the
-    # ranks log what the config loading says (rank 0 only), so this process stays quiet.
+    # Validate here, in one process, so a bad config fails once and not once per rank: every
+    # check preflight makes for the world the ranks will form (it needs no process group).
+    # The ranks log what the config loading says (rank 0 only), so this process stays quiet.
+    import torch
+
+    from titan_dims import detect_device_type
     from titan_train.config import parse_job_config
-    from titan_train.trainer import check_checkpoint_folder
+    from titan_train.preflight import World, preflight
 
     logging.disable(logging.INFO)
     try:
         config = parse_job_config(argv)
+        device = torch.device(detect_device_type())
+        preflight(config, World(rank=0, world_size=nproc, device=device))
     finally:
         logging.disable(logging.NOTSET)
-    _check_supported(config)
-    check_checkpoint_folder(config)
     command = [
         sys.executable,
         "-m",

@@ -258,15 +258,17 @@ def _apply_fsdp(model: DeepSeekV3, parallel_dims: ParallelDims, config: Parallel
         )
         degree = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
         # A divide factor other than the group's size is a pre-multiplied sum, which gloo
-        # lacks: there, sum and divide after.
-        gloo = dist.get_backend(expert_mesh.get_group(expert_mesh.ndim - 1)) == "gloo"
+        # lacks: there, sum and divide after. (Not on a one-rank shard group: torch 2.13
+        # divides that copy itself, and would divide once more after.)
+        shard_group = expert_mesh.get_group(expert_mesh.ndim - 1)
+        sum_then_divide = dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1
         for block in model.layers.values():
             if block.moe_enabled:
                 experts = fully_shard(
                     block.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard
                 )
                 experts.set_gradient_divide_factor(float(degree))
-                experts.set_force_sum_reduction_for_comms(gloo)
+                experts.set_force_sum_reduction_for_comms(sum_then_divide)
     apply_fsdp(
         model,
         model.layers,
@@ -303,8 +305,10 @@ def parallelize_deepseek_v3(
     apply_activation_checkpointing(model.layers, config.activation_checkpoint)
     if config.compile:
         for block in model.layers.values():
-            # Expert parallel reads the all-to-all split sizes on the host: a graph break.
-            block.compile(backend=config.compile_backend, fullgraph=not parallel_dims.ep_enabled)
+            # An MoE block breaks the graph where it counts tokens (eager, so that the count
+            # knows whether autograd is recomputing) and, with expert parallel, where it
+            # reads the all-to-all split sizes on the host. Dense blocks compile whole.
+            block.compile(backend=config.compile_backend, fullgraph=not block.moe_enabled)
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, parallel_dims, config)
     elif parallel_dims.dp_replicate_enabled:
