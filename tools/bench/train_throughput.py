@@ -14,8 +14,9 @@ machine does at the moment of the run: a shared machine slows both alike.
 Settings: one process with torch's default threads (all cores) or 1 thread, activation
 checkpointing none / selective-op / full; two FSDP ranks (torchrun: 1 thread each) in fp32,
 bf16 parameters (what ``param_dtype="auto"`` picks on CPUs with AVX512-BF16) and with
-activation checkpointing. MFU per rank = rank tokens/s x training FLOPs per token / peak of
-that rank's threads.
+activation checkpointing; the DeepSeek-V3 debug model (mixture of experts) on two ranks at
+expert-parallel degree 1 and 2. MFU per rank = rank tokens/s x training FLOPs per token (the
+trainer's count for the model it built; active experts only) / peak of that rank's threads.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ AC = {
     "full": ["--parallelize.activation_checkpoint.mode", "full"],
 }  # fmt: skip
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
 FP32 = ["--parallelize.param_dtype", "float32"]
 
 # name -> (processes, threads per process or None for torch's default, arguments)
@@ -64,6 +67,10 @@ SETTINGS: dict[str, tuple[int, int | None, list[str]]] = {
     "2p-fsdp-fp32": (2, 1, [*FSDP2, *FP32, *AC["none"]]),
     "2p-fsdp-fp32-op": (2, 1, [*FSDP2, *FP32, *AC["op"]]),
     "2p-fsdp-bf16": (2, 1, [*FSDP2, "--parallelize.param_dtype", "bfloat16", *AC["none"]]),
+    # DeepSeek-V3 debugmodel (8 routed experts, top 3): experts sharded by FSDP, or spread
+    # over the two ranks by expert parallelism (tokens travel by all-to-all).
+    "2p-dsv3-ep1": (2, 1, [*DEEPSEEK, *FSDP2, *FP32, *AC["none"]]),
+    "2p-dsv3-ep2": (2, 1, [*DEEPSEEK, *FSDP2, *EP2, *FP32, *AC["none"]]),
 }
 COMPILED: dict[str, tuple[int, int | None, list[str]]] = {
     "1p-none-compile": (1, None, [*FP32, *AC["none"], "--parallelize.compile"]),
@@ -99,6 +106,8 @@ def run_setting(nproc: int, threads: int | None, args: list[str], steps: int) ->
         steady = [r for r in records if "tps" in r and r["step"] > 1]
         return {
             "tps": statistics.median(r["tps"] for r in steady),
+            # The trainer's own training FLOPs per token of the model it built (tflops / tps).
+            "flops_per_token": steady[-1]["tflops"] * 1e12 / steady[-1]["tps"],
             "memory_gib": max(r["memory_gib"] for r in steady),
             "loss": records[-1]["loss"],
             "wall_s": wall,
@@ -144,7 +153,8 @@ def main() -> int:
         if "error" in result:
             print(f"{name:<18} {nproc:>5} {rank_threads:>3} failed: {result['error']}")
             continue
-        mfu = result["tps"] * flops_per_token / peaks.get(rank_threads, peaks[default_threads])
+        peak = peaks.get(rank_threads, peaks[default_threads])
+        mfu = result["tps"] * result["flops_per_token"] / peak
         print(
             f"{name:<18} {nproc:>5} {rank_threads:>3} {result['tps']:>10,.0f} "
             f"{result['tps'] * nproc:>9,.0f} {100 * mfu:>5.1f}% {result['memory_gib']:>7.2f} "

@@ -61,3 +61,28 @@ def test_post_step_and_metrics_hooks_run_in_the_trainer_loop(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [(r["step"], r["model/steps_seen"]) for r in records if "model/steps_seen" in r]
     assert logged == [(1, 1.0), (2, 2.0), (4, 4.0)]
+
+
+def test_a_modules_own_loss_term_is_scaled_like_the_loss_under_accumulation(tmp_path):
+    """DeepSeek-V3's MoE layers add their balance loss in backward; with 2 accumulation
+    steps the trainer's loss is halved per micro-batch, and so is theirs."""
+    from titan_models.moe import MoE
+
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path)
+    config.model.name, config.model.flavor = "deepseek_v3", "debugmodel"
+    config.training.seq_len, config.training.local_batch_size = 32, 2
+    config.training.global_batch_size = 4  # 2 accumulation steps of 2
+    config.checkpoint.enable = False
+    config.metrics.enable_tensorboard = False
+    device = init_distributed()
+    try:
+        plan = preflight(config, World.current(device))
+        assert plan.batches.accumulation_steps == 2
+        run = build(config, plan)
+        close(run)
+    finally:
+        dist.destroy_process_group()
+    layers = [m for part in run.model_parts for m in part.modules() if isinstance(m, MoE)]
+    assert len(layers) == 2
+    assert {layer.aux_loss_grad_scale for layer in layers} == {0.5}

@@ -142,6 +142,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
     )
     optimizers.warn_on_skip = False  # the NonFiniteGuard reports each skipped step
     _register_post_step(plan, model_parts, optimizers)
+    _scale_auxiliary_losses(plan, model_parts)
     schedulers = build_lr_schedulers(
         optimizers, config.lr_scheduler, training_steps=config.training.steps
     )
@@ -204,6 +205,18 @@ def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: An
     hook = plan.spec.post_step_fn(model_parts, plan.parallel_dims)
     if hook is not None:
         optimizers.register_step_post_hook(lambda _container: hook())
+
+
+def _scale_auxiliary_losses(plan: Plan, model_parts: list[nn.Module]) -> None:
+    """A module that adds its own loss term in backward (an MoE layer's balance loss) reads
+    ``aux_loss_grad_scale``: the factor the trainer scales its loss by, 1 / accumulation
+    steps, so both terms weigh as configured. A pipeline schedule scales every gradient
+    itself (accumulation runs as more of its microbatches): 1 there."""
+    steps = 1 if plan.pipeline_microbatches is not None else plan.batches.accumulation_steps
+    for part in model_parts:
+        for module in part.modules():
+            if hasattr(module, "aux_loss_grad_scale"):
+                module.aux_loss_grad_scale = 1.0 / steps
 
 
 def _with_reporting(config: JobConfig, run: TrainingRun, *, flops_per_token: float) -> TrainingRun:
