@@ -93,6 +93,11 @@ def test_diff_reports_values_keys_and_tolerance(saved_folder, tmp_path, titan_ck
                               "--rtol", "1e-7")  # fmt: skip
     assert code == 1
     assert "0.weight: max abs 9.54e-07" in out
+    # A filter that matches nothing is a mistake, not a clean diff of 0 tensors.
+    x, y = tmp_path / "x.pt", tmp_path / "y.pt"
+    code, out, err = titan_ckpt("diff", x, y, "--include", "model.*")
+    assert code == 2
+    assert "--include model.* matches no key of either checkpoint; keys look like '0.weight'" in err
 
 
 def test_existing_destination_is_refused(saved_folder, tmp_path, titan_ckpt):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, batches, dtype_name, select_keys
 from titan_ckpt.formats.source import open_source
 
@@ -45,6 +46,13 @@ def _diff(
 ) -> dict[str, Any]:
     lk = select_keys(left.entries, include, exclude)
     rk = set(select_keys(right.entries, include, exclude))
+    if include and not lk and not rk:
+        # Else "equal, 0 tensors compared": a filter typo would pass for a clean diff.
+        sample = ", ".join(repr(k) for k in list(left.entries)[:3])
+        raise CheckpointConfigError(
+            f"--include {' '.join(include)} matches no key of either checkpoint; keys look "
+            f"like {sample}. Use globs on those names (e.g. 'layers.*'), or --exclude."
+        )
     only_a = [k for k in lk if k not in rk]
     only_b = sorted(rk - set(lk))
     common = [k for k in lk if k in rk]
