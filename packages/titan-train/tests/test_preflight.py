@@ -156,6 +156,25 @@ def test_a_flavor_the_layout_cannot_train_is_refused_by_preflight(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("size", "parallelism", "message"),
+    [
+        # debugmodel: 8 routed experts.
+        (6, degrees(data_parallel_shard=6, expert_parallel=3), "expert_parallel_degree=3"),
+        (2, degrees(data_parallel_shard=1, context_parallel=2), "set parallelize.cp_attention"),
+    ],
+)
+def test_a_deepseek_v3_layout_its_plan_cannot_train_is_refused_by_preflight(
+    tmp_path, size, parallelism, message
+):
+    config = job(tmp_path, parallelism=parallelism)
+    config.model.name = "deepseek_v3"
+    config.parallelize.cp_attention = "titan_ring"
+    with pytest.raises(ModelConfigError, match=message):
+        preflight(config, world(size))
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_pipeline_check_counts_the_accumulated_batch(tmp_path):
     # 2 accumulation steps of 8 rows run as one schedule step of 16: microbatches of 16 fit.
     config = job(tmp_path, parallelism=degrees(data_parallel_shard=1, pipeline_parallel=2))
