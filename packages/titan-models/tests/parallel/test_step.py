@@ -1,7 +1,8 @@
 """The per-step context of a plan, in one process: what it resolves once at plan time, what
-it refuses before any work, and ``reduce_loss`` / ``plain_loss`` without collectives.
-Under CP, TP and PP the same context drives the integration runs
-(integration_tests/test_train_runs.py, equal losses across layouts)."""
+it refuses before any work, mixed precision by autocast where FSDP does not do it, and
+``reduce_loss`` / ``plain_loss`` without collectives. Under CP, TP and PP the same context
+drives the integration runs (integration_tests/test_train_runs.py, equal losses across
+layouts)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,66 @@ def test_repeat_kv_is_repeat_interleave_of_the_heads():
     assert torch.equal(rk, k.repeat_interleave(3, dim=1))
     assert torch.equal(rv[:, 3:], v[:, 1:2].expand(1, 3, 3, 4))
     assert repeat_kv(k, v, 1) == (k, v)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "param_dtype", "expected"),
+    [
+        ({"world_size": 1}, "bfloat16", torch.bfloat16),  # one device: autocast
+        ({"world_size": 2, "dp_replicate": 2, "dp_shard": 1}, "bfloat16", torch.bfloat16),  # DDP
+        ({"world_size": 2, "tp": 2, "dp_shard": 1}, "float16", torch.float16),
+        ({"world_size": 2, "dp_shard": 2}, "bfloat16", None),  # FSDP's policy does it
+        ({"world_size": 1}, "float32", None),
+    ],
+)
+def test_mixed_precision_without_fsdp_is_autocast(degrees, param_dtype, expected):
+    dims = ParallelDims(device_type="cpu", **degrees)
+    context = step_context(dims, ParallelizeConfig(param_dtype=param_dtype))
+    assert context.autocast_dtype == expected
+
+
+def test_auto_on_a_cpu_without_bf16_instructions_keeps_fp32(monkeypatch):
+    from titan_models.parallel import data_parallel
+
+    monkeypatch.setattr(data_parallel, "cpu_has_fast_bf16", lambda: False)
+    context = step_context(ParallelDims(world_size=1, device_type="cpu"), ParallelizeConfig())
+    assert context.autocast_dtype is None
+    monkeypatch.setattr(data_parallel, "cpu_has_fast_bf16", lambda: True)
+    context = step_context(ParallelDims(world_size=1, device_type="cpu"), ParallelizeConfig())
+    assert context.autocast_dtype == torch.bfloat16
+
+
+def test_a_bf16_step_on_one_device_computes_in_bf16_and_keeps_fp32_weights(tiny):
+    """bf16 forced on CPU: blocks compute in bf16, parameters and gradients stay fp32, and
+    the losses track the fp32 run within bf16 rounding without equalling it."""
+    from titan_models import Llama3
+
+    def train(param_dtype: str) -> tuple[list[float], set[str], set[str]]:
+        model = Llama3(tiny.tiny_args())
+        model.load_state_dict(tiny.reference_state_dict())
+        dtypes = set()
+        for block in model.layers.values():
+            block.feed_forward.register_forward_hook(lambda m, a, out: dtypes.add(str(out.dtype)))
+        one_device = ParallelDims(world_size=1, device_type="cpu")
+        context = step_context(one_device, ParallelizeConfig(param_dtype=param_dtype))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=tiny.LR)
+        inputs, labels = tiny.batches()
+        losses = []
+        for step in range(tiny.STEPS):
+            with context(inputs[step], labels[step]) as (x, y):
+                loss = tiny.cross_entropy(model(x), y)
+                loss.backward()
+            grads = {str(p.grad.dtype) for p in model.parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert {str(p.dtype) for p in model.parameters()} == {"torch.float32"}
+        return losses, dtypes, grads
+
+    fp32, fp32_dtypes, _ = train("float32")
+    bf16, bf16_dtypes, bf16_grads = train("bfloat16")
+    assert (fp32_dtypes, bf16_dtypes) == ({"torch.float32"}, {"torch.bfloat16"})
+    assert bf16_grads == {"torch.float32"}
+    assert bf16[-1] < bf16[0]
+    torch.testing.assert_close(bf16, fp32, rtol=0, atol=1e-2)  # see test_fsdp_bf16_...
+    assert bf16 != fp32

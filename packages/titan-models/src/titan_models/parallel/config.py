@@ -73,9 +73,11 @@ class ParallelizeConfig:
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend when ``compile`` is on."""
     param_dtype: str = "auto"
-    """FSDP's compute dtype for parameters: ``auto`` is bfloat16 on accelerators and on CPUs
-    with bf16 instructions (AVX512-BF16 or AMX), float32 elsewhere (bf16 runs hundreds of times
-    slower there). Applies where FSDP/HSDP is on."""
+    """The compute dtype: ``auto`` is bfloat16 on accelerators and on CPUs with bf16
+    instructions (AVX512-BF16 or AMX), float32 elsewhere (bf16 runs hundreds of times slower
+    there). With FSDP/HSDP it is FSDP's parameter dtype; without (one device, DDP, TP, PP) the
+    step runs under ``torch.autocast`` to it. Parameters, gradients and optimizer state stay
+    fp32 either way."""
     reduce_dtype: str = "float32"
     """FSDP's dtype for gradient reduction."""
     reshard_after_forward: str = "default"

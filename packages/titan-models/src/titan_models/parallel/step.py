@@ -2,7 +2,8 @@
 
 ``step_context(parallel_dims, config, seq_len=...)`` checks the plan's per-step rules once and
 returns a :class:`StepContext`: ``with context(inputs, labels) as (inputs, labels):`` opens
-context parallel (the implementation resolved here, once) and loss parallel together, so a
+context parallel (the implementation resolved here, once), loss parallel and, for mixed
+precision without FSDP, ``torch.autocast`` together, so a
 trainer runs every forward and backward (or pipeline step) the same way whatever the layout.
 :func:`reduce_loss` turns a rank's loss into the job's: summed over pipeline stages (only
 the last stage has it), averaged over data- and context-parallel ranks.
@@ -22,8 +23,16 @@ from titan_models.errors import ModelConfigError
 from titan_models.ops import plain_loss
 from titan_models.parallel.config import ParallelizeConfig
 from titan_models.parallel.context_parallel import open_context_parallel, resolve_cp_attention
+from titan_models.parallel.data_parallel import resolve_param_dtype
 
-__all__ = ["StepContext", "check_seq_len", "plain_loss", "reduce_loss", "step_context"]
+__all__ = [
+    "StepContext",
+    "autocast_dtype",
+    "check_seq_len",
+    "plain_loss",
+    "reduce_loss",
+    "step_context",
+]
 
 
 def check_seq_len(seq_len: int, parallel_dims: ParallelDims, *, name: str = "seq_len") -> None:
@@ -62,6 +71,9 @@ class StepContext:
     sharded logits)."""
     cp_rotate_method: str = "allgather"
     """How torch's context parallel passes K/V (``cp_attention == "torch"`` only)."""
+    autocast_dtype: torch.dtype | None = None
+    """The compute dtype of ``torch.autocast`` around the step, for mixed precision without
+    FSDP (whose parameter dtype does it otherwise); ``None``: no autocast."""
 
     @contextlib.contextmanager
     def __call__(
@@ -82,6 +94,11 @@ class StepContext:
                 from torch.distributed.tensor.parallel import loss_parallel
 
                 stack.enter_context(loss_parallel())
+            if self.autocast_dtype is not None:
+                # Around the whole step, as a pipeline schedule interleaves forward and
+                # backward; backward ops take the dtypes autocast chose in forward.
+                device_type = self.parallel_dims.device_type or detect_device_type()
+                stack.enter_context(torch.autocast(device_type, dtype=self.autocast_dtype))
             yield inputs, labels
 
 
@@ -110,7 +127,20 @@ def step_context(
         cp_attention=implementation,
         loss_parallel=parallel_dims.tp_enabled and config.loss_parallel,
         cp_rotate_method=config.cp_rotate_method,
+        autocast_dtype=autocast_dtype(parallel_dims, config),
     )
+
+
+def autocast_dtype(parallel_dims: ParallelDims, config: ParallelizeConfig) -> torch.dtype | None:
+    """The dtype to autocast a step to: ``config.param_dtype`` as the device resolves it
+    (``auto``: bf16 on accelerators and on CPUs with bf16 instructions, else fp32), when it
+    is not fp32 and FSDP is off (single device, DDP, TP, PP without FSDP). With FSDP its
+    mixed-precision policy computes in that dtype already (no autocast, as torchtitan)."""
+    if parallel_dims.fsdp_enabled:
+        return None
+    device_type = parallel_dims.device_type or detect_device_type()
+    dtype = resolve_param_dtype(config.param_dtype, device_type)
+    return None if dtype == torch.float32 else dtype
 
 
 def reduce_loss(
