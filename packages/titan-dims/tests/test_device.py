@@ -13,6 +13,7 @@ from titan_dims import (
     detect_device_type,
     device_module,
     init_distributed,
+    local_device_index,
     set_collective_timeout,
 )
 
@@ -126,3 +127,16 @@ def test_unlaunched_process_gets_a_one_rank_group_with_timeouts(monkeypatch):
         assert total.tolist() == [1.0, 1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "visible", "index"),
+    [(0, 8, 0), (5, 8, 5), (3, 1, 0), (5, 4, 1)],  # one GPU per task: always device 0
+)
+def test_the_device_index_is_the_local_rank_among_the_visible_devices(local_rank, visible, index):
+    assert local_device_index(local_rank, visible) == index
+
+
+def test_no_visible_accelerator_is_one_clear_error():
+    with pytest.raises(DistributedEnvError, match="none is visible to this process"):
+        local_device_index(2, 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -86,3 +87,24 @@ def test_a_modules_own_loss_term_is_scaled_like_the_loss_under_accumulation(tmp_
     layers = [m for part in run.model_parts for m in part.modules() if isinstance(m, MoE)]
     assert len(layers) == 2
     assert {layer.aux_loss_grad_scale for layer in layers} == {0.5}
+
+
+def test_deterministic_mode_sets_what_cublas_and_cudnn_need(monkeypatch):
+    """training.deterministic on a GPU: without CUBLAS_WORKSPACE_CONFIG cuBLAS raises at the
+    first matmul; a user's own setting is kept."""
+    from titan_train.build import use_deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    try:
+        use_deterministic_algorithms()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        assert torch.are_deterministic_algorithms_enabled()
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        use_deterministic_algorithms()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

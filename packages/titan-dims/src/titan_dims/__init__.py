@@ -12,7 +12,12 @@ be built is a ``ParallelDimsError`` (also a ``ValueError``), see ``titan_dims.er
 from titan_dims.__about__ import __version__
 from titan_dims.config import ParallelismConfig
 from titan_dims.device import default_backend, detect_device_type, device_module
-from titan_dims.distributed import DistributedEnv, init_distributed, set_collective_timeout
+from titan_dims.distributed import (
+    DistributedEnv,
+    init_distributed,
+    local_device_index,
+    set_collective_timeout,
+)
 from titan_dims.errors import DistributedEnvError, ParallelDimsError, TitanDimsError
 from titan_dims.layout import MeshLayout
 from titan_dims.parallel_dims import ParallelDims, suggest_degrees
@@ -32,6 +37,7 @@ __all__ = [
     "device_module",
     "fake_process_group",
     "init_distributed",
+    "local_device_index",
     "set_collective_timeout",
     "simulate",
     "suggest_degrees",

@@ -23,6 +23,7 @@ __all__ = [
     "DistributedEnv",
     "DistributedEnvError",
     "init_distributed",
+    "local_device_index",
     "set_collective_timeout",
 ]
 
@@ -82,6 +83,19 @@ class DistributedEnv:
         )
 
 
+def local_device_index(local_rank: int, visible_devices: int) -> int:
+    """The accelerator index of the process with ``local_rank``: its local rank, modulo the
+    devices it can see. A launcher that gives each process its own device
+    (``CUDA_VISIBLE_DEVICES`` of one GPU, e.g. SLURM ``--gpus-per-task=1``) leaves every
+    process one visible device, index 0, whatever its local rank."""
+    if visible_devices < 1:
+        raise DistributedEnvError(
+            f"LOCAL_RANK={local_rank} asks for an accelerator, but none is visible to this "
+            "process; check CUDA_VISIBLE_DEVICES (or its equivalent), or set TITAN_DEVICE=cpu."
+        )
+    return local_rank % visible_devices
+
+
 def init_distributed(
     *,
     device_type: str | None = None,
@@ -107,8 +121,9 @@ def init_distributed(
     device_type = device_type or detect_device_type()
     device = torch.device(device_type)
     if device_type != "cpu":
-        device = torch.device(device_type, env.local_rank)
-        torch.accelerator.set_device_index(env.local_rank)
+        index = local_device_index(env.local_rank, torch.accelerator.device_count())
+        device = torch.device(device_type, index)
+        torch.accelerator.set_device_index(index)
     if dist.is_initialized():
         return device
     backend = backend or default_backend(device_type, cpu_collectives=cpu_collectives)

@@ -119,6 +119,16 @@ def _grads(tiny, ac: ActivationCheckpointConfig) -> tuple[float, dict[str, torch
     return loss.item(), grads
 
 
+def test_compile_with_the_ring_attention_is_refused_before_any_work(tiny):
+    """Reproduced on 2 gloo ranks: torch.compile(fullgraph) of the ring fails on its P2P ops."""
+    dims = ParallelDims(world_size=2, cp=2, dp_shard=1, device_type="cpu")
+    config = ParallelizeConfig(cp_attention="titan_ring", compile=True)
+    with pytest.raises(ModelConfigError, match="P2P compilation disabled"):
+        check_parallelism(tiny.tiny_args(), dims, config, seq_len=32)
+    config = ParallelizeConfig(cp_attention="titan", compile=True)
+    assert check_parallelism(tiny.tiny_args(), dims, config, seq_len=32) == "titan"
+
+
 def test_cpu_offload_without_fsdp_is_rejected(tiny):
     with pytest.raises(ModelConfigError, match="cpu_offload=True offloads FSDP"):
         check_parallelism(

@@ -75,6 +75,11 @@ def test_auto_param_dtype_per_device(device_type, cpu_fast_bf16, expected):
 def test_param_dtype_names_and_this_machine():
     assert resolve_param_dtype("float32", "cuda") == torch.float32
     assert resolve_param_dtype("bfloat16", "cpu", cpu_fast_bf16=False) == torch.bfloat16
-    assert resolve_param_dtype("float16", "cpu") == torch.float16
     # Without the capability given, this machine's CPU is asked.
     assert resolve_param_dtype("auto", "cpu") == auto_param_dtype("cpu", cpu_has_fast_bf16())
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype"])
+def test_float16_is_refused_for_want_of_a_gradient_scaler(field):
+    with pytest.raises(ModelConfigError, match=f"{field}='float16' is not allowed: fp16 needs"):
+        ParallelizeConfig(**{field: "float16"})

@@ -72,7 +72,7 @@ def test_repeat_kv_is_repeat_interleave_of_the_heads():
     [
         ({"world_size": 1}, "bfloat16", torch.bfloat16),  # one device: autocast
         ({"world_size": 2, "dp_replicate": 2, "dp_shard": 1}, "bfloat16", torch.bfloat16),  # DDP
-        ({"world_size": 2, "tp": 2, "dp_shard": 1}, "float16", torch.float16),
+        ({"world_size": 2, "tp": 2, "dp_shard": 1}, "bfloat16", torch.bfloat16),
         ({"world_size": 2, "dp_shard": 2}, "bfloat16", None),  # FSDP's policy does it
         ({"world_size": 1}, "float32", None),
     ],

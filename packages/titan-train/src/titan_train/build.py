@@ -268,7 +268,7 @@ def _build_model(
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
     torch.manual_seed(training.seed)
     if training.deterministic:
-        torch.use_deterministic_algorithms(True)
+        use_deterministic_algorithms()
     with torch.device("meta"):
         model = spec.model_cls(args)
     pipeline = None
@@ -307,6 +307,16 @@ def _build_model(
         plan.batches.accumulation_steps,
     )
     return args, model_parts, pipeline
+
+
+def use_deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)`` and what it needs on GPUs: cuBLAS raises
+    at the first matmul unless ``CUBLAS_WORKSPACE_CONFIG`` is set (kept if the user set
+    it), and cuDNN must neither pick kernels by benchmarking nor use nondeterministic ones."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
 
 
 def close(run: TrainingRun) -> None:

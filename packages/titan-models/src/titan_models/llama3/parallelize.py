@@ -59,6 +59,12 @@ def check_parallelism(
         # Raises for torch's context parallel on a device it has no kernels for.
         device_type = parallel_dims.device_type or detect_device_type()
         implementation = resolve_cp_attention(config.cp_attention, device_type)
+        if implementation == "titan_ring" and config.compile:
+            raise ModelConfigError(
+                "parallelize.compile with cp_attention='titan_ring' cannot work: the ring's "
+                "point-to-point sends do not compile (torch: P2P compilation disabled). Use "
+                "cp_attention='titan' (it compiles) or turn compile off."
+            )
     if parallel_dims.ep_enabled:
         raise ModelConfigError(
             f"ep={parallel_dims.ep}: Llama 3 is a dense model without experts; set ep=1."

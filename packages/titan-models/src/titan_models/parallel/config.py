@@ -21,7 +21,9 @@ __all__ = [
 ]
 
 AC_MODES = ("none", "full", "selective")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16")
+"""Compute and reduction dtypes. No float16: its narrow range needs a gradient scaler, which
+titan does not have (bf16 has fp32's range), so an fp16 run would underflow silently."""
 _RESHARD = ("default", "always", "never")
 CP_ATTENTIONS = ("auto", "titan", "titan_ring", "torch")
 CP_ROTATE_METHODS = ("allgather", "alltoall")
@@ -104,6 +106,13 @@ class ParallelizeConfig:
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpoint, dict):
             self.activation_checkpoint = ActivationCheckpointConfig(**self.activation_checkpoint)
+        if "float16" in (self.param_dtype, self.reduce_dtype):
+            name = "param_dtype" if self.param_dtype == "float16" else "reduce_dtype"
+            raise ModelConfigError(
+                f"{name}='float16' is not allowed: fp16 needs a gradient scaler against "
+                "underflow, which titan does not have; use 'bfloat16' (same speed on GPUs with "
+                "bf16, fp32's range) or 'float32'."
+            )
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("reduce_dtype", self.reduce_dtype, DTYPES[1:])
         check_choice("reshard_after_forward", self.reshard_after_forward, _RESHARD)
