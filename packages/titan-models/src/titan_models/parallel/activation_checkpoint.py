@@ -20,8 +20,10 @@ __all__ = ["apply_activation_checkpointing"]
 
 
 def _saved_ops() -> set:
-    """Ops whose outputs op-level checkpointing keeps: attention (expensive to recompute)
-    and the max reductions of loss/normalization code."""
+    """Ops whose outputs op-level checkpointing keeps: attention (expensive to recompute),
+    the max reductions of loss/normalization code, and collectives (sequence parallel's
+    reduce-scatter, expert parallel's all-to-all): recomputing those would send the same
+    bytes over the network again in every backward."""
     aten = torch.ops.aten
     names = (
         "_scaled_dot_product_flash_attention",
@@ -30,7 +32,12 @@ def _saved_ops() -> set:
         "_scaled_dot_product_flash_attention_for_cpu",
         "max",
     )
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    saved = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    functional = torch.ops._c10d_functional
+    for name in ("reduce_scatter_tensor", "all_to_all_single"):
+        if hasattr(functional, name):
+            saved.add(getattr(functional, name).default)
+    return saved
 
 
 def _op_level_context():

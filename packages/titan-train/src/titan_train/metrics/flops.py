@@ -20,10 +20,13 @@ logger = logging.getLogger(__name__)
 GPU_PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
     (("GB200",), 2.5e15),
     (("B200",), 2.25e15),
-    (("H200",), 989e12),
+    (("H200", "NVL"), 835e12),
+    (("H200",), 989e12),  # SXM
     (("H100", "NVL"), 835e12),
     (("H100", "PCIe"), 756e12),
     (("H100",), 989e12),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+    (("H800", "PCIe"), 756e12),
+    (("H800",), 989e12),  # SXM: H100's compute
     (("H20",), 148e12),
     (("A100",), 312e12),
     (("A800",), 312e12),
@@ -31,6 +34,7 @@ GPU_PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
     (("L40",), 181e12),
     (("L4",), 121e12),
     (("A10G",), 70e12),
+    (("A10",), 125e12),  # after A100 and A10G, whose names contain it
     (("MI355X",), 2.5e15),
     (("MI300X",), 1307e12),
     (("MI325X",), 1307e12),
