@@ -88,6 +88,7 @@ def train(run: TrainingRun) -> None:
     """Train ``run`` from its current step to ``training.steps``: each step, then report,
     validate and checkpoint; collected garbage only every ``training.gc_freq`` steps."""
     training = run.config.training
+    fast_from = fail_fast_step(run.config)
     gc.disable()
     try:
         while run.train_state.step < training.steps:
@@ -100,9 +101,14 @@ def train(run: TrainingRun) -> None:
             result = train_step(run, batches)
             report_step(run, result, started=started, data_seconds=data_seconds)
             validate(run, result.step)
-            run.checkpointer.save(result.step, last_step=result.step == training.steps)
+            last = result.step == training.steps
+            if last and result.step >= fast_from:
+                # The final save (and HF export: rank 0 writes shards while the others wait
+                # in the next gather) may take minutes: the start-up timeout again.
+                _set_timeout(run, run.config.comm.init_timeout_seconds)
+            run.checkpointer.save(result.step, last_step=last)
             run.profiler.step()
-            if result.step == 1:
+            if result.step == fast_from and not last:
                 _start_fail_fast(run)
     finally:
         gc.enable()
@@ -129,12 +135,29 @@ def write_seed_checkpoint(run: TrainingRun) -> None:
     )
 
 
+def fail_fast_step(config: JobConfig) -> int:
+    """The step after which collectives get the short ``comm.train_timeout_seconds``: after
+    the first step (compilation, warm-up), or after the first validation when validation is
+    on (its eval-mode forward compiles again)."""
+    if not config.validation.enable:
+        return 1
+    return max(1, min(config.validation.freq, config.training.steps))
+
+
 def _start_fail_fast(run: TrainingRun) -> None:
-    # Start-up is over: from now on a hung rank should fail fast.
+    # Start-up is over: from now on a hung rank should fail fast. Every rank must be past
+    # start-up first (a rank still finishing its first step would otherwise make its peers'
+    # next collective time out): a barrier, and the device's queued work done.
+    dist.barrier()
+    if run.plan.world.device.type != "cpu":
+        torch.accelerator.synchronize()
+    _set_timeout(run, run.config.comm.train_timeout_seconds)
+
+
+def _set_timeout(run: TrainingRun, seconds: int) -> None:
     dims = run.plan.parallel_dims
     set_collective_timeout(
-        timedelta(seconds=run.config.comm.train_timeout_seconds),
-        [dims.world_mesh] if dims.layout.names else None,
+        timedelta(seconds=seconds), [dims.world_mesh] if dims.layout.names else None
     )
 
 
