@@ -108,3 +108,15 @@ def test_deterministic_mode_sets_what_cublas_and_cudnn_need(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+def test_a_seed_checkpoint_is_built_on_the_host():
+    """A seed checkpoint holds the whole unsharded model in one process: on the host, not on
+    the GPU (70B in fp32 is 280 GB)."""
+    from titan_train.build import materialization_device
+
+    config = JobConfig()
+    gpu = torch.device("cuda", 0)
+    assert materialization_device(config, gpu) == gpu
+    config.checkpoint.create_seed_checkpoint = True
+    assert materialization_device(config, gpu) == torch.device("cpu")

@@ -118,6 +118,11 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
     # (and the order that keeps runs reproducible), mostly constructor keywords; split up,
     # the parts would only be passed around between the pieces.
     dims, world = plan.parallel_dims, plan.world
+    dump_file = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if dump_file and world.device.type != "cpu":
+        # torch writes the flight recorder's dump there on a timeout, into a folder that
+        # must exist then.
+        os.makedirs(os.path.dirname(dump_file) or ".", exist_ok=True)
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     dp_rank = dims.dp_rank(world.rank)
     # With torchft, data is sharded over the data-parallel ranks of every replica group.
@@ -292,9 +297,10 @@ def _build_model(
         model_parts = [
             spec.parallelize_fn(model, dims, config.parallelize, seq_len=training.seq_len)
         ]
+    materialize_on = materialization_device(config, device)
     for part in model_parts:
-        part.to_empty(device=device)
-        part.init_weights(buffer_device=device)
+        part.to_empty(device=materialize_on)
+        part.init_weights(buffer_device=materialize_on)
         part.train()
     logger.info(
         "%s %s: %s parameters, %s; %d x %d tokens per step (%d accumulation steps)",
@@ -307,6 +313,13 @@ def _build_model(
         plan.batches.accumulation_steps,
     )
     return args, model_parts, pipeline
+
+
+def materialization_device(config: JobConfig, device: torch.device) -> torch.device:
+    """Where the model's weights are allocated and initialized: the run's device, except
+    for a seed checkpoint, whose one process holds the whole unsharded fp32 model (beyond
+    ~20B parameters more than a GPU's memory): it is built on the host, as torchtitan does."""
+    return torch.device("cpu") if config.checkpoint.create_seed_checkpoint else device
 
 
 def use_deterministic_algorithms() -> None:

@@ -208,11 +208,6 @@ KEYS: Mapping[str, Key] = {
     "mx.*": _noop(_QUANTIZED, str),
     "quantize.*": _noop(_QUANTIZED, str),
     # [comm]
-    "comm.trace_buf_size": _noop(
-        "titan leaves torch's flight recorder to TORCH_NCCL_TRACE_BUFFER_SIZE", int
-    ),
-    "comm.save_traces_folder": _noop("titan writes no flight-recorder traces", str),
-    "comm.save_traces_file_prefix": _noop("titan writes no flight-recorder traces", str),
     "comm.mode": _refuse(
         "titan has no fake or local-tensor communication backend", str, inert=("default",)
     ),

@@ -126,16 +126,24 @@ class TrainingConfig(DataSource):
 
 @dataclass(kw_only=True)
 class CommConfig:
-    """Collective-communication timeouts."""
+    """Collective-communication timeouts and the NCCL flight recorder."""
 
     init_timeout_seconds: int = 300
     """Timeout of the first collectives (start-up, first step, compilation)."""
     train_timeout_seconds: int = 100
     """Timeout of every collective after the first step: a hung rank fails the job after this."""
+    trace_buf_size: int = 20000
+    """NCCL flight recorder: how many collectives each rank remembers, dumped when one times
+    out (torch's TORCH_FR_BUFFER_SIZE); 0 turns it off. Accelerator backends only."""
+    save_traces_folder: str = "comm_traces"
+    """Where under job.dump_folder the flight recorder's dumps go."""
+    save_traces_file_prefix: str = "rank_"
+    """Each dump's file name: this prefix, then the rank."""
 
     def __post_init__(self) -> None:
         for key in ("init_timeout_seconds", "train_timeout_seconds"):
             check_int(f"comm.{key}", getattr(self, key), minimum=1)
+        check_int("comm.trace_buf_size", self.trace_buf_size, minimum=0, hint="0 turns it off")
 
 
 @dataclass(kw_only=True)

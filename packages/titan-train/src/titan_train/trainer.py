@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from titan_dims import init_distributed, set_collective_timeout
+from titan_dims import detect_device_type, init_distributed, set_collective_timeout
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
 from titan_train.preflight import (
@@ -57,6 +58,7 @@ logger = logging.getLogger("titan_train")
 def run(config: JobConfig) -> TrainState:
     """Train as ``config`` says; returns the final train state. The process group it starts
     is destroyed on the way out, also when training fails."""
+    os.environ.update(flight_recorder_env(config, detect_device_type()))
     device = init_distributed(timeout=timedelta(seconds=config.comm.init_timeout_seconds))
     try:
         return _run_in_group(config, device)
@@ -133,6 +135,24 @@ def write_seed_checkpoint(run: TrainingRun) -> None:
         "--checkpoint.initial_load_path",
         run.plan.checkpoint.folder,
     )
+
+
+def flight_recorder_env(config: JobConfig, device_type: str) -> dict[str, str]:
+    """The variables that make torch's NCCL flight recorder keep the last
+    ``comm.trace_buf_size`` collectives of each rank and dump them under
+    ``job.dump_folder/comm.save_traces_folder`` when a collective times out: a hang at scale
+    then says which rank waited where. Set before the process group starts; ones the user
+    set win. Nothing on CPU (gloo has no flight recorder) or with a size of 0."""
+    comm = config.comm
+    if device_type == "cpu" or comm.trace_buf_size == 0:
+        return {}
+    folder = os.path.join(config.job.dump_folder, comm.save_traces_folder)
+    wanted = {
+        "TORCH_FR_BUFFER_SIZE": str(comm.trace_buf_size),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(folder, comm.save_traces_file_prefix),
+    }
+    return {name: value for name, value in wanted.items() if name not in os.environ}
 
 
 def fail_fast_step(config: JobConfig) -> int:
