@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_ckpt import CheckpointManager
+from titan_dims import ParallelDims
 from titan_models import Pipeline, StepContext
 from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
 from titan_train.config import JobConfig
@@ -266,12 +267,12 @@ def _build_model(
     config: JobConfig, plan: Plan, vocab_size: int, validating: bool
 ) -> tuple[Any, list[nn.Module], Pipeline | None]:
     """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init),
-    and the pipeline. Same seed everywhere: every rank initializes its shards of the same
-    full model."""
+    and the pipeline. Same seed on every rank of a stage (each initializes its shards of the
+    same model), another per pipeline stage (``seed_model_init``)."""
     training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
     longest = max(training.seq_len, config.validation.seq_len if validating else 0)
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
-    torch.manual_seed(training.seed)
+    seed_model_init(training.seed, dims, device)
     if training.deterministic:
         use_deterministic_algorithms()
     with torch.device("meta"):
@@ -313,6 +314,23 @@ def _build_model(
         plan.batches.accumulation_steps,
     )
     return args, model_parts, pipeline
+
+
+def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None:
+    """Seed the model's random init: ``seed`` on every rank of a pipeline stage, so their
+    shards are of one model, but ``seed + pp rank`` per stage: stages that run the same
+    sequence of init ops (every middle stage, and any stage without the embedding) would
+    otherwise draw identical blocks. On accelerators DTensor's own generator, which torch
+    syncs from rank 0 across the whole world, is seeded the same way over the stage's mesh."""
+    pp_rank = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
+    torch.manual_seed(seed + pp_rank)
+    if device.type == "cpu" or not dims.layout.names:
+        return  # DTensor's random ops use the plain generator on CPU
+    from torch.distributed.tensor._random import manual_seed as seed_dtensor_rng
+
+    stage_dims = tuple(name for name in dims.layout.dim_names if name != "pp")
+    if stage_dims:
+        seed_dtensor_rng(seed + pp_rank, dims.get_mesh(stage_dims))
 
 
 def materialization_device(config: JobConfig, device: torch.device) -> torch.device:
