@@ -102,3 +102,30 @@ def test_our_shards_are_torchs_load_balanced_shards(seq_len, cp):
     order = _HeadTailLoadBalancer(seq_len, cp, "cpu")._generate_indices()[0]
     for rank, share in enumerate(order.chunk(cp)):
         assert share.tolist() == context_parallel_positions(seq_len, rank, cp).tolist()
+
+
+def test_torchs_attention_runs_only_the_kernels_torchs_context_parallel_shards(monkeypatch):
+    """Inside torch's context parallel, SDPA must not fall back to the math kernel (it would
+    attend over the permuted sequence unsharded): the attention restricts SDPA to flash,
+    efficient and cuDNN. On CPU the flash kernel serves, with causal attention's result."""
+    import torch
+    from torch.nn import functional
+
+    from titan_models.parallel.context_parallel import TorchContextParallelAttention
+
+    monkeypatch.setattr(TorchContextParallelAttention, "open_contexts", 1)
+    chosen = []
+    real = torch.nn.attention.sdpa_kernel
+
+    def recording(backends, *args, **kwargs):
+        chosen.append(sorted(b.name for b in backends))
+        return real(backends, *args, **kwargs)
+
+    monkeypatch.setattr("titan_models.parallel.context_parallel.sdpa_kernel", recording)
+    q, k, v = (
+        torch.randn(1, 4, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    out = TorchContextParallelAttention()(q, k, v)
+    assert chosen == [["CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION"]]
+    expected = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected)

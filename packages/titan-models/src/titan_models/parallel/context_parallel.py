@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import functional
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_dims import ParallelDims, detect_device_type
 from titan_models.errors import ModelConfigError, check_choice
@@ -135,6 +136,13 @@ def _rope_for_positions(cp_rank: int, cp: int):
     return hook
 
 
+_TORCH_CP_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+]
+
+
 class TorchContextParallelAttention(nn.Module):
     """Causal SDPA (GQA heads repeated) for torch's ``context_parallel``, which swaps SDPA for
     ring attention while its context is open. Outside :func:`context_parallel_batch` it
@@ -153,8 +161,11 @@ class TorchContextParallelAttention(nn.Module):
                 "CUDA): run its forward and backward inside titan_models.context_parallel_batch."
             )
         k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
-        # is_causal (not a mask): torch's ring attention handles exactly this case.
-        return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # is_causal (not a mask): torch's ring attention handles exactly this case. Only the
+        # kernels it shards (flash, efficient, cuDNN): were SDPA to fall back to the math
+        # kernel, it would attend over the permuted (load-balanced) sequence unsharded.
+        with sdpa_kernel(_TORCH_CP_BACKENDS):
+            return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def apply_context_parallel(
