@@ -132,7 +132,10 @@ def test_config_prints_the_merged_config_as_toml(tmp_path, capsys):
 
 def test_list_models(capsys):
     assert main(["list-models"]) == 0
-    assert capsys.readouterr().out.startswith("llama3: debugmodel, ")
+    lines = capsys.readouterr().out.splitlines()
+    assert "llama3: debugmodel, 1B, 3B, 8B, 70B, 405B" in lines
+    assert "deepseek_v3: debugmodel, 16B, 236B, 671B" in lines
+    assert lines == sorted(lines)
 
 
 def test_help(capsys):
