@@ -272,6 +272,8 @@ def test_fsdp_bf16_mixed_precision(two_rank_losses, single_process_losses):
     single-process run within bf16 rounding (without being equal to it)."""
     losses, expected = two_rank_losses["fsdp_bf16"], single_process_losses[2]
     assert two_rank_losses["fsdp_bf16.activation_dtypes"] == ["torch.bfloat16"]
+    # The RoPE table reaches every block in fp32 (FSDP does not cast block inputs).
+    assert two_rank_losses["fsdp_bf16.rope_dtypes"] == ["torch.float32"]
     assert two_rank_losses["fsdp_bf16.param_dtypes"] == ["torch.float32"]
     assert two_rank_losses["fsdp_bf16.grad_dtypes"] == ["torch.float32"]
     assert two_rank_losses["fsdp.activation_dtypes"] == ["torch.float32"]

@@ -132,9 +132,13 @@ def train(layout: str, out_dir: Path, observed: dict[str, list]) -> list[float]:
     # The dtype every block computes in: the output of its feed-forward.
     activation_dtypes = set()
     blocks = [block for part in parts for block in part.layers.values()]
+    rope_dtypes = set()
     for block in blocks:
         block.feed_forward.register_forward_hook(
             lambda module, args, out: activation_dtypes.add(str(out.dtype))
+        )
+        block.attention.register_forward_pre_hook(
+            lambda module, args: rope_dtypes.add(str(args[1].dtype))
         )
     compiled_before = tiny.COMPILED["calls"]
 
@@ -174,6 +178,7 @@ def train(layout: str, out_dir: Path, observed: dict[str, list]) -> list[float]:
             value /= dims.dp_degree * dims.cp
         losses.append(value.item())
     observed["activation_dtypes"] = sorted(activation_dtypes)
+    observed["rope_dtypes"] = sorted(rope_dtypes)
     observed["param_dtypes"] = sorted({str(p.dtype) for part in parts for p in part.parameters()})
     observed["grad_dtypes"] = sorted(grad_dtypes)
     observed["compiled_calls"] = [tiny.COMPILED["calls"] - compiled_before]
