@@ -57,17 +57,29 @@ logger = logging.getLogger("titan_train")
 
 def run(config: JobConfig) -> TrainState:
     """Train as ``config`` says; returns the final train state. The process group it starts
-    is destroyed on the way out, also when training fails."""
+    is destroyed on the way out; when training fails, only on gloo (an NCCL shutdown can
+    block on peers still in a collective: the process exit takes it down instead)."""
     os.environ.update(flight_recorder_env(config, detect_device_type()))
     device = init_distributed(timeout=timedelta(seconds=config.comm.init_timeout_seconds))
     try:
-        return _run_in_group(config, device)
-    finally:
-        # The model, optimizers and checkpointer went with _run_in_group's frame; collect
-        # them now: FSDP state holds gloo work, and a gloo group freed during interpreter
-        # shutdown can abort the process after a successful run.
-        gc.collect()
-        dist.destroy_process_group()
+        state = _run_in_group(config, device)
+    except BaseException:
+        # On NCCL, shutting communicators down while peers still wait in a collective can
+        # block until the watchdog fires, hiding the error: leave that to process exit (the
+        # launcher tears the job down). gloo's shutdown does not block.
+        if dist.get_backend() == "gloo":
+            _destroy_group()
+        raise
+    _destroy_group()
+    return state
+
+
+def _destroy_group() -> None:
+    # The model, optimizers and checkpointer went with _run_in_group's frame; collect them
+    # first: FSDP state holds gloo work, and a gloo group freed during interpreter shutdown
+    # can abort the process after a successful run.
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
