@@ -13,7 +13,7 @@ from titan_dims import ParallelDims, ParallelismConfig
 from titan_models import ModelConfigError
 from titan_train import ConfigError, JobConfig, Plan, World, preflight
 from titan_train.cli import main
-from titan_train.preflight import checkpoint_settings, plan_batches
+from titan_train.preflight import checkpoint_cost_warning, checkpoint_settings, plan_batches
 
 CPU = torch.device("cpu")
 
@@ -208,3 +208,18 @@ def test_a_url_checkpoint_folder_stays_a_url(tmp_path):
     config = job(tmp_path)
     config.checkpoint.folder = "s3://bucket/ckpt"
     assert checkpoint_settings(config).folder == "s3://bucket/ckpt"
+
+
+def test_frequent_checkpoints_of_a_large_model_are_warned_about(tmp_path, caplog):
+    """titan-train's default interval (10) suits its CPU demo; for an 8B model each save
+    writes ~96 GB (issue 18, F27): one warning line, the run goes on."""
+    config = job(tmp_path)
+    config.model.flavor = "8B"
+    message = checkpoint_cost_warning(config, preflight(job(tmp_path), world()).spec)
+    assert message.startswith("checkpoint.interval=10 saves a 8.0B-parameter model (~96 GB")
+    with caplog.at_level("WARNING", logger="titan_train"):
+        preflight(config, world())
+    assert [r.getMessage() for r in caplog.records] == [message]
+    config.checkpoint.interval = 500
+    assert checkpoint_cost_warning(config, preflight(config, world()).spec) is None
+    assert checkpoint_cost_warning(job(tmp_path), preflight(job(tmp_path), world()).spec) is None

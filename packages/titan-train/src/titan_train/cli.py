@@ -213,7 +213,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
     from titan_train.config import parse_job_config
     from titan_train.preflight import World, preflight
 
-    logging.disable(logging.INFO)
+    logging.disable(logging.WARNING)  # rank 0 logs the same warnings once the ranks start
     try:
         config = parse_job_config(argv)
         device = torch.device(detect_device_type())

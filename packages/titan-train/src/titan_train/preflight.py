@@ -24,6 +24,7 @@ the value and a fix; the CLI exits 2 on it. Unit-tested without processes
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -39,6 +40,8 @@ from titan_train.fault_tolerance import check_fault_tolerance
 from titan_train.model_args import build_model_args
 from titan_train.registry import load_model_spec
 
+logger = logging.getLogger("titan_train")
+
 __all__ = [
     "BatchPlan",
     "Plan",
@@ -47,6 +50,7 @@ __all__ = [
     "check_model_layout",
     "check_optimizer_in_backward",
     "check_seq_lens",
+    "checkpoint_cost_warning",
     "checkpoint_settings",
     "plan_batches",
     "preflight",
@@ -103,6 +107,9 @@ def preflight(config: JobConfig, world: World) -> Plan:
     spec = check_model(config, dims)
     check_seq_lens(config, dims)
     check_model_layout(config, dims, spec, batches)
+    warning = checkpoint_cost_warning(config, spec)
+    if warning and world.rank == 0:
+        logger.warning("%s", warning)
     microbatches = None
     if dims.pp_enabled:
         steps = batches.local_batch_size * batches.accumulation_steps
@@ -194,6 +201,28 @@ def check_model_layout(
         pipeline_config=config.pipeline if dims.pp_enabled else None,
         # Gradient accumulation runs as more microbatches of one schedule step.
         local_batch_size=batches.local_batch_size * batches.accumulation_steps,
+    )
+
+
+def checkpoint_cost_warning(config: JobConfig, spec: ModelSpec) -> str | None:
+    """A warning when checkpoints every ``checkpoint.interval`` steps cost more than a run of
+    a large model should pay: titan-train's default (10, sized for its CPU demo) or any
+    interval under 100, with a model of a billion parameters or more. Each save writes the
+    fp32 weights and the AdamW moments: 12 bytes a parameter."""
+    checkpoint = config.checkpoint
+    if not checkpoint.enable or checkpoint.interval >= 100:
+        return None
+    longest = config.training.seq_len
+    args = build_model_args(spec, config.model, vocab_size=None, max_seq_len=longest)
+    count = getattr(args, "num_params", None)
+    params = count() if callable(count) else 0
+    if params < 1e9:
+        return None
+    return (
+        f"checkpoint.interval={checkpoint.interval} saves a {params / 1e9:.1f}B-parameter "
+        f"model (~{12 * params / 1e9:,.0f} GB with its optimizer state) every "
+        f"{checkpoint.interval} steps; torchtitan saves every 500. Set checkpoint.interval "
+        "to what your storage and step time allow."
     )
 
 
