@@ -110,13 +110,16 @@ def test_deterministic_mode_sets_what_cublas_and_cudnn_need(monkeypatch):
         torch.backends.cudnn.deterministic = False
 
 
-def test_a_seed_checkpoint_is_built_on_the_host():
+def test_where_parameters_and_buffers_are_built():
     """A seed checkpoint holds the whole unsharded model in one process: on the host, not on
-    the GPU (70B in fp32 is 280 GB)."""
-    from titan_train.build import materialization_device
+    the GPU (70B in fp32 is 280 GB). With CPU offload FSDP keeps the parameters on the host,
+    and the buffers (the RoPE table, read every forward) go to the device."""
+    from titan_train.build import materialization_devices
 
     config = JobConfig()
-    gpu = torch.device("cuda", 0)
-    assert materialization_device(config, gpu) == gpu
+    gpu, host = torch.device("cuda", 0), torch.device("cpu")
+    assert materialization_devices(config, gpu) == (gpu, gpu)
+    config.parallelize.cpu_offload = True
+    assert materialization_devices(config, gpu) == (host, gpu)
     config.checkpoint.create_seed_checkpoint = True
-    assert materialization_device(config, gpu) == torch.device("cpu")
+    assert materialization_devices(config, gpu) == (host, host)

@@ -298,10 +298,10 @@ def _build_model(
         model_parts = [
             spec.parallelize_fn(model, dims, config.parallelize, seq_len=training.seq_len)
         ]
-    materialize_on = materialization_device(config, device)
+    params_on, buffers_on = materialization_devices(config, device)
     for part in model_parts:
-        part.to_empty(device=materialize_on)
-        part.init_weights(buffer_device=materialize_on)
+        part.to_empty(device=params_on)
+        part.init_weights(buffer_device=buffers_on)
         part.train()
     logger.info(
         "%s %s: %s parameters, %s; %d x %d tokens per step (%d accumulation steps)",
@@ -333,11 +333,21 @@ def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None
         seed_dtensor_rng(seed + pp_rank, dims.get_mesh(stage_dims))
 
 
-def materialization_device(config: JobConfig, device: torch.device) -> torch.device:
-    """Where the model's weights are allocated and initialized: the run's device, except
-    for a seed checkpoint, whose one process holds the whole unsharded fp32 model (beyond
-    ~20B parameters more than a GPU's memory): it is built on the host, as torchtitan does."""
-    return torch.device("cpu") if config.checkpoint.create_seed_checkpoint else device
+def materialization_devices(
+    config: JobConfig, device: torch.device
+) -> tuple[torch.device, torch.device]:
+    """Where the model's parameters and its buffers (the RoPE table) are allocated and
+    initialized: the run's device, except
+    - a seed checkpoint, whose one process holds the whole unsharded fp32 model (beyond ~20B
+      parameters more than a GPU's memory): all on the host, as torchtitan does;
+    - FSDP with CPU offload, whose sharded parameters live on the host: parameters there,
+      buffers (used in every forward) on the device."""
+    host = torch.device("cpu")
+    if config.checkpoint.create_seed_checkpoint:
+        return host, host
+    if config.parallelize.cpu_offload:
+        return host, device
+    return device, device
 
 
 def use_deterministic_algorithms() -> None:

@@ -60,7 +60,12 @@ def run(config: JobConfig) -> TrainState:
     is destroyed on the way out; when training fails, only on gloo (an NCCL shutdown can
     block on peers still in a collective: the process exit takes it down instead)."""
     os.environ.update(flight_recorder_env(config, detect_device_type()))
-    device = init_distributed(timeout=timedelta(seconds=config.comm.init_timeout_seconds))
+    device = init_distributed(
+        timeout=timedelta(seconds=config.comm.init_timeout_seconds),
+        # CPU-offloaded parameters and gradients meet collectives on the host (the gradient
+        # norm, the HF export's gathers): an accelerator's backend alone has none for them.
+        cpu_collectives=config.parallelize.cpu_offload,
+    )
     try:
         state = _run_in_group(config, device)
     except BaseException:
