@@ -129,3 +129,19 @@ def test_torchs_attention_runs_only_the_kernels_torchs_context_parallel_shards(m
     assert chosen == [["CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION"]]
     expected = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, expected)
+
+
+def test_positions_are_made_where_they_are_used():
+    """On an accelerator a host tensor copied over waits for the stream: the positions (and
+    the masks built from them) are created on the requested device. The meta device shows
+    it without a GPU."""
+    import torch
+
+    from titan_models.parallel import context_parallel_positions
+
+    positions = context_parallel_positions(16, 1, 2, device="meta")
+    assert positions.device.type == "meta"
+    assert context_parallel_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(
+        context_parallel_positions(16, 0, 2), torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])
+    )

@@ -116,10 +116,13 @@ class ContextParallelAttention(ShardedAttention):
         k = _AllGatherSeq.apply(k, self.group)
         v = _AllGatherSeq.apply(v, self.group)
         k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
-        q_pos = context_parallel_positions(seq_len, self.cp_rank, self.cp).to(q.device)
+        q_pos = context_parallel_positions(seq_len, self.cp_rank, self.cp, device=q.device)
         k_pos = torch.cat(
-            [context_parallel_positions(seq_len, r, self.cp) for r in range(self.cp)]
-        ).to(q.device)
+            [
+                context_parallel_positions(seq_len, r, self.cp, device=q.device)
+                for r in range(self.cp)
+            ]
+        )
         mask = q_pos[:, None] >= k_pos[None, :]
         return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -130,8 +133,8 @@ def _rope_for_positions(cp_rank: int, cp: int):
 
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, rope = args
-        positions = context_parallel_positions(x.shape[1] * cp, cp_rank, cp)
-        return x, rope.index_select(0, positions.to(rope.device))
+        positions = context_parallel_positions(x.shape[1] * cp, cp_rank, cp, device=rope.device)
+        return x, rope.index_select(0, positions)
 
     return hook
 

@@ -15,17 +15,20 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["ShardedAttention", "context_parallel_positions", "context_parallel_shard"]
 
 
-def context_parallel_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+def context_parallel_positions(
+    seq_len: int, cp_rank: int, cp: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The global positions of the ``seq_len / cp`` tokens ``cp_rank`` holds, in local order:
-    chunk ``cp_rank`` then chunk ``2 cp - 1 - cp_rank`` of ``2 cp`` equal chunks."""
+    chunk ``cp_rank`` then chunk ``2 cp - 1 - cp_rank`` of ``2 cp`` equal chunks. Made on
+    ``device`` directly (a host tensor copied to an accelerator would wait for its stream)."""
     if seq_len % (2 * cp):
         raise ValueError(
             f"seq_len={seq_len} must be divisible by 2 x cp = {2 * cp} for load-balanced "
             "context parallel."
         )
     chunk = seq_len // (2 * cp)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)
     return torch.cat((first, second))
 
 
@@ -34,8 +37,8 @@ def context_parallel_shard(
 ) -> torch.Tensor:
     """This rank's load-balanced share of ``tensor`` along ``dim`` (the sequence): apply it
     to the inputs and to the labels alike."""
-    positions = context_parallel_positions(tensor.shape[dim], cp_rank, cp)
-    return tensor.index_select(dim, positions.to(tensor.device))
+    positions = context_parallel_positions(tensor.shape[dim], cp_rank, cp, device=tensor.device)
+    return tensor.index_select(dim, positions)
 
 
 class ShardedAttention(nn.Module):

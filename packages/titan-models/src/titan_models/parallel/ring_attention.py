@@ -50,7 +50,7 @@ class _RingAttention(torch.autograd.Function):
         dtype = torch.promote_types(q.dtype, torch.float32)
         scale = q.shape[-1] ** -0.5
         seq_len = q.shape[-2] * cp
-        q_pos = context_parallel_positions(seq_len, cp_rank, cp).to(q.device)
+        q_pos = context_parallel_positions(seq_len, cp_rank, cp, device=q.device)
         qf = q.to(dtype)
         kv = torch.stack((k, v))
         out = lse = None
@@ -59,24 +59,25 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 received, pending = _rotate(kv, group, cp_rank, cp)
             source = (cp_rank - step) % cp
-            k_pos = context_parallel_positions(seq_len, source, cp).to(q.device)
+            k_pos = context_parallel_positions(seq_len, source, cp, device=q.device)
             mask = q_pos[:, None] >= k_pos[None, :]
-            if mask.any():
-                scores = _scores(qf, kv[0].to(dtype), mask, scale)
-                block_lse = scores.logsumexp(-1)
-                # Rows with no visible key here: -inf; subtracting 0 keeps their weights 0.
-                safe = block_lse.masked_fill(block_lse.isinf(), 0.0)
-                block_out = torch.exp(scores - safe[..., None]) @ kv[1].to(dtype).unsqueeze(2)
-                if out is None:
-                    # Step 0 is this rank's own block: every query sees at least itself.
-                    out, lse = block_out, block_lse
-                else:
-                    merged = torch.logaddexp(lse, block_lse)
-                    out = (
-                        out * torch.exp(lse - merged)[..., None]
-                        + block_out * torch.exp(block_lse - merged)[..., None]
-                    )
-                    lse = merged
+            # Every block has a visible key: with load balancing, this rank's second chunk
+            # comes after every rank's first one (no host-side mask.any(): a sync on GPUs).
+            scores = _scores(qf, kv[0].to(dtype), mask, scale)
+            block_lse = scores.logsumexp(-1)
+            # Rows with no visible key here: -inf; subtracting 0 keeps their weights 0.
+            safe = block_lse.masked_fill(block_lse.isinf(), 0.0)
+            block_out = torch.exp(scores - safe[..., None]) @ kv[1].to(dtype).unsqueeze(2)
+            if out is None:
+                # Step 0 is this rank's own block: every query sees at least itself.
+                out, lse = block_out, block_lse
+            else:
+                merged = torch.logaddexp(lse, block_lse)
+                out = (
+                    out * torch.exp(lse - merged)[..., None]
+                    + block_out * torch.exp(block_lse - merged)[..., None]
+                )
+                lse = merged
             if pending is not None:
                 for work in pending:
                     work.wait()
@@ -92,7 +93,7 @@ class _RingAttention(torch.autograd.Function):
         dtype = out.dtype
         scale = q.shape[-1] ** -0.5
         seq_len = q.shape[-2] * cp
-        q_pos = context_parallel_positions(seq_len, cp_rank, cp).to(q.device)
+        q_pos = context_parallel_positions(seq_len, cp_rank, cp, device=q.device)
         qf, grad_out = q.to(dtype), grad_out.to(dtype)
         # Softmax backward: dS = P (dP - rowsum(dO * O)).
         delta = (grad_out * out).sum(-1, keepdim=True)
@@ -102,18 +103,19 @@ class _RingAttention(torch.autograd.Function):
         state = torch.stack((k.to(dtype), v.to(dtype), zeros, zeros))
         for step in range(cp):
             source = (cp_rank - step) % cp
-            k_pos = context_parallel_positions(seq_len, source, cp).to(q.device)
+            k_pos = context_parallel_positions(seq_len, source, cp, device=q.device)
             mask = q_pos[:, None] >= k_pos[None, :]
-            if mask.any():
-                block_k, block_v = state[0], state[1]
-                probs = torch.exp(_scores(qf, block_k, mask, scale) - lse[..., None])
-                d_probs = grad_out @ block_v.unsqueeze(2).transpose(-1, -2)
-                d_scores = probs * (d_probs - delta) * scale
-                dq += d_scores @ block_k.unsqueeze(2)
-                # Sum over the query heads that share each key/value head.
-                dk = (d_scores.transpose(-1, -2) @ qf).sum(2)
-                dv = (probs.transpose(-1, -2) @ grad_out).sum(2)
-                state = torch.stack((block_k, block_v, state[2] + dk, state[3] + dv))
+            # Every block has a visible key: with load balancing, this rank's second chunk
+            # comes after every rank's first one (no host-side mask.any(): a sync on GPUs).
+            block_k, block_v = state[0], state[1]
+            probs = torch.exp(_scores(qf, block_k, mask, scale) - lse[..., None])
+            d_probs = grad_out @ block_v.unsqueeze(2).transpose(-1, -2)
+            d_scores = probs * (d_probs - delta) * scale
+            dq += d_scores @ block_k.unsqueeze(2)
+            # Sum over the query heads that share each key/value head.
+            dk = (d_scores.transpose(-1, -2) @ qf).sum(2)
+            dv = (probs.transpose(-1, -2) @ grad_out).sum(2)
+            state = torch.stack((block_k, block_v, state[2] + dk, state[3] + dv))
             # After the last block only the accumulators need to go home (one more hop).
             send = state if step < cp - 1 else state[2:].contiguous()
             received, pending = _rotate(send, group, cp_rank, cp)
