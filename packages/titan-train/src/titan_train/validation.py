@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from titan_dims import ParallelDims
-from titan_models import Pipeline, StepContext, reduce_loss, step_context
+from titan_models import ParallelizeConfig, Pipeline, StepContext, reduce_loss, step_context
 from titan_train.data import DataSource, build_dataloader
 from titan_train.errors import ConfigError, check_int
 from titan_train.step import batch_loss
@@ -133,4 +133,5 @@ class Validator:
 
 
 def _default_context(dims: ParallelDims) -> StepContext:
-    return step_context(dims)
+    # Without the plan's context: the model computes in its own dtype (no autocast).
+    return step_context(dims, ParallelizeConfig(param_dtype="float32"))

@@ -173,6 +173,8 @@ TRAIN = [
     "--optimizer.lr", str(META["optimizer"]["lr"]),
     "--checkpoint.interval", "100", "--metrics.log_freq", "1",
     "--metrics.no_enable_tensorboard",
+    # torchtitan's reference ran in fp32; "auto" picks bf16 on CPUs with bf16 instructions.
+    "--parallelize.param_dtype", "float32",
 ]  # fmt: skip
 
 
