@@ -15,10 +15,10 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import IO
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from titan_ckpt.formats.dcp import SafeFileSystemReader, safe_fsspec_reader
+from titan_ckpt.formats.hashing import HashingFileSystemWriter, hashing_fsspec_writer
 
 __all__ = ["FsspecStorage", "LocalStorage", "Storage", "storage_for"]
 
@@ -56,7 +56,9 @@ class Storage(ABC):
 
     @abstractmethod
     def dcp_writer(self, path: str) -> StorageWriter:
-        """A DCP storage writer for the checkpoint directory ``path``."""
+        """A DCP storage writer for the checkpoint directory ``path``. One that reports the
+        size and sha256 of the files it wrote (``titan_ckpt.formats.hashing``) spares the
+        commit a second read of the step; any other is fine, and its files are read back."""
 
     @abstractmethod
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
@@ -119,7 +121,7 @@ class LocalStorage(Storage):
         return os.path.join(*parts)
 
     def dcp_writer(self, path: str) -> StorageWriter:
-        return FileSystemWriter(path)
+        return HashingFileSystemWriter(path)
 
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
         return SafeFileSystemReader(path, trust_pickles=trust_pickles)
@@ -206,10 +208,7 @@ class FsspecStorage(Storage):
                 self.fs.rm(tmp)
 
     def dcp_writer(self, path: str) -> StorageWriter:
-        # DCP's fsspec writer lives in a private module in every torch release so far.
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(self._url(path))
+        return hashing_fsspec_writer(self._url(path))
 
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
         return safe_fsspec_reader(self._url(path), trust_pickles=trust_pickles)
