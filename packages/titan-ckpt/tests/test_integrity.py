@@ -73,6 +73,15 @@ def test_manifest_equals_an_independent_hash_of_every_ranks_files(two_rank_saves
             assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def test_two_ranks_verify_their_shares_on_load_and_agree_on_a_damaged_file(two_rank_saves):
+    _, reports = two_rank_saves
+    for report in reports:
+        assert report["load"]["intact"] == {"loaded": True}
+        assert report["load"]["damaged"] == {
+            "problems": ["__1_0.distcp: sha256 differs from the manifest (contents changed)"]
+        }
+
+
 def _load(common, folder, step):
     model = common.make_model(seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -27,9 +27,11 @@ import errno
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +50,9 @@ __all__ = [
     "classify_step",
     "commit_step",
     "committed_steps",
+    "file_problems",
     "hash_files",
+    "integrity_error",
     "json_metadata",
     "read_manifest",
     "scan_steps",
@@ -263,23 +267,50 @@ def read_manifest(storage: Storage, directory: str) -> Manifest | None:
 
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:
     """Raise ``CheckpointIntegrityError`` naming every file that differs from the manifest."""
-    problems: list[str] = []
-    for rel, info in sorted(manifest.files.items()):
-        path = storage.join(directory, rel)
-        if not storage.exists(path):
-            problems.append(f"{rel}: missing")
-            continue
-        size = storage.size(path)
-        if size != info["size"]:
-            problems.append(f"{rel}: {size} bytes, the manifest says {info['size']}")
-        elif checksums and _sha256(storage, path) != info["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the manifest (contents changed)")
+    problems = file_problems(storage, directory, manifest.files, checksums=checksums)
     if problems:
-        raise CheckpointIntegrityError(
-            f"Checkpoint {directory} is damaged: " + "; ".join(problems) + ". Load an earlier "
-            "step (checkpoint.load_step) or restore these files.",
-            problems=problems,
-        )
+        raise integrity_error(directory, problems)
+
+
+def file_problems(
+    storage: Storage, directory: str, files: Mapping[str, dict], *, checksums: bool
+) -> list[str]:
+    """One line per file of ``files`` (a manifest's entries, or a rank's share of them) that
+    is missing, of another size, or (``checksums``) of other contents. Files are hashed in
+    parallel threads: sha256 and reads release the GIL."""
+
+    def problem(rel: str) -> str | None:
+        info = files[rel]
+        path = storage.join(directory, rel)
+        try:
+            if not storage.exists(path):
+                return f"{rel}: missing"
+            size = storage.size(path)
+            if size != info["size"]:
+                return f"{rel}: {size} bytes, the manifest says {info['size']}"
+            if checksums and _sha256(storage, path) != info["sha256"]:
+                return f"{rel}: sha256 differs from the manifest (contents changed)"
+        except OSError as error:
+            return f"{rel}: unreadable ({error})"
+        return None
+
+    names = sorted(files)
+    workers = min(len(names), os.cpu_count() or 1, 8) if checksums else 1
+    if workers <= 1:
+        found = [problem(rel) for rel in names]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="titan-ckpt-verify") as pool:
+            found = list(pool.map(problem, names))
+    return [p for p in found if p is not None]
+
+
+def integrity_error(directory: str, problems: list[str]) -> CheckpointIntegrityError:
+    """The error for a step whose files differ from its manifest (``file_problems``)."""
+    return CheckpointIntegrityError(
+        f"Checkpoint {directory} is damaged: " + "; ".join(problems) + ". Load an earlier "
+        "step (checkpoint.load_step) or restore these files.",
+        problems=problems,
+    )
 
 
 def write_owner(storage: Storage, directory: str, step: int) -> None:

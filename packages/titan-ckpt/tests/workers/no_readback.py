@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import sys
 
 import torch
+import torch.distributed as dist
 from common import TrainState, finish, init, make_model, shard, write_result
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage, OptimizerState
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointIntegrityError,
+    CheckpointManager,
+    LocalStorage,
+    OptimizerState,
+)
 
 COUNTING = False
 OPENED: list[str] = []
@@ -103,7 +111,37 @@ def main() -> None:
         COUNTING = False
         manager.close()
         report[mode] = {"bytes_read": storage.bytes_read, "opened_for_reading": list(OPENED)}
+    report["load"] = load_checks(model, opt, rank)
     write_result("no_readback", {"rank": rank, **report})
+
+
+def load_checks(model, opt, rank: int) -> dict:
+    """Load step 1 with checksums (the ranks hash their shares of the files), intact and
+    with one byte of rank 1's data file flipped: every rank must raise the same error."""
+    intact = os.path.join(sys.argv[2], "async")
+    damaged = os.path.join(sys.argv[2], "damaged")
+    if rank == 0:
+        shutil.copytree(intact, damaged)
+        path = os.path.join(damaged, "step-1", "__1_0.distcp")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    out = {}
+    for name, folder in (("intact", intact), ("damaged", damaged)):
+        manager = CheckpointManager(
+            CheckpointConfig(enable=True, folder=folder),
+            model_parts=[model],
+            states={"optimizer": OptimizerState(model, opt), "train_state": TrainState()},
+        )
+        try:
+            out[name] = {"loaded": manager.load(verify_checksums=True)}
+        except CheckpointIntegrityError as error:
+            out[name] = {"problems": error.problems}
+        manager.close()
+    return out
 
 
 if __name__ == "__main__":
