@@ -182,3 +182,36 @@ def test_commit_takes_digests_reads_the_rest_and_refuses_a_changed_file(tmp_path
     with pytest.raises(OSError, match="lacks files the save wrote"):
         commit_step(storage, str(tmp_path), manifest(), written)
     assert not (tmp_path / COMMIT_MARKER).exists()
+
+
+class _ReadCounting(LocalStorage):
+    """The local filesystem, recording every file opened through it for reading."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+
+    def open(self, path, mode="rb"):
+        if "r" in mode:
+            self.read.append(path)
+        return super().open(path, mode)
+
+
+def test_hugging_face_export_is_hashed_as_written(common, tmp_path):
+    storage = _ReadCounting()
+    # keep_latest_k=0: no retention thread, whose listing reads the commit markers.
+    config = CheckpointConfig(
+        enable=True, folder=str(tmp_path), last_save_in_hf=True, keep_latest_k=0
+    )
+    adapter = common.StreamingRenamingAdapter()
+    model = common.make_model()
+    with CheckpointManager(
+        config, model_parts=model, state_dict_adapter=adapter, storage=storage
+    ) as manager:
+        manager.save(9, last_step=True)
+    assert storage.read == []
+    step = tmp_path / "step-9"
+    files = json.loads((step / COMMIT_MARKER).read_text())["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "hf/config.json", "hf/model.safetensors"]
+    for name, info in files.items():
+        data = (step / name).read_bytes()
+        assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -60,7 +60,7 @@ from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
 from titan_ckpt.states import ModelState
-from titan_ckpt.storage import Storage
+from titan_ckpt.storage import RecordingStorage, Storage
 
 __all__ = ["CheckpointManager"]
 
@@ -407,8 +407,9 @@ class CheckpointManager:
         if hf:
             assert self.adapter is not None  # checked in _validate
             hf_dir = self.storage.join(directory, HF_SUBDIR)
+            recorder = RecordingStorage(self.storage)  # hashes the export as it is written
             save_hf(
-                self.storage,
+                recorder,
                 hf_dir,
                 self.model,
                 self.adapter,
@@ -416,6 +417,7 @@ class CheckpointManager:
                 max_shard_size=self.config.hf_max_shard_size,
                 writer=self._rank == 0,
             )
+            written = {**(written or {}), **recorder.written_under(directory)}
         # Every rank's writer hashed its files as it wrote them, and DCP brought the digests
         # to rank 0 (its coordinator) with the write results: the commit reads nothing back.
         if self._rank == 0:

@@ -116,6 +116,12 @@ class HashingStream:
     def seekable(self) -> bool:
         return self._raw.seekable()
 
+    def __enter__(self) -> HashingStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _stop_helper(self) -> None:
         if self._helper is not None:
             self._helper.shutdown(wait=True)
