@@ -9,7 +9,11 @@ Starts ``--nproc`` gloo ranks under torchrun, shards a stack of square Linear la
 - async: time ``save()`` blocks training with async_mode=async, and time until committed;
 - pinned: the same for async_mode=async_with_pinned_mem (writer process; the first save, which
   starts that process, is reported separately);
-- load: ``load()`` of the newest step, with size checks (and once with checksums).
+- load: ``load()`` of the newest step, with size checks (and once with checksums);
+- side by side, ``--reps`` interleaved repetitions: a plain ``dcp.save`` (no hashing; what
+  torchtitan's save does) vs the manager's synchronous save (sha256 computed while writing,
+  commit marker), with the ratio; the read-back hash a commit used to add; load with
+  ``verify_checksums`` off vs on, with the ratio; async blocking time vs a sync save.
 
     python tools/bench/ckpt_save_load.py                   # 1024 MiB at world size 2
     python tools/bench/ckpt_save_load.py --size-mb 256 --nproc 2 --dir /tmp/ckpt-bench
@@ -24,6 +28,7 @@ import ctypes
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,12 +43,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    p.add_argument("--reps", type=int, default=5, help="side-by-side repetitions (default 5)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
 def launch(args: argparse.Namespace) -> int:
     directory = args.dir or tempfile.mkdtemp(prefix="titan-ckpt-bench-")
+    os.makedirs(directory, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -51,6 +58,7 @@ def launch(args: argparse.Namespace) -> int:
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(args.nproc), "--master-port", str(port),
         __file__, "--worker", "--size-mb", str(args.size_mb), "--dir", directory,
+        "--reps", str(args.reps),
     ]  # fmt: skip
     try:
         return subprocess.run(cmd, env={**os.environ, "PYTHONWARNINGS": "ignore"}).returncode
@@ -62,80 +70,141 @@ def launch(args: argparse.Namespace) -> int:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
-
-    from titan_ckpt import CheckpointConfig, CheckpointManager
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layers = max(1, round(args.size_mb / (DIM * DIM * 4 / 2**20)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(DIM, DIM, bias=False) for _ in range(layers)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    local = [p.to_local() for p in model.parameters()]
-    local_bytes = sum(t.numel() * t.element_size() for t in local)
-    total = torch.tensor([local_bytes], dtype=torch.int64)
-    dist.all_reduce(total)
-    total_bytes = int(total)
+    bench = Bench(args)
+    results = bench.single_runs()
+    side = bench.side_by_side()
+    bench.sync.close()
+    blocked = torch.tensor([results["async save 2: blocked"], results["pinned save 2: blocked"]])
+    dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+    results["async save 2: blocked"], results["pinned save 2: blocked"] = blocked.tolist()
+    if bench.rank == 0:
+        bench.report(results, side)
+    dist.destroy_process_group()
 
-    def timed(fn) -> float:
-        dist.barrier()
+
+class Bench:
+    """The sharded model, its managers, and the measurements (every rank runs each)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.fsdp import fully_shard
+
+        self.args, self.dist = args, dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layers = max(1, round(args.size_mb / (DIM * DIM * 4 / 2**20)))
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(DIM, DIM, bias=False) for _ in range(self.layers)])
+        for layer in model:
+            fully_shard(layer)
+        self.model = fully_shard(model)
+        self.local = [p.to_local() for p in model.parameters()]
+        total = torch.tensor([sum(t.numel() * t.element_size() for t in self.local)])
+        dist.all_reduce(total)
+        self.total_bytes = int(total)
+        self.sync = self.manager("disabled", "sync")
+
+    def timed(self, fn) -> float:
+        self.dist.barrier()
         start = time.perf_counter()
         fn()
-        dist.barrier()
+        self.dist.barrier()
         return time.perf_counter() - start
 
-    def raw_write() -> None:
-        path = os.path.join(args.dir, f"raw-{rank}.bin")
+    def manager(self, mode: str, name: str):
+        from titan_ckpt import CheckpointConfig, CheckpointManager
+
+        config = CheckpointConfig(
+            enable=True, folder=os.path.join(self.args.dir, name), interval=1, keep_latest_k=0,
+            async_mode=mode,
+        )  # fmt: skip
+        return CheckpointManager(config, model_parts=[self.model])
+
+    def raw_write(self) -> None:
+        path = os.path.join(self.args.dir, f"raw-{self.rank}.bin")
         with open(path, "wb") as f:
-            for t in local:  # the tensor's bytes, without a copy and without numpy
+            for t in self.local:  # the tensor's bytes, without a copy and without numpy
                 t = t.contiguous()
                 f.write((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
             f.flush()
             os.fsync(f.fileno())
 
-    def manager(mode: str, name: str) -> CheckpointManager:
-        config = CheckpointConfig(
-            enable=True, folder=os.path.join(args.dir, name), interval=1, keep_latest_k=0,
-            async_mode=mode,
-        )  # fmt: skip
-        return CheckpointManager(config, model_parts=[model])
+    def plain_dcp(self, name: str, *, hashing: bool = False) -> None:
+        """torch's DCP save of the same state, no manager and no hashing (torchtitan's save);
+        ``hashing``: through titan's writer, which hashes while writing (and nothing else)."""
+        import torch.distributed.checkpoint as dcp
 
-    def bare_dcp() -> None:
-        dcp.save(model.state_dict(), checkpoint_id=os.path.join(args.dir, "bare"))
+        from titan_ckpt.formats.hashing import HashingFileSystemWriter
 
-    results: dict[str, float] = {"raw write": timed(raw_write), "dcp.save alone": timed(bare_dcp)}
-    sync = manager("disabled", "sync")
-    results["sync save"] = timed(lambda: sync.save(1))
+        path = os.path.join(self.args.dir, name)
+        writer = HashingFileSystemWriter(path) if hashing else None
+        dcp.save(self.model.state_dict(), checkpoint_id=path, storage_writer=writer)
 
-    for mode, name in (("async", "async"), ("async_with_pinned_mem", "pinned")):
-        mgr = manager(mode, name)
-        for step in (1, 2):  # the first pinned save starts the writer process
-            dist.barrier()
-            start = time.perf_counter()
-            mgr.save(step)
-            mgr.maybe_wait_for_staging()
-            blocked = time.perf_counter() - start
-            mgr.wait()
-            dist.barrier()
-            results[f"{name} save {step}: blocked"] = blocked
-            results[f"{name} save {step}: until committed"] = time.perf_counter() - start
-        mgr.close()
+    def single_runs(self) -> dict[str, float]:
+        results = {"raw write": self.timed(self.raw_write)}
+        results["dcp.save alone"] = self.timed(lambda: self.plain_dcp("bare"))
+        results["sync save"] = self.timed(lambda: self.sync.save(1))
+        for mode, name in (("async", "async"), ("async_with_pinned_mem", "pinned")):
+            mgr = self.manager(mode, name)
+            for step in (1, 2):  # the first pinned save starts the writer process
+                self.dist.barrier()
+                start = time.perf_counter()
+                mgr.save(step)
+                mgr.maybe_wait_for_staging()
+                blocked = time.perf_counter() - start
+                mgr.wait()
+                self.dist.barrier()
+                results[f"{name} save {step}: blocked"] = blocked
+                results[f"{name} save {step}: until committed"] = time.perf_counter() - start
+            mgr.close()
+        results["load"] = self.timed(lambda: self.sync.load())
+        results["load + checksums"] = self.timed(lambda: self.sync.load(verify_checksums=True))
+        return results
 
-    results["load"] = timed(lambda: sync.load())
-    results["load + checksums"] = timed(lambda: sync.load(verify_checksums=True))
-    sync.close()
+    def side_by_side(self) -> dict[str, list[float]]:
+        """``--reps`` interleaved pairs (the order alternating): a plain DCP save vs the
+        manager's synchronous save (sha256 while writing, commit marker); the read-back hash
+        an earlier commit did on top; load with checksum verification off vs on."""
+        from titan_ckpt import LocalStorage
+        from titan_ckpt.layout import hash_files, step_dir
 
-    blocked = torch.tensor([results["async save 2: blocked"], results["pinned save 2: blocked"]])
-    dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
-    results["async save 2: blocked"], results["pinned save 2: blocked"] = blocked.tolist()
-    if rank == 0:
-        gib = total_bytes / 2**30
-        print(f"\nstate {total_bytes / 2**20:.0f} MiB over {world} ranks ({layers} layers)")
+        storage, out = LocalStorage(), {}
+        folder = os.path.join(self.args.dir, "sync")
+        pairs = {
+            "plain dcp.save": lambda i: self.plain_dcp(f"plain-{i}"),
+            "dcp.save, hashing writer": lambda i: self.plain_dcp(f"hashing-{i}", hashing=True),
+            "sync save, hashing": lambda i: self.sync.save(100 + i, force=True),
+        }
+        for i in range(self.args.reps):
+            for key in list(pairs) if i % 2 == 0 else list(pairs)[::-1]:
+                out.setdefault(key, []).append(self.timed(lambda key=key, i=i: pairs[key](i)))
+            mine = f"__{self.rank}_"
+            directory = step_dir(storage, folder, 100 + i)
+            out.setdefault("read-back hash (before)", []).append(
+                self.timed(lambda d=directory, m=mine: hash_files(storage, d, prefix=m))
+            )
+            self.dist.barrier()
+            if self.rank == 0:  # keep the disk footprint at one state per kind
+                shutil.rmtree(os.path.join(self.args.dir, f"plain-{i}"))
+                shutil.rmtree(os.path.join(self.args.dir, f"hashing-{i}"))
+                if i:
+                    shutil.rmtree(step_dir(storage, folder, 100 + i - 1))
+        loads = {
+            "load, checksums off": lambda: self.sync.load(verify_checksums=False),
+            "load, checksums on": lambda: self.sync.load(verify_checksums=True),
+        }
+        for i in range(self.args.reps):
+            for key in sorted(loads, reverse=i % 2 == 1):
+                out.setdefault(key, []).append(self.timed(loads[key]))
+        return out
+
+    def report(self, results: dict[str, float], side: dict[str, list[float]]) -> None:
+        gib = self.total_bytes / 2**30
+        mib = self.total_bytes / 2**20
+        print(f"\nstate {mib:.0f} MiB over {self.world} ranks ({self.layers} layers)")
         print(f"{'measure':34s} {'seconds':>8s} {'GiB/s':>7s} {'raw/t':>7s}")
         raw = results["raw write"]
         for key, sec in results.items():
@@ -143,11 +212,23 @@ def worker(args: argparse.Namespace) -> None:
                 print(f"{key:34s} {sec:8.3f} {'-':>7s} {'-':>7s}")
             else:
                 print(f"{key:34s} {sec:8.3f} {gib / sec:7.2f} {raw / sec:7.2f}")
-        ratio = results["async save 2: blocked"] / results["sync save"]
-        print(f"\nasync blocking / sync save: {ratio:.1%} (goal < 10%)")
-        ratio = results["pinned save 2: blocked"] / results["sync save"]
-        print(f"pinned blocking / sync save: {ratio:.1%} (goal < 10%)")
-    dist.destroy_process_group()
+        med = {k: statistics.median(v) for k, v in side.items()}
+        print(f"\nside by side, {self.args.reps} interleaved repetitions (seconds):")
+        print(f"{'measure':28s} {'median':>8s} {'min':>8s} {'max':>8s}")
+        for key, values in side.items():
+            print(f"{key:28s} {med[key]:8.3f} {min(values):8.3f} {max(values):8.3f}")
+        ratio = med["sync save, hashing"] / med["plain dcp.save"]
+        print(f"\nsync save with integrity / plain dcp.save: {ratio:.2f}x (goal <= 1.1x)")
+        ratio = med["dcp.save, hashing writer"] / med["plain dcp.save"]
+        print(f"dcp.save, hashing writer / plain dcp.save: {ratio:.2f}x (the hashing alone)")
+        before = med["sync save, hashing"] + med["read-back hash (before)"]
+        before /= med["plain dcp.save"]
+        print(f"  (a save that read its files back to hash them: ~{before:.2f}x)")
+        for name in ("async", "pinned"):
+            ratio = results[f"{name} save 2: blocked"] / med["sync save, hashing"]
+            print(f"{name} save: training blocked / sync save: {ratio:.1%} (goal < 10%)")
+        ratio = med["load, checksums on"] / med["load, checksums off"]
+        print(f"load with checksums / without: {ratio:.2f}x (goal <= 1.2x)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ A step directory is a DCP checkpoint. It becomes loadable only when rank 0 write
 ``titan-commit.json`` into it, after DCP finished (DCP's coordinator writes ``.metadata`` only
 once every rank reported its files written, so the marker implies every rank's data is on
 storage). The marker is also the manifest: every other file's size and sha256, so a damaged
-step is reported by file name instead of failing deep inside a tensor read.
+step is reported by file name instead of failing deep inside a tensor read. The digests are
+computed while the files are written, by each rank for its own files
+(``titan_ckpt.formats.hashing``); the commit merges them and reads nothing back.
 
 Before any DCP file of a step is written, rank 0 writes ``titan-owner.json`` into its
 directory; it stays there. So every step directory is one of (``classify_step``):
@@ -21,12 +23,15 @@ titan-ckpt never deletes, overwrites or writes into a directory that is not ``co
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +50,9 @@ __all__ = [
     "classify_step",
     "commit_step",
     "committed_steps",
+    "file_problems",
     "hash_files",
+    "integrity_error",
     "json_metadata",
     "read_manifest",
     "scan_steps",
@@ -191,8 +198,8 @@ def _file_entry(storage: Storage, path: str) -> dict[str, Any]:
 
 
 def hash_files(storage: Storage, directory: str, *, prefix: str = "") -> dict[str, dict]:
-    """Size and sha256 of the files in ``directory`` whose names start with ``prefix`` (each
-    rank hashes the files it wrote; ``commit_step`` merges them)."""
+    """Size and sha256 of the files in ``directory`` whose names start with ``prefix``, by
+    reading them (a save does not: its writer hashes while writing; see ``commit_step``)."""
     return {
         rel: _file_entry(storage, storage.join(directory, rel))
         for rel in _data_files(storage, directory, prefix)
@@ -203,18 +210,40 @@ def commit_step(
     storage: Storage,
     directory: str,
     manifest: Manifest,
-    hashed: Mapping[str, dict] | None = None,
+    written: Mapping[str, dict] | None = None,
 ) -> Manifest:
     """Commit the step in ``directory``: fill the manifest with every file's size and sha256,
-    then write the commit marker, last. One walk of the directory: ``hashed`` holds the
-    entries other ranks computed for their own files (``hash_files``); the rest are hashed
-    here."""
-    hashed = hashed or {}
+    then write the commit marker, last.
+
+    ``written`` holds the size and sha256 of the files the save hashed as it wrote them (every
+    rank's DCP files, ``titan_ckpt.formats.hashing``); they are taken as they are, after a
+    size check against storage (a stat, no read). Only a file the directory holds beyond
+    those is hashed here by reading it. A file of ``written`` missing from the directory, or
+    of another size there, fails the commit (``OSError``): the step stays uncommitted."""
+    written = dict(written or {})
+    read_back = []
     for rel in _data_files(storage, directory):
-        entry = hashed.get(rel)
-        manifest.files[rel] = (
-            entry if entry is not None else _file_entry(storage, storage.join(directory, rel))
+        path = storage.join(directory, rel)
+        entry = written.pop(rel, None)
+        if entry is None:
+            entry = _file_entry(storage, path)
+            read_back.append(rel)
+        elif storage.size(path) != entry["size"]:
+            raise OSError(
+                errno.EIO,
+                f"{path} is {storage.size(path)} bytes on storage but {entry['size']} were "
+                "written; not committing this step",
+            )
+        manifest.files[rel] = dict(entry)
+    missing = sorted(written)
+    if missing:
+        raise OSError(
+            errno.ENOENT,
+            f"{directory} lacks files the save wrote ({', '.join(missing[:3])}); not committing "
+            "this step",
         )
+    if read_back:
+        logger.debug("%s: hashed by reading: %s", directory, read_back)
     manifest.created = time.time()
     storage.write_atomic(storage.join(directory, COMMIT_MARKER), manifest.to_json())
     return manifest
@@ -238,23 +267,50 @@ def read_manifest(storage: Storage, directory: str) -> Manifest | None:
 
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:
     """Raise ``CheckpointIntegrityError`` naming every file that differs from the manifest."""
-    problems: list[str] = []
-    for rel, info in sorted(manifest.files.items()):
-        path = storage.join(directory, rel)
-        if not storage.exists(path):
-            problems.append(f"{rel}: missing")
-            continue
-        size = storage.size(path)
-        if size != info["size"]:
-            problems.append(f"{rel}: {size} bytes, the manifest says {info['size']}")
-        elif checksums and _sha256(storage, path) != info["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the manifest (contents changed)")
+    problems = file_problems(storage, directory, manifest.files, checksums=checksums)
     if problems:
-        raise CheckpointIntegrityError(
-            f"Checkpoint {directory} is damaged: " + "; ".join(problems) + ". Load an earlier "
-            "step (checkpoint.load_step) or restore these files.",
-            problems=problems,
-        )
+        raise integrity_error(directory, problems)
+
+
+def file_problems(
+    storage: Storage, directory: str, files: Mapping[str, dict], *, checksums: bool
+) -> list[str]:
+    """One line per file of ``files`` (a manifest's entries, or a rank's share of them) that
+    is missing, of another size, or (``checksums``) of other contents. Files are hashed in
+    parallel threads: sha256 and reads release the GIL."""
+
+    def problem(rel: str) -> str | None:
+        info = files[rel]
+        path = storage.join(directory, rel)
+        try:
+            if not storage.exists(path):
+                return f"{rel}: missing"
+            size = storage.size(path)
+            if size != info["size"]:
+                return f"{rel}: {size} bytes, the manifest says {info['size']}"
+            if checksums and _sha256(storage, path) != info["sha256"]:
+                return f"{rel}: sha256 differs from the manifest (contents changed)"
+        except OSError as error:
+            return f"{rel}: unreadable ({error})"
+        return None
+
+    names = sorted(files)
+    workers = min(len(names), os.cpu_count() or 1, 8) if checksums else 1
+    if workers <= 1:
+        found = [problem(rel) for rel in names]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="titan-ckpt-verify") as pool:
+            found = list(pool.map(problem, names))
+    return [p for p in found if p is not None]
+
+
+def integrity_error(directory: str, problems: list[str]) -> CheckpointIntegrityError:
+    """The error for a step whose files differ from its manifest (``file_problems``)."""
+    return CheckpointIntegrityError(
+        f"Checkpoint {directory} is damaged: " + "; ".join(problems) + ". Load an earlier "
+        "step (checkpoint.load_step) or restore these files.",
+        problems=problems,
+    )
 
 
 def write_owner(storage: Storage, directory: str, step: int) -> None:

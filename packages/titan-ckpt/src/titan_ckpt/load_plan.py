@@ -6,7 +6,8 @@ directory, a folder of steps, or a Hugging Face folder); else a fresh start. A f
 a step directory titan did not write and cannot read stops the run (``titan_ckpt.preflight``).
 The chosen step is checked against its manifest (sizes, checksums on request) and against the
 model (every FQN present, same shapes), so a wrong or damaged checkpoint is refused with its
-name before any rank reads a tensor.
+name before any rank reads a tensor. With several ranks, the checksums are not computed on
+rank 0 alone: every rank hashes its share of the step's files (``verify_shared``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from titan_ckpt.config import DATALOADER, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError, CheckpointIntegrityError
 from titan_ckpt.layout import (
     Manifest,
+    file_problems,
+    integrity_error,
     read_manifest,
     scan_steps,
     step_of,
@@ -30,7 +35,7 @@ from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
 
-__all__ = ["LoadPlan", "plan_load", "states_to_load"]
+__all__ = ["LoadPlan", "plan_load", "states_to_load", "verify_shared"]
 
 logger = logging.getLogger("titan_ckpt")
 
@@ -192,3 +197,20 @@ def states_to_load(
             "restart the data stream, or resume at the original data-parallel degree."
         )
     return names
+
+
+def verify_shared(
+    storage: Storage, directory: str, manifest: Manifest, group: dist.ProcessGroup | None
+) -> None:
+    """Check every file's sha256 against ``manifest``, the files split among the ranks of
+    ``group`` (a collective); every rank raises the same ``CheckpointIntegrityError`` naming
+    each damaged file. Sizes were checked on rank 0 in ``plan_load``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    names = sorted(manifest.files)
+    mine = {rel: manifest.files[rel] for rel in names[rank::world]}
+    found = file_problems(storage, directory, mine, checksums=True)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, found, group=group)
+    problems = sorted(p for part in everyone for p in part)
+    if problems:
+        raise integrity_error(directory, problems)

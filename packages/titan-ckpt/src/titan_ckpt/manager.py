@@ -9,7 +9,9 @@ same keys as the model part of a full one.
 Invariants the code below keeps:
 - A step is loadable only once ``titan-commit.json`` exists in it; rank 0 writes it after DCP
   finished on every rank (DCP's ``.metadata`` is written after all ranks reported), with the
-  manifest of every file. Discovery, integrity checks and errors are decided on rank 0 and
+  manifest of every file: sizes and sha256 that each rank's writer computed while writing
+  (they reach rank 0 with DCP's own gather of the write results), so no byte is read back.
+  Discovery, integrity checks and errors are decided on rank 0 and
   broadcast, so every rank loads the same step or raises the same error.
 - At most one save is in flight: a new save, a load and ``close()`` first finish the previous
   one (including its commit).
@@ -40,6 +42,7 @@ from titan_ckpt.asyncmode import check_main_guard, make_stager
 from titan_ckpt.config import DATALOADER, MODEL, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.dcp import unwrap_read_errors
+from titan_ckpt.formats.hashing import written_files
 from titan_ckpt.ft import FaultTolerance
 from titan_ckpt.hf import load_hf, require_safetensors, save_hf
 from titan_ckpt.layout import (
@@ -47,18 +50,17 @@ from titan_ckpt.layout import (
     Manifest,
     classify_step,
     commit_step,
-    hash_files,
     json_metadata,
     step_dir,
     step_of,
     write_owner,
 )
-from titan_ckpt.load_plan import plan_load, states_to_load
+from titan_ckpt.load_plan import plan_load, states_to_load, verify_shared
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
 from titan_ckpt.states import ModelState
-from titan_ckpt.storage import Storage
+from titan_ckpt.storage import RecordingStorage, Storage
 
 __all__ = ["CheckpointManager"]
 
@@ -374,7 +376,7 @@ class CheckpointManager:
         self._prepare_step(directory, manifest.step, needed)
         try:
             with self._quiet_single_process():
-                dcp.save(
+                result = dcp.save(
                     state,
                     storage_writer=self.storage.dcp_writer(directory),
                     process_group=self.pg,
@@ -385,7 +387,8 @@ class CheckpointManager:
             raise  # settle raised unless rank 0 saw no error; keep this rank's own
         error = None
         try:
-            self._write_extras_and_commit(directory, manifest, purger, hf=hf)
+            written = written_files(result)
+            self._write_extras_and_commit(directory, manifest, purger, hf=hf, written=written)
         except WRITE_ERRORS as e:  # on rank 0 the commit; an HF export write on any rank
             error = e
         self._watch.settle(error, directory=directory, step=manifest.step, needed=needed)
@@ -393,13 +396,20 @@ class CheckpointManager:
             raise error
 
     def _write_extras_and_commit(
-        self, directory: str, manifest: Manifest, purger: Purger | None, *, hf: bool
+        self,
+        directory: str,
+        manifest: Manifest,
+        purger: Purger | None,
+        *,
+        hf: bool,
+        written: dict[str, dict] | None,
     ) -> None:
         if hf:
             assert self.adapter is not None  # checked in _validate
             hf_dir = self.storage.join(directory, HF_SUBDIR)
+            recorder = RecordingStorage(self.storage)  # hashes the export as it is written
             save_hf(
-                self.storage,
+                recorder,
                 hf_dir,
                 self.model,
                 self.adapter,
@@ -407,18 +417,11 @@ class CheckpointManager:
                 max_shard_size=self.config.hf_max_shard_size,
                 writer=self._rank == 0,
             )
-        # Every other rank hashes the data files it wrote (DCP's filesystem writer names them
-        # __<rank>_<n>.distcp), so the commit costs one rank's share, not the whole state;
-        # rank 0 hashes its own, and whatever no rank claimed, in commit_step's one walk.
-        hashed = {}
-        if self._rank != 0:
-            hashed = hash_files(self.storage, directory, prefix=f"__{self._rank}_")
-        if self._distributed:
-            parts = [None] * dist.get_world_size(self.pg) if self._rank == 0 else None
-            dist.gather_object(hashed, parts, group=self.pg, group_dst=0)
-            hashed = {k: v for part in parts or [] for k, v in part.items()}
+            written = {**(written or {}), **recorder.written_under(directory)}
+        # Every rank's writer hashed its files as it wrote them, and DCP brought the digests
+        # to rank 0 (its coordinator) with the write results: the commit reads nothing back.
         if self._rank == 0:
-            self._commit(directory, manifest, purger, hashed=hashed)
+            self._commit(directory, manifest, purger, written=written)
 
     def _prepare_step(self, directory: str, step: int, needed: int | None = None) -> None:
         """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
@@ -451,17 +454,19 @@ class CheckpointManager:
         directory: str,
         manifest: Manifest,
         purger: Purger | None,
-        hashed: dict[str, dict] | None = None,
+        written: dict[str, dict] | None = None,
     ) -> None:
-        commit_step(self.storage, directory, manifest, hashed)
+        commit_step(self.storage, directory, manifest, written)
         logger.info("Committed %s (%d files)", directory, len(manifest.files))
         if purger is not None:
             purger.request()
 
     def _commit_after(self, upload: Future, directory: str, manifest: Manifest) -> None:
         # Runs in the committer thread; a failure is raised (as CheckpointWriteError) by wait().
-        upload.result()  # raises if any rank failed to write: then nothing is committed
-        self._commit(directory, manifest, self._purger)
+        # Raises if any rank failed to write: then nothing is committed. Else DCP's metadata,
+        # which carries every rank's digests, also from DCP's writer process.
+        result = upload.result()
+        self._commit(directory, manifest, self._purger, written=written_files(result))
 
     def maybe_wait_for_staging(self) -> None:
         """Block until the last async save no longer reads the training tensors.
@@ -526,8 +531,11 @@ class CheckpointManager:
         self.wait()
         step = cfg.load_step if step is None else step
         checksums = cfg.verify_checksums if verify_checksums is None else verify_checksums
+        # With several ranks, every rank hashes its share of the files (after rank 0's plan).
+        shared = checksums and self._distributed and dist.get_world_size(self.pg) > 1
+        sums_on_rank_0 = checksums and not shared
         plan = self._decide(
-            partial(plan_load, self.storage, cfg, self.model, step=step, checksums=checksums)
+            partial(plan_load, self.storage, cfg, self.model, step=step, checksums=sums_on_rank_0)
         )
         if plan is None:
             logger.info("No checkpoint in %s and no initial_load_path: starting fresh", self.folder)
@@ -541,6 +549,8 @@ class CheckpointManager:
             logger.info("Loaded Hugging Face weights from %s", directory)
             return True
         manifest = Manifest.from_json(manifest_json) if manifest_json else None
+        if manifest is not None and shared:
+            verify_shared(self.storage, directory, manifest, self.pg)
         names = states_to_load(
             cfg, kind, directory, manifest, self._shared_states(), self._data_parallel_degree()
         )

@@ -8,6 +8,7 @@ object, so a new backend is one subclass.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -15,12 +16,12 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import IO
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from titan_ckpt.formats.dcp import SafeFileSystemReader, safe_fsspec_reader
+from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, hashing_fsspec_writer
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "storage_for"]
+__all__ = ["FsspecStorage", "LocalStorage", "RecordingStorage", "Storage", "storage_for"]
 
 
 class Storage(ABC):
@@ -56,7 +57,9 @@ class Storage(ABC):
 
     @abstractmethod
     def dcp_writer(self, path: str) -> StorageWriter:
-        """A DCP storage writer for the checkpoint directory ``path``."""
+        """A DCP storage writer for the checkpoint directory ``path``. One that reports the
+        size and sha256 of the files it wrote (``titan_ckpt.formats.hashing``) spares the
+        commit a second read of the step; any other is fine, and its files are read back."""
 
     @abstractmethod
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
@@ -119,7 +122,7 @@ class LocalStorage(Storage):
         return os.path.join(*parts)
 
     def dcp_writer(self, path: str) -> StorageWriter:
-        return FileSystemWriter(path)
+        return HashingFileSystemWriter(path)
 
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
         return SafeFileSystemReader(path, trust_pickles=trust_pickles)
@@ -206,13 +209,76 @@ class FsspecStorage(Storage):
                 self.fs.rm(tmp)
 
     def dcp_writer(self, path: str) -> StorageWriter:
-        # DCP's fsspec writer lives in a private module in every torch release so far.
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(self._url(path))
+        return hashing_fsspec_writer(self._url(path))
 
     def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
         return safe_fsspec_reader(self._url(path), trust_pickles=trust_pickles)
+
+
+class RecordingStorage(Storage):
+    """``inner``, recording the size and sha256 of every file written through ``open(path,
+    "wb")`` or ``write_atomic`` (``written``: path -> {"size", "sha256"}), computed from the
+    bytes on their way out: titan's own files of a step (the Hugging Face export) reach the
+    manifest without a second read. A file written out of order is left out (read later)."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.written: dict[str, dict] = {}
+
+    def open(self, path: str, mode: str = "rb") -> IO:
+        f = self.inner.open(path, mode)
+        if mode != "wb":
+            return f
+        stream = HashingStream(f)
+        close = stream.close
+
+        def close_and_record() -> None:
+            close()
+            digest = stream.digest()
+            if digest is not None:
+                self.written[path] = digest
+
+        stream.close = close_and_record  # type: ignore[method-assign]
+        return stream  # type: ignore[return-value]
+
+    def written_under(self, directory: str) -> dict[str, dict]:
+        """``written`` for the files under ``directory``, by path relative to it."""
+        base = self.join(directory, "")
+        return {p[len(base) :]: d for p, d in self.written.items() if p.startswith(base)}
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self.inner.write_atomic(path, data)
+        self.written[path] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def list(self, path: str) -> list[str]:
+        return self.inner.list(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def remove(self, path: str) -> None:
+        self.inner.remove(path)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def is_dir(self, path: str) -> bool:
+        return self.inner.is_dir(path)
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+    def join(self, *parts: str) -> str:
+        return self.inner.join(*parts)
+
+    def walk_files(self, path: str) -> list[str]:
+        return self.inner.walk_files(path)
+
+    def dcp_writer(self, path: str) -> StorageWriter:
+        return self.inner.dcp_writer(path)
+
+    def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
+        return self.inner.dcp_reader(path, trust_pickles=trust_pickles)
 
 
 def storage_for(path: str) -> Storage:

@@ -1,0 +1,217 @@
+"""Integrity without a second read: every rank hashes its files while DCP writes them, and the
+commit marker merges the digests (``titan_ckpt.formats.hashing``).
+
+Checked against: reads counted during saves on 2 gloo ranks in every async mode, both through
+the storage seam and by an audit hook on every ``open`` of the process; ``hashlib`` over the
+files on disk; a flipped byte in each rank's file caught by ``load(verify_checksums=True)``
+and by ``titan-ckpt verify``; an fsspec (``memory://``) save; and the fallbacks (a stream
+written out of order, a file changed after it was written)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+from titan_ckpt import (
+    COMMIT_MARKER,
+    CheckpointConfig,
+    CheckpointIntegrityError,
+    CheckpointManager,
+    FsspecStorage,
+    LocalStorage,
+    OptimizerState,
+)
+from titan_ckpt.formats.hashing import HashingStream
+from titan_ckpt.layout import Manifest, commit_step
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MODES = ("disabled", "async", "async_with_pinned_mem")
+FILES = [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_saves(tmp_path_factory, torchrun, results):
+    """Step 1 saved by 2 FSDP2 ranks in each mode, with the reads each rank made."""
+    out = tmp_path_factory.mktemp("no_readback")
+    folder = out / "ckpt"
+    proc = torchrun("no_readback.py", 2, str(out), str(folder), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return folder, results(out, "no_readback", 2)
+
+
+def test_no_byte_of_a_data_file_is_read_while_saving(two_rank_saves):
+    _, reports = two_rank_saves
+    for report in reports:
+        for mode in MODES:
+            seen = report[mode]
+            # The one small read left: the retention thread (keep_latest_k) lists committed
+            # steps by their commit markers, rank 0 only. No DCP file is ever opened to read.
+            opened = {p.rsplit("/", 1)[-1] for p in seen["opened_for_reading"]}
+            via_storage = {p.rsplit("/", 1)[-1] for p in seen["bytes_read"]}
+            assert opened <= {COMMIT_MARKER}, (report["rank"], mode, seen)
+            assert via_storage <= {COMMIT_MARKER}, (report["rank"], mode, seen)
+            assert sum(seen["bytes_read"].values()) < 4096
+            if report["rank"] != 0:
+                assert not opened
+                assert not via_storage
+
+
+def test_manifest_equals_an_independent_hash_of_every_ranks_files(two_rank_saves):
+    folder, _ = two_rank_saves
+    for mode in MODES:
+        step = folder / mode / "step-1"
+        files = json.loads((step / COMMIT_MARKER).read_text())["files"]
+        assert sorted(files) == FILES
+        for name, info in files.items():
+            data = (step / name).read_bytes()
+            assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_two_ranks_verify_their_shares_on_load_and_agree_on_a_damaged_file(two_rank_saves):
+    _, reports = two_rank_saves
+    for report in reports:
+        assert report["load"]["intact"] == {"loaded": True}
+        assert report["load"]["damaged"] == {
+            "problems": ["__1_0.distcp: sha256 differs from the manifest (contents changed)"]
+        }
+
+
+def _load(common, folder, step):
+    model = common.make_model(seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    manager = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(folder)),
+        model_parts=[model],
+        states={"optimizer": OptimizerState(model, opt), "train_state": common.TrainState()},
+    )
+    try:
+        return manager.load(step, verify_checksums=True)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_flipped_byte_in_any_ranks_file_is_caught(
+    two_rank_saves, common, titan_ckpt, tmp_path, name
+):
+    folder, _ = two_rank_saves
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder / "async", copy)
+    assert _load(common, copy, 1)
+    path = copy / "step-1" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=f"{name}: sha256 differs"):
+        _load(common, copy, 1)
+    code, out, _ = titan_ckpt("verify", copy / "step-1")
+    assert code == 1
+    assert "DAMAGED" in out
+    assert name in out
+
+
+def test_fsspec_save_hashes_while_writing(common):
+    fsspec = pytest.importorskip("fsspec")
+    url = "memory://integrity-test/run"
+    storage = FsspecStorage(url)
+    fs = fsspec.filesystem("memory")
+    read: list[str] = []
+    original = fs.open
+
+    def counting_open(path, mode="rb", **kwargs):
+        if "r" in mode:
+            read.append(path)
+        return original(path, mode, **kwargs)
+
+    fs.open = counting_open
+    try:
+        model = common.make_model(seed=0)
+        config = CheckpointConfig(enable=True, folder=url, interval=1, keep_latest_k=0)
+        with CheckpointManager(config, model_parts=[model], storage=storage) as manager:
+            manager.save(1)
+        assert not read
+        step = "memory://integrity-test/run/step-1"
+        files = json.loads(fs.cat(f"{step}/{COMMIT_MARKER}"))["files"]
+        assert sorted(files) == [".metadata", "__0_0.distcp"]
+        for name, info in files.items():
+            data = fs.cat(f"{step}/{name}")
+            assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    finally:
+        fs.open = original
+        fs.rm("memory://integrity-test", recursive=True)
+
+
+def test_hashing_stream_gives_no_digest_when_written_out_of_order():
+    raw = io.BytesIO()
+    stream = HashingStream(raw)
+    big = bytes(range(256)) * 8192  # 2 MiB: hashed beside the write, in the helper thread
+    stream.write(b"head")
+    stream.write(big)
+    assert stream.digest() == {
+        "size": 4 + len(big),
+        "sha256": hashlib.sha256(b"head" + big).hexdigest(),
+    }
+    stream.seek(0)
+    stream.write(b"HEAD")  # overwrites hashed bytes: the hash no longer says what is there
+    assert stream.digest() is None
+
+
+def test_commit_takes_digests_reads_the_rest_and_refuses_a_changed_file(tmp_path):
+    storage = LocalStorage()
+    (tmp_path / "a.distcp").write_bytes(b"a" * 10)
+    (tmp_path / "b.distcp").write_bytes(b"b" * 7)
+    written = {"a.distcp": {"size": 10, "sha256": "0" * 64}}  # taken as given, not read
+
+    def manifest():
+        return Manifest(step=1, world_size=1, states=["model"], model_only=True)
+
+    files = commit_step(storage, str(tmp_path), manifest(), written).files
+    assert files["a.distcp"]["sha256"] == "0" * 64
+    assert files["b.distcp"] == {"size": 7, "sha256": hashlib.sha256(b"b" * 7).hexdigest()}
+    (tmp_path / COMMIT_MARKER).unlink()
+    (tmp_path / "a.distcp").write_bytes(b"a" * 9)  # torn after it was written
+    with pytest.raises(OSError, match="9 bytes on storage but 10 were written"):
+        commit_step(storage, str(tmp_path), manifest(), written)
+    (tmp_path / "a.distcp").unlink()
+    with pytest.raises(OSError, match="lacks files the save wrote"):
+        commit_step(storage, str(tmp_path), manifest(), written)
+    assert not (tmp_path / COMMIT_MARKER).exists()
+
+
+class _ReadCounting(LocalStorage):
+    """The local filesystem, recording every file opened through it for reading."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+
+    def open(self, path, mode="rb"):
+        if "r" in mode:
+            self.read.append(path)
+        return super().open(path, mode)
+
+
+def test_hugging_face_export_is_hashed_as_written(common, tmp_path):
+    storage = _ReadCounting()
+    # keep_latest_k=0: no retention thread, whose listing reads the commit markers.
+    config = CheckpointConfig(
+        enable=True, folder=str(tmp_path), last_save_in_hf=True, keep_latest_k=0
+    )
+    adapter = common.StreamingRenamingAdapter()
+    model = common.make_model()
+    with CheckpointManager(
+        config, model_parts=model, state_dict_adapter=adapter, storage=storage
+    ) as manager:
+        manager.save(9, last_step=True)
+    assert storage.read == []
+    step = tmp_path / "step-9"
+    files = json.loads((step / COMMIT_MARKER).read_text())["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "hf/config.json", "hf/model.safetensors"]
+    for name, info in files.items():
+        data = (step / name).read_bytes()
+        assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
