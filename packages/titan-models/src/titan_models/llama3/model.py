@@ -65,10 +65,12 @@ def rope_table(
     return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, table: torch.Tensor, *, half_split: bool = False) -> torch.Tensor:
     """Rotate each adjacent channel pair ``(x[2i], x[2i+1])`` of ``x`` (batch, seq, heads,
     head_dim) by its position's angle: Meta's interleaved layout, which the HF adapter
-    permutes to and from HF's half-split one."""
+    permutes to and from HF's half-split one. ``half_split=True`` rotates the pairs
+    ``(x[i], x[i + head_dim/2])`` instead (HF's ``rotate_half`` layout, which Qwen3 uses in
+    torchtitan too), by the same angles."""
     if x.shape[1] > table.shape[0]:
         raise ValueError(
             f"Sequence length {x.shape[1]} exceeds the RoPE table's {table.shape[0]} "
@@ -78,6 +80,11 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     # and heads. (.float(): FSDP's mixed precision casts the table, a block input, to the
     # param dtype.)
     table = table[: x.shape[1]].float()
+    if half_split:
+        first, second = x.float().chunk(2, dim=-1)
+        cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+        rotated = (first * cos - second * sin, second * cos + first * sin)
+        return torch.cat(rotated, dim=-1).type_as(x)
     if torch.compiler.is_compiling():
         # Inductor fuses these real ops into one kernel; complex ones it leaves unfused.
         pairs = x.float().unflatten(-1, (-1, 2))
