@@ -1,4 +1,4 @@
-"""titan-models: Llama 3 and DeepSeek-V3 for PyTorch pretraining and the plans that
+"""titan-models: Llama 3, DeepSeek-V3 and Qwen3 for PyTorch pretraining and the plans that
 parallelize them.
 
 ``Llama3`` (flavors debugmodel to 405B, built on the meta device, then ``init_weights``),
@@ -8,9 +8,11 @@ checkpointing, per-block compile, FSDP2/HSDP/DDP, driven by ``titan_dims.Paralle
 ``torch.distributed.pipelining``) and ``Llama3StateDictAdapter`` (to and from Hugging Face
 ``LlamaForCausalLM``); ``DeepSeekV3`` (flavors debugmodel to 671B, mixture-of-experts blocks
 from ``titan_models.moe``) and ``DeepSeekV3StateDictAdapter`` (to and from
-``DeepseekV3ForCausalLM``). Every error raised for a setting that cannot work is a
-``ModelConfigError`` (a ``ValueError``; ``ConfigError`` before, still importable for one
-release), under the package's root ``ModelError``: see ``titan_models.errors``.
+``DeepseekV3ForCausalLM``); ``Qwen3`` (dense and MoE flavors, debugmodel to 235B-A22B) and
+``Qwen3StateDictAdapter`` (to and from ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``).
+Every error raised for a setting that cannot work is a ``ModelConfigError`` (a
+``ValueError``; ``ConfigError`` before, still importable for one release), under the
+package's root ``ModelError``: see ``titan_models.errors``.
 """
 
 import warnings
@@ -59,6 +61,13 @@ from titan_models.parallel import (
     reduce_loss,
     step_context,
 )
+from titan_models.qwen3 import (
+    QWEN3_FLAVORS,
+    Qwen3,
+    Qwen3Args,
+    Qwen3StateDictAdapter,
+    qwen3_args,
+)
 from titan_models.spec import ModelSpec
 
 __all__ = [
@@ -66,6 +75,7 @@ __all__ = [
     "DEEPSEEK_V3_FLAVORS",
     "LLAMA3",
     "LLAMA3_FLAVORS",
+    "QWEN3_FLAVORS",
     "ROPE_SCALING_CHOICES",
     "ActivationCheckpointConfig",
     "DeepSeekV3",
@@ -82,6 +92,9 @@ __all__ = [
     "ParallelizeConfig",
     "Pipeline",
     "PipelineConfig",
+    "Qwen3",
+    "Qwen3Args",
+    "Qwen3StateDictAdapter",
     "RopeScaling",
     "StepContext",
     "__version__",
@@ -100,6 +113,7 @@ __all__ = [
     "pipeline_deepseek_v3",
     "pipeline_llama",
     "plain_loss",
+    "qwen3_args",
     "reduce_loss",
     "repeat_kv",
     "rope_scaling_of",
