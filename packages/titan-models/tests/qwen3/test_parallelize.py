@@ -14,8 +14,8 @@ import torch
 
 from titan_dims import ParallelDims
 from titan_models import ModelConfigError, ParallelizeConfig, PipelineConfig
+from titan_models.qwen3 import QWEN3, Qwen3, check_qwen3
 from titan_models.qwen3.args import Qwen3Args, qwen3_args
-from titan_models.qwen3.parallelize import check_qwen3
 
 TWO_RANKS = (
     "fsdp_tied", "fsdp_untied", "ddp_tied", "fsdp_ac_tied", "tp_tied", "tp_untied",
@@ -67,6 +67,7 @@ def test_the_sequence_length_must_split_over_tp_and_cp():
 
 
 def test_tied_embeddings_refuse_pipeline_parallel_with_one_message():
+    assert QWEN3.check_fn is check_qwen3
     dims = ParallelDims(world_size=2, pp=2, device_type="cpu")
     pipeline = {"pipeline_config": PipelineConfig(), "local_batch_size": 4}
     with pytest.raises(ModelConfigError, match=r"pp=2: .*\(enable_weight_tying=True\).* set pp=1"):
@@ -96,6 +97,15 @@ def test_the_pipeline_split_is_checked_without_a_process_group():
             pipeline_config=PipelineConfig(microbatch_size=2),
             local_batch_size=3,
         )
+
+
+def test_a_dense_model_has_no_expert_hooks():
+    dims = ParallelDims(world_size=1, device_type="cpu")
+    with torch.device("meta"):
+        dense, moe = Qwen3(small()), Qwen3(small(**MOE))
+    assert QWEN3.post_step_fn([dense], dims) is None
+    assert QWEN3.metrics_fn([dense]) == {}
+    assert QWEN3.post_step_fn([moe], dims) is not None
 
 
 @pytest.fixture(scope="module")
