@@ -3,8 +3,9 @@ Hugging Face weights.
 
 A tiny Qwen3 is built with ``transformers`` from a config (random weights, no download) and
 saved with ``save_pretrained``; its shape is a titan flavor's (``debugmodel``: dense, tied
-embeddings; ``debugmodel_moe``: 8 experts, top 2) with the vocabulary of the shipped
-2,048-token BPE. Then, as a user runs it:
+embeddings, its embedding padded to 2,176 rows beyond the shipped 2,048-token BPE, as
+published Qwen3 weights pad theirs; ``debugmodel_moe``: 8 experts, top 2, 2,048 rows). Then,
+as a user runs it:
 
 ``titan-train --model.name qwen3 --model.flavor <flavor> --checkpoint.initial_load_path <hf>
 --checkpoint.initial_load_in_hf --checkpoint.last_save_in_hf ...``
@@ -36,18 +37,19 @@ pytest.importorskip("safetensors")
 
 SEQ, BATCH = 64, 2
 VOCAB = 2048  # the shipped BPE's vocabulary (titan_train.tokenizer's default)
+PADDED = 2176  # an embedding padded beyond the tokenizer, as published Qwen3 weights are
 
 # HF config fields of the titan flavors (titan_models.qwen3.QWEN3_FLAVORS).
 DENSE = {
-    "vocab_size": VOCAB, "hidden_size": 256, "num_hidden_layers": 8,
+    "vocab_size": PADDED, "hidden_size": 256, "num_hidden_layers": 8,
     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
     "intermediate_size": 3072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
     "max_position_embeddings": 4096, "tie_word_embeddings": True,
 }  # fmt: skip
 MOE = {
-    **DENSE, "tie_word_embeddings": False, "moe_intermediate_size": 768, "num_experts": 8,
-    "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
+    **DENSE, "vocab_size": VOCAB, "tie_word_embeddings": False,
+    "moe_intermediate_size": 768, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
 }  # fmt: skip
 
 
@@ -118,7 +120,7 @@ def logged(folder: Path, step: int) -> dict:
     return next(r for r in map(json.loads, lines) if r.get("step") == step and "loss" in r)
 
 
-def check_export(folder: Path, cls_name: str) -> None:
+def check_export(folder: Path, cls_name: str, vocab: int) -> None:
     """The last save's HF folder in transformers: logits equal to titan's model holding the
     DCP step's weights."""
     import torch.distributed.checkpoint as dcp
@@ -128,7 +130,7 @@ def check_export(folder: Path, cls_name: str) -> None:
 
     step = folder / "checkpoint" / "step-2"
     record = read_manifest(LocalStorage(), str(step)).metadata["model"]
-    assert (record["name"], record["args"]["vocab_size"]) == ("qwen3", VOCAB)
+    assert (record["name"], record["args"]["vocab_size"]) == ("qwen3", vocab)
     ours = titan_models.Qwen3(titan_models.Qwen3Args(**record["args"]))
     state = ours.state_dict()
     dcp.load(state, checkpoint_id=str(step), no_dist=True)
@@ -171,7 +173,7 @@ def test_continue_pretraining_from_hf_weights(run, hf_dense, hf_moe, tmp_path):
     expected = hf_loss(hf, cls_name, inputs, labels)
     assert abs(logged(folder, 1)["loss"] - expected) <= 1e-5 * max(1.0, abs(expected))
     assert logged(folder, 2)["loss"] != logged(folder, 1)["loss"]  # it trained
-    check_export(folder, cls_name)
+    check_export(folder, cls_name, PADDED if hf is hf_dense else VOCAB)
 
 
 def test_an_hf_folder_of_another_architecture_or_shape_exits_2_before_any_work(tmp_path):
@@ -205,5 +207,5 @@ def test_the_flavors_match_the_test_configs():
                                 ("debugmodel_moe", MOE, "Qwen3MoeForCausalLM")):  # fmt: skip
         config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(**fields).to_dict()
         read = args_from_hf_config({**config, "architectures": [cls]})
-        want = dataclasses.replace(QWEN3_FLAVORS[flavor], vocab_size=VOCAB)
+        want = dataclasses.replace(QWEN3_FLAVORS[flavor], vocab_size=fields["vocab_size"])
         assert dataclasses.replace(read, max_seq_len=want.max_seq_len) == want

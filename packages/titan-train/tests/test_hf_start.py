@@ -1,7 +1,7 @@
 """preflight's check of a Hugging Face folder to start from (``checkpoint.initial_load_in_hf``,
 ``titan_train.hf_start``), in one process, with Llama 3 (registered by the installed
 titan-models) and folders that transformers writes from a config (no download): a folder of
-the run's model passes; one of another shape or vocabulary stops with one
+the run's model passes, a padded vocabulary included; one of another shape stops with one
 ``CheckpointConfigError`` naming the folder and what differs, and nothing is written. (A
 folder of another architecture, and the Qwen3 user path end to end:
 integration_tests/test_qwen3.py.)"""
@@ -13,6 +13,7 @@ import torch
 
 from titan_ckpt import CheckpointConfigError
 from titan_train import JobConfig, World, preflight
+from titan_train.hf_start import run_vocab_size
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -61,10 +62,17 @@ def test_a_folder_of_another_shape_is_refused_naming_the_fields(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_another_vocabulary_is_refused(tmp_path):
-    hf = hf_folder(tmp_path / "hf", vocab_size=4096)
-    with pytest.raises(CheckpointConfigError, match=r"vocab_size: expected 2048 .* found 4096"):
-        preflight(job(tmp_path, hf), world())
+def test_a_padded_vocabulary_is_the_runs_and_a_smaller_one_is_refused(tmp_path):
+    """Published weights often pad the embedding beyond the tokenizer (Qwen3: 151,936 rows
+    for 151,669 tokens): the run builds the folder's rows; fewer rows than tokens cannot
+    work."""
+    padded = job(tmp_path, hf_folder(tmp_path / "padded", vocab_size=2112))
+    preflight(padded, world())
+    assert run_vocab_size(padded, 2048) == 2112
+    assert run_vocab_size(JobConfig(), 2048) == 2048  # not starting from HF: the tokenizer's
+    small = hf_folder(tmp_path / "small", vocab_size=1024)
+    with pytest.raises(CheckpointConfigError, match=r"vocab_size=1024 .* tokenizer's 2048"):
+        preflight(job(tmp_path, small), world())
 
 
 def test_a_missing_folder_is_refused(tmp_path):

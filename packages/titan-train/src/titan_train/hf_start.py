@@ -6,10 +6,14 @@ Model-agnostic, through the spec's state-dict adapter factory (``titan.state_dic
 form): the folder's ``config.json`` must describe the family (the factory raises for another
 architecture, e.g. a ``LlamaForCausalLM`` folder for ``--model.name qwen3``); its tensors,
 renamed by the adapter from their safetensors headers alone (no tensor data is read), must be
-this run's parameters with their shapes (the flavor, with the tokenizer's vocabulary):
+this run's parameters with their shapes (the flavor, with the run's vocabulary):
 the factory names each field that differs when it checks ``tensor_shapes``, and titan-ckpt's
 ``check_hf_folder`` names the keys and shapes. Every failure is one
 ``CheckpointConfigError`` (exit 2) that starts with the folder.
+
+The vocabulary: published checkpoints often pad the embedding beyond the tokenizer (Qwen3:
+151,936 rows for 151,669 tokens), so a run starting from such a folder builds the folder's
+``vocab_size`` (:func:`run_vocab_size`); one smaller than the tokenizer's is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from titan_models import ModelSpec
 from titan_train.config import JobConfig
 from titan_train.model_args import build_model_args, state_dict_adapter
 
-__all__ = ["check_initial_hf_load"]
+__all__ = ["check_initial_hf_load", "run_vocab_size"]
 
 _FIX = (
     "To continue from this folder, choose the --model.name and --model.flavor of its model "
@@ -49,14 +53,42 @@ def _hf_config(storage: Any, path: str) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
+def _starts_from_hf(config: JobConfig) -> str | None:
+    ckpt = config.checkpoint
+    path = ckpt.initial_load_path
+    return path if ckpt.enable and ckpt.initial_load_in_hf and path else None
+
+
+def run_vocab_size(config: JobConfig, tokenizer_vocab: int) -> int:
+    """The vocabulary the run's model is built with: the tokenizer's, or, starting from a
+    Hugging Face folder whose ``config.json`` has a larger ``vocab_size`` (padded rows), that
+    one. Raises ``CheckpointConfigError`` when the folder's is smaller than the tokenizer's
+    (its embedding has no row for some tokens)."""
+    path = _starts_from_hf(config)
+    if path is None:
+        return tokenizer_vocab
+    storage = open_storage(path)
+    hf_config = _hf_config(storage, path) if storage.exists(path) else None
+    hf_vocab = (hf_config or {}).get("vocab_size")
+    if not isinstance(hf_vocab, int) or isinstance(hf_vocab, bool):
+        return tokenizer_vocab
+    if hf_vocab < tokenizer_vocab:
+        raise CheckpointConfigError(
+            f"checkpoint.initial_load_path={path!r} has vocab_size={hf_vocab} in its "
+            f"{HF_CONFIG}, fewer rows than the tokenizer's {tokenizer_vocab} tokens "
+            f"(model.tokenizer_path={config.model.tokenizer_path!r}); use the tokenizer that "
+            "came with these weights."
+        )
+    return hf_vocab
+
+
 def check_initial_hf_load(config: JobConfig, spec: ModelSpec, *, max_seq_len: int) -> None:
     """Raise ``CheckpointConfigError`` unless the HF folder this run starts from holds the
     model it builds (see the module docstring); nothing to check without
-    ``checkpoint.initial_load_in_hf``. Loads the tokenizer (for the vocabulary) and builds
-    the model on the meta device."""
-    ckpt = config.checkpoint
-    path = ckpt.initial_load_path
-    if not (ckpt.enable and ckpt.initial_load_in_hf and path):
+    ``checkpoint.initial_load_in_hf``. Loads the tokenizer (for the vocabulary, see
+    :func:`run_vocab_size`) and builds the model on the meta device."""
+    path = _starts_from_hf(config)
+    if path is None:
         return
     where = f"checkpoint.initial_load_path={path!r}"
     storage = open_storage(path)
@@ -68,7 +100,7 @@ def check_initial_hf_load(config: JobConfig, spec: ModelSpec, *, max_seq_len: in
     require_safetensors("checkpoint.initial_load_in_hf")
     from titan_train.tokenizer import load_tokenizer
 
-    vocab = load_tokenizer(config.model.tokenizer_path).vocab_size
+    vocab = run_vocab_size(config, load_tokenizer(config.model.tokenizer_path).vocab_size)
     args = build_model_args(spec, config.model, vocab_size=vocab, max_seq_len=max_seq_len)
     what = f"--model.name {spec.name} --model.flavor {config.model.flavor} (vocabulary {vocab})"
     try:
