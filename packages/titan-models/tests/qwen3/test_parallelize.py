@@ -1,11 +1,11 @@
 """parallelize_qwen3, pipeline_qwen3 and check_qwen3: impossible layouts fail before any work
 (check_qwen3, no process group), tied embeddings under pipeline parallel among them; under
 torchrun (gloo, 2 and 4 ranks) a tiny dense Qwen3, tied and untied, trains under FSDP, DDP,
-HSDP, activation checkpointing, tensor parallel (loss parallel and replicated logits),
-FSDP + TP, context parallel (all-gather and ring) and pipelines (untied), and a tiny MoE
-Qwen3 under tensor parallel, expert parallel, EP + FSDP, EP + TP and EP + PP, to the per-step
-losses AND gradient norms of one process (workers/qwen3_train.py); tied weights stay one
-parameter under every plan."""
+HSDP, activation checkpointing, per-block compile, tensor parallel (loss parallel and
+replicated logits), FSDP + TP, context parallel (all-gather and ring) and pipelines
+(untied), and a tiny MoE Qwen3 under tensor parallel, expert parallel, EP + FSDP, EP + TP
+and EP + PP, to the per-step losses AND gradient norms of one process
+(workers/qwen3_train.py); tied weights stay one parameter under every plan."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from titan_models.qwen3 import QWEN3, Qwen3, check_qwen3
 from titan_models.qwen3.args import Qwen3Args, qwen3_args
 
 TWO_RANKS = (
-    "fsdp_tied", "fsdp_untied", "ddp_tied", "fsdp_ac_tied", "tp_tied", "tp_untied",
+    "fsdp_tied", "fsdp_untied", "ddp_tied", "fsdp_ac_tied", "fsdp_compile_tied", "tp_tied",
+    "tp_untied",
     "tp_replicated_logits_tied", "cp_tied", "cp_ring_untied", "pp_untied", "ep_moe", "tp_moe",
 )  # fmt: skip
 FOUR_RANKS = (
@@ -142,3 +143,10 @@ def test_two_rank_layout_matches_single_process(layout, two_rank):
 @pytest.mark.parametrize("layout", FOUR_RANKS)
 def test_four_rank_layout_matches_single_process(layout, four_rank):
     _check(four_rank, layout)
+
+
+def test_compiled_blocks_ran_inductor_code(two_rank):
+    """Per-block compile (dense blocks whole, fullgraph): compiled code ran in every step (its
+    losses equal one eager process: test_two_rank_layout_matches_single_process)."""
+    assert two_rank["fsdp_compile_tied.compiled_calls"] >= 2 * 3  # 2 blocks x 3 steps
+    assert two_rank["fsdp_tied.compiled_calls"] == 0

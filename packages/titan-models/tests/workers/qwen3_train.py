@@ -2,8 +2,8 @@
 each named layout, with the experts' bias update after every step for the MoE model (over
 ``dp_cp``, as titan-train does); rank 0 writes ``{layout: [loss per step]}`` to
 ``<out_dir>/losses.json``, plus ``"<layout>.grad_norms"`` (the global gradient norm of each
-step, before the optimizer step) and ``"<layout>.tied"`` (whether the output projection
-still is the embedding's parameter after parallelizing).
+step, before the optimizer step), ``"<layout>.tied"`` (whether the output projection
+still is the embedding's parameter after parallelizing) and ``"<layout>.compiled_calls"``.
 
 The single-process references are the same function with the layouts ``single_tied``,
 ``single_untied`` and ``single_moe`` (world 1).
@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+import tiny
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -49,6 +50,13 @@ LAYOUTS = {
     "fsdp_untied": ("untied", {"dp_shard": 2}, {}, None),
     "ddp_tied": ("tied", {"dp_replicate": 2, "dp_shard": 1}, {}, None),
     "fsdp_ac_tied": ("tied", {"dp_shard": 2}, _AC_FULL, None),
+    # Per-block compile (inductor, counting its calls): dense blocks whole (fullgraph).
+    "fsdp_compile_tied": (
+        "tied",
+        {"dp_shard": 2},
+        {"compile": True, "compile_backend": tiny.COUNTING_BACKEND},
+        None,
+    ),
     "tp_tied": ("tied", {"tp": 2, "dp_shard": 1}, {}, None),
     "tp_untied": ("untied", {"tp": 2, "dp_shard": 1}, {}, None),
     "tp_replicated_logits_tied": ("tied", {"tp": 2, "dp_shard": 1}, {"loss_parallel": False}, None),
@@ -198,8 +206,11 @@ def main() -> None:
     out_dir = Path(sys.argv[1])
     init_distributed(device_type="cpu")
     results: dict[str, object] = {}
+    tiny.register_counting_backend()
     for layout in sys.argv[2:]:
+        compiled_before = tiny.COMPILED["calls"]
         results.update(train(layout))
+        results[f"{layout}.compiled_calls"] = tiny.COMPILED["calls"] - compiled_before
     if dist.get_rank() == 0:
         (out_dir / "losses.json").write_text(json.dumps(results))
     gc.collect()  # free FSDP state (it holds gloo work) while the group exists
