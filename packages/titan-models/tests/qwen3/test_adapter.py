@@ -275,3 +275,36 @@ def test_recorded_args_are_not_overridden_and_rope_scaling_none_is_accepted():
         make_adapter(model_args=args, overrides={"n_layers": 5})
     recorded = make_adapter(model_args=tiny_args(mlp_only_layers=(1,))).model_args()
     assert make_adapter(model_args=json.loads(json.dumps(recorded))).args.mlp_only_layers == (1,)
+
+
+# torchtitan's Qwen3StateDictAdapter.from_hf_map (torchtitan/models/qwen3/model/
+# state_dict_adapter.py at d880de214, October 2025), experts and rotary buffers aside.
+TORCHTITAN_FROM_HF = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def test_names_map_as_torchtitans_adapter_maps_them():
+    args = tiny_args(moe_enabled=True, n_layers=2, mlp_only_layers=(0,))
+    adapter = Qwen3StateDictAdapter(args)
+    state_dict = our_model(args).state_dict()
+    for hf_name, titan_name in TORCHTITAN_FROM_HF.items():
+        hf_name, titan_name = hf_name.format(0), titan_name.format(0)
+        if titan_name not in state_dict:  # the router is in block 1, the dense MLP in 0
+            hf_name, titan_name = hf_name.replace(".0.", ".1."), titan_name.replace(".0.", ".1.")
+        mapped = dict(adapter.to_hf_items([(titan_name, state_dict[titan_name])]))
+        assert list(mapped) == [hf_name]
