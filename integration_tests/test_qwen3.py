@@ -12,7 +12,8 @@ as a user runs it:
 
 - the loss of step 1 equals transformers' loss on the batch the trainer read (the same
   dataloader and tokenizer, run here), fp32 within 1e-5: dense in one process, on 2 FSDP
-  ranks and on 2 tensor-parallel ranks, and the MoE shape;
+  ranks and on 2 tensor-parallel ranks, and the MoE shape in one process and on 2 ranks
+  with expert parallel (FSDP x EP);
 - the ``last_save_in_hf`` folder loads in transformers with logits equal to titan's model
   read from the DCP step beside it (the trained weights);
 - an HF folder of another architecture (``LlamaForCausalLM``) or another shape exits 2 before
@@ -158,6 +159,10 @@ RUNS = {
          "--parallelism.tensor_parallel_degree", "2"),
     ),
     "moe": ("debugmodel_moe", "Qwen3MoeForCausalLM", 1, 1, ()),
+    "moe_ep": (
+        "debugmodel_moe", "Qwen3MoeForCausalLM", 2, 2,
+        ("--parallelism.expert_parallel_degree", "2"),
+    ),
 }  # fmt: skip
 
 
