@@ -183,3 +183,26 @@ def test_hf_folder_that_does_not_fit_is_refused_before_loading(
     with pytest.raises(error, match=message):
         loader.load()
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+def test_check_hf_folder_refuses_a_misfit_from_the_headers_alone(common, tmp_path):
+    """``check_hf_folder``: the check ``load`` makes, from shapes (no model, no tensor data),
+    for a trainer to run before any work; a whole-dict adapter is not checked (False)."""
+    from titan_ckpt.hf import check_hf_folder
+    from titan_ckpt.storage import LocalStorage
+
+    model = common.make_model()
+    config = CheckpointConfig(enable=True, folder=str(tmp_path / "run"), last_save_in_hf=True)
+    adapter = common.StreamingRenamingAdapter()
+    manager = CheckpointManager(config, model_parts=model, state_dict_adapter=adapter)
+    manager.save(1, last_step=True)
+    manager.close()
+    hf_dir = str(tmp_path / "run" / "step-1" / "hf")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert check_hf_folder(LocalStorage(), hf_dir, adapter, shapes)
+    wrong = {**shapes, "0.weight": (8, 16)}
+    with pytest.raises(CheckpointConfigError, match=r"0.weight: \[32, 16\] in the checkpoint"):
+        check_hf_folder(LocalStorage(), hf_dir, adapter, wrong)
+    with pytest.raises(CheckpointConfigError, match=r"lacks model keys \['9.weight'\]"):
+        check_hf_folder(LocalStorage(), hf_dir, adapter, {**shapes, "9.weight": (1,)})
+    assert not check_hf_folder(LocalStorage(), hf_dir, RenamingAdapter(), wrong)

@@ -50,7 +50,7 @@ from titan_ckpt.formats.safetensors import (
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 
-__all__ = ["hf_files", "load_hf", "require_safetensors", "save_hf"]
+__all__ = ["check_hf_folder", "hf_files", "load_hf", "require_safetensors", "save_hf"]
 
 HF_CONFIG = "config.json"
 
@@ -244,6 +244,27 @@ def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateD
         if key in targets:  # else another pipeline stage's
             _copy_into(targets[key], value)
         del value  # before the next tensor is read
+
+
+def check_hf_folder(
+    storage: Storage,
+    directory: str,
+    adapter: StateDictAdapter,
+    model_shapes: dict[str, tuple[int, ...]],
+) -> bool:
+    """Raise ``CheckpointConfigError`` unless the Hugging Face folder at ``directory``, through
+    ``adapter``, has exactly the keys of ``model_shapes`` (the whole model's native names and
+    shapes, e.g. from a model built on the meta device) with those shapes: the check
+    :func:`load_hf` makes, run before any work. Reads the safetensors headers only (no
+    tensor data). Returns False, checking nothing, for an adapter that does not stream
+    (its whole-dict conversion needs the tensors)."""
+    if not streams(adapter):
+        return False
+    source = hf_files(storage, directory)
+    planned = plan_items(partial(from_hf_items, adapter), source.specs.items())
+    targets = {k: torch.empty(shape, device="meta") for k, shape in model_shapes.items()}
+    _check_keys(directory, planned, targets, set(targets))
+    return True
 
 
 def _check_keys(

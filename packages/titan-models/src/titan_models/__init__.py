@@ -8,8 +8,9 @@ checkpointing, per-block compile, FSDP2/HSDP/DDP, driven by ``titan_dims.Paralle
 ``torch.distributed.pipelining``) and ``Llama3StateDictAdapter`` (to and from Hugging Face
 ``LlamaForCausalLM``); ``DeepSeekV3`` (flavors debugmodel to 671B, mixture-of-experts blocks
 from ``titan_models.moe``) and ``DeepSeekV3StateDictAdapter`` (to and from
-``DeepseekV3ForCausalLM``); ``Qwen3`` (dense and MoE flavors, debugmodel to 235B-A22B) and
-``Qwen3StateDictAdapter`` (to and from ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``).
+``DeepseekV3ForCausalLM``); ``Qwen3`` (dense and MoE flavors, debugmodel to 235B-A22B),
+its plans ``parallelize_qwen3`` and ``pipeline_qwen3``, and ``Qwen3StateDictAdapter`` (to and
+from ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``).
 Every error raised for a setting that cannot work is a ``ModelConfigError`` (a
 ``ValueError``; ``ConfigError`` before, still importable for one release), under the
 package's root ``ModelError``: see ``titan_models.errors``.
@@ -62,10 +63,14 @@ from titan_models.parallel import (
     step_context,
 )
 from titan_models.qwen3 import (
+    QWEN3,
     QWEN3_FLAVORS,
     Qwen3,
     Qwen3Args,
     Qwen3StateDictAdapter,
+    check_qwen3,
+    parallelize_qwen3,
+    pipeline_qwen3,
     qwen3_args,
 )
 from titan_models.spec import ModelSpec
@@ -75,6 +80,7 @@ __all__ = [
     "DEEPSEEK_V3_FLAVORS",
     "LLAMA3",
     "LLAMA3_FLAVORS",
+    "QWEN3",
     "QWEN3_FLAVORS",
     "ROPE_SCALING_CHOICES",
     "ActivationCheckpointConfig",
@@ -102,6 +108,7 @@ __all__ = [
     "check_deepseek_v3",
     "check_llama",
     "check_parallelism",
+    "check_qwen3",
     "check_seq_len",
     "context_parallel_batch",
     "context_parallel_shard",
@@ -110,8 +117,10 @@ __all__ = [
     "make_adapter",
     "parallelize_deepseek_v3",
     "parallelize_llama",
+    "parallelize_qwen3",
     "pipeline_deepseek_v3",
     "pipeline_llama",
+    "pipeline_qwen3",
     "plain_loss",
     "qwen3_args",
     "reduce_loss",

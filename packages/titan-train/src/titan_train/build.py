@@ -30,6 +30,7 @@ from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, 
 from titan_train.config import JobConfig
 from titan_train.data import TextDataLoader, build_dataloader
 from titan_train.fault_tolerance import ReplicaGroup
+from titan_train.hf_start import run_vocab_size
 from titan_train.metrics import MetricsLogger
 from titan_train.model_args import (
     build_model_args,
@@ -140,7 +141,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
     dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
     validator = _build_validator(config, plan, tokenizer, dp_rank)
     args, model_parts, pipeline = _build_model(
-        config, plan, tokenizer.vocab_size, validator is not None
+        config, plan, run_vocab_size(config, tokenizer.vocab_size), validator is not None
     )
 
     optimizers: Any = build_optimizers(

@@ -11,7 +11,9 @@ group, no model, no data), in the order a user meets them:
   ``check_seq_len``) and the validation batch against the pipeline's microbatches;
 - the flavor against the layout (the spec's ``check_fn``: for Llama 3 heads per
   tensor-parallel rank, no experts, the pipeline's microbatches and stage split);
-- the checkpoint folder (writable, holding nothing titan would touch wrongly);
+- the checkpoint folder (writable, holding nothing titan would touch wrongly), and a
+  Hugging Face folder to start from (``checkpoint.initial_load_in_hf``) against the model
+  (``titan_train.hf_start``);
 - fault tolerance (layout, seed checkpoint, lighthouse);
 - optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
 - the context-parallel implementation for this device, resolved once into the plan's
@@ -37,6 +39,7 @@ from titan_models import ModelConfigError, ModelSpec, StepContext, check_seq_len
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
 from titan_train.fault_tolerance import check_fault_tolerance
+from titan_train.hf_start import check_initial_hf_load
 from titan_train.model_args import build_model_args
 from titan_train.registry import load_model_spec
 
@@ -116,6 +119,7 @@ def preflight(config: JobConfig, world: World) -> Plan:
         microbatches = steps // config.pipeline.microbatch_size
         check_validation_microbatches(config, microbatches)
     check_checkpoint_folder(config)
+    check_initial_hf_load(config, spec, max_seq_len=_longest_seq_len(config))
     check_fault_tolerance(
         config.fault_tolerance,
         dims,
@@ -189,10 +193,9 @@ def check_model_layout(
     them (its longest sequence, its RoPE setting)."""
     if spec.check_fn is None:
         return
-    longest = max(
-        config.training.seq_len, config.validation.seq_len if config.validation.enable else 0
+    args = build_model_args(
+        spec, config.model, vocab_size=None, max_seq_len=_longest_seq_len(config)
     )
-    args = build_model_args(spec, config.model, vocab_size=None, max_seq_len=longest)
     spec.check_fn(
         args,
         dims,
@@ -223,6 +226,13 @@ def checkpoint_cost_warning(config: JobConfig, spec: ModelSpec) -> str | None:
         f"model (~{12 * params / 1e9:,.0f} GB with its optimizer state) every "
         f"{checkpoint.interval} steps; torchtitan saves every 500. Set checkpoint.interval "
         "to what your storage and step time allow."
+    )
+
+
+def _longest_seq_len(config: JobConfig) -> int:
+    """The longest sequence the run feeds its model (training or validation)."""
+    return max(
+        config.training.seq_len, config.validation.seq_len if config.validation.enable else 0
     )
 
 

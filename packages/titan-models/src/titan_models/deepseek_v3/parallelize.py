@@ -10,11 +10,12 @@ checkpointing, per-block compile, then FSDP2/HSDP or DDP. What differs:
   An MoE layer runs on the whole (gathered) sequence on every tp rank: routing and the
   routed experts are replicated (with ``ep`` they are spread over the ep ranks instead), the
   shared expert is split over its hidden dimension (input gradient summed and output summed
-  over ``tp``).
+  over ``tp``): ``titan_models.parallel.moe_parallel.apply_moe_tp``, shared with Qwen3.
 - **Expert parallel.** ``titan_models.apply_expert_parallel`` over the ``ep`` mesh; then
   FSDP shards the experts over ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP), the rest
   over ``dp_shard_cp``, and divides the experts' gradients by the same data-parallel degree
-  as every other gradient's (their tokens came from all ``dp_shard_cp`` ranks).
+  as every other gradient's (their tokens came from all ``dp_shard_cp`` ranks):
+  ``apply_fsdp_with_experts``, shared with Qwen3.
 - **Context parallel.** Only titan's all-gather attention: the ring and torch's need equal
   key and value head sizes (192 and 128 here).
 """
@@ -22,15 +23,12 @@ checkpointing, per-block compile, then FSDP2/HSDP or DDP. What differs:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -43,8 +41,13 @@ from titan_models.errors import ModelConfigError
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
 from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
-from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_param_dtype
+from titan_models.parallel.data_parallel import apply_ddp
 from titan_models.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel
+from titan_models.parallel.moe_parallel import (
+    SumGradOverGroup,
+    apply_fsdp_with_experts,
+    apply_moe_tp,
+)
 from titan_models.parallel.pipeline import split_blocks
 from titan_models.parallel.step import check_seq_len
 from titan_models.parallel.tensor_parallel import apply_tp_ends
@@ -134,55 +137,12 @@ def _check_pipeline(
     split_blocks(args.n_layers, parallel_dims.pp, pipeline_config)
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over ``mesh``: for a
-    tensor every rank holds whole but whose uses are split over the ranks."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        ctx.mesh = mesh
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        summed = DTensor.from_local(grad.contiguous(), ctx.mesh, [Partial()], run_check=False)
-        return summed.redistribute(placements=[Replicate()]).to_local(), None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """Forward all-reduces (sums) partial results over ``mesh``; backward is the identity."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        partial = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)
-        return partial.redistribute(placements=[Replicate()]).to_local()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
-
-
 def _shared_rope_key_hook(kv_lora_rank: int, tp_mesh: DeviceMesh):
     def hook(_module: nn.Module, _inputs: object, out: torch.Tensor) -> torch.Tensor:
         latent, rope_key = out[..., :kv_lora_rank], out[..., kv_lora_rank:]
-        return torch.cat([latent, _SumGradOverGroup.apply(rope_key, tp_mesh)], dim=-1)
+        return torch.cat([latent, SumGradOverGroup.apply(rope_key, tp_mesh)], dim=-1)
 
     return hook
-
-
-def _split_shared_expert(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """The shared expert (a one-expert ``GroupedExperts``) split over its hidden dimension:
-    w1 and w3 by columns, w2 by rows; the input's gradient and the output are summed over
-    ``tp``."""
-    for name, dim in (("w1", 2), ("w2", 1), ("w3", 2)):
-        weight = getattr(shared, name)
-        shared.register_parameter(
-            name, nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(dim)]))
-        )
-    shared.register_forward_pre_hook(
-        lambda _m, args: (_SumGradOverGroup.apply(args[0], tp_mesh), *args[1:])
-    )
-    shared.register_forward_hook(lambda _m, _args, out: _SumOverGroup.apply(out, tp_mesh))
 
 
 def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
@@ -205,13 +165,7 @@ def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_paralle
             "ffn_norm": SequenceParallel(),
         }
         plan["attention.wq" if attention.q_lora_rank == 0 else "attention.wq_b"] = ColwiseParallel()
-        if block.moe_enabled:
-            plan["moe"] = PrepareModuleInput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_output=True,
-            )
-        else:
+        if not block.moe_enabled:
             plan.update(
                 {
                     "feed_forward": PrepareModuleInput(
@@ -227,56 +181,7 @@ def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_paralle
             _shared_rope_key_hook(attention.kv_lora_rank, tp_mesh)
         )
         if block.moe_enabled:
-            # The MoE output is whole on every rank: keep this rank's part of the sequence.
-            parallelize_module(
-                block.moe,
-                tp_mesh,
-                PrepareModuleOutput(
-                    output_layouts=(Replicate(),),
-                    desired_output_layouts=(Shard(1),),
-                    use_local_output=True,
-                ),
-            )
-            if block.moe.shared_expert is not None:
-                _split_shared_expert(block.moe.shared_expert, tp_mesh)
-
-
-def _apply_fsdp(model: DeepSeekV3, parallel_dims: ParallelDims, config: ParallelizeConfig) -> None:
-    device_type = parallel_dims.device_type or detect_device_type()
-    replicate = ("dp_replicate",) if parallel_dims.dp_replicate_enabled else ()
-    if parallel_dims.ep_enabled:
-        # Experts first, over the data-parallel ranks that hold the same experts; the blocks'
-        # FSDP below then leaves them out. Their tokens came from every dp_shard_cp rank (the
-        # all-to-all's backward sums those), so divide as the other gradients are divided.
-        expert_mesh = parallel_dims.get_mesh((*replicate, "dp_shard_mod_ep"))
-        mp = MixedPrecisionPolicy(
-            param_dtype=resolve_param_dtype(config.param_dtype, device_type),
-            reduce_dtype=getattr(torch, config.reduce_dtype),
-        )
-        reshard = config.reshard_after_forward == "always" or (
-            config.reshard_after_forward == "default" and not parallel_dims.pp_enabled
-        )
-        degree = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
-        # A divide factor other than the group's size is a pre-multiplied sum, which gloo
-        # lacks: there, sum and divide after. (Not on a one-rank shard group: torch 2.13
-        # divides that copy itself, and would divide once more after.)
-        shard_group = expert_mesh.get_group(expert_mesh.ndim - 1)
-        sum_then_divide = dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1
-        for block in model.layers.values():
-            if block.moe_enabled:
-                experts = fully_shard(
-                    block.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard
-                )
-                experts.set_gradient_divide_factor(float(degree))
-                experts.set_force_sum_reduction_for_comms(sum_then_divide)
-    apply_fsdp(
-        model,
-        model.layers,
-        parallel_dims.get_mesh((*replicate, "dp_shard_cp")),
-        config,
-        device_type=device_type,
-        pipeline=parallel_dims.pp_enabled,
-    )
+            apply_moe_tp(block.moe, tp_mesh)
 
 
 def parallelize_deepseek_v3(
@@ -310,7 +215,7 @@ def parallelize_deepseek_v3(
             # reads the all-to-all split sizes on the host. Dense blocks compile whole.
             block.compile(backend=config.compile_backend, fullgraph=not block.moe_enabled)
     if parallel_dims.fsdp_enabled:
-        _apply_fsdp(model, parallel_dims, config)
+        apply_fsdp_with_experts(model, parallel_dims, config)
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
     return model

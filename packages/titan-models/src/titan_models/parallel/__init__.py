@@ -29,6 +29,7 @@ from titan_models.parallel.expert_parallel import (
     apply_expert_parallel,
     check_expert_parallel,
 )
+from titan_models.parallel.moe_parallel import apply_fsdp_with_experts, apply_moe_tp
 from titan_models.parallel.pipeline import (
     Pipeline,
     build_pipeline,
@@ -60,6 +61,8 @@ __all__ = [
     "apply_ddp",
     "apply_expert_parallel",
     "apply_fsdp",
+    "apply_fsdp_with_experts",
+    "apply_moe_tp",
     "auto_param_dtype",
     "build_pipeline",
     "build_schedule",

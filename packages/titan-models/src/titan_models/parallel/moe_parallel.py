@@ -1,0 +1,144 @@
+"""The parallel plans of a mixture-of-experts layer, shared by every family with MoE blocks
+(DeepSeek-V3, Qwen3 MoE): tensor parallel around a ``titan_models.moe.MoE`` and FSDP with
+the experts sharded over the data-parallel ranks that hold the same experts.
+
+- **Tensor parallel** (:func:`apply_moe_tp`). An MoE layer runs on the whole (gathered)
+  sequence on every tp rank: routing and the routed experts are replicated (with ``ep`` they
+  are spread over the ep ranks instead), the shared expert, when there is one, is split over
+  its hidden dimension (its input's gradient and its output summed over ``tp``). The
+  layer's output, whole on every rank, is cut back to this rank's part of the sequence.
+- **FSDP** (:func:`apply_fsdp_with_experts`). Under expert parallel the experts are sharded
+  over ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP) before the blocks are sharded over
+  ``dp_shard_cp`` (which then leaves the experts out); their gradients are divided by the
+  same data-parallel degree as every other gradient's, since their tokens came from all
+  ``dp_shard_cp`` ranks (see ``titan_models.parallel.expert_parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+from titan_dims import ParallelDims, detect_device_type
+from titan_models.moe.balance import moe_layers
+from titan_models.moe.layer import MoE
+from titan_models.parallel.config import ParallelizeConfig
+from titan_models.parallel.data_parallel import apply_fsdp, resolve_param_dtype
+
+__all__ = ["SumGradOverGroup", "SumOverGroup", "apply_fsdp_with_experts", "apply_moe_tp"]
+
+
+class SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over ``mesh``: for a
+    tensor every rank holds whole but whose uses are split over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        summed = DTensor.from_local(grad.contiguous(), ctx.mesh, [Partial()], run_check=False)
+        return summed.redistribute(placements=[Replicate()]).to_local(), None
+
+
+class SumOverGroup(torch.autograd.Function):
+    """Forward all-reduces (sums) partial results over ``mesh``; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
+        partial = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)
+        return partial.redistribute(placements=[Replicate()]).to_local()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _split_shared_expert(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The shared expert (a one-expert ``GroupedExperts``) split over its hidden dimension:
+    w1 and w3 by columns, w2 by rows; the input's gradient and the output are summed over
+    ``tp``."""
+    for name, dim in (("w1", 2), ("w2", 1), ("w3", 2)):
+        weight = getattr(shared, name)
+        shared.register_parameter(
+            name, nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(dim)]))
+        )
+    shared.register_forward_pre_hook(
+        lambda _m, args: (SumGradOverGroup.apply(args[0], tp_mesh), *args[1:])
+    )
+    shared.register_forward_hook(lambda _m, _args, out: SumOverGroup.apply(out, tp_mesh))
+
+
+def apply_moe_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallel around one MoE layer whose input and output are sharded along the
+    sequence (dim 1) over ``tp_mesh``: gather the input as a plain tensor, run the layer on
+    the whole sequence, keep this rank's part of the output; split the shared expert."""
+    parallelize_module(
+        moe,
+        tp_mesh,
+        PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        ),
+    )
+    if moe.shared_expert is not None:
+        _split_shared_expert(moe.shared_expert, tp_mesh)
+
+
+def _shard_experts(
+    model: nn.Module, parallel_dims: ParallelDims, config: ParallelizeConfig
+) -> None:
+    """FSDP over ``dp_shard_mod_ep`` for every MoE layer's experts (expert parallel on)."""
+    device_type = parallel_dims.device_type or detect_device_type()
+    replicate = ("dp_replicate",) if parallel_dims.dp_replicate_enabled else ()
+    expert_mesh = parallel_dims.get_mesh((*replicate, "dp_shard_mod_ep"))
+    mp = MixedPrecisionPolicy(
+        param_dtype=resolve_param_dtype(config.param_dtype, device_type),
+        reduce_dtype=getattr(torch, config.reduce_dtype),
+    )
+    reshard = config.reshard_after_forward == "always" or (
+        config.reshard_after_forward == "default" and not parallel_dims.pp_enabled
+    )
+    degree = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
+    # A divide factor other than the group's size is a pre-multiplied sum, which gloo
+    # lacks: there, sum and divide after. (Not on a one-rank shard group: torch 2.13
+    # divides that copy itself, and would divide once more after.)
+    shard_group = expert_mesh.get_group(expert_mesh.ndim - 1)
+    sum_then_divide = dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1
+    for _, layer in moe_layers(model):
+        experts = fully_shard(
+            layer.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard
+        )
+        experts.set_gradient_divide_factor(float(degree))
+        experts.set_force_sum_reduction_for_comms(sum_then_divide)
+
+
+def apply_fsdp_with_experts(
+    model: nn.Module, parallel_dims: ParallelDims, config: ParallelizeConfig
+) -> None:
+    """FSDP2 (HSDP with ``dp_replicate``) of a titan decoder (``model.layers``, then the
+    root), with, under expert parallel, every MoE layer's experts sharded first over
+    ``dp_shard_mod_ep`` (see the module docstring)."""
+    device_type = parallel_dims.device_type or detect_device_type()
+    if parallel_dims.ep_enabled:
+        _shard_experts(model, parallel_dims, config)
+    replicate = ("dp_replicate",) if parallel_dims.dp_replicate_enabled else ()
+    apply_fsdp(
+        model,
+        model.layers,
+        parallel_dims.get_mesh((*replicate, "dp_shard_cp")),
+        config,
+        device_type=device_type,
+        pipeline=parallel_dims.pp_enabled,
+    )

@@ -1,0 +1,152 @@
+"""parallelize_qwen3, pipeline_qwen3 and check_qwen3: impossible layouts fail before any work
+(check_qwen3, no process group), tied embeddings under pipeline parallel among them; under
+torchrun (gloo, 2 and 4 ranks) a tiny dense Qwen3, tied and untied, trains under FSDP, DDP,
+HSDP, activation checkpointing, per-block compile, tensor parallel (loss parallel and
+replicated logits), FSDP + TP, context parallel (all-gather and ring) and pipelines
+(untied), and a tiny MoE Qwen3 under tensor parallel, expert parallel, EP + FSDP, EP + TP
+and EP + PP, to the per-step losses AND gradient norms of one process
+(workers/qwen3_train.py); tied weights stay one parameter under every plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_dims import ParallelDims
+from titan_models import ModelConfigError, ParallelizeConfig, PipelineConfig
+from titan_models.qwen3 import QWEN3, Qwen3, check_qwen3
+from titan_models.qwen3.args import Qwen3Args, qwen3_args
+
+TWO_RANKS = (
+    "fsdp_tied", "fsdp_untied", "ddp_tied", "fsdp_ac_tied", "fsdp_compile_tied", "tp_tied",
+    "tp_untied",
+    "tp_replicated_logits_tied", "cp_tied", "cp_ring_untied", "pp_untied", "ep_moe", "tp_moe",
+)  # fmt: skip
+FOUR_RANKS = (
+    "hsdp_tied", "fsdp_tp_tied", "fsdp_tp_untied", "pp_fsdp_untied", "ep_fsdp_moe",
+    "ep_tp_moe", "ep_pp_moe",
+)  # fmt: skip
+REFERENCES = ("single_tied", "single_untied", "single_moe")
+# Losses agree to float32 rounding of different reduction orders, not bitwise.
+TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}
+
+
+def small(**overrides) -> Qwen3Args:
+    fields = dict(
+        dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
+        vocab_size=256, max_seq_len=32,
+    )  # fmt: skip
+    return Qwen3Args(**{**fields, **overrides})
+
+
+MOE = {"moe_enabled": True, "num_experts": 4, "top_k": 2, "moe_inter_dim": 32}
+
+
+@pytest.mark.parametrize(
+    ("degrees", "args", "config", "match"),
+    [
+        ({"world_size": 8, "tp": 8}, {}, {}, r"tp=8 must divide n_heads=4.*\[1, 2, 4\]"),
+        ({"world_size": 4, "tp": 4}, {}, {}, r"tp=4 must divide n_kv_heads=2.*\[1, 2\]"),
+        ({"world_size": 2, "dp_shard": 2, "ep": 2}, {}, {}, "no MoE block .* choose an MoE"),
+        ({"world_size": 8, "dp_shard": 8, "ep": 8}, MOE, {}, r"degree=8 .* 1, 2, 4"),
+        ({"world_size": 2, "cp": 2, "dp_shard": 1}, {}, {"cp_attention": "torch"}, "'cpu'"),
+        ({"world_size": 2, "tp": 2, "dp_shard": 1}, {}, {"cpu_offload": True}, "FSDP is off"),
+        ({"world_size": 4, "tp": 2, "dp_replicate": 2, "dp_shard": 1}, {}, {}, "use HSDP"),
+    ],
+)
+def test_impossible_layouts_fail_before_any_work(degrees, args, config, match):
+    dims = ParallelDims(device_type="cpu", **{"world_size": 1, **degrees})
+    with pytest.raises(ModelConfigError, match=match):
+        check_qwen3(small(**args), dims, ParallelizeConfig(**config), seq_len=32)
+
+
+def test_the_sequence_length_must_split_over_tp_and_cp():
+    dims = ParallelDims(world_size=4, tp=2, cp=2, dp_shard=1, device_type="cpu")
+    with pytest.raises(ModelConfigError, match="seq_len=30"):
+        check_qwen3(small(), dims, ParallelizeConfig(), seq_len=30)
+    check_qwen3(small(), dims, ParallelizeConfig(), seq_len=32)
+
+
+def test_tied_embeddings_refuse_pipeline_parallel_with_one_message():
+    assert QWEN3.check_fn is check_qwen3
+    dims = ParallelDims(world_size=2, pp=2, device_type="cpu")
+    pipeline = {"pipeline_config": PipelineConfig(), "local_batch_size": 4}
+    with pytest.raises(ModelConfigError, match=r"pp=2: .*\(enable_weight_tying=True\).* set pp=1"):
+        check_qwen3(small(enable_weight_tying=True), dims, ParallelizeConfig(), **pipeline)
+    # The tied published flavors too, with the trainer's overrides.
+    with pytest.raises(ModelConfigError, match="enable_weight_tying"):
+        check_qwen3(qwen3_args("0.6B", max_seq_len=32), dims, ParallelizeConfig(), **pipeline)
+    check_qwen3(small(), dims, ParallelizeConfig(), seq_len=32, **pipeline)
+    check_qwen3(qwen3_args("8B", max_seq_len=32), dims, ParallelizeConfig(), **pipeline)
+
+
+def test_the_pipeline_split_is_checked_without_a_process_group():
+    dims = ParallelDims(world_size=2, pp=2, device_type="cpu")
+    with pytest.raises(ModelConfigError, match="layers_per_stage=3 does not divide n_layers=2"):
+        check_qwen3(
+            small(),
+            dims,
+            ParallelizeConfig(),
+            pipeline_config=PipelineConfig(layers_per_stage=3),
+            local_batch_size=4,
+        )
+    with pytest.raises(ModelConfigError, match="local_batch_size=3 is not a multiple"):
+        check_qwen3(
+            small(),
+            dims,
+            ParallelizeConfig(),
+            pipeline_config=PipelineConfig(microbatch_size=2),
+            local_batch_size=3,
+        )
+
+
+def test_a_dense_model_has_no_expert_hooks():
+    dims = ParallelDims(world_size=1, device_type="cpu")
+    with torch.device("meta"):
+        dense, moe = Qwen3(small()), Qwen3(small(**MOE))
+    assert QWEN3.post_step_fn([dense], dims) is None
+    assert QWEN3.metrics_fn([dense]) == {}
+    assert QWEN3.post_step_fn([moe], dims) is not None
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory, run_torchrun):
+    out = tmp_path_factory.mktemp("two")
+    return run_torchrun("qwen3_train.py", 2, out, *REFERENCES, *TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_rank(tmp_path_factory, run_torchrun):
+    out = tmp_path_factory.mktemp("four")
+    return run_torchrun("qwen3_train.py", 4, out, *REFERENCES, *FOUR_RANKS)
+
+
+def _check(results: dict, layout: str) -> None:
+    kind = layout.rsplit("_", 1)[1]
+    reference = f"single_{kind}"
+    expected = results[reference]
+    assert expected[-1] < expected[0]
+    torch.testing.assert_close(results[layout], expected, **TOLERANCE)
+    # AdamW would hide a wrongly scaled gradient (a tied weight's counted once, or twice).
+    torch.testing.assert_close(
+        results[f"{layout}.grad_norms"], results[f"{reference}.grad_norms"], rtol=1e-5, atol=0
+    )
+    if "pp" not in layout:
+        assert results[f"{layout}.tied"] is (kind == "tied")
+
+
+@pytest.mark.parametrize("layout", TWO_RANKS)
+def test_two_rank_layout_matches_single_process(layout, two_rank):
+    _check(two_rank, layout)
+
+
+@pytest.mark.parametrize("layout", FOUR_RANKS)
+def test_four_rank_layout_matches_single_process(layout, four_rank):
+    _check(four_rank, layout)
+
+
+def test_compiled_blocks_ran_inductor_code(two_rank):
+    """Per-block compile (dense blocks whole, fullgraph): compiled code ran in every step (its
+    losses equal one eager process: test_two_rank_layout_matches_single_process)."""
+    assert two_rank["fsdp_compile_tied.compiled_calls"] >= 2 * 3  # 2 blocks x 3 steps
+    assert two_rank["fsdp_tied.compiled_calls"] == 0
