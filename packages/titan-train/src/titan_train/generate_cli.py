@@ -1,0 +1,528 @@
+"""``titan-train generate``: sample text from a titan checkpoint, a Hugging Face folder, or a
+randomly initialized model.
+
+    titan-train generate --checkpoint.path outputs/checkpoint/step-100 --prompt "Once upon"
+    titan-train generate --checkpoint.path hf/llama --prompt_file prompts.txt --json
+    titan-train generate --model.flavor debugmodel --prompt "smoke test" --max_new_tokens 8
+    titan-train generate --nproc-per-node 2 --checkpoint.path ... --prompt ...   # tensor parallel
+
+The source (``--checkpoint.path``):
+
+- a titan DCP step folder (``step-<N>``), or a checkpoint folder (its newest committed
+  step): the model record of its commit manifest names the model, flavor and real args; a
+  step without one (torchtitan's) is described by ``--model.name`` / ``--model.flavor`` and
+  the tokenizer's vocabulary. Its pickled metadata is read with titan-ckpt's restricted
+  unpickler unless ``--checkpoint.trust_pickles``;
+- a Hugging Face folder (``config.json`` + safetensors), read through the model family's
+  state-dict adapter; the model family comes from ``--model.name`` or the config's
+  ``model_type``;
+- none: ``--model.name`` / ``--model.flavor`` with random weights (seeded by ``--seed``).
+
+The tokenizer is ``--model.tokenizer_path``, else the one the checkpoint's record names
+(titan-train records the run's), else the HF folder's own, else the shipped one.
+One prompt streams its continuation to stdout token by token; several print one block each
+(``--json``: one JSON document). With ``--nproc-per-node N`` (or under torchrun) the model is
+built on the meta device, tensor-parallelized over the N ranks with the family's plan,
+materialized and loaded; rank 0 prints. Bad input (a sampling value, a path that is no
+checkpoint, a tokenizer whose vocabulary the model lacks) is one message and exit status 2,
+before the model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+from tyro.conf import UseAppendAction
+
+from titan_ckpt import CheckpointConfig, CheckpointManager, read_manifest
+from titan_ckpt.layout import committed_steps, step_name
+from titan_ckpt.storage import LocalStorage
+from titan_models import ModelSpec, ParallelizeConfig
+from titan_train.errors import ConfigError
+from titan_train.generate import SamplingConfig, generate, supports_kv_cache
+from titan_train.registry import load_model_spec
+from titan_train.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["GenerateOptions", "Source", "parse_generate_options", "resolve_source", "run_generate"]
+
+logger = logging.getLogger("titan_train")
+
+# Hugging Face ``model_type`` -> titan model name, for an HF folder without --model.name.
+HF_MODEL_TYPES = {"llama": "llama3", "deepseek_v3": "deepseek_v3", "qwen3": "qwen3",
+                  "qwen3_moe": "qwen3"}  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class GenerateModel:
+    """Which model (for random weights, or a checkpoint that records none) and tokenizer."""
+
+    name: str | None = None
+    """A registered model (titan-train list-models); default: the checkpoint's record, the HF
+    config's model_type, else llama3."""
+    flavor: str | None = None
+    """The flavor for random weights or an unrecorded checkpoint; default debugmodel."""
+    tokenizer_path: str | None = None
+    """A tiktoken BPE file or tokenizer.json (or a folder holding one); default: the one the
+    checkpoint records, the HF folder's own, else the shipped tokenizer."""
+
+
+@dataclass(kw_only=True)
+class GenerateCheckpoint:
+    """Where the weights come from."""
+
+    path: str | None = None
+    """A titan DCP step folder, a checkpoint folder (its newest committed step) or a Hugging
+    Face folder (config.json + safetensors); empty: random weights."""
+    trust_pickles: bool = False
+    """Unpickle the checkpoint's metadata without titan-ckpt's allowlist (only for
+    checkpoints you made yourself with custom objects: their pickles can run code)."""
+
+
+@dataclass(kw_only=True)
+class GenerateParallelism:
+    """Generation runs tensor parallel only, over every rank (--nproc-per-node N)."""
+
+    tensor_parallel_degree: int = -1
+    """Ranks the model is split over; -1: every rank."""
+    data_parallel_replicate_degree: int = 1
+    """Not used by generate: must be 1."""
+    data_parallel_shard_degree: int = 1
+    """Not used by generate: must be 1 (or -1)."""
+    context_parallel_degree: int = 1
+    """Not used by generate: must be 1."""
+    pipeline_parallel_degree: int = 1
+    """Not used by generate: must be 1."""
+    expert_parallel_degree: int = 1
+    """Not used by generate: must be 1."""
+
+
+@dataclass(kw_only=True)
+class GenerateOptions(SamplingConfig):
+    """Sample text from a model. Every option is --key value (or --section.key value)."""
+
+    prompt: UseAppendAction[list[str]] = field(default_factory=list)
+    """A prompt; repeat the flag for a batch of prompts."""
+    prompt_file: str | None = None
+    """A text file of prompts, one per line (blank lines skipped), after any --prompt."""
+    bos: bool = True
+    """Begin each prompt with the tokenizer's beginning-of-text token, as training does."""
+    json: bool = False
+    """Print one JSON document (prompts, token ids, texts, why each stopped) instead of text."""
+    checkpoint: GenerateCheckpoint = field(default_factory=GenerateCheckpoint)
+    model: GenerateModel = field(default_factory=GenerateModel)
+    parallelism: GenerateParallelism = field(default_factory=GenerateParallelism)
+
+    def sampling(self) -> SamplingConfig:
+        """The sampling settings alone."""
+        return SamplingConfig(**{f.name: getattr(self, f.name) for f in fields(SamplingConfig)})
+
+
+def parse_generate_options(argv: list[str]) -> GenerateOptions:
+    """The options of a ``titan-train generate`` command line; ``--help`` prints them all
+    (tyro exits with status 2 after one message on a malformed flag)."""
+    import tyro
+
+    from titan_train.config_loader import _plain_docstrings
+
+    with _plain_docstrings():
+        return tyro.cli(
+            GenerateOptions,
+            args=argv,
+            prog="titan-train generate",
+            description=(__doc__ or "").replace("``", ""),
+            use_underscores=True,
+        )
+
+
+@dataclass(kw_only=True)
+class Source:
+    """Where the model comes from and how it is described."""
+
+    kind: str
+    """``dcp`` (a titan or torchtitan step), ``hf`` (a Hugging Face folder) or ``random``."""
+    path: str | None
+    spec: ModelSpec
+    flavor: str
+    args: dict[str, Any] | None = None
+    """The model's real args (recorded, or read from config.json); None: the flavor's."""
+    adapter: Any = None
+    """The HF state-dict adapter (``hf`` only)."""
+    tokenizer_path: str | None = None
+    """The tokenizer the source names (recorded with the run, or the HF folder's)."""
+
+
+def resolve_source(options: GenerateOptions) -> Source:
+    """What ``--checkpoint.path`` is and which model it holds (reads only small files)."""
+    path, model = options.checkpoint.path, options.model
+    if not path:
+        name = model.name or "llama3"
+        return Source(kind="random", path=None, spec=_spec(name), flavor=_flavor(name, model))
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"--checkpoint.path {path} does not exist. Give a titan checkpoint step folder "
+            "(e.g. outputs/checkpoint/step-100), a checkpoint folder, or a Hugging Face "
+            "folder (config.json + safetensors); leave it out for random weights."
+        )
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return _hf_source(path, model)
+    step = _step_folder(path)
+    if step is None:
+        raise ConfigError(
+            f"--checkpoint.path {path} is neither a DCP checkpoint step (a step-<N> folder "
+            "with a .metadata file, or a folder of committed steps) nor a Hugging Face "
+            "folder (config.json + safetensors)."
+        )
+    manifest = read_manifest(LocalStorage(), step)
+    record = (manifest.metadata.get("model") if manifest is not None else None) or {}
+    name = record.get("name")
+    if name and model.name and model.name != name:
+        raise ConfigError(
+            f"{step} holds a {name} model (its record), not --model.name {model.name}; "
+            "leave --model.name out or give a checkpoint of that model."
+        )
+    flavor = record.get("flavor")
+    if flavor and model.flavor and model.flavor != flavor:
+        raise ConfigError(
+            f"{step} holds {name} {flavor} (its record), not --model.flavor {model.flavor}; "
+            "leave --model.flavor out: the record describes the model."
+        )
+    name = name or model.name or "llama3"
+    args = record.get("args") if isinstance(record.get("args"), dict) else None
+    return Source(
+        kind="dcp",
+        path=step,
+        spec=_spec(name),
+        flavor=flavor or _flavor(name, model),
+        args=args,
+        tokenizer_path=record.get("tokenizer_path"),
+    )
+
+
+def _spec(name: str) -> ModelSpec:
+    return load_model_spec(name)
+
+
+def _flavor(name: str, model: GenerateModel) -> str:
+    return model.flavor or ("debugmodel" if "debugmodel" in _spec(name).flavors else
+                            next(iter(_spec(name).flavors)))  # fmt: skip
+
+
+def _step_folder(path: str) -> str | None:
+    """The DCP step ``path`` is, or the newest committed step of the folder ``path``."""
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    storage = LocalStorage()
+    steps = committed_steps(storage, path)
+    return os.path.join(path, step_name(steps[-1])) if steps else None
+
+
+def _hf_source(path: str, model: GenerateModel) -> Source:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            hf_config = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}/config.json is not readable JSON: {error}") from error
+    if not any(n.endswith(".safetensors") for n in os.listdir(path)):
+        raise ConfigError(f"{path} has a config.json but no .safetensors weights.")
+    model_type = hf_config.get("model_type")
+    name = model.name or HF_MODEL_TYPES.get(str(model_type))
+    if name is None:
+        raise ConfigError(
+            f"{path}/config.json has model_type {model_type!r}, which no titan model is known "
+            f"to read ({', '.join(sorted(HF_MODEL_TYPES))}); name the model with --model.name."
+        )
+    spec = _spec(name)
+    try:
+        adapter = spec.state_dict_adapter(hf_config=hf_config)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(
+            f"{path}/config.json does not describe a {name} model: {error}"
+        ) from error
+    args = adapter.model_args() if callable(getattr(adapter, "model_args", None)) else None
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(path, n))
+        for n in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
+    )
+    return Source(
+        kind="hf",
+        path=path,
+        spec=spec,
+        flavor=_flavor(name, model),
+        args=args,
+        adapter=adapter,
+        tokenizer_path=path if has_tokenizer else None,
+    )
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    """Everything checked before any work: source, tokenizer, model args, prompts, layout."""
+
+    options: GenerateOptions
+    source: Source
+    tokenizer: Tokenizer
+    args: Any
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    tp: int
+
+
+def prepare(options: GenerateOptions, world_size: int) -> Prepared:
+    """Check every input and describe the model (``ConfigError`` / ``ModelConfigError``,
+    exit 2, before any model is built)."""
+    tp = _tensor_parallel_degree(options.parallelism, world_size)
+    prompts = _prompts(options)
+    source = resolve_source(options)
+    tokenizer_path = options.model.tokenizer_path or source.tokenizer_path
+    tokenizer = load_tokenizer(tokenizer_path)
+    prompt_ids = [tokenizer.encode(p, bos=options.bos) for p in prompts]
+    empty = [i + 1 for i, ids in enumerate(prompt_ids) if not ids]
+    if empty:
+        raise ConfigError(f"Prompt(s) {empty} encode to no tokens; give text or keep --bos.")
+    longest = max(map(len, prompt_ids)) + options.max_new_tokens
+    longest = -(-longest // tp) * tp  # sequence parallel splits every length over tp ranks
+    args = _model_args(source, tokenizer.vocab_size, longest)
+    model_vocab = int(args.vocab_size)
+    if tokenizer.vocab_size > model_vocab:
+        raise ConfigError(
+            f"The tokenizer ({tokenizer_path or 'shipped'}) has {tokenizer.vocab_size} ids, "
+            f"the model's vocabulary {model_vocab}: ids it would give have no embedding. Give "
+            "the tokenizer the model was trained with (--model.tokenizer_path)."
+        )
+    if tp > 1 and source.spec.check_fn is not None:
+        from titan_dims import ParallelDims
+
+        dims = ParallelDims(world_size=tp, tp=tp, dp_shard=1)
+        source.spec.check_fn(args, dims, ParallelizeConfig(loss_parallel=False), seq_len=longest)
+    return Prepared(
+        options=options,
+        source=source,
+        tokenizer=tokenizer,
+        args=args,
+        prompts=prompts,
+        prompt_ids=prompt_ids,
+        tp=tp,
+    )
+
+
+def _tensor_parallel_degree(parallelism: GenerateParallelism, world_size: int) -> int:
+    for f in fields(GenerateParallelism):
+        value = getattr(parallelism, f.name)
+        allowed = (1, -1) if f.name == "data_parallel_shard_degree" else (1,)
+        if f.name != "tensor_parallel_degree" and value not in allowed:
+            raise ConfigError(
+                f"--parallelism.{f.name} {value}: generate runs tensor parallel only (the "
+                "model split over every rank, --nproc-per-node N); leave it at 1."
+            )
+    tp = parallelism.tensor_parallel_degree
+    tp = world_size if tp == -1 else tp
+    if tp != world_size:
+        raise ConfigError(
+            f"--parallelism.tensor_parallel_degree {tp} must equal the number of ranks "
+            f"({world_size}): generate splits the model over every rank. Leave it at -1."
+        )
+    return tp
+
+
+def _prompts(options: GenerateOptions) -> list[str]:
+    prompts = list(options.prompt)
+    if options.prompt_file:
+        try:
+            with open(options.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as error:
+            raise ConfigError(f"--prompt_file {options.prompt_file}: {error}") from error
+    if not prompts:
+        raise ConfigError(
+            "Nothing to generate from: give --prompt TEXT (repeatable) or --prompt_file."
+        )
+    return prompts
+
+
+def _model_args(source: Source, vocab_size: int, max_seq_len: int) -> Any:
+    """The model's args, long enough for the prompts and the new tokens (``max_seq_len``
+    only sizes the RoPE table: it does not change what the model computes)."""
+    if source.args is None:
+        return source.spec.args_fn(source.flavor, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    values = dict(source.args)
+    values["max_seq_len"] = max(int(values.get("max_seq_len") or 0), max_seq_len)
+    return source.spec.args_fn(source.flavor, **values)
+
+
+def build_model(prepared: Prepared, device: torch.device) -> nn.Module:
+    """The model on ``device``: built on the meta device, tensor-parallelized over every rank
+    when there are several, materialized, then loaded from the source (or initialized from
+    ``--seed`` for random weights)."""
+    spec, tp = prepared.source.spec, prepared.tp
+    with torch.device("meta"):
+        model = spec.model_cls(prepared.args)
+    if tp > 1:
+        from titan_dims import ParallelDims
+
+        dims = ParallelDims(world_size=tp, tp=tp, dp_shard=1, device_type=device.type)
+        # Replicated logits (no loss parallel): every rank samples from the whole vocabulary.
+        model = spec.parallelize_fn(model, dims, ParallelizeConfig(loss_parallel=False))
+    model.to_empty(device=device)
+    torch.manual_seed(prepared.options.seed)
+    model.init_weights(buffer_device=device)
+    _load_weights(model, prepared)
+    return model.eval()
+
+
+def _load_weights(model: nn.Module, prepared: Prepared) -> None:
+    """Load the source's weights through titan-ckpt (its restricted unpickler for DCP, the
+    family's adapter for HF), resharded onto this model's layout."""
+    source = prepared.source
+    if source.kind == "random":
+        return
+    with tempfile.TemporaryDirectory(prefix="titan-generate-") as folder:
+        config = CheckpointConfig(
+            enable=True,
+            load_only=True,
+            folder=folder,
+            initial_load_path=source.path,
+            initial_load_model_only=True,
+            initial_load_in_hf=source.kind == "hf",
+            trust_pickles=prepared.options.checkpoint.trust_pickles,
+        )
+        adapter = source.adapter
+        manager = CheckpointManager(config, model_parts=[model], state_dict_adapter=adapter)
+        try:
+            manager.load()
+        finally:
+            manager.close()
+
+
+def run_generate(options: GenerateOptions) -> int:
+    """Generate as ``options`` say, in this process (one rank of a tensor-parallel job under
+    torchrun); returns the exit status."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    prepared = prepare(options, world_size)
+    if world_size > 1:
+        from titan_dims import init_distributed
+
+        device = init_distributed()
+    else:
+        from titan_dims import detect_device_type
+
+        device = torch.device(detect_device_type())
+    try:
+        return _generate_and_print(prepared, device)
+    finally:
+        import torch.distributed as dist
+
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _generate_and_print(prepared: Prepared, device: torch.device) -> int:
+    import torch.distributed as dist
+
+    options, tokenizer = prepared.options, prepared.tokenizer
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = build_model(prepared, device)
+    if options.kv_cache and not supports_kv_cache(model):
+        logger.warning(
+            "%s has no KV cache: every new token re-runs the whole sequence (slower).",
+            prepared.source.spec.name,
+        )
+    if tokenizer.vocab_size < int(prepared.args.vocab_size):
+        logger.info(
+            "The model's vocabulary (%d) is larger than the tokenizer's (%d): sampling only "
+            "the tokenizer's ids.",
+            prepared.args.vocab_size,
+            tokenizer.vocab_size,
+        )
+    stream = (
+        _Streamer(tokenizer)
+        if rank == 0 and len(prepared.prompts) == 1 and not options.json
+        else None
+    )
+    if stream is not None:
+        print(prepared.prompts[0], end="", flush=True)
+    begin = time.perf_counter()
+    outputs = generate(
+        model,
+        prepared.prompt_ids,
+        options.sampling(),
+        eos_id=tokenizer.eos_id,
+        vocab_size=tokenizer.vocab_size,
+        device=device,
+        on_token=stream,
+    )
+    seconds = time.perf_counter() - begin
+    if rank != 0:
+        return 0
+    new_tokens = sum(map(len, outputs))
+    logger.info(
+        "%d new tokens in %.2f s (%.1f tokens/s)", new_tokens, seconds, new_tokens / seconds
+    )
+    results = [
+        {
+            "prompt": prompt,
+            "prompt_tokens": ids,
+            "tokens": out,
+            "text": tokenizer.decode(out),
+            "finish_reason": "eos"
+            if options.stop_at_eos and out and out[-1] == tokenizer.eos_id
+            else "length",
+        }
+        for prompt, ids, out in zip(prepared.prompts, prepared.prompt_ids, outputs, strict=True)
+    ]
+    if options.json:
+        print(json.dumps(_document(prepared, results, seconds), ensure_ascii=False))
+    elif stream is not None:
+        stream.finish()
+    else:
+        for i, result in enumerate(results, 1):
+            print(f"### prompt {i} of {len(results)} ({result['finish_reason']})")
+            print(result["prompt"] + result["text"])
+            print()
+    sys.stdout.flush()
+    return 0
+
+
+def _document(prepared: Prepared, results: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    source = prepared.source
+    return {
+        "source": {"kind": source.kind, "path": source.path},
+        "model": {"name": source.spec.name, "flavor": source.flavor},
+        "sampling": asdict(prepared.options.sampling()),
+        "tensor_parallel_degree": prepared.tp,
+        "seconds": round(seconds, 3),
+        "results": results,
+    }
+
+
+class _Streamer:
+    """Prints one prompt's continuation as its tokens come: each time, the text decoded so
+    far minus what is already printed, held back while it ends in a partial character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, row: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return
+        print(text[len(self.printed) :], end="", flush=True)
+        self.printed = text
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.tokens)
+        rest = text[len(self.printed) :] if text.startswith(self.printed) else ""
+        print(rest, flush=True)
