@@ -10,9 +10,10 @@ supplies what attention needs beyond them:
   the new queries over every key stored so far, with the causal and padding mask;
 - ``cache.advance(seq)`` once all layers ran.
 
-Rows are left-padded: row ``b`` of a batch starts with ``pad[b]`` padding slots that no real
-token attends to and that count no position (the first real token of every row is at
-position 0), so a batch gives each row the tokens it would get alone. Buffers are allocated
+``cache.set_padding(mask)`` before a forward marks some of its slots as padding: no real
+token attends to them and they count no position. Rows of different lengths share a batch
+left-padded (the first real token of every row is at position 0), so each row gets the
+tokens it would get alone. Buffers are allocated
 on the first ``attend`` with the heads, dtype and device of the keys given: under tensor
 parallelism each rank holds its own heads' share. The model side is all here; sampling lives
 with the caller (titan-train's ``generate``).
@@ -26,8 +27,6 @@ calls ``advance``. Without a cache the forward is untouched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch.nn import functional
 
@@ -39,10 +38,14 @@ __all__ = ["KVCache", "LayerKVCache"]
 
 class KVCache:
     """Keys and values of ``n_layers`` attention layers for ``batch_size`` rows of at most
-    ``max_len`` slots (padding included), plus where each row's real tokens start.
+    ``max_len`` slots, padding slots included.
 
-    ``pad`` gives each row's number of left-padding slots (default none). ``start`` counts
-    the slots filled so far, the same for every row.
+    Every forward fills the next ``seq`` slots of every row (``start`` counts the slots
+    filled). ``set_padding(mask)`` before a forward marks some of its slots as padding: they
+    count no position and no later token attends to them. That is how rows of different
+    lengths share a batch (left padding), and how a forward is kept to a length some layout
+    needs (sequence parallel splits every sequence evenly over its ranks) while it carries
+    fewer real tokens.
     """
 
     def __init__(
@@ -51,7 +54,6 @@ class KVCache:
         batch_size: int,
         max_len: int,
         *,
-        pad: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         if n_layers < 1 or batch_size < 1 or max_len < 1:
@@ -59,30 +61,45 @@ class KVCache:
                 f"KVCache needs n_layers, batch_size and max_len >= 1, got {n_layers}, "
                 f"{batch_size}, {max_len}."
             )
-        pad = [0] * batch_size if pad is None else list(pad)
-        if len(pad) != batch_size or any(p < 0 or p >= max_len for p in pad):
-            raise ModelConfigError(
-                f"KVCache pad={pad} must give one count in [0, {max_len}) per row "
-                f"({batch_size} rows)."
-            )
         self.max_len = max_len
         self.batch_size = batch_size
         self.start = 0
-        self.pad = torch.tensor(pad, dtype=torch.long, device=device)
+        self.real = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        """Which filled slots hold real tokens (the others are padding)."""
         self._layers = [LayerKVCache(self) for _ in range(n_layers)]
+        self._padding: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
-        self._mask_key: tuple[int, int] | None = None
 
     def layer(self, index: int) -> LayerKVCache:
         """The cache of attention layer ``index``."""
         return self._layers[index]
 
-    def positions(self, seq: int) -> torch.Tensor:
-        """(batch, seq) positions of the next ``seq`` slots: the slot minus the row's
-        padding, padding slots at 0."""
+    def set_padding(self, padding: torch.Tensor) -> None:
+        """Mark the next forward's slots where ``padding`` (batch, seq) is True as padding."""
+        if padding.dim() != 2 or padding.shape[0] != self.batch_size:
+            raise ModelConfigError(
+                f"KVCache.set_padding takes a (batch={self.batch_size}, seq) mask, got shape "
+                f"{tuple(padding.shape)}."
+            )
+        self._padding = padding.to(device=self.real.device, dtype=torch.bool)
+        self._mask = None
+
+    def _new_real(self, seq: int) -> torch.Tensor:
+        """(batch, seq): which of the next ``seq`` slots hold real tokens."""
         self._check_room(seq)
-        slots = torch.arange(self.start, self.start + seq, device=self.pad.device)
-        return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+        if self._padding is None:
+            return torch.ones(self.batch_size, seq, dtype=torch.bool, device=self.real.device)
+        if self._padding.shape[1] != seq:
+            raise ModelConfigError(
+                f"The padding mask covers {self._padding.shape[1]} slots, the forward {seq}."
+            )
+        return ~self._padding
+
+    def positions(self, seq: int) -> torch.Tensor:
+        """(batch, seq) positions of the next ``seq`` slots: the real tokens before them in
+        their row (a padding slot repeats its neighbour's, unread)."""
+        before = self.real[:, : self.start].sum(dim=1, keepdim=True)
+        return (before + self._new_real(seq).cumsum(dim=1) - 1).clamp(min=0)
 
     def rope_rows(self, table: torch.Tensor, seq: int) -> torch.Tensor:
         """RoPE angles of the next ``seq`` tokens of each row from ``table`` (positions,
@@ -96,26 +113,28 @@ class KVCache:
         return table[positions]
 
     def mask(self, seq: int, device: torch.device) -> torch.Tensor:
-        """(batch, 1, seq, start + seq) boolean mask, True where a new query may attend: keys
-        at or before the query's slot that are not padding. A padding query attends to
-        itself, so its row stays finite (no real token reads it)."""
-        key = (self.start, seq)
-        if self._mask is not None and self._mask_key == key and self._mask.device == device:
-            return self._mask
+        """(batch, 1, seq, start + seq) boolean mask, True where a new query may attend: real
+        keys at or before the query's slot. A padding query attends to itself too, so its row
+        stays finite (no real token reads it). Built once per forward."""
+        if self._mask is not None and self._mask.shape[-2] == seq:
+            return self._mask.to(device)
         end = self.start + seq
-        keys = torch.arange(end, device=device)
-        queries = torch.arange(self.start, end, device=device)
+        keys = torch.arange(end, device=self.real.device)
+        queries = torch.arange(self.start, end, device=self.real.device)
+        real = torch.cat((self.real[:, : self.start], self._new_real(seq)), dim=1)
         causal = keys[None, :] <= queries[:, None]
-        real = keys[None, :] >= self.pad.to(device)[:, None]
         itself = keys[None, :] == queries[:, None]
         mask = causal[None] & (real[:, None, :] | itself[None])
-        self._mask, self._mask_key = mask[:, None], key
-        return self._mask
+        self._mask = mask[:, None]
+        return self._mask.to(device)
 
     def advance(self, seq: int) -> None:
-        """Mark the next ``seq`` slots as filled (call once per forward, after every layer)."""
-        self._check_room(seq)
+        """Mark the next ``seq`` slots as filled (call once per forward, after every layer);
+        the padding mark applies to one forward."""
+        self.real[:, self.start : self.start + seq] = self._new_real(seq)
         self.start += seq
+        self._padding = None
+        self._mask = None
 
     def _check_room(self, seq: int) -> None:
         if self.start + seq > self.max_len:

@@ -112,12 +112,16 @@ def generate(
     vocab_size: int | None = None,
     device: torch.device | str = "cpu",
     on_token: TokenCallback | None = None,
+    multiple: int = 1,
 ) -> list[list[int]]:
     """The tokens generated after each prompt (end-of-text included when reached).
 
     ``vocab_size``: sample only ids below it (a model whose output is wider than its
     tokenizer's vocabulary). With a process group of several ranks (tensor parallel), every
     rank runs the model and rank 0's choice of each token is the one all take.
+    ``multiple``: feed the model sequences whose length is a multiple of it (the
+    tensor-parallel degree of a plan with sequence parallel), padding them with masked
+    slots; needs the KV cache.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("Every prompt needs at least one token.")
@@ -128,7 +132,12 @@ def generate(
     model.eval()
     step = _Stepper(sampling, generator, eos_id, vocab_size, on_token, len(prompts))
     if sampling.kv_cache and supports_kv_cache(model):
-        _generate_cached(model, prompts, step, device)
+        _generate_cached(model, prompts, step, device, multiple)
+    elif multiple > 1:
+        raise ConfigError(
+            f"Feeding sequences in multiples of {multiple} tokens (tensor parallel) needs a "
+            "KV cache: turn kv_cache on, with a model that has one."
+        )
     else:
         _generate_reforward(model, prompts, step, device)
     return step.outputs
@@ -178,25 +187,32 @@ class _Stepper:
 
 
 def _generate_cached(
-    model: nn.Module, prompts: Sequence[Sequence[int]], step: _Stepper, device
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    step: _Stepper,
+    device: torch.device | str,
+    multiple: int,
 ) -> None:
-    longest = max(len(p) for p in prompts)
+    # Every forward's length is a multiple of `multiple` (sequence parallel splits it evenly
+    # over the ranks): prompts are left-padded to one, and each new token is fed after
+    # multiple - 1 padding slots. Padding slots hold token 0 and are masked (KVCache).
+    longest = -(-max(len(p) for p in prompts) // multiple) * multiple
     pad = [longest - len(p) for p in prompts]
-    # Padding slots hold token 0: no real token attends to them (KVCache's mask).
-    batch = torch.tensor(
-        [[0] * n + list(p) for n, p in zip(pad, prompts, strict=True)], device=device
-    )
+    batch = torch.tensor([[0] * n + list(p) for n, p in zip(pad, prompts, strict=True)])
+    padding = torch.arange(longest)[None, :] < torch.tensor(pad)[:, None]
+    rows = len(prompts)
     cache = KVCache(
-        _layer_count(model),
-        len(prompts),
-        longest + step.sampling.max_new_tokens,
-        pad=pad,
-        device=device,
+        _layer_count(model), rows, longest + step.sampling.max_new_tokens * multiple, device=device
     )
-    rows = range(len(prompts))
-    tokens = step(model(batch, cache=cache)[:, -1], rows)
+    cache.set_padding(padding)
+    tokens = step(model(batch.to(device), cache=cache)[:, -1], range(rows))
+    feed = torch.zeros(rows, multiple, dtype=torch.long, device=device)
+    feed_padding = torch.ones(rows, multiple, dtype=torch.bool)
+    feed_padding[:, -1] = False
     while not step.finished:
-        tokens = step(model(tokens[:, None], cache=cache)[:, -1], rows)
+        feed[:, -1] = tokens
+        cache.set_padding(feed_padding)
+        tokens = step(model(feed, cache=cache)[:, -1], range(rows))
 
 
 def _generate_reforward(

@@ -46,6 +46,7 @@ from tyro.conf import UseAppendAction
 from titan_ckpt import CheckpointConfig, CheckpointManager, read_manifest
 from titan_ckpt.layout import committed_steps, step_name
 from titan_ckpt.storage import LocalStorage
+from titan_dims import ParallelDims
 from titan_models import ModelSpec, ParallelizeConfig
 from titan_train.errors import ConfigError
 from titan_train.generate import SamplingConfig, generate, supports_kv_cache
@@ -290,8 +291,11 @@ def prepare(options: GenerateOptions, world_size: int) -> Prepared:
     empty = [i + 1 for i, ids in enumerate(prompt_ids) if not ids]
     if empty:
         raise ConfigError(f"Prompt(s) {empty} encode to no tokens; give text or keep --bos.")
+    dims = ParallelDims(world_size=tp, tp=tp, dp_shard=1)
     longest = max(map(len, prompt_ids)) + options.max_new_tokens
-    longest = -(-longest // tp) * tp  # sequence parallel splits every length over tp ranks
+    # The plan's check wants a length its sequence parallel splits evenly (the RoPE table's
+    # size only; the lengths generation feeds are any).
+    longest = -(-longest // dims.seq_len_divisor) * dims.seq_len_divisor
     args = _model_args(source, tokenizer.vocab_size, longest)
     model_vocab = int(args.vocab_size)
     if tokenizer.vocab_size > model_vocab:
@@ -301,9 +305,6 @@ def prepare(options: GenerateOptions, world_size: int) -> Prepared:
             "the tokenizer the model was trained with (--model.tokenizer_path)."
         )
     if tp > 1 and source.spec.check_fn is not None:
-        from titan_dims import ParallelDims
-
-        dims = ParallelDims(world_size=tp, tp=tp, dp_shard=1)
         source.spec.check_fn(args, dims, ParallelizeConfig(loss_parallel=False), seq_len=longest)
     return Prepared(
         options=options,
@@ -368,8 +369,6 @@ def build_model(prepared: Prepared, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = spec.model_cls(prepared.args)
     if tp > 1:
-        from titan_dims import ParallelDims
-
         dims = ParallelDims(world_size=tp, tp=tp, dp_shard=1, device_type=device.type)
         # Replicated logits (no loss parallel): every rank samples from the whole vocabulary.
         model = spec.parallelize_fn(model, dims, ParallelizeConfig(loss_parallel=False))
@@ -460,6 +459,7 @@ def _generate_and_print(prepared: Prepared, device: torch.device) -> int:
         vocab_size=tokenizer.vocab_size,
         device=device,
         on_token=stream,
+        multiple=prepared.tp,
     )
     seconds = time.perf_counter() - begin
     if rank != 0:
