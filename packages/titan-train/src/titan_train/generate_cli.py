@@ -139,9 +139,20 @@ def parse_generate_options(argv: list[str]) -> GenerateOptions:
             GenerateOptions,
             args=argv,
             prog="titan-train generate",
-            description=(__doc__ or "").replace("``", ""),
+            description=_help_text(),
             use_underscores=True,
         )
+
+
+def _help_text() -> str:
+    """The module docstring as ``--help`` shows it: the examples as a list, so that tyro keeps
+    them one a line (it joins the other lines of a paragraph)."""
+    lines = []
+    for line in (__doc__ or "").replace("``", "").splitlines():
+        if line.startswith("    titan-train"):
+            line = f"- {line.strip()}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 @dataclass(kw_only=True)
