@@ -8,14 +8,17 @@ parallel on 2 gloo ranks); and one clear message with exit status 2 for bad inpu
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from titan_models import LLAMA3, llama3_args
 from titan_train.cli import main
 from titan_train.generate import SamplingConfig, sample_next
 from titan_train.generate_cli import build_model, parse_generate_options, prepare
+from titan_train.model_args import model_metadata
 
 TINY = [
     "--training.seq_len", "32",
@@ -54,10 +57,12 @@ def prompt_args(prompts: list[str]) -> list[str]:
 GREEDY = ["--temperature", "0", "--max_new_tokens", str(NEW), "--no-stop_at_eos"]
 
 
+@pytest.fixture(scope="module")
 @torch.no_grad()
-def naive_greedy(step: str, prompts: list[str]) -> list[list[int]]:
-    """Re-run the whole sequence for every new token and take the highest logit."""
-    options = parse_generate_options(["--checkpoint.path", step, *prompt_args(prompts)])
+def naive_greedy(step: str) -> list[list[int]]:
+    """For each of PROMPTS: re-run the whole sequence for every new token and take the
+    highest logit."""
+    options = parse_generate_options(["--checkpoint.path", step, *prompt_args(PROMPTS)])
     prepared = prepare(options, world_size=1)
     model = build_model(prepared, torch.device("cpu"))
     outputs = []
@@ -70,8 +75,8 @@ def naive_greedy(step: str, prompts: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("cache", ["--kv_cache", "--no-kv_cache"])
-def test_greedy_equals_a_naive_reforward_loop(step, cache, capsys):
-    expected = naive_greedy(step, PROMPTS)
+def test_greedy_equals_a_naive_reforward_loop(step, cache, naive_greedy, capsys):
+    expected = naive_greedy
     batch = generate_json(
         ["--checkpoint.path", step, *prompt_args(PROMPTS), *GREEDY, cache], capsys
     )
@@ -180,6 +185,7 @@ BAD = [
     (["--top_p", "0"], "top_p=0.0 is not allowed"),
     (["--top_p", "1.5"], "top_p=1.5 is not allowed"),
     (["--max_new_tokens", "0"], "max_new_tokens=0 is not allowed"),
+    (["--dtype", "int8"], "--dtype"),
     (["--parallelism.context_parallel_degree", "2"], "generate runs tensor parallel only"),
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the number of ranks (1)"),
     (["--prompt_file", "{tmp}/none.txt"], "--prompt_file {tmp}/none.txt"),
@@ -220,6 +226,48 @@ def test_help_documents_every_option(capsys):
         "--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
         "--seed", "--kv-cache", "--stop-at-eos", "--bos", "--json", "--checkpoint.path",
         "--checkpoint.trust-pickles", "--model.name", "--model.flavor", "--model.tokenizer-path",
-        "--parallelism.tensor-parallel-degree",
+        "--parallelism.tensor-parallel-degree", "--dtype",
     ):  # fmt: skip
         assert flag.replace("-", "_") in out.replace("-", "_"), flag
+
+
+def test_the_recorded_tokenizer_is_the_default(step, tmp_path, capsys):
+    """titan-train records the run's tokenizer with each step; generate loads it unless
+    --model.tokenizer_path says otherwise."""
+    copy = tmp_path / "step-4"
+    shutil.copytree(step, copy)
+    commit = json.loads((copy / "titan-commit.json").read_text())
+    assert "tokenizer_path" not in commit["metadata"]["model"]  # the shipped one: no record
+    commit["metadata"]["model"]["tokenizer_path"] = str(tmp_path / "gone.json")
+    (copy / "titan-commit.json").write_text(json.dumps(commit))
+    assert main(["generate", "--checkpoint.path", str(copy), "--prompt", "x"]) == 2
+    assert str(tmp_path / "gone.json") in capsys.readouterr().err
+    args = ["--checkpoint.path", str(copy), "--prompt", "x", *GREEDY, "--max_new_tokens", "2"]
+    assert len(generate_json([*args, "--model.tokenizer_path", "embedded"], capsys)[0]) == 2
+
+
+def test_model_metadata_records_the_tokenizer_as_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = llama3_args("debugmodel")
+    record = model_metadata(LLAMA3, "debugmodel", args, tokenizer_path="tok/tokenizer.json")
+    assert record["model"]["tokenizer_path"] == str(tmp_path / "tok" / "tokenizer.json")
+    assert "tokenizer_path" not in model_metadata(LLAMA3, "debugmodel", args)["model"]
+
+
+def test_a_family_without_a_cache_re_runs_the_sequence_and_says_so_once(capsys, caplog):
+    code = main(["generate", "--model.name", "deepseek_v3", "--prompt", "a", "--prompt", "bc",
+                 "--max_new_tokens", "3", "--no-stop_at_eos", "--json"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    assert [len(r["tokens"]) for r in json.loads(captured.out)["results"]] == [3, 3]
+    notes = [r for r in caplog.records if "has no KV cache: every new token re-runs" in r.message]
+    assert len(notes) == 1
+
+
+def test_bfloat16_weights_generate(step, capsys):
+    args = ["--checkpoint.path", step, "--prompt", PROMPTS[0], *GREEDY, "--dtype", "bfloat16"]
+    capsys.readouterr()
+    assert main(["generate", *args, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["dtype"] == "bfloat16"
+    assert len(document["results"][0]["tokens"]) == NEW

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -118,6 +118,9 @@ class GenerateOptions(SamplingConfig):
     """Begin each prompt with the tokenizer's beginning-of-text token, as training does."""
     json: bool = False
     """Print one JSON document (prompts, token ids, texts, why each stopped) instead of text."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The weights' dtype while generating (activations and the KV cache follow); loaded in
+    float32 and cast. Keep float32 on CPU, where bfloat16 matmuls are slow."""
     checkpoint: GenerateCheckpoint = field(default_factory=GenerateCheckpoint)
     model: GenerateModel = field(default_factory=GenerateModel)
     parallelism: GenerateParallelism = field(default_factory=GenerateParallelism)
@@ -387,7 +390,22 @@ def build_model(prepared: Prepared, device: torch.device) -> nn.Module:
     torch.manual_seed(prepared.options.seed)
     model.init_weights(buffer_device=device)
     _load_weights(model, prepared)
+    _cast_parameters(model, DTYPES[prepared.options.dtype])
     return model.eval()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the parameters alone: buffers such as a RoPE table keep their float32 precision."""
+    if dtype == torch.float32:
+        return
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(
+                name, nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            )
 
 
 def _load_weights(model: nn.Module, prepared: Prepared) -> None:
@@ -511,6 +529,7 @@ def _document(prepared: Prepared, results: list[dict[str, Any]], seconds: float)
         "model": {"name": source.spec.name, "flavor": source.flavor},
         "sampling": asdict(prepared.options.sampling()),
         "tensor_parallel_degree": prepared.tp,
+        "dtype": prepared.options.dtype,
         "seconds": round(seconds, 3),
         "results": results,
     }
