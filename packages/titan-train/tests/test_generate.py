@@ -188,6 +188,9 @@ BAD = [
     (["--dtype", "int8"], "--dtype"),
     (["--parallelism.context_parallel_degree", "2"], "generate runs tensor parallel only"),
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the number of ranks (1)"),
+    (["--checkpoint.path", "{interrupted}"], "never committed it (an interrupted save)"),
+    (["--nproc-per-node", "2", "--no-kv_cache"], "needs the KV cache: leave --kv_cache on"),
+    (["--nproc-per-node", "2", "--model.name", "deepseek_v3"], "deepseek_v3 has none"),
     (["--prompt_file", "{tmp}/none.txt"], "--prompt_file {tmp}/none.txt"),
     (["--model.name", "gpt7"], "model.name='gpt7' is not a registered model"),
     (["--model.flavor", "13B"], "Unknown Llama 3 flavor '13B'"),
@@ -199,6 +202,10 @@ def test_bad_input_exits_2_with_one_message(args, message, step, tmp_path, capsy
     values = {"tmp": str(tmp_path), "step": step}
     if any("{hf}" in a for a in args):
         values["hf"] = hf_folder_of_vocab(tmp_path / "hf", 1000)
+    if any("{interrupted}" in a for a in args):  # a step whose commit marker never came
+        values["interrupted"] = str(tmp_path / "step-4")
+        shutil.copytree(step, values["interrupted"])
+        (tmp_path / "step-4" / "titan-commit.json").unlink()
     args = [a.format(**values) for a in args]
     capsys.readouterr()
     try:

@@ -30,6 +30,7 @@ before the model is built.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 from tyro.conf import UseAppendAction
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, read_manifest
+from titan_ckpt import CheckpointConfig, CheckpointManager, classify_step, read_manifest
 from titan_ckpt.layout import committed_steps, step_name
 from titan_ckpt.storage import LocalStorage
 from titan_dims import ParallelDims
@@ -196,6 +197,17 @@ def resolve_source(options: GenerateOptions) -> Source:
             "with a .metadata file, or a folder of committed steps) nor a Hugging Face "
             "folder (config.json + safetensors)."
         )
+    kind = classify_step(LocalStorage(), step)
+    if kind not in ("committed", "torchtitan"):
+        raise ConfigError(
+            f"{step} is a DCP step that cannot be loaded: "
+            + (
+                "titan began saving it but never committed it (an interrupted save); give "
+                "an older committed step or the checkpoint folder."
+                if kind == "interrupted"
+                else "titan did not write it and it is no torchtitan checkpoint."
+            )
+        )
     manifest = read_manifest(LocalStorage(), step)
     record = (manifest.metadata.get("model") if manifest is not None else None) or {}
     name = record.get("name")
@@ -318,6 +330,15 @@ def prepare(options: GenerateOptions, world_size: int) -> Prepared:
             f"the model's vocabulary {model_vocab}: ids it would give have no embedding. Give "
             "the tokenizer the model was trained with (--model.tokenizer_path)."
         )
+    if tp > 1 and not (options.kv_cache and _has_cache(source.spec)):
+        raise ConfigError(
+            f"Tensor parallel generation (tp={tp}) needs the KV cache: "
+            + (
+                "leave --kv_cache on."
+                if options.kv_cache is False
+                else f"{source.spec.name} has none; generate in one process."
+            )
+        )
     if tp > 1 and source.spec.check_fn is not None:
         source.spec.check_fn(args, dims, ParallelizeConfig(loss_parallel=False), seq_len=longest)
     return Prepared(
@@ -329,6 +350,12 @@ def prepare(options: GenerateOptions, world_size: int) -> Prepared:
         prompt_ids=prompt_ids,
         tp=tp,
     )
+
+
+def _has_cache(spec: ModelSpec) -> bool:
+    """Whether the family's model takes a KV cache (``forward(tokens, cache=...)``)."""
+    forward = getattr(spec.model_cls, "forward", None)
+    return forward is not None and "cache" in inspect.signature(forward).parameters
 
 
 def _tensor_parallel_degree(parallelism: GenerateParallelism, world_size: int) -> int:
