@@ -1,13 +1,14 @@
-"""``titan_models.kv_cache.KVCache`` through Llama 3's forward, checked against the model's
-own full forward without a cache: incremental decoding, left-padded rows and padding slots
-in the middle give each real token the logits of the uncached model on that row alone."""
+"""``titan_models.kv_cache.KVCache`` through Llama 3's (and DeepSeek-V3's) forward, checked
+against the model's own full forward without a cache: incremental decoding, left-padded
+rows and padding slots in the middle give each real token the logits of the uncached model
+on that row alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from titan_models import Llama3, ModelConfigError, llama3_args
+from titan_models import DeepSeekV3, Llama3, ModelConfigError, deepseek_v3_args, llama3_args
 from titan_models.kv_cache import KVCache
 
 VOCAB = 97
@@ -96,3 +97,25 @@ def test_a_full_cache_and_bad_sizes_are_refused(model):
         KVCache(2, 2, 8).set_padding(torch.zeros(3, 1, dtype=torch.bool))
     with pytest.raises(ModelConfigError, match="exceeds the RoPE table's 64 positions"):
         KVCache(2, 1, 80).rope_rows(model.rope, 70)
+
+
+@torch.no_grad()
+def test_deepseek_v3_takes_the_cache_too():
+    """Multi-head latent attention (keys and values of other widths, its own softmax scale):
+    left-padded, incremental decoding equals its full forward on each row alone."""
+    torch.manual_seed(0)
+    model = DeepSeekV3(deepseek_v3_args("debugmodel", vocab_size=VOCAB, max_seq_len=32)).eval()
+    model.init_weights()
+    t = tokens(2, 9)
+    cache = KVCache(model.args.n_layers, 2, 16)
+    cache.set_padding(torch.tensor([[True, True] + [False] * 5, [False] * 7]))
+    # Row 0: 5 tokens behind 2 padding slots; row 1: 7 tokens.
+    rows = torch.stack((torch.cat((torch.zeros(2, dtype=torch.long), t[0, :5])), t[1, :7]))
+    first = model(rows, cache=cache)
+    nxt = torch.stack((t[0, 5:6], t[1, 7:8]))
+    second = model(nxt, cache=cache)
+    alone = [model(t[:1, :6])[0], model(t[1:, :8])[0]]
+    torch.testing.assert_close(first[0, 2:], alone[0][:5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first[1], alone[1][:7], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[0, 0], alone[0][5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[1, 0], alone[1][7], rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from titan_models import LLAMA3, llama3_args
 from titan_train.cli import main
-from titan_train.generate import SamplingConfig, sample_next
+from titan_train.generate import SamplingConfig, generate, sample_next
 from titan_train.generate_cli import build_model, parse_generate_options, prepare
 from titan_train.model_args import model_metadata
 
@@ -190,7 +190,6 @@ BAD = [
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the number of ranks (1)"),
     (["--checkpoint.path", "{interrupted}"], "never committed it (an interrupted save)"),
     (["--nproc-per-node", "2", "--no-kv_cache"], "needs the KV cache: leave --kv_cache on"),
-    (["--nproc-per-node", "2", "--model.name", "deepseek_v3"], "deepseek_v3 has none"),
     (["--prompt_file", "{tmp}/none.txt"], "--prompt_file {tmp}/none.txt"),
     (["--model.name", "gpt7"], "model.name='gpt7' is not a registered model"),
     (["--model.flavor", "13B"], "Unknown Llama 3 flavor '13B'"),
@@ -261,14 +260,34 @@ def test_model_metadata_records_the_tokenizer_as_an_absolute_path(tmp_path, monk
     assert "tokenizer_path" not in model_metadata(LLAMA3, "debugmodel", args)["model"]
 
 
-def test_a_family_without_a_cache_re_runs_the_sequence_and_says_so_once(capsys, caplog):
-    code = main(["generate", "--model.name", "deepseek_v3", "--prompt", "a", "--prompt", "bc",
-                 "--max_new_tokens", "3", "--no-stop_at_eos", "--json"])  # fmt: skip
-    captured = capsys.readouterr()
-    assert code == 0
-    assert [len(r["tokens"]) for r in json.loads(captured.out)["results"]] == [3, 3]
+class Uncached(torch.nn.Module):
+    """A model family without a KV cache: ``forward(tokens)`` only."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+def test_a_model_without_a_cache_re_runs_the_sequence_and_says_so_once(step, caplog):
+    options = parse_generate_options(["--checkpoint.path", step, *prompt_args(PROMPTS)])
+    prepared = prepare(options, world_size=1)
+    model = build_model(prepared, torch.device("cpu"))
+    sampling = SamplingConfig(temperature=0, max_new_tokens=4, stop_at_eos=False)
+    cached = generate(model, prepared.prompt_ids, sampling)
+    caplog.clear()
+    assert generate(Uncached(model), prepared.prompt_ids, sampling) == cached
     notes = [r for r in caplog.records if "has no KV cache: every new token re-runs" in r.message]
     assert len(notes) == 1
+
+
+def test_deepseek_v3_generates_with_its_cache(capsys):
+    """The other family with a cache: random weights, one prompt cached and re-run agree."""
+    args = ["--model.name", "deepseek_v3", *prompt_args(PROMPTS[:2]), "--temperature", "0",
+            "--max_new_tokens", "4", "--no-stop_at_eos"]  # fmt: skip
+    assert generate_json(args, capsys) == generate_json([*args, "--no-kv_cache"], capsys)
 
 
 def test_bfloat16_weights_generate(step, capsys):

@@ -131,7 +131,13 @@ def generate(
         generator.manual_seed(sampling.seed)
     model.eval()
     step = _Stepper(sampling, generator, eos_id, vocab_size, on_token, len(prompts))
-    if sampling.kv_cache and supports_kv_cache(model):
+    cached = supports_kv_cache(model)
+    if sampling.kv_cache and not cached:
+        logger.warning(
+            "%s has no KV cache: every new token re-runs the whole sequence (slower).",
+            type(model).__name__,
+        )
+    if sampling.kv_cache and cached:
         _generate_cached(model, prompts, step, device, multiple)
     elif multiple > 1:
         raise ConfigError(

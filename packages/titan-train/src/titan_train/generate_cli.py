@@ -48,7 +48,7 @@ from titan_ckpt import CheckpointConfig, CheckpointManager
 from titan_dims import ParallelDims
 from titan_models import ModelSpec, ParallelizeConfig
 from titan_train.errors import ConfigError
-from titan_train.generate import SamplingConfig, generate, supports_kv_cache
+from titan_train.generate import SamplingConfig, generate
 from titan_train.generate_source import GenerateCheckpoint, GenerateModel, Source, resolve_source
 from titan_train.tokenizer import Tokenizer, load_tokenizer
 
@@ -329,11 +329,6 @@ def _generate_and_print(prepared: Prepared, device: torch.device) -> int:
     options, tokenizer = prepared.options, prepared.tokenizer
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = build_model(prepared, device)
-    if options.kv_cache and not supports_kv_cache(model):
-        logger.warning(
-            "%s has no KV cache: every new token re-runs the whole sequence (slower).",
-            prepared.source.spec.name,
-        )
     if tokenizer.vocab_size < int(prepared.args.vocab_size):
         logger.info(
             "The model's vocabulary (%d) is larger than the tokenizer's (%d): sampling only "
