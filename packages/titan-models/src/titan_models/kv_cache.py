@@ -22,7 +22,9 @@ Adopting it in a model family takes three small edits (``titan_models.llama3.mod
 example): the model's forward picks ``rope_rows`` and passes ``cache.layer(i)`` to block
 ``i`` as a keyword (tensor-parallel plans prepare positional inputs only), the attention
 calls ``attend`` instead of its causal attention when given a layer cache, and the model
-calls ``advance``. Without a cache the forward is untouched.
+calls ``advance``. Without a cache the forward is untouched. DeepSeek-V3's multi-head latent
+attention took the same edits: ``attend`` takes keys and values of their own widths, and a
+``scale`` when the queries do not carry it.
 """
 
 from __future__ import annotations
