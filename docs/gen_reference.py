@@ -36,7 +36,7 @@ PACKAGES = ("titan-dims", "titan-ckpt", "titan-optim", "titan-models", "titan-tr
 COMMANDS: dict[str, list[list[str]]] = {
     "titan-dims": [[], ["plan"]],
     "titan-ckpt": [[], ["inspect"], ["verify"], ["diff"], ["convert"]],
-    "titan-train": [[], ["train"], ["config"], ["list-models"]],
+    "titan-train": [[], ["train"], ["config"], ["list-models"], ["generate"]],
 }
 
 

@@ -31,6 +31,7 @@ from titan_models.deepseek_v3 import (
     pipeline_deepseek_v3,
 )
 from titan_models.errors import DEPRECATED_CONFIG_ERROR, ModelConfigError, ModelError
+from titan_models.kv_cache import KVCache
 from titan_models.llama3 import (
     LLAMA3,
     LLAMA3_FLAVORS,
@@ -87,6 +88,7 @@ __all__ = [
     "DeepSeekV3",
     "DeepSeekV3Args",
     "DeepSeekV3StateDictAdapter",
+    "KVCache",
     "Llama3",
     "Llama3Args",
     "Llama3StateDictAdapter",

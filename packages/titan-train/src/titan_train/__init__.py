@@ -9,11 +9,15 @@ The run is four public pieces, so a loop of your own reuses the rest:
     training_run = build(config, plan)                 # the parts, resumed: a TrainingRun
     result = train_step(training_run, batches)         # one optimizer step: a StepResult
     close(training_run)
+
+``generate(model, prompts, SamplingConfig(...))`` samples from a model (what ``titan-train
+generate`` runs).
 """
 
 from titan_train.__about__ import __version__
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import ConfigError, JobConfig, parse_job_config
+from titan_train.generate import SamplingConfig, generate
 from titan_train.preflight import BatchPlan, Plan, World, preflight
 from titan_train.state import TrainState
 from titan_train.step import (
@@ -31,6 +35,7 @@ __all__ = [
     "ConfigError",
     "JobConfig",
     "Plan",
+    "SamplingConfig",
     "StepResult",
     "TrainState",
     "TrainingRun",
@@ -40,6 +45,7 @@ __all__ = [
     "build",
     "close",
     "cross_entropy_loss",
+    "generate",
     "next_batches",
     "parse_job_config",
     "preflight",

@@ -158,7 +158,9 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
 
     train_state = TrainState()
     # The model as built (name, flavor, real args), recorded with every checkpoint.
-    metadata = model_metadata(plan.spec, config.model.flavor, args)
+    metadata = model_metadata(
+        plan.spec, config.model.flavor, args, tokenizer_path=config.model.tokenizer_path
+    )
     checkpointer = CheckpointManager(
         plan.checkpoint,
         model_parts=model_parts,

@@ -5,6 +5,7 @@
     titan-train --nproc-per-node 2 --parallelism.data_parallel_shard_degree 2
     titan-train config --print [--job.config_file run.toml ...]   # the merged config as TOML
     titan-train list-models
+    titan-train generate --checkpoint.path outputs/checkpoint/step-30 --prompt "Once upon"
 
 The options of ``train`` (below) take torchtitan's spellings too: ``--training.compile``,
 ``--checkpoint.no-enable-checkpoint``, ``--activation_checkpoint.mode full``, lists as
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-COMMANDS = ("train", "config", "list-models")
+COMMANDS = ("train", "config", "list-models", "generate")
 LAUNCH_FLAG = "--nproc-per-node"
 
 
@@ -58,6 +59,8 @@ def _main(argv: list[str]) -> int:
         nproc, argv = _pop_launch_flag(argv)
         if command == "config":
             return _print_config(argv)
+        if command == "generate":
+            return _generate(nproc, argv)
         if nproc > 1 and "LOCAL_RANK" not in os.environ:
             return _launch(nproc, argv)
         return _train(argv)
@@ -164,6 +167,18 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _generate(nproc: int, argv: list[str]) -> int:
+    """``titan-train generate`` (``titan_train.generate_cli``): in this process, or, with
+    ``--nproc-per-node N`` outside torchrun, checked here once and then run on N ranks."""
+    from titan_train.generate_cli import parse_generate_options, prepare, run_generate
+
+    options = parse_generate_options(argv)
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        prepare(options, nproc)  # every check, once, before the ranks start
+        return _run_ranks(nproc, ["generate", *argv])
+    return run_generate(options)
+
+
 def _check_supported(config: JobConfig) -> None:
     from titan_train.compat import check_supported
 
@@ -220,6 +235,11 @@ def _launch(nproc: int, argv: list[str]) -> int:
         preflight(config, World(rank=0, world_size=nproc, device=device))
     finally:
         logging.disable(logging.NOTSET)
+    return _run_ranks(nproc, ["train", *argv])
+
+
+def _run_ranks(nproc: int, argv: list[str]) -> int:
+    """Run ``titan-train ARGV`` on ``nproc`` local ranks through ``torch.distributed.run``."""
     command = [
         sys.executable,
         "-m",
@@ -229,7 +249,6 @@ def _launch(nproc: int, argv: list[str]) -> int:
         str(nproc),
         "-m",
         "titan_train.cli",
-        "train",
         *argv,
     ]
     return subprocess.call(command)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from typing import Any
 
 from titan_ckpt import MODEL_RECORD
@@ -50,9 +51,15 @@ def _as_json(args: Any) -> dict[str, Any] | None:
         return None
 
 
-def model_metadata(spec: ModelSpec, flavor: str, args: Any) -> dict[str, Any]:
-    """``CheckpointManager(metadata=...)``: the model's name, flavor and real args."""
+def model_metadata(
+    spec: ModelSpec, flavor: str, args: Any, *, tokenizer_path: str | None = None
+) -> dict[str, Any]:
+    """``CheckpointManager(metadata=...)``: the model's name, flavor and real args, and the
+    run's tokenizer (an absolute path; absent for the shipped one), which ``titan-train
+    generate`` loads by default."""
     record: dict[str, Any] = {"name": spec.name, "flavor": flavor}
+    if tokenizer_path and tokenizer_path != "embedded":
+        record["tokenizer_path"] = os.path.abspath(tokenizer_path)
     as_json = _as_json(args)
     if as_json is None:
         logger.warning(

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.kv_cache import KVCache, LayerKVCache
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope
 from titan_models.moe import MoE
 
@@ -107,7 +108,11 @@ class MultiHeadLatentAttention(nn.Module):
         # SDPA scales by 1/sqrt(qk_head_dim); this makes it args.softmax_scale.
         self.q_scale = args.softmax_scale * self.qk_head_dim**0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        """``cache``: this layer's keys and values so far (incremental decoding; ``rope``
+        then holds per-row angles); without it, causal attention over ``x`` alone."""
         bs, seqlen, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(bs, seqlen, -1, self.qk_head_dim)
@@ -124,7 +129,9 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # The cache attends at SDPA's default scale too: q_scale is already in the queries.
+        out = self.inner_attention(q, k, v) if cache is None else cache.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -156,8 +163,14 @@ class TransformerBlock(nn.Module):
         # variance does not grow with depth.
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -192,14 +205,29 @@ class DeepSeekV3(nn.Module):
         # a meta-device construction.
         self.register_buffer("rope", yarn_rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
         without the embedding, ``tokens`` is the previous stage's hidden state; on one
-        without the output, the hidden state is returned."""
+        without the output, the hidden state is returned.
+
+        With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
+        those the cache holds: they attend to the cached keys too, and are cached."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table goes down: attention slices it to the sequence length it sees.
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        seq = tokens.shape[1]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = cache.rope_rows(self.rope, seq)
+        for name, layer in self.layers.items():
+            h = layer(h, rope, cache=cache.layer(int(name)))
+        cache.advance(seq)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from titan_models.kv_cache import KVCache, LayerKVCache
 from titan_models.llama3.args import Llama3Args, RopeScaling
 from titan_models.ops import repeat_kv
 
@@ -70,31 +71,37 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, *, half_split: bool = False
     head_dim) by its position's angle: Meta's interleaved layout, which the HF adapter
     permutes to and from HF's half-split one. ``half_split=True`` rotates the pairs
     ``(x[i], x[i + head_dim/2])`` instead (HF's ``rotate_half`` layout, which Qwen3 uses in
-    torchtitan too), by the same angles."""
-    if x.shape[1] > table.shape[0]:
-        raise ValueError(
-            f"Sequence length {x.shape[1]} exceeds the RoPE table's {table.shape[0]} "
-            "positions; build the model with a larger max_seq_len."
-        )
-    # table: (positions, head_dim // 2, 2) -> the first seq positions, broadcast over batch
-    # and heads. (.float(): FSDP's mixed precision casts the table, a block input, to the
-    # param dtype.)
-    table = table[: x.shape[1]].float()
+    torchtitan too), by the same angles.
+
+    ``table`` is the model's (positions, head_dim // 2, 2), read from position 0, or per-row
+    angles (batch, seq, head_dim // 2, 2), as ``KVCache.rope_rows`` picks them."""
+    if table.dim() == 4:
+        # Per-row angles: each row's tokens at their own positions; broadcast over heads.
+        table = table.float()[:, :, None]
+    else:
+        if x.shape[1] > table.shape[0]:
+            raise ValueError(
+                f"Sequence length {x.shape[1]} exceeds the RoPE table's {table.shape[0]} "
+                "positions; build the model with a larger max_seq_len."
+            )
+        # table: (positions, head_dim // 2, 2) -> the first seq positions, broadcast over
+        # batch and heads. (.float(): a caller may hand the table over in a lower precision.)
+        table = table[: x.shape[1]].float()[None, :, None]
     if half_split:
         first, second = x.float().chunk(2, dim=-1)
-        cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+        cos, sin = table[..., 0], table[..., 1]
         rotated = (first * cos - second * sin, second * cos + first * sin)
         return torch.cat(rotated, dim=-1).type_as(x)
     if torch.compiler.is_compiling():
         # Inductor fuses these real ops into one kernel; complex ones it leaves unfused.
         pairs = x.float().unflatten(-1, (-1, 2))
         even, odd = pairs[..., 0], pairs[..., 1]
-        cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+        cos, sin = table[..., 0], table[..., 1]
         rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
         return rotated.flatten(-2).type_as(x)
     # In eager mode a complex multiplication is one kernel each way instead of a dozen real
     # ones: 3-6x faster on CPU, the same bits.
-    rotation = torch.view_as_complex(table)[None, :, None, :]
+    rotation = torch.view_as_complex(table.contiguous())
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
@@ -125,13 +132,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.inner_attention = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        """``cache``: this layer's keys and values so far (incremental decoding; ``rope``
+        then holds per-row angles); without it, causal attention over ``x`` alone."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.inner_attention(q, k, v) if cache is None else cache.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -172,8 +184,14 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -208,15 +226,30 @@ class Llama3(nn.Module):
         a = self.args
         return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
         without the embedding, ``tokens`` is the previous stage's hidden state; on one
-        without the output, the hidden state is returned."""
+        without the output, the hidden state is returned.
+
+        With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
+        those the cache holds: they attend to the cached keys too, and are cached."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table goes down: attention slices it to the sequence length it sees,
         # which under sequence parallel is longer than this (sharded) hidden state's.
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        seq = tokens.shape[1]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = cache.rope_rows(self.rope, seq)
+        for name, layer in self.layers.items():
+            h = layer(h, rope, cache=cache.layer(int(name)))
+        cache.advance(seq)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

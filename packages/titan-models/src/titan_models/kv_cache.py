@@ -1,0 +1,181 @@
+"""``KVCache``: the keys and values of tokens already seen, for incremental decoding.
+
+A model that supports it takes ``forward(tokens, cache=...)``: ``tokens`` are the next
+``seq`` tokens of every row (the whole prompt first, then one token a step), and the cache
+supplies what attention needs beyond them:
+
+- ``cache.rope_rows(table, seq)``: each new token's RoPE angles, picked from the model's
+  table at the token's own position (rows may be left-padded, so positions differ per row);
+- ``cache.layer(i).attend(q, k, v)``: stores layer ``i``'s new keys and values and attends
+  the new queries over every key stored so far, with the causal and padding mask;
+- ``cache.advance(seq)`` once all layers ran.
+
+``cache.set_padding(mask)`` before a forward marks some of its slots as padding: no real
+token attends to them and they count no position. Rows of different lengths share a batch
+left-padded (the first real token of every row is at position 0), so each row gets the
+tokens it would get alone. Buffers are allocated
+on the first ``attend`` with the heads, dtype and device of the keys given: under tensor
+parallelism each rank holds its own heads' share. The model side is all here; sampling lives
+with the caller (titan-train's ``generate``).
+
+Adopting it in a model family takes three small edits (``titan_models.llama3.model`` is the
+example): the model's forward picks ``rope_rows`` and passes ``cache.layer(i)`` to block
+``i`` as a keyword (tensor-parallel plans prepare positional inputs only), the attention
+calls ``attend`` instead of its causal attention when given a layer cache, and the model
+calls ``advance``. Without a cache the forward is untouched. DeepSeek-V3's multi-head latent
+attention took the same edits: ``attend`` takes keys and values of their own widths, and a
+``scale`` when the queries do not carry it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional
+
+from titan_models.errors import ModelConfigError
+from titan_models.ops import repeat_kv
+
+__all__ = ["KVCache", "LayerKVCache"]
+
+
+class KVCache:
+    """Keys and values of ``n_layers`` attention layers for ``batch_size`` rows of at most
+    ``max_len`` slots, padding slots included.
+
+    Every forward fills the next ``seq`` slots of every row (``start`` counts the slots
+    filled). ``set_padding(mask)`` before a forward marks some of its slots as padding: they
+    count no position and no later token attends to them. That is how rows of different
+    lengths share a batch (left padding), and how a forward is kept to a length some layout
+    needs (sequence parallel splits every sequence evenly over its ranks) while it carries
+    fewer real tokens.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if n_layers < 1 or batch_size < 1 or max_len < 1:
+            raise ModelConfigError(
+                f"KVCache needs n_layers, batch_size and max_len >= 1, got {n_layers}, "
+                f"{batch_size}, {max_len}."
+            )
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.start = 0
+        self.real = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        """Which filled slots hold real tokens (the others are padding)."""
+        self._layers = [LayerKVCache(self) for _ in range(n_layers)]
+        self._padding: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+
+    def layer(self, index: int) -> LayerKVCache:
+        """The cache of attention layer ``index``."""
+        return self._layers[index]
+
+    def set_padding(self, padding: torch.Tensor) -> None:
+        """Mark the next forward's slots where ``padding`` (batch, seq) is True as padding."""
+        if padding.dim() != 2 or padding.shape[0] != self.batch_size:
+            raise ModelConfigError(
+                f"KVCache.set_padding takes a (batch={self.batch_size}, seq) mask, got shape "
+                f"{tuple(padding.shape)}."
+            )
+        self._padding = padding.to(device=self.real.device, dtype=torch.bool)
+        self._mask = None
+
+    def _new_real(self, seq: int) -> torch.Tensor:
+        """(batch, seq): which of the next ``seq`` slots hold real tokens."""
+        self._check_room(seq)
+        if self._padding is None:
+            return torch.ones(self.batch_size, seq, dtype=torch.bool, device=self.real.device)
+        if self._padding.shape[1] != seq:
+            raise ModelConfigError(
+                f"The padding mask covers {self._padding.shape[1]} slots, the forward {seq}."
+            )
+        return ~self._padding
+
+    def positions(self, seq: int) -> torch.Tensor:
+        """(batch, seq) positions of the next ``seq`` slots: the real tokens before them in
+        their row (a padding slot repeats its neighbour's, unread)."""
+        before = self.real[:, : self.start].sum(dim=1, keepdim=True)
+        return (before + self._new_real(seq).cumsum(dim=1) - 1).clamp(min=0)
+
+    def rope_rows(self, table: torch.Tensor, seq: int) -> torch.Tensor:
+        """RoPE angles of the next ``seq`` tokens of each row from ``table`` (positions,
+        pairs, 2): shape (batch, seq, pairs, 2), as ``apply_rope`` takes per-row angles."""
+        positions = self.positions(seq).to(table.device)
+        if int(positions.max()) >= table.shape[0]:
+            raise ModelConfigError(
+                f"Position {int(positions.max())} exceeds the RoPE table's {table.shape[0]} "
+                "positions; build the model with a larger max_seq_len."
+            )
+        return table[positions]
+
+    def mask(self, seq: int, device: torch.device) -> torch.Tensor:
+        """(batch, 1, seq, start + seq) boolean mask, True where a new query may attend: real
+        keys at or before the query's slot. A padding query attends to itself too, so its row
+        stays finite (no real token reads it). Built once per forward."""
+        if self._mask is not None and self._mask.shape[-2] == seq:
+            return self._mask.to(device)
+        end = self.start + seq
+        keys = torch.arange(end, device=self.real.device)
+        queries = torch.arange(self.start, end, device=self.real.device)
+        real = torch.cat((self.real[:, : self.start], self._new_real(seq)), dim=1)
+        causal = keys[None, :] <= queries[:, None]
+        itself = keys[None, :] == queries[:, None]
+        mask = causal[None] & (real[:, None, :] | itself[None])
+        self._mask = mask[:, None]
+        return self._mask.to(device)
+
+    def advance(self, seq: int) -> None:
+        """Mark the next ``seq`` slots as filled (call once per forward, after every layer);
+        the padding mark applies to one forward."""
+        self.real[:, self.start : self.start + seq] = self._new_real(seq)
+        self.start += seq
+        self._padding = None
+        self._mask = None
+
+    def _check_room(self, seq: int) -> None:
+        if self.start + seq > self.max_len:
+            raise ModelConfigError(
+                f"The KV cache holds {self.max_len} slots; {self.start} are filled and "
+                f"{seq} more do not fit. Build it with a larger max_len."
+            )
+
+
+class LayerKVCache:
+    """One attention layer's keys and values, (batch, kv_heads, max_len, head_dim) each."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys and values (batch, kv_heads, seq, dim) at the cache's next
+        slots; return every stored one, (batch, kv_heads, start + seq, dim)."""
+        cache = self.cache
+        if self.k is None or self.v is None:
+            size = (cache.batch_size, k.shape[1], cache.max_len)
+            self.k = k.new_zeros(*size, k.shape[-1])
+            self.v = v.new_zeros(*size, v.shape[-1])
+        seq = k.shape[2]
+        cache._check_room(seq)
+        end = cache.start + seq
+        self.k[:, :, cache.start : end] = k
+        self.v[:, :, cache.start : end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+    ) -> torch.Tensor:
+        """``softmax(q K^T * scale + mask) V`` of the new queries (batch, heads, seq, dim)
+        over every stored key, after storing ``k`` and ``v`` (batch, kv_heads, seq, dim);
+        grouped-query heads are repeated. Returns (batch, heads, seq, v_dim)."""
+        keys, values = self.update(k, v)
+        keys, values = repeat_kv(keys, values, q.shape[1] // keys.shape[1])
+        mask = self.cache.mask(q.shape[2], q.device)
+        return functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
