@@ -68,3 +68,42 @@ def test_main_guard_check_refuses_unguarded_script(tmp_path, monkeypatch):
         check_main_guard()
     script.write_text("def main():\n    pass\n\nif __name__ == '__main__':\n    main()\n")
     check_main_guard()
+
+
+def test_too_little_shared_memory_for_pinned_staging_is_one_clear_error(
+    common, tmp_path, monkeypatch
+):
+    """async_with_pinned_mem stages each rank's state in /dev/shm; a container's 64 MiB
+    default used to fail with a bus error mid-copy. The first save checks the space this
+    node's ranks need and raises DiskFullError with the fix; nothing is committed."""
+    import shutil
+    from collections import namedtuple
+
+    from titan_ckpt import DiskFullError, asyncmode
+
+    if not __import__("os").path.isdir(asyncmode.SHARED_MEMORY):
+        pytest.skip("no /dev/shm here")
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(
+        asyncmode.shutil,
+        "disk_usage",
+        lambda path: (
+            usage(64 * 2**20, 64 * 2**20 - 100, 100)
+            if path == asyncmode.SHARED_MEMORY
+            else real(path)
+        ),
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    model = common.make_model()
+    config = CheckpointConfig(
+        enable=True, folder=str(tmp_path), interval=1, async_mode="async_with_pinned_mem"
+    )
+    manager = CheckpointManager(config, model_parts=model)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    with pytest.raises(DiskFullError, match="this node's 4 rank") as error:
+        manager.save(1)
+    assert error.value.needed == 4 * state_bytes
+    assert "docker run --shm-size" in str(error.value)
+    manager.close()
+    assert scan_steps(storage_for(str(tmp_path)), str(tmp_path)).committed == []

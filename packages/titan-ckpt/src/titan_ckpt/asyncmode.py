@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import ast
 import logging
+import os
+import shutil
 import sys
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-__all__ = ["check_main_guard", "make_stager"]
+from titan_ckpt.errors import DiskFullError
+
+__all__ = ["CheckedStager", "check_main_guard", "check_shared_memory", "make_stager"]
 
 logger = logging.getLogger("titan_ckpt")
 
@@ -57,8 +62,66 @@ def make_stager(
             "checkpoint.async_mode=async_with_pinned_mem without a process group: writing from "
             "a background thread instead of a process."
         )
-        return AsyncCheckpointerType.THREAD, DefaultStager(options)
-    return AsyncCheckpointerType.PROCESS, DefaultStager(options)
+        return AsyncCheckpointerType.THREAD, CheckedStager(options)
+    return AsyncCheckpointerType.PROCESS, CheckedStager(options)
+
+
+SHARED_MEMORY = "/dev/shm"
+
+
+class CheckedStager(DefaultStager):
+    """torch's background stager, made safe to call right after an optimizer step:
+
+    - It copies on its own stream, which does not wait for the kernels already queued on the
+      device (the optimizer's): staging could read half-updated weights. Staging first waits
+      for the device's queued work.
+    - It stages each rank's whole state in shared memory (``/dev/shm``), which a container
+      may give 64 MB: the first save checks the space the node's ranks need and raises
+      ``DiskFullError`` with the fix, instead of a bus error mid-copy.
+    """
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        self._checked_space = not options.use_shared_memory
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        if not self._checked_space:
+            check_shared_memory(state_dict)
+            self._checked_space = True
+        return super().stage(state_dict, **kwargs)
+
+
+def check_shared_memory(state_dict: Any, folder: str = SHARED_MEMORY) -> None:
+    """Raise ``DiskFullError`` unless ``folder`` has room for ``state_dict``'s tensors from
+    every rank on this node (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
+    if not os.path.isdir(folder):
+        return  # not Linux: torch's shared memory lives elsewhere
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    needed = ranks * _tensor_bytes(state_dict)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise DiskFullError(
+            f"checkpoint.async_mode=async_with_pinned_mem stages each rank's state in "
+            f"{folder}: this node's {ranks} rank(s) need {needed / 2**20:,.0f} MiB there and "
+            f"{free / 2**20:,.0f} MiB are free (a container's default may be 64 MiB). Enlarge "
+            f"it (docker run --shm-size=...), or use checkpoint.async_mode='async'.",
+            path=folder,
+            needed=needed,
+            free=free,
+        )
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.numel() * local.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def check_main_guard() -> None:
