@@ -308,3 +308,20 @@ def test_names_map_as_torchtitans_adapter_maps_them():
             hf_name, titan_name = hf_name.replace(".0.", ".1."), titan_name.replace(".0.", ".1.")
         mapped = dict(adapter.to_hf_items([(titan_name, state_dict[titan_name])]))
         assert list(mapped) == [hf_name]
+
+
+def test_exporting_a_learnt_expert_bias_warns_that_hf_cannot_hold_it(caplog):
+    """Qwen3-MoE's HF format routes without a selection bias: exporting a nonzero one is said
+    once per layer (the export itself goes on, as HF's model would load it)."""
+    import logging
+
+    from titan_models.qwen3 import Qwen3StateDictAdapter, qwen3_args
+
+    adapter = Qwen3StateDictAdapter(qwen3_args("debugmodel_moe"))
+    zeros, biased = torch.zeros(8), torch.tensor([0.1, -0.1, 0, 0, 0, 0, 0, 0])
+    items = [("layers.0.moe.expert_bias", zeros), ("layers.1.moe.expert_bias", biased)]
+    with caplog.at_level(logging.WARNING, logger="titan_models"):
+        assert list(adapter.to_hf_items(items)) == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1
+    assert messages[0].startswith("layers.1.moe.expert_bias is not zero (max 0.1)")

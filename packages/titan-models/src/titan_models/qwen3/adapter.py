@@ -29,6 +29,7 @@ an expert projection is yielded once all of its experts have been read.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -38,6 +39,8 @@ import torch
 from titan_models.errors import ModelConfigError
 from titan_models.qwen3.args import Qwen3Args, qwen3_args
 from titan_models.qwen3.hf_config import args_from_hf_config, differences, hf_config_of
+
+logger = logging.getLogger("titan_models")
 
 __all__ = ["Qwen3StateDictAdapter", "args_from_hf_config", "make_adapter"]
 
@@ -102,6 +105,16 @@ class Qwen3StateDictAdapter:
                     yield f"{prefix}mlp.experts.{j}.{proj}.weight", value[j].t().contiguous()
             elif rest not in _BALANCE_BUFFERS:
                 raise KeyError(f"{key!r} is not a Qwen3 parameter name.")
+            elif rest == "moe.expert_bias" and value.device.type != "meta" and value.any():
+                # HF's Qwen3-MoE has no place for it: the export routes without it.
+                logger.warning(
+                    "layers.%s.moe.expert_bias is not zero (max %.3g) and Hugging Face's "
+                    "Qwen3-MoE cannot hold it: the exported model routes some tokens to other "
+                    "experts than this one. Train with load_balance_coeff=None for an export "
+                    "that routes exactly as trained.",
+                    layer,
+                    float(value.abs().max()),
+                )
             del value  # hold nothing while the next input is read
 
     # -------------------------------------------------------------------------- from HF
