@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from titan_models.errors import ModelConfigError
+from titan_models.moe.hf import experts_from_fused, stack_experts
 from titan_models.qwen3.args import Qwen3Args, qwen3_args
 from titan_models.qwen3.hf_config import args_from_hf_config, differences, hf_config_of
 
@@ -156,7 +157,7 @@ class Qwen3StateDictAdapter:
                     del pending[(layer, proj)]
                     yield self._stacked(prefix, proj, stack)
             elif fused := _HF_FUSED.match(rest):
-                yield from self._from_fused(prefix, fused.group(1), value)
+                yield from experts_from_fused(prefix, fused.group(1), value)
             else:
                 raise KeyError(f"{key!r} is not a Qwen3ForCausalLM parameter name.")
             del value  # hold nothing while the next input is read
@@ -172,20 +173,7 @@ class Qwen3StateDictAdapter:
         self, prefix: str, proj: str, stack: dict[int, torch.Tensor]
     ) -> tuple[str, torch.Tensor]:
         name = {p: w for w, p in _PROJECTIONS.items()}[proj]
-        tensor = torch.stack([stack.pop(j).t() for j in range(self.args.num_experts)])
-        return f"{prefix}moe.experts.{name}", tensor
-
-    def _from_fused(
-        self, prefix: str, name: str, value: torch.Tensor
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        # transformers 5: gate_up_proj (E, 2 hidden, dim), gate rows first; down_proj
-        # (E, dim, hidden). Both left-multiplied, so transposed per expert.
-        if name == "down_proj":
-            yield f"{prefix}moe.experts.w2", value.transpose(1, 2).contiguous()
-            return
-        gate, up = value.chunk(2, dim=1)
-        yield f"{prefix}moe.experts.w1", gate.transpose(1, 2).contiguous()
-        yield f"{prefix}moe.experts.w3", up.transpose(1, 2).contiguous()
+        return f"{prefix}moe.experts.{name}", stack_experts(stack, self.args.num_experts)
 
     # ------------------------------------------------------------------------ whole dicts
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
