@@ -77,7 +77,10 @@ def test_repeat_kv_is_repeat_interleave_of_the_heads():
         ({"world_size": 1}, "float32", None),
     ],
 )
-def test_mixed_precision_without_fsdp_is_autocast(degrees, param_dtype, expected):
+def test_mixed_precision_without_fsdp_is_autocast(degrees, param_dtype, expected, monkeypatch):
+    from titan_models.parallel import data_parallel
+
+    monkeypatch.setattr(data_parallel, "cpu_has_fast_bf16", lambda: True)
     dims = ParallelDims(device_type="cpu", **degrees)
     context = step_context(dims, ParallelizeConfig(param_dtype=param_dtype))
     assert context.autocast_dtype == expected
@@ -92,12 +95,21 @@ def test_auto_on_a_cpu_without_bf16_instructions_keeps_fp32(monkeypatch):
     monkeypatch.setattr(data_parallel, "cpu_has_fast_bf16", lambda: True)
     context = step_context(ParallelDims(world_size=1, device_type="cpu"), ParallelizeConfig())
     assert context.autocast_dtype == torch.bfloat16
+    # Asked for explicitly (torchtitan's default for its files), still fp32 on such a CPU.
+    monkeypatch.setattr(data_parallel, "cpu_has_fast_bf16", lambda: False)
+    explicit = ParallelizeConfig(param_dtype="bfloat16")
+    assert (
+        step_context(ParallelDims(world_size=1, device_type="cpu"), explicit).autocast_dtype is None
+    )
 
 
-def test_a_bf16_step_on_one_device_computes_in_bf16_and_keeps_fp32_weights(tiny):
+def test_a_bf16_step_on_one_device_computes_in_bf16_and_keeps_fp32_weights(tiny, monkeypatch):
     """bf16 forced on CPU: blocks compute in bf16, parameters and gradients stay fp32, and
     the losses track the fp32 run within bf16 rounding without equalling it."""
     from titan_models import Llama3
+    from titan_models.parallel import data_parallel
+
+    monkeypatch.setattr(data_parallel, "cpu_has_fast_bf16", lambda: True)  # bf16 forced
 
     def train(param_dtype: str) -> tuple[list[float], set[str], set[str]]:
         model = Llama3(tiny.tiny_args())

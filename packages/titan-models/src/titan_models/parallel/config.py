@@ -78,7 +78,8 @@ class ParallelizeConfig:
     """The compute dtype: ``auto`` is bfloat16 on accelerators and on CPUs with bf16
     instructions (AVX512-BF16 or AMX), float32 elsewhere (bf16 runs hundreds of times slower
     there). With FSDP/HSDP it is FSDP's parameter dtype; without (one device, DDP, TP, PP) the
-    step runs under ``torch.autocast`` to it. Parameters, gradients and optimizer state stay
+    step runs under ``torch.autocast`` to it, except on a CPU without bf16 instructions,
+    which stays fp32. Parameters, gradients and optimizer state stay
     fp32 either way."""
     reduce_dtype: str = "float32"
     """FSDP's dtype for gradient reduction."""

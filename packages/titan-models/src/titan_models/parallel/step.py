@@ -21,6 +21,7 @@ import torch.distributed as dist
 from titan_dims import ParallelDims, detect_device_type
 from titan_models.errors import ModelConfigError
 from titan_models.ops import plain_loss
+from titan_models.parallel import data_parallel
 from titan_models.parallel.config import ParallelizeConfig
 from titan_models.parallel.context_parallel import open_context_parallel, resolve_cp_attention
 from titan_models.parallel.data_parallel import resolve_param_dtype
@@ -135,12 +136,18 @@ def autocast_dtype(parallel_dims: ParallelDims, config: ParallelizeConfig) -> to
     """The dtype to autocast a step to: ``config.param_dtype`` as the device resolves it
     (``auto``: bf16 on accelerators and on CPUs with bf16 instructions, else fp32), when it
     is not fp32 and FSDP is off (single device, DDP, TP, PP without FSDP). With FSDP its
-    mixed-precision policy computes in that dtype already (no autocast, as torchtitan)."""
+    mixed-precision policy computes in that dtype already (no autocast, as torchtitan).
+
+    A CPU without bf16 instructions keeps fp32 even when ``bfloat16`` is asked for (e.g. by
+    torchtitan's default for its TOML files): there bf16 matmuls run hundreds of times
+    slower, and before this autocast existed such runs computed in fp32 too."""
     if parallel_dims.fsdp_enabled:
         return None
     device_type = parallel_dims.device_type or detect_device_type()
     dtype = resolve_param_dtype(config.param_dtype, device_type)
-    return None if dtype == torch.float32 else dtype
+    if dtype == torch.float32 or (device_type == "cpu" and not data_parallel.cpu_has_fast_bf16()):
+        return None
+    return dtype
 
 
 def reduce_loss(
