@@ -12,7 +12,8 @@ as a user runs it:
 
 - the loss of step 1 equals transformers' loss on the batch the trainer read (the same
   dataloader and tokenizer, run here), fp32 within 1e-5: dense in one process, on 2 FSDP
-  ranks and on 2 tensor-parallel ranks, and the MoE shape in one process and on 2 ranks
+  ranks, on 2 tensor-parallel ranks and on 2 pipeline stages (the tied embedding split
+  between them, still one matrix after training), and the MoE shape in one process and on 2 ranks
   with expert parallel (FSDP x EP);
 - the ``last_save_in_hf`` folder loads in transformers with logits equal to titan's model
   read from the DCP step beside it (the trained weights);
@@ -158,6 +159,11 @@ RUNS = {
         ("--parallelism.data_parallel_shard_degree", "1",
          "--parallelism.tensor_parallel_degree", "2"),
     ),
+    "dense_pp": (
+        "debugmodel", "Qwen3ForCausalLM", 2, 1,
+        ("--parallelism.data_parallel_shard_degree", "1",
+         "--parallelism.pipeline_parallel_degree", "2"),
+    ),
     "moe": ("debugmodel_moe", "Qwen3MoeForCausalLM", 1, 1, ()),
     "moe_ep": (
         "debugmodel_moe", "Qwen3MoeForCausalLM", 2, 2,
@@ -179,6 +185,14 @@ def test_continue_pretraining_from_hf_weights(run, hf_dense, hf_moe, tmp_path):
     assert abs(logged(folder, 1)["loss"] - expected) <= 1e-5 * max(1.0, abs(expected))
     assert logged(folder, 2)["loss"] != logged(folder, 1)["loss"]  # it trained
     check_export(folder, cls_name, PADDED if hf is hf_dense else VOCAB)
+    if run == "dense_pp":
+        # The tied matrix lives on both pipeline stages; after two updates they are still one.
+        import torch.distributed.checkpoint as dcp
+
+        ends = {k: torch.empty(PADDED, 256) for k in ("tok_embeddings.weight", "output.weight")}
+        dcp.load(ends, checkpoint_id=str(folder / "checkpoint" / "step-2"), no_dist=True)
+        torch.testing.assert_close(ends["output.weight"], ends["tok_embeddings.weight"], rtol=0,
+                                   atol=0)  # fmt: skip
 
 
 def test_an_hf_folder_of_another_architecture_or_shape_exits_2_before_any_work(tmp_path):

@@ -122,6 +122,27 @@ def test_clip_grad_norm_equals_torch(norm_type):
     assert torch.allclose(parts[1][2].weight.grad, model[2].weight.grad, rtol=1e-6, atol=0)
 
 
+def test_a_mirrored_parameter_is_clipped_but_not_counted():
+    """A tied weight held by two pipeline stages: its second copy (``mirrored``) must not
+    count twice in the norm, yet its gradient is scaled like every other."""
+    model = make_model()
+    parts = split(model)
+    optimizers = build_optimizers(parts, OptimizerConfig())
+    loss_of(parts, 0).backward()
+    copy = parts[1][2].weight
+    grads = [p.grad.clone() for part in parts for p in part.parameters()]
+    counted = [p.grad for part in parts for p in part.parameters() if p is not copy]
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in counted]))
+    everything = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    norm = optimizers.clip_grad_norm_(0.01, mirrored=[copy])
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert norm.item() < everything.item()
+    scale = 0.01 / (expected.item() + 1e-6)
+    after = [p.grad for part in parts for p in part.parameters()]
+    for before, now in zip(grads, after, strict=True):  # the copy's gradient scaled too
+        torch.testing.assert_close(now, before * scale, rtol=1e-5, atol=0)
+
+
 def test_nonfinite_norm_skips_the_step_and_its_hooks():
     parts = split(make_model())
     optimizers = build_optimizers(parts, OptimizerConfig(lr=0.1))

@@ -1,11 +1,11 @@
 """parallelize_qwen3, pipeline_qwen3 and check_qwen3: impossible layouts fail before any work
-(check_qwen3, no process group), tied embeddings under pipeline parallel among them; under
-torchrun (gloo, 2 and 4 ranks) a tiny dense Qwen3, tied and untied, trains under FSDP, DDP,
-HSDP, activation checkpointing, per-block compile, tensor parallel (loss parallel and
-replicated logits), FSDP + TP, context parallel (all-gather and ring) and pipelines
-(untied), and a tiny MoE Qwen3 under tensor parallel, expert parallel, EP + FSDP, EP + TP
-and EP + PP, to the per-step losses AND gradient norms of one process
-(workers/qwen3_train.py); tied weights stay one parameter under every plan."""
+(check_qwen3, no process group); under torchrun (gloo, 2 and 4 ranks) a tiny dense Qwen3,
+tied and untied, trains under FSDP, DDP, HSDP, activation checkpointing, per-block compile,
+tensor parallel (loss parallel and replicated logits), FSDP + TP, context parallel
+(all-gather and ring) and pipelines (untied; tied alone, with FSDP and with TP), and a tiny
+MoE Qwen3 under tensor parallel, expert parallel, EP + FSDP, EP + TP and EP + PP, to the
+per-step losses AND gradient norms of one process (workers/qwen3_train.py); tied weights
+stay one parameter under every plan."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ from titan_models.qwen3.args import Qwen3Args, qwen3_args
 TWO_RANKS = (
     "fsdp_tied", "fsdp_untied", "ddp_tied", "fsdp_ac_tied", "fsdp_compile_tied", "tp_tied",
     "tp_untied",
-    "tp_replicated_logits_tied", "cp_tied", "cp_ring_untied", "pp_untied", "ep_moe", "tp_moe",
+    "tp_replicated_logits_tied", "cp_tied", "cp_ring_untied", "pp_untied", "pp_tied", "ep_moe",
+    "tp_moe",
 )  # fmt: skip
 FOUR_RANKS = (
-    "hsdp_tied", "fsdp_tp_tied", "fsdp_tp_untied", "pp_fsdp_untied", "ep_fsdp_moe",
+    "hsdp_tied", "fsdp_tp_tied", "fsdp_tp_untied", "pp_fsdp_untied", "pp_fsdp_tied", "pp_tp_tied",
+    "ep_fsdp_moe",
     "ep_tp_moe", "ep_pp_moe",
 )  # fmt: skip
 REFERENCES = ("single_tied", "single_untied", "single_moe")
@@ -67,16 +69,14 @@ def test_the_sequence_length_must_split_over_tp_and_cp():
     check_qwen3(small(), dims, ParallelizeConfig(), seq_len=32)
 
 
-def test_tied_embeddings_refuse_pipeline_parallel_with_one_message():
+def test_tied_embeddings_pass_the_pipeline_check():
+    """A tied flavor is no longer refused under pipeline parallel: the pipeline keeps its two
+    ends one weight (the pp_*_tied layouts below prove the numbers)."""
     assert QWEN3.check_fn is check_qwen3
     dims = ParallelDims(world_size=2, pp=2, device_type="cpu")
     pipeline = {"pipeline_config": PipelineConfig(), "local_batch_size": 4}
-    with pytest.raises(ModelConfigError, match=r"pp=2: .*\(enable_weight_tying=True\).* set pp=1"):
-        check_qwen3(small(enable_weight_tying=True), dims, ParallelizeConfig(), **pipeline)
-    # The tied published flavors too, with the trainer's overrides.
-    with pytest.raises(ModelConfigError, match="enable_weight_tying"):
-        check_qwen3(qwen3_args("0.6B", max_seq_len=32), dims, ParallelizeConfig(), **pipeline)
-    check_qwen3(small(), dims, ParallelizeConfig(), seq_len=32, **pipeline)
+    check_qwen3(small(enable_weight_tying=True), dims, ParallelizeConfig(), **pipeline)
+    check_qwen3(qwen3_args("0.6B", max_seq_len=32), dims, ParallelizeConfig(), **pipeline)
     check_qwen3(qwen3_args("8B", max_seq_len=32), dims, ParallelizeConfig(), **pipeline)
 
 

@@ -63,6 +63,7 @@ LAYOUTS = {
     "cp_tied": ("tied", {"cp": 2, "dp_shard": 1}, _AC_OP, None),
     "cp_ring_untied": ("untied", {"cp": 2, "dp_shard": 1}, {"cp_attention": "titan_ring"}, None),
     "pp_untied": ("untied", {"pp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
+    "pp_tied": ("tied", {"pp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
     "ep_moe": ("moe", {"dp_shard": 2, "ep": 2}, {}, None),
     "tp_moe": ("moe", {"tp": 2, "dp_shard": 1}, {}, None),
     # Four ranks.
@@ -70,6 +71,8 @@ LAYOUTS = {
     "fsdp_tp_tied": ("tied", {"dp_shard": 2, "tp": 2}, _AC_FULL, None),
     "fsdp_tp_untied": ("untied", {"dp_shard": 2, "tp": 2}, {}, None),
     "pp_fsdp_untied": ("untied", {"pp": 2, "dp_shard": 2}, {}, {"schedule": "1F1B"}),
+    "pp_fsdp_tied": ("tied", {"pp": 2, "dp_shard": 2}, {}, {"schedule": "GPipe"}),
+    "pp_tp_tied": ("tied", {"pp": 2, "tp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
     "ep_fsdp_moe": ("moe", {"dp_shard": 4, "ep": 2}, {}, None),
     "ep_tp_moe": ("moe", {"dp_shard": 2, "ep": 2, "tp": 2}, {}, None),
     "ep_pp_moe": ("moe", {"dp_shard": 2, "ep": 2, "pp": 2}, {}, {"schedule": "1F1B"}),
@@ -139,15 +142,21 @@ def _build(layout: str, dims: ParallelDims, rows: int) -> tuple[list[torch.nn.Mo
             {k: v for k, v in full.items() if k in mine},
             options=StateDictOptions(full_state_dict=True),
         )
+    if pipe is not None:
+        pipe.sync_tied_weights()
     return parts, pipe
 
 
-def _grad_norm(parts: list[torch.nn.Module], dims: ParallelDims) -> float:
-    """The global gradient norm (every parameter's full gradient once, a tied weight once;
-    stages summed over ``pp``): AdamW hides a wrongly scaled gradient, the norm does not."""
+def _grad_norm(parts: list[torch.nn.Module], dims: ParallelDims, pipe) -> float:
+    """The global gradient norm (every parameter's full gradient once, a tied weight once,
+    also when the pipeline holds it at both ends; stages summed over ``pp``): AdamW hides a
+    wrongly scaled gradient, the norm does not."""
     total = torch.zeros((), dtype=torch.float64)
+    mirrored = {id(p) for p in pipe.mirrored_parameters} if pipe is not None else set()
     for part in parts:
         for param in part.parameters():
+            if id(param) in mirrored:
+                continue
             grad = param.grad
             if isinstance(grad, DTensor):
                 grad = grad.full_tensor()
@@ -165,6 +174,7 @@ def _loss_of_step(parts, pipe, dims, x, y) -> torch.Tensor:
             loss.backward()
         else:
             loss = pipe.step(x, y)
+            pipe.sync_tied_grads()
     value = loss.full_tensor() if isinstance(loss, DTensor) else loss
     if pipe is not None:
         value = torch.zeros(()) if value is None else value.detach().clone()
@@ -193,7 +203,7 @@ def train(layout: str) -> dict[str, object]:
     for step in range(STEPS):
         x, y = inputs[step, start : start + rows], labels[step, start : start + rows]
         value = _loss_of_step(parts, pipe, dims, x, y)
-        grad_norms.append(_grad_norm(parts, dims))
+        grad_norms.append(_grad_norm(parts, dims, pipe))
         optimizer.step()
         optimizer.zero_grad()
         if balancer.layers:

@@ -16,7 +16,7 @@ clip / skip / raise decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,14 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     pp_group: dist.ProcessGroup | DeviceMesh | None = None,
     on_nonfinite: str = "skip",
+    mirrored: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale the gradients of ``parameters`` in place so their global norm is <= ``max_norm``.
 
     ``parameters`` are this rank's parameters (plain tensors or DTensors); ``pp_group`` is the
     pipeline-parallel group (or 1-D mesh) when the model is split into stages across ranks.
+    ``mirrored`` are parameters among them that repeat one counted elsewhere (the last
+    pipeline stage's copy of a tied embedding): clipped, but left out of the norm.
     Returns the global norm, a plain tensor equal on every rank. When it is not finite the
     gradients are left untouched and, with ``on_nonfinite="raise"``, ``NonFiniteGradError``
     is raised; with ``"skip"`` the caller should skip the step (``OptimizersContainer`` does).
@@ -54,8 +57,11 @@ def clip_grad_norm_(
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"norm_type={norm_type!r} is not allowed; it must be > 0 or inf.")
     check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES, error=ValueError)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = global_grad_norm(grads, norm_type=norm_type, pp_group=pp_group)
+    params = [p for p in parameters if p.grad is not None]
+    skip = {id(p) for p in mirrored}
+    counted = [p.grad for p in params if id(p) not in skip]
+    total = global_grad_norm(counted, norm_type=norm_type, pp_group=pp_group)
+    grads = [p.grad for p in params]
     if not torch.isfinite(total):
         if on_nonfinite == "raise":
             raise NonFiniteGradError(

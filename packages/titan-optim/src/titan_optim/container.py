@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -135,12 +135,18 @@ class OptimizersContainer:
         norm_type: float = 2.0,
         pp_group: dist.ProcessGroup | DeviceMesh | None = None,
         on_nonfinite: str = "skip",
+        mirrored: Collection[torch.Tensor] = (),
     ) -> torch.Tensor:
         """Clip all parts' gradients by their global norm (see ``titan_optim.clip_grad_norm_``)
         and return it; a non-finite norm skips the next :meth:`step` or raises."""
         params = [p for part in self.model_parts for p in part.parameters()]
         norm = clip_grad_norm_(
-            params, max_norm, norm_type=norm_type, pp_group=pp_group, on_nonfinite=on_nonfinite
+            params,
+            max_norm,
+            norm_type=norm_type,
+            pp_group=pp_group,
+            on_nonfinite=on_nonfinite,
+            mirrored=mirrored,
         )
         self._skip_next_step = not bool(torch.isfinite(norm))
         return norm

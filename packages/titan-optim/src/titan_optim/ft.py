@@ -18,7 +18,7 @@ Needs the ``torchft`` extra (``pip install titan-optim[torchft]``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -113,12 +113,17 @@ class FTOptimizersContainer:
         norm_type: float = 2.0,
         pp_group: dist.ProcessGroup | DeviceMesh | None = None,
         on_nonfinite: str = "skip",
+        mirrored: Collection[torch.Tensor] = (),
     ) -> torch.Tensor:
         """Average the gradients over the replica groups, then the inner container's
         ``clip_grad_norm_``."""
         self.average_gradients()
         return self.optimizers.clip_grad_norm_(
-            max_norm, norm_type=norm_type, pp_group=pp_group, on_nonfinite=on_nonfinite
+            max_norm,
+            norm_type=norm_type,
+            pp_group=pp_group,
+            on_nonfinite=on_nonfinite,
+            mirrored=mirrored,
         )
 
     def state_dict(self) -> dict[str, Any]:

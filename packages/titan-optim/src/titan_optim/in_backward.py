@@ -9,7 +9,7 @@ parameter once per microbatch (no pipeline parallelism). Both are refused up fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -85,6 +85,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         norm_type: float = 2.0,
         pp_group: dist.ProcessGroup | DeviceMesh | None = None,
         on_nonfinite: str = "skip",
+        mirrored: Collection[torch.Tensor] = (),
     ) -> torch.Tensor:
         """Always raises: the gradients were consumed during backward."""
         raise OptimizerInBackwardError(

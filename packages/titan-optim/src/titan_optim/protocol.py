@@ -8,6 +8,7 @@ All three containers satisfy it (``OptimizersContainer``, ``OptimizersInBackward
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -41,9 +42,11 @@ class Optimizers(Protocol):
         norm_type: float = 2.0,
         pp_group: dist.ProcessGroup | DeviceMesh | None = None,
         on_nonfinite: str = "skip",
+        mirrored: Collection[torch.Tensor] = (),
     ) -> torch.Tensor:
         """Clip all gradients by their global norm and return it (a plain tensor, equal on
-        every rank); a non-finite norm skips the next ``step`` (``"skip"``) or raises."""
+        every rank); a non-finite norm skips the next ``step`` (``"skip"``) or raises.
+        ``mirrored`` parameters are clipped but not counted (see ``clip_grad_norm_``)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

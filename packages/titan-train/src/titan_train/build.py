@@ -306,6 +306,8 @@ def _build_model(
         part.to_empty(device=params_on)
         part.init_weights(buffer_device=buffers_on)
         part.train()
+    if pipeline is not None:
+        pipeline.sync_tied_weights()  # stages seed apart: one end's init for both
     logger.info(
         "%s %s: %s parameters, %s; %d x %d tokens per step (%d accumulation steps)",
         spec.name,

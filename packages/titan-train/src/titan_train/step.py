@@ -108,6 +108,11 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
     state.step += 1
     run.optimizers.zero_grad()
     loss = _forward_backward(run, batches)
+    mirrored = []
+    if run.pipeline is not None:
+        # Tied embeddings split over the first and last stage: each end gets the sum.
+        run.pipeline.sync_tied_grads()
+        mirrored = run.pipeline.mirrored_parameters
     replica_groups = 1 if run.replicas is None else run.replicas.participants()
     tokens = tokens_of_step(
         sum(labels.numel() for _, labels in batches), run.plan.parallel_dims, replica_groups
@@ -115,7 +120,9 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
     state.tokens_seen += tokens.global_tokens
     grad_norm = None
     if training.max_norm > 0:
-        grad_norm = run.optimizers.clip_grad_norm_(training.max_norm, pp_group=run.pp_mesh)
+        grad_norm = run.optimizers.clip_grad_norm_(
+            training.max_norm, pp_group=run.pp_mesh, mirrored=mirrored
+        )
         # Past the limit this raises: before the step's update and its checkpoint.
         run.nonfinite.observe(state.step, grad_norm)
     run.checkpointer.maybe_wait_for_staging()

@@ -32,6 +32,7 @@ from titan_dims import ParallelDims, detect_device_type
 from titan_models.errors import ModelConfigError
 from titan_models.ops import plain_loss
 from titan_models.parallel.config import PipelineConfig
+from titan_models.parallel.pipeline_tied import TiedWeights
 
 __all__ = ["Pipeline", "build_pipeline", "build_schedule", "split_blocks", "stages_of_rank"]
 
@@ -137,6 +138,26 @@ class Pipeline:
     """Whether this rank feeds the inputs."""
     has_last_stage: bool
     """Whether this rank computes the loss."""
+    tied: TiedWeights | None = None
+    """Weights shared by the first and the last stage (tied embeddings), kept one weight by
+    :meth:`sync_tied_weights` and :meth:`sync_tied_grads`; ``None`` when the model ties none."""
+
+    def sync_tied_weights(self) -> None:
+        """After initialization: the last stage takes the first stage's tied weights."""
+        if self.tied is not None:
+            self.tied.sync_weights()
+
+    def sync_tied_grads(self) -> None:
+        """After the backward of a whole step (one :meth:`step`, or several accumulated),
+        before clipping: both ends of a tied weight get the sum of their gradients."""
+        if self.tied is not None:
+            self.tied.sync_grads()
+
+    @property
+    def mirrored_parameters(self) -> list[nn.Parameter]:
+        """Parameters that repeat one held by another stage (the last stage's end of a tied
+        weight): a global gradient norm leaves them out (``clip_grad_norm_(mirrored=...)``)."""
+        return self.tied.mirrored if self.tied is not None else []
 
     def step(
         self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
@@ -216,6 +237,7 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device | str | None = None,
     inference_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    tied: Sequence[tuple[str, str]] = (),
 ) -> Pipeline:
     """This rank's pipeline stages of ``model`` and their schedule, for any model family
     laid out as titan's are: ``tok_embeddings``, ``layers`` (a ``ModuleDict`` keyed by the
@@ -225,18 +247,17 @@ def build_pipeline(
     other stages' blocks, then ``parallelize(stage)``-ed (the family's plan: FSDP, TP, ...).
     The family checks its layout first (``split_blocks`` raises for a split that cannot work).
     ``inference_context`` wraps torch's one-time metadata inference forward (see ``_Stage``).
+    ``tied`` names the weights the first and the last stage share, ``(name on the first,
+    name on the last)`` (tied embeddings: ``("tok_embeddings.weight", "output.weight")``);
+    see :class:`~titan_models.parallel.pipeline_tied.TiedWeights`.
     """
     pp = parallel_dims.pp
     stage_blocks = split_blocks(n_layers, pp, pipeline_config)
     num_stages = len(stage_blocks)
     pp_mesh = parallel_dims.get_mesh("pp")
     device = torch.device(device if device is not None else detect_device_type())
-    ids = stages_of_rank(
-        pp_mesh.get_local_rank(),
-        pp,
-        num_stages,
-        v_shape=pipeline_config.schedule == "ZBVZeroBubble",
-    )
+    v_shape = pipeline_config.schedule == "ZBVZeroBubble"
+    ids = stages_of_rank(pp_mesh.get_local_rank(), pp, num_stages, v_shape=v_shape)
     parts, stages = [], []
     for stage_id in ids:
         part = _stage_model(
@@ -260,10 +281,22 @@ def build_pipeline(
         n_microbatches=local_batch_size // pipeline_config.microbatch_size,
         loss_fn=loss_fn,
     )
+    tied_weights = None
+    if tied:
+        tied_weights = TiedWeights(
+            tied,
+            parts,
+            ids,
+            num_stages=num_stages,
+            # Looped placement: stage s runs on pp rank s mod pp; a V ends where it starts.
+            last_stage_pp_rank=0 if v_shape else (num_stages - 1) % pp,
+            pp_group=pp_mesh.get_group(),
+        )
     return Pipeline(
         schedule=schedule,
         model_parts=parts,
         stage_ids=ids,
         has_first_stage=0 in ids,
         has_last_stage=num_stages - 1 in ids,
+        tied=tied_weights,
     )

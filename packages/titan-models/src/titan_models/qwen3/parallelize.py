@@ -14,7 +14,9 @@ checkpointing, per-block compile, then FSDP2/HSDP or DDP. What differs:
   (row-parallel) and the output projection (column-parallel) both shard the weight over the
   vocabulary (dim 0); after the plan the output takes the embedding's DTensor again, so the
   two stay one parameter with the sum of both gradients. Pipeline parallel puts the two ends
-  on different stages, so :func:`check_qwen3` refuses it for a tied flavor.
+  on different stages: each holds a copy, which the pipeline keeps one weight
+  (``titan_models.parallel.pipeline_tied``: the same initial values, summed gradients, the
+  copy counted once in the gradient norm).
 - **MoE blocks** get DeepSeek-V3's plans (``titan_models.parallel.moe_parallel``): the layer
   runs on the gathered sequence on every tp rank, experts spread over ``ep`` by
   ``apply_expert_parallel``, FSDP of the experts over ``dp_shard_mod_ep``.
@@ -99,13 +101,6 @@ def _check_pipeline(
     pipeline_config: PipelineConfig | None,
     local_batch_size: int | None,
 ) -> None:
-    if args.enable_weight_tying:
-        raise ModelConfigError(
-            f"pp={parallel_dims.pp}: this Qwen3 ties its output projection to its input "
-            "embedding (enable_weight_tying=True), and pipeline parallel puts the two on different "
-            "stages; set pp=1 (FSDP, tensor or context parallel shard it instead), or choose "
-            "a flavor with untied embeddings."
-        )
     if pipeline_config is None or local_batch_size is None:
         raise ModelConfigError(
             f"pp={parallel_dims.pp}: checking a pipeline needs pipeline_config and "
@@ -131,7 +126,7 @@ def check_qwen3(
     """Raise ``ModelConfigError`` if a Qwen3 of ``args`` cannot be trained with this layout:
     whole query and key-value heads per tp rank, expert parallel only for an MoE flavor and
     with the experts shared equally, the sequence length against tp and cp, and under
-    pipeline parallelism untied embeddings, the microbatches and the stage split. No process
+    pipeline parallelism the microbatches and the stage split. No process
     group or model needed (``QWEN3.check_fn``)."""
     _check_layout(args, parallel_dims, parallelize_config, seq_len)
     if parallel_dims.pp_enabled:

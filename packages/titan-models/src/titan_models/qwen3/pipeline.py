@@ -1,7 +1,9 @@
 """Split a Qwen3 model into pipeline stages, parallelize each, and schedule them: the
 model-independent ``build_pipeline`` with :func:`parallelize_qwen3` per stage. A stage holds
-whole blocks, dense or MoE; checkpoints keep full-model names. Flavors with tied embeddings
-are refused (:func:`check_qwen3`): their two ends would live on different stages."""
+whole blocks, dense or MoE; checkpoints keep full-model names. With tied embeddings the
+first stage's embedding and the last stage's output projection are kept one weight
+(``Pipeline.tied``: call ``sync_tied_weights`` after init, ``sync_tied_grads`` after each
+backward, and leave ``mirrored_parameters`` out of the gradient norm)."""
 
 from __future__ import annotations
 
@@ -60,4 +62,5 @@ def pipeline_qwen3(
         # torch's one-time metadata forward is not a training step: MoE blocks leave their
         # token counts alone (dense flavors have nothing to count).
         inference_context=tokens_not_counted if model.args.moe_enabled else contextlib.nullcontext,
+        tied=[("tok_embeddings.weight", "output.weight")] if model.args.enable_weight_tying else (),
     )
