@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,41 @@ def test_the_flavors_match_the_test_configs():
         read = args_from_hf_config({**config, "architectures": [cls]})
         want = dataclasses.replace(QWEN3_FLAVORS[flavor], vocab_size=fields["vocab_size"])
         assert dataclasses.replace(read, max_seq_len=want.max_seq_len) == want
+
+
+def test_a_tied_model_resumes_across_the_pipeline_split(hf_dense, tmp_path):
+    """A tied flavor's checkpoint does not depend on pipeline parallel: one process saves
+    steps 1 and 2; pp 2 resumes its step 1 and saves a step 2 equal to the single process's,
+    weights and optimizer state, the last stage's copy of the tied matrix included (its
+    update needs the tied weight's optimizer state, loaded on both stages). The pp checkpoint
+    holds that state under the one name a single process uses."""
+    import torch.distributed.checkpoint as dcp
+
+    full = ("--checkpoint.interval", "1", "--checkpoint.no_last_save_in_hf",
+            "--checkpoint.no_last_save_model_only")  # fmt: skip
+    single = tmp_path / "single"
+    proc = titan_train(single, hf_dense, "debugmodel", *full)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    split = tmp_path / "split"
+    shutil.copytree(single / "checkpoint" / "step-1", split / "checkpoint" / "step-1")
+    pp = ("--parallelism.data_parallel_shard_degree", "1",
+          "--parallelism.pipeline_parallel_degree", "2")  # fmt: skip
+    proc = titan_train(split, hf_dense, "debugmodel", *full, *pp, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Loaded Hugging Face weights" not in proc.stderr  # it resumed from step 1
+    expected = logged(single, 2)["loss"]
+    assert abs(logged(split, 2)["loss"] - expected) <= 1e-5 * abs(expected)
+
+    def step_2(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+        state = {name: torch.empty(PADDED, 256) for name in names}
+        dcp.load(state, checkpoint_id=str(folder / "checkpoint" / "step-2"), no_dist=True)
+        return state
+
+    exp_avg = "optimizer.state.tok_embeddings.weight.exp_avg"
+    names = ["tok_embeddings.weight", "output.weight", exp_avg]
+    ours, theirs = step_2(split, names), step_2(single, names)
+    for name in names:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours["output.weight"], theirs["tok_embeddings.weight"])
+    meta = dcp.FileSystemReader(str(split / "checkpoint" / "step-2")).read_metadata()
+    assert not any(k.startswith("optimizer.state.output.weight") for k in meta.state_dict_metadata)

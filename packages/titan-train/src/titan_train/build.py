@@ -43,6 +43,7 @@ from titan_train.preflight import Plan
 from titan_train.profiling import Profiler
 from titan_train.state import TrainState
 from titan_train.step import Batch, cross_entropy_loss
+from titan_train.tied_state import tied_optimizer_state
 from titan_train.tokenizer import Tokenizer, load_tokenizer
 from titan_train.validation import Validator
 
@@ -165,7 +166,8 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         plan.checkpoint,
         model_parts=model_parts,
         states={
-            "optimizer": optimizers,
+            # A tied weight's copy on the last pipeline stage saves as the one weight.
+            "optimizer": tied_optimizer_state(optimizers, pipeline),
             "lr_scheduler": schedulers,
             "dataloader": dataloader,
             "train_state": train_state,
