@@ -128,3 +128,24 @@ def test_resuming_with_other_model_args_is_said_in_one_warning(caplog):
     ]
     assert len(caplog.records) == 1
     assert "--model.rope_scaling" in caplog.records[0].getMessage()
+
+
+def test_expert_balancing_from_the_command_line():
+    """``model.load_balance_coeff`` (0 turns the bias off) and ``model.aux_loss_alpha`` reach
+    an MoE model's args; unset, the flavor's stand; a dense model refuses them."""
+    from titan_models.qwen3 import QWEN3
+
+    def args(*argv: str, spec: ModelSpec = QWEN3, flavor: str = "debugmodel_moe"):
+        config = parse_job_config(["--model.flavor", flavor, *argv])
+        return build_model_args(spec, config.model, vocab_size=None, max_seq_len=64)
+
+    assert (args().load_balance_coeff, args().aux_loss_alpha) == (1e-3, 0.0)
+    assert args("--model.load_balance_coeff", "0").load_balance_coeff is None
+    tuned = args("--model.load_balance_coeff", "0.01", "--model.aux_loss_alpha", "0.001")
+    assert (tuned.load_balance_coeff, tuned.aux_loss_alpha) == (0.01, 0.001)
+    with pytest.raises(ConfigError, match=r"model.load_balance_coeff=-1.0 is not allowed"):
+        args("--model.load_balance_coeff", "-1")
+    with pytest.raises(ConfigError, match="qwen3 debugmodel has no mixture-of-experts blocks"):
+        args("--model.aux_loss_alpha", "0.1", flavor="debugmodel")
+    with pytest.raises(ConfigError, match="llama3 debugmodel has no mixture-of-experts"):
+        args("--model.load_balance_coeff", "0", spec=LLAMA3, flavor="debugmodel")

@@ -106,7 +106,12 @@ def test_moe_args_are_qwen3_routing():
     moe = qwen3_args("30B-A3B").moe_args()
     assert (moe.num_experts, moe.top_k, moe.num_shared_experts) == (128, 8, 0)
     assert (moe.score_func, moe.route_norm, moe.route_scale) == ("softmax", True, 1.0)
-    assert moe.load_balance_coeff == 1e-3
+    # torchtitan's balancing bias, no auxiliary loss, unless asked otherwise.
+    assert (moe.load_balance_coeff, moe.aux_loss_alpha) == (1e-3, 0.0)
+    tuned = qwen3_args("30B-A3B", load_balance_coeff=None, aux_loss_alpha=1e-4).moe_args()
+    assert (tuned.load_balance_coeff, tuned.aux_loss_alpha) == (None, 1e-4)
+    with pytest.raises(ModelConfigError, match="aux_loss_alpha=-1"):
+        qwen3_args("30B-A3B", aux_loss_alpha=-1.0)
 
 
 def test_trainer_overrides_and_rope_scaling():

@@ -72,6 +72,13 @@ class ModelSection:
     """RoPE frequency scaling: the flavor's default, none (plain RoPE, as torchtitan's Llama 3
     of July 2025), or llama3 (Llama 3.1 scaling: the flavor's factors, else the defaults).
     Recorded with every checkpoint and written to the HF config.json."""
+    load_balance_coeff: float | None = None
+    """Mixture-of-experts models: the rate of the expert-bias balancing update (DeepSeek-V3's
+    auxiliary-loss-free balancing); 0 turns the bias off; empty keeps the flavor's (1e-3 for
+    DeepSeek-V3; off for Qwen3, whose published routing has no bias). A titan key."""
+    aux_loss_alpha: float | None = None
+    """Mixture-of-experts models: the weight of the sequence-wise auxiliary balance loss; 0
+    turns it off; empty keeps the flavor's (0). A titan key."""
     converters: list[str] | None = None
     """torchtitan's model converters (float8, mx). titan has none: training stops at the start
     when any is named; the key exists so that torchtitan's files load and show what they ask."""

@@ -21,6 +21,7 @@ from titan_ckpt import MODEL_RECORD
 from titan_ckpt.adapter import takes_keyword
 from titan_models import ModelSpec
 from titan_train.config import ModelSection
+from titan_train.errors import ConfigError, check_number
 
 __all__ = ["build_model_args", "check_resumed_model", "model_metadata", "state_dict_adapter"]
 
@@ -38,7 +39,37 @@ def build_model_args(
         overrides["vocab_size"] = vocab_size
     if model.rope_scaling != "flavor":
         overrides["rope_scaling"] = model.rope_scaling
+    overrides.update(_moe_overrides(spec, model))
     return spec.args_fn(model.flavor, **overrides)
+
+
+def _moe_overrides(spec: ModelSpec, model: ModelSection) -> dict[str, Any]:
+    """``model.load_balance_coeff`` and ``model.aux_loss_alpha`` as args overrides (0 turns
+    the bias off: ``None`` in the args); refused for a model without them."""
+    overrides: dict[str, Any] = {}
+    if model.load_balance_coeff is not None:
+        check_number("model.load_balance_coeff", model.load_balance_coeff, low=0)
+        overrides["load_balance_coeff"] = model.load_balance_coeff or None
+    if model.aux_loss_alpha is not None:
+        check_number("model.aux_loss_alpha", model.aux_loss_alpha, low=0)
+        overrides["aux_loss_alpha"] = model.aux_loss_alpha
+    if not overrides:
+        return overrides
+    defaults = spec.args_fn(model.flavor)
+    fields = (
+        {f.name for f in dataclasses.fields(defaults)}
+        if dataclasses.is_dataclass(defaults)
+        else set()
+    )
+    moe = bool(getattr(defaults, "moe_enabled", True)) and "load_balance_coeff" in fields
+    if not moe or not set(overrides) <= fields:
+        names = " and ".join(f"model.{name}" for name in overrides)
+        raise ConfigError(
+            f"{names} set expert balancing, but {spec.name} {model.flavor} has no "
+            "mixture-of-experts blocks; leave them unset, or choose an MoE model "
+            "(deepseek_v3, or a qwen3 *_moe / A3B / A22B flavor)."
+        )
+    return overrides
 
 
 def _as_json(args: Any) -> dict[str, Any] | None:

@@ -111,7 +111,8 @@ class Qwen3StateDictAdapter:
                 logger.warning(
                     "layers.%s.moe.expert_bias is not zero (max %.3g) and Hugging Face's "
                     "Qwen3-MoE cannot hold it: the exported model routes some tokens to other "
-                    "experts than this one. Train with load_balance_coeff=None for an export "
+                    "experts than this one. Train with load_balance_coeff=None (titan-train "
+                    "--model.load_balance_coeff 0) for an export "
                     "that routes exactly as trained.",
                     layer,
                     float(value.abs().max()),

@@ -71,8 +71,12 @@ class Qwen3Args:
     mlp_only_layers: tuple[int, ...] = ()
     """Blocks that stay dense in an MoE model (HF's mlp_only_layers)."""
     load_balance_coeff: float | None = 1e-3
-    """Rate of the auxiliary-loss-free expert-bias update (torchtitan's default); None: no
-    bias. Hugging Face's Qwen3-MoE has no such bias: see the adapter."""
+    """Rate of the auxiliary-loss-free expert-bias update (DeepSeek-V3's balancing, torchtitan's
+    default for Qwen3 too, so its checkpoints load whole); None: no bias, as the published
+    Qwen3-MoE routes. Hugging Face's Qwen3-MoE has no place for the bias: a model trained
+    with one exports to a model that routes some tokens differently (the adapter warns)."""
+    aux_loss_alpha: float = 0.0
+    """Weight of the sequence-wise auxiliary balance loss (``titan_models.moe``); 0: none."""
     use_grouped_mm: bool = True
     """Compute experts with torch's grouped mm where the device has it."""
 
@@ -112,6 +116,7 @@ class Qwen3Args:
             check_number(
                 "load_balance_coeff", self.load_balance_coeff, low=0, low_open=True, hint="or None"
             )
+        check_number("aux_loss_alpha", self.aux_loss_alpha, low=0)
 
     # ---------------------------------------------------------------------- derived shapes
     def is_moe_layer(self, layer_id: int) -> bool:
@@ -129,7 +134,7 @@ class Qwen3Args:
 
     def moe_args(self) -> MoEArgs:
         """The MoE blocks' routing, as :class:`titan_models.moe.MoEArgs`: softmax scores,
-        top-k, renormalized weights, no shared expert, no auxiliary loss."""
+        top-k, renormalized weights, no shared expert; the bias and the auxiliary loss as set."""
         return MoEArgs(
             num_experts=self.num_experts,
             num_shared_experts=0,
@@ -138,6 +143,7 @@ class Qwen3Args:
             route_norm=self.route_norm,
             route_scale=1.0,
             load_balance_coeff=self.load_balance_coeff,
+            aux_loss_alpha=self.aux_loss_alpha,
             use_grouped_mm=self.use_grouped_mm,
         )
 

@@ -137,8 +137,9 @@ def args_from_hf_config(hf_config: Mapping[str, Any]) -> Qwen3Args:
 def differences(a: Qwen3Args, b: Qwen3Args, *, vocab: bool) -> list[str]:
     """The architecture fields in which ``a`` and ``b`` differ, as ``name: a vs b``
     (``vocab``: the vocabulary too). Training settings (``max_seq_len``, ``depth_init``,
-    ``load_balance_coeff``, ``use_grouped_mm``) are not the architecture."""
-    skip = {"max_seq_len", "depth_init", "load_balance_coeff", "use_grouped_mm"}
+    ``load_balance_coeff``, ``aux_loss_alpha``, ``use_grouped_mm``) are not the
+    architecture."""
+    skip = {"max_seq_len", "depth_init", "load_balance_coeff", "aux_loss_alpha", "use_grouped_mm"}
     if not vocab:
         skip.add("vocab_size")
     if not (a.moe_enabled or b.moe_enabled):  # MoE fields configure nothing in a dense model
