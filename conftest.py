@@ -11,3 +11,13 @@ Subprocesses (torchrun workers, the real commands) inherit it.
 import os
 
 os.environ.setdefault("TITAN_DEVICE", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test that launches ranks through a ``run_torchrun`` fixture
+    (directly or through the fixtures it uses): the `alone` environments leave them out."""
+    import pytest
+
+    for item in items:
+        if "run_torchrun" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -30,6 +30,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "point"), CASES, ids=[f"{k}-{p}" for k, p in CASES])
 def test_killed_writer_leaves_older_steps_loadable(tmp_path, kind, point):
     if kind == "fsspec":

@@ -95,6 +95,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, int, int]:
     return tuple(json.loads(out.split("PEAKS ", 1)[1]))
 
 
+@pytest.mark.slow
 def test_convert_peak_memory_is_about_one_tensor(tmp_path, titan_ckpt):
     big, tiny = tmp_path / "big", tmp_path / "tiny"
     make_dcp(big, layers=64, numel=LARGEST // 4)
@@ -169,6 +170,7 @@ def llama(path, *, dim: int, layers: int, vocab: int, heads: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_hf_convert_peak_memory_is_about_one_tensor(tmp_path, install_adapters, titan_ckpt):
     pytest.importorskip("safetensors")
     big, tiny = tmp_path / "big", tmp_path / "tiny"

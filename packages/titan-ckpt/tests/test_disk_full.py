@@ -210,6 +210,7 @@ def test_vanished_folder_is_recreated_by_the_next_save(tmp_path, caplog):
     assert scan_steps(LocalStorage(), str(folder)).committed == [2]
 
 
+@pytest.mark.slow
 def test_two_ranks_raise_the_same_error_in_both_modes(torchrun, results, tmp_path):
     with small_disk_module.small_disk(tmp_path / "disk", DISK) as d:
         quota = 0 if d.storage is None else DISK

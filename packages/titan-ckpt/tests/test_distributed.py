@@ -52,6 +52,7 @@ def load_at_world_1(common, folder, data=None):
     return model, train_state, loss
 
 
+@pytest.mark.slow
 def test_fsdp2_round_trips_crash_and_reshard_4_2_1(common, torchrun, results, tmp_path):
     folder = tmp_path / "ckpt"
     proc = torchrun("reshard.py", 4, str(tmp_path), "save", str(folder))

@@ -132,6 +132,7 @@ def manager(torchft):
     lighthouse.shutdown()
 
 
+@pytest.mark.slow
 def test_peer_recovery_carries_everything_but_the_dataloader(two_groups):
     _, results = two_groups
     healed = dict(results["recovering"]["healed"])

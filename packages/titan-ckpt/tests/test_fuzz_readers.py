@@ -52,6 +52,7 @@ def pristine(tmp_path_factory, common) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_end_in_our_errors(pristine, tmp_path):
     out = tmp_path / "results.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

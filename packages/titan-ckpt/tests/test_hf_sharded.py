@@ -40,6 +40,7 @@ def check_restored(result: dict) -> None:
     assert result["local_numel"] < result["full_numel"]  # each rank holds a shard only
 
 
+@pytest.mark.slow
 def test_fsdp_export_is_sharded_with_an_index_and_loads_back(common, torchrun, results, tmp_path):
     # The MLP's float32 tensors: 2048, 128, 4096, 128, 512 and 16 bytes.
     check(torchrun("save_hf.py", 2, str(tmp_path), "mlp", "4096"))
@@ -63,6 +64,7 @@ def test_fsdp_export_is_sharded_with_an_index_and_loads_back(common, torchrun, r
         check_restored(result)
 
 
+@pytest.mark.slow
 def test_pipeline_stages_export_every_parameter_and_load_their_own(
     common, torchrun, results, tmp_path
 ):
@@ -80,6 +82,7 @@ def test_pipeline_stages_export_every_parameter_and_load_their_own(
         check_restored(result)
 
 
+@pytest.mark.slow
 def test_llama3_sharded_export_loads_in_transformers(common, torchrun, results, tmp_path):
     pytest.importorskip("titan_models")
     transformers = pytest.importorskip("transformers")

@@ -95,6 +95,7 @@ def test_safetensors_and_torch_files(tmp_path, titan_ckpt):
     assert "step = 3" in out
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_shards_and_ranks(tmp_path, torchrun, results, titan_ckpt):
     folder = tmp_path / "ckpt"
     proc = torchrun("save_sharded.py", 2, str(tmp_path), str(folder))

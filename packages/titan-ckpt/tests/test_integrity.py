@@ -45,6 +45,7 @@ def two_rank_saves(tmp_path_factory, torchrun, results):
     return folder, results(out, "no_readback", 2)
 
 
+@pytest.mark.slow
 def test_no_byte_of_a_data_file_is_read_while_saving(two_rank_saves):
     _, reports = two_rank_saves
     for report in reports:

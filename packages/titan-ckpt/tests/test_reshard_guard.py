@@ -23,6 +23,7 @@ def load(common, folder, data, **kwargs) -> CheckpointManager:
     return manager
 
 
+@pytest.mark.slow
 def test_guard_keys_on_the_data_parallel_degree(common, torchrun, tmp_path):
     proc = torchrun("save_dp.py", 2, str(tmp_path), str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
