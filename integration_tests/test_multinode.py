@@ -5,7 +5,8 @@ each), with the same losses as the same job from one 4-process launcher. Both no
 dump folder, as nodes of a cluster share checkpoint storage: the final checkpoint holds one
 file per rank, each written by its own rank, and one commit.
 
-4 processes on a 2-core machine: the tiniest run (3 steps, 32 tokens per rank), ~40 s.
+4 processes on a 2-core machine: the tiniest run (3 steps, 32 tokens per rank), yet ~60 s
+alone (two 4-process runs, five start-ups of torch): marked ``slow``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def losses(folder: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_two_nodes_over_c10d_train_like_one_launcher(tmp_path):
     single = tmp_path / "single"
     finish([start("--nproc-per-node", "4", "--job.dump_folder", str(single), *HSDP)])
