@@ -11,9 +11,10 @@ that moment; on every attempt it records each checkpoint read before it happens.
 read from the run's ``metrics.jsonl``, which every attempt appends to: a step trained twice
 (before the kill and after the restart) is there twice, and both must equal the reference.
 
-The first trials are fixed (CI runs ``TITAN_RESTART_TRIALS``, default 1); later ones are drawn
-from a seeded generator, so ``TITAN_RESTART_TRIALS=8 pytest integration_tests/test_restarts.py``
-is the same 8 trials every time (each ~20 s).
+The first five trials are fixed (``TITAN_RESTART_TRIALS``, default 1: the one CI runs, ~35 s alone
+with the reference run); later ones are drawn from a seeded generator, so
+``TITAN_RESTART_TRIALS=8 pytest integration_tests/test_restarts.py`` is the same 8 trials
+every time (~20 s each; all but the first are marked ``slow``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ FIXED = [
     {"launcher": "torchrun", "rank": 1, "point": "step", "step": 5},
     {"launcher": "titan-train", "rank": 1, "point": "save-start", "step": 6},
     {"launcher": "torchrun", "rank": 0, "point": "commit", "step": 2},
+    # Saves written in the background (committed by rank 0's thread), killed wherever the
+    # run is 1 s after its first step.
+    {
+        "launcher": "titan-train",
+        "rank": 1,
+        "point": "delay",
+        "delay": 1.0,
+        "args": ["--checkpoint.async_mode", "async"],
+    },
 ]
 SEED = 13
 
@@ -74,10 +84,15 @@ def trials(count: int) -> list[dict]:
     return out
 
 
-TRIALS = trials(int(os.environ.get("TITAN_RESTART_TRIALS", "1")))
+TRIALS = [
+    pytest.param(trial, marks=[pytest.mark.slow] if i else [])  # the first one runs in CI
+    for i, trial in enumerate(trials(int(os.environ.get("TITAN_RESTART_TRIALS", "1"))))
+]
 
 
-def launch(launcher: str, folder: Path, restarts: int, env: dict | None = None) -> str:
+def launch(
+    launcher: str, folder: Path, restarts: int, env: dict | None = None, extra: tuple = ()
+) -> str:
     """Train the tiny 2-rank job in ``folder``; its stderr. Plain torchrun gets the fresh
     rendezvous store per restart that titan-train's launcher asks for by itself."""
     if launcher == "titan-train":
@@ -88,7 +103,7 @@ def launch(launcher: str, folder: Path, restarts: int, env: dict | None = None) 
         head += ["--nproc-per-node", "2", "--max-restarts", str(restarts)]
         head += ["-m", "titan_train.cli"]
         env = {SHARED_STORE_VARIABLE: "1", **(env or {})}
-    command = [*head, "--job.dump_folder", str(folder), *TINY]
+    command = [*head, "--job.dump_folder", str(folder), *TINY, *extra]
     code, stderr = run_group(command, {**os.environ, **(env or {})})
     if code != 0:
         start = stderr.find("Traceback")
@@ -128,10 +143,11 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 def trial_id(trial: dict) -> str:
     where = trial["delay"] if trial["point"] == "delay" else trial["step"]
-    return f"{trial['launcher']}-rank{trial['rank']}-{trial['point']}-{where}"
+    extra = "-" + "-".join(a.strip("-") for a in trial["args"][1:]) if "args" in trial else ""
+    return f"{trial['launcher']}-rank{trial['rank']}-{trial['point']}-{where}{extra}"
 
 
-@pytest.mark.parametrize("trial", TRIALS, ids=trial_id)
+@pytest.mark.parametrize("trial", TRIALS, ids=[trial_id(p.values[0]) for p in TRIALS])
 def test_a_killed_worker_restarts_from_the_newest_commit_with_the_same_losses(
     tmp_path, reference, trial
 ):
@@ -144,6 +160,7 @@ def test_a_killed_worker_restarts_from_the_newest_commit_with_the_same_losses(
         folder,
         restarts=1,
         env={"PYTHONPATH": path, "TITAN_FAULT_PLAN": json.dumps(plan)},
+        extra=tuple(trial.get("args", ())),
     )
     events = [json.loads(line) for line in log.read_text().splitlines()]
     kills = [e for e in events if e["event"] == "kill"]

@@ -162,3 +162,12 @@ def test_help_lists_the_launcher_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--max-restarts N", "--nnodes N", "--node-rank R", "--rdzv-endpoint HOST:PORT"):
         assert flag in out
+
+
+def test_options_built_in_python_are_checked_too():
+    with pytest.raises(ConfigError, match="nnodes=0 is not allowed"):
+        LaunchOptions(nnodes=0)
+    with pytest.raises(ConfigError, match="max_restarts=-1 is not allowed"):
+        LaunchOptions(max_restarts=-1)
+    with pytest.raises(ConfigError, match="rdzv_timeout=0 is not allowed"):
+        LaunchOptions(rdzv_timeout=0)

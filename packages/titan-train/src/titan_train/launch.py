@@ -27,7 +27,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from titan_train.errors import ConfigError
+from titan_train.errors import ConfigError, check_int, check_number
 
 __all__ = [
     "LAUNCH_FLAGS",
@@ -78,6 +78,11 @@ class LaunchOptions:
     """Seconds a node waits for the rendezvous endpoint to answer."""
 
     def __post_init__(self) -> None:
+        # pop_launch_options checked the flags' spelling; these hold for any construction.
+        check_int("nproc_per_node", self.nproc_per_node, minimum=1)
+        check_int("nnodes", self.nnodes, minimum=1)
+        check_int("max_restarts", self.max_restarts, minimum=0)
+        check_number("rdzv_timeout", self.rdzv_timeout, low=0, low_open=True)
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
