@@ -52,13 +52,13 @@ FIXED = [
     {"launcher": "torchrun", "rank": 1, "point": "step", "step": 5},
     {"launcher": "titan-train", "rank": 1, "point": "save-start", "step": 6},
     {"launcher": "torchrun", "rank": 0, "point": "commit", "step": 2},
-    # Saves written in the background (committed by rank 0's thread), killed wherever the
-    # run is 1 s after its first step.
+    # Saves written in the background (committed by rank 0's thread): killed while step 4's
+    # write is in flight.
     {
         "launcher": "titan-train",
         "rank": 1,
-        "point": "delay",
-        "delay": 1.0,
+        "point": "async-staged",
+        "step": 4,
         "args": ["--checkpoint.async_mode", "async"],
     },
 ]

@@ -8,6 +8,8 @@ record what every restart loads; for ``integration_tests/test_restarts.py`` only
 - ``step``: in training step N, after its forward and backward, before the optimizer step;
 - ``save-start``: in the save of step N, its directory claimed, no data written;
 - ``save-written``: in the save of step N, this rank's data written, not committed;
+- ``async-staged``: (``checkpoint.async_mode``) right after step N's state is staged, its
+  background write in flight;
 - ``commit``: (rank 0) just after step N's commit marker is in place, the save not finished;
 - ``delay``: S seconds after the first optimizer step, wherever the run is then (or at the
   last step's optimizer step, if the run gets there first).
@@ -98,6 +100,17 @@ def _arm() -> None:
             return result
 
         dcp.save = dying_save
+    elif point == "async-staged":
+        async_save = dcp.async_save
+
+        def dying_async_save(state, *args, **kwargs):
+            result = async_save(state, *args, **kwargs)
+            step = _step_of_writer(kwargs.get("storage_writer"))
+            if step == target:
+                kill(point, step)  # staged; its upload runs in the background
+            return result
+
+        dcp.async_save = dying_async_save
     elif point == "commit":
         commit = manager_module.commit_step
 

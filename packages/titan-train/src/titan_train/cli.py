@@ -189,6 +189,7 @@ def _generate(launch: LaunchOptions, argv: list[str]) -> int:
     options = parse_generate_options(argv)
     if launch.launches:
         prepare(options, launch.world_size)  # every check, once, before the ranks start
+        launch.check_rendezvous()
         return _run_ranks(launch, ["generate", *argv])
     return run_generate(options)
 
