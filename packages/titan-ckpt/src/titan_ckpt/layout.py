@@ -13,12 +13,14 @@ directory; it stays there. So every step directory is one of (``classify_step``)
 
 - ``committed``: ours and complete (commit marker);
 - ``interrupted``: ours, never committed (owner marker only: a crashed or running save), or
-  empty: may be deleted and written again;
+  holding no file but our temporaries (a save killed while marking it, a deletion killed
+  near its end): may be deleted and written again;
 - ``torchtitan``: a torchtitan full-state checkpoint (by its DCP metadata keys): loadable;
 - ``foreign``: anything else (plain DCP, a titan step that lost its markers, unknown files).
 
 titan-ckpt never deletes, overwrites or writes into a directory that is not ``committed`` or
-``interrupted``.
+``interrupted``, and deletes its own in an order (``remove_step``) that keeps a directory
+killed halfway through ``interrupted``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "integrity_error",
     "json_metadata",
     "read_manifest",
+    "remove_step",
     "scan_steps",
     "step_dir",
     "step_name",
@@ -327,12 +330,36 @@ def classify_step(storage: Storage, directory: str) -> str:
     if storage.exists(storage.join(directory, COMMIT_MARKER)):
         # A marker that does not parse was torn mid-write: ours, never committed.
         return "committed" if read_manifest(storage, directory) is not None else "interrupted"
-    if storage.exists(storage.join(directory, OWNER_MARKER)) or not storage.list(directory):
+    if storage.exists(storage.join(directory, OWNER_MARKER)) or _holds_no_data(storage, directory):
         return "interrupted"
     keys = read_state_keys(storage, directory)
     if keys is not None and is_torchtitan_checkpoint(keys):
         return "torchtitan"
     return "foreign"
+
+
+def _holds_no_data(storage: Storage, directory: str) -> bool:
+    """Whether ``directory`` holds no file but our atomic writes' temporaries: a save killed
+    while writing the owner marker, or a deletion (``remove_step``) killed after the marker
+    went and before the directory did. Empty subdirectories do not count."""
+    return all(rel.rsplit("/", 1)[-1].startswith(".tmp-") for rel in storage.walk_files(directory))
+
+
+def remove_step(storage: Storage, directory: str) -> None:
+    """Delete a step directory of ours (committed or interrupted) in an order that a crash
+    at any moment cannot turn into a foreign directory, which would stop the next run: the
+    commit marker first (the step is no longer loadable), then the data, then the owner
+    marker, then the directory."""
+    commit = storage.join(directory, COMMIT_MARKER)
+    if storage.exists(commit):
+        storage.remove(commit)
+    for rel in storage.walk_files(directory):
+        if rel != OWNER_MARKER:
+            storage.remove(storage.join(directory, rel))
+    owner = storage.join(directory, OWNER_MARKER)
+    if storage.exists(owner):
+        storage.remove(owner)
+    storage.remove(directory)
 
 
 @dataclass

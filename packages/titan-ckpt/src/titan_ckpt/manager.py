@@ -46,11 +46,11 @@ from titan_ckpt.formats.hashing import written_files
 from titan_ckpt.ft import FaultTolerance
 from titan_ckpt.hf import load_hf, require_safetensors, save_hf
 from titan_ckpt.layout import (
-    COMMIT_MARKER,
     Manifest,
     classify_step,
     commit_step,
     json_metadata,
+    remove_step,
     step_dir,
     step_of,
     write_owner,
@@ -445,8 +445,7 @@ class CheckpointManager:
                 )
             if kind == "committed":
                 logger.warning("Replacing committed checkpoint %s", directory)
-                self.storage.remove(self.storage.join(directory, COMMIT_MARKER))
-            self.storage.remove(directory)
+            remove_step(self.storage, directory)  # killed halfway, it stays "interrupted"
         write_owner(self.storage, directory, step)
 
     def _commit(

@@ -4,8 +4,9 @@ Only titan's committed steps are counted and deleted; any other directory in the
 (torchtitan's, foreign, an interrupted save) is left alone.
 
 Runs on one rank, in a daemon thread fed by a queue. A deletion removes the commit marker
-first, so a step that is half deleted (crash, permission error) is uncommitted, never a
-damaged "committed" step. A failure is logged and the thread carries on with the next request.
+first and the owner marker last (``titan_ckpt.layout.remove_step``), so a step that is half
+deleted (crash, permission error) is uncommitted, never a damaged "committed" step nor a
+foreign one. A failure is logged and the thread carries on with the next request.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import queue
 import threading
 
-from titan_ckpt.layout import COMMIT_MARKER, committed_steps, step_dir
+from titan_ckpt.layout import committed_steps, remove_step, step_dir
 from titan_ckpt.storage import Storage
 
 __all__ = ["Purger"]
@@ -61,8 +62,7 @@ class Purger:
         for step in committed[: max(0, len(committed) - self.keep)]:
             directory = step_dir(self.storage, self.folder, step)
             try:
-                self.storage.remove(self.storage.join(directory, COMMIT_MARKER))
-                self.storage.remove(directory)
+                remove_step(self.storage, directory)
                 logger.info("Deleted checkpoint %s (keep_latest_k=%d)", directory, self.keep)
             except Exception as e:
                 logger.warning("Could not delete checkpoint %s: %s", directory, e)

@@ -12,9 +12,22 @@ The options of ``train`` (below) take torchtitan's spellings too: ``--training.c
 ``a,b``; torchtitan TOML files load unchanged (titan-train's README has the table).
 ``--nproc-per-node N`` (with N > 1, outside torchrun) starts N processes through
 ``torch.distributed.run`` on this machine; under torchrun or SLURM-launched torchrun the
-command trains in place. Configuration errors print one message and exit with status 2
-before anything is written; a run stopped on its way (the disk full, training diverged past
-training.skip_nonfinite_steps) prints one message and exits with status 1.
+command trains in place. Launcher flags (torch's elastic agent and c10d rendezvous do the
+work; titan_train.launch):
+  --nproc-per-node N       processes on this node (default 1)
+  --max-restarts N         restart every process up to N times after one dies; each restart
+                           resumes from the newest committed checkpoint (default 0)
+  --nnodes N               nodes, each running this same command (default 1)
+  --node-rank R            this node, 0..N-1; node 0 hosts the rendezvous
+  --rdzv-endpoint HOST:PORT  where the nodes meet (node 0's address, a free port); needed
+                           with --nnodes > 1
+  --rdzv-id NAME           the job's name at the rendezvous, the same on every node
+  --rdzv-timeout SECONDS   how long a node waits for the endpoint to answer (default 60)
+
+Configuration errors (launcher flags and an unreachable rendezvous included) print one
+message and exit with status 2 before anything is written; a run stopped on its way (the disk
+full, training diverged past training.skip_nonfinite_steps) prints one message and exits with
+status 1.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
 from titan_train.errors import ConfigError
+from titan_train.launch import LaunchOptions, check_restartable, pop_launch_options
 
 if TYPE_CHECKING:
     from titan_train.config import JobConfig
@@ -36,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 COMMANDS = ("train", "config", "list-models", "generate")
-LAUNCH_FLAG = "--nproc-per-node"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,13 +69,13 @@ def _main(argv: list[str]) -> int:
     try:
         if command == "list-models":
             return _list_models()
-        nproc, argv = _pop_launch_flag(argv)
+        launch, argv = pop_launch_options(argv)
         if command == "config":
             return _print_config(argv)
         if command == "generate":
-            return _generate(nproc, argv)
-        if nproc > 1 and "LOCAL_RANK" not in os.environ:
-            return _launch(nproc, argv)
+            return _generate(launch, argv)
+        if launch.launches:
+            return _launch(launch, argv)
         return _train(argv)
     except _usage_errors() as error:
         print(f"titan-train: error: {error}", file=sys.stderr)
@@ -163,19 +176,21 @@ def _train(argv: list[str]) -> int:
 
     config = parse_job_config(argv)
     _check_supported(config)
+    check_restartable()  # under torchrun --max-restarts: a restart must not hang
     run(config)
     return 0
 
 
-def _generate(nproc: int, argv: list[str]) -> int:
+def _generate(launch: LaunchOptions, argv: list[str]) -> int:
     """``titan-train generate`` (``titan_train.generate_cli``): in this process, or, with
     ``--nproc-per-node N`` outside torchrun, checked here once and then run on N ranks."""
     from titan_train.generate_cli import parse_generate_options, prepare, run_generate
 
     options = parse_generate_options(argv)
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:
-        prepare(options, nproc)  # every check, once, before the ranks start
-        return _run_ranks(nproc, ["generate", *argv])
+    if launch.launches:
+        prepare(options, launch.world_size)  # every check, once, before the ranks start
+        launch.check_rendezvous()
+        return _run_ranks(launch, ["generate", *argv])
     return run_generate(options)
 
 
@@ -204,21 +219,7 @@ def _list_models() -> int:
     return 0
 
 
-def _pop_launch_flag(argv: list[str]) -> tuple[int, list[str]]:
-    rest, nproc = [], 1
-    it = iter(argv)
-    for arg in it:
-        if arg == LAUNCH_FLAG or arg.startswith(f"{LAUNCH_FLAG}="):
-            value = arg.split("=", 1)[1] if "=" in arg else next(it, None)
-            if value is None or not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"{LAUNCH_FLAG} needs a whole number >= 1, got {value!r}.")
-            nproc = int(value)
-        else:
-            rest.append(arg)
-    return nproc, rest
-
-
-def _launch(nproc: int, argv: list[str]) -> int:
+def _launch(launch: LaunchOptions, argv: list[str]) -> int:
     # Validate here, in one process, so a bad config fails once and not once per rank: every
     # check preflight makes for the world the ranks will form (it needs no process group).
     # The ranks log what the config loading says (rank 0 only), so this process stays quiet.
@@ -232,26 +233,24 @@ def _launch(nproc: int, argv: list[str]) -> int:
     try:
         config = parse_job_config(argv)
         device = torch.device(detect_device_type())
-        preflight(config, World(rank=0, world_size=nproc, device=device))
+        preflight(config, World(rank=0, world_size=launch.world_size, device=device))
     finally:
         logging.disable(logging.NOTSET)
-    return _run_ranks(nproc, ["train", *argv])
+    if launch.max_restarts and not config.checkpoint.enable:
+        logging.getLogger("titan_train").warning(
+            "--max-restarts %d with checkpoint.enable=false: a restart trains from step 1 again",
+            launch.max_restarts,
+        )
+    launch.check_rendezvous()  # after the config: a bad config needs no waiting to report
+    return _run_ranks(launch, ["train", *argv])
 
 
-def _run_ranks(nproc: int, argv: list[str]) -> int:
-    """Run ``titan-train ARGV`` on ``nproc`` local ranks through ``torch.distributed.run``."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "titan_train.cli",
-        *argv,
-    ]
-    return subprocess.call(command)
+def _run_ranks(launch: LaunchOptions, argv: list[str]) -> int:
+    """Run ``titan-train ARGV`` on this node's ranks through ``torch.distributed.run``
+    (torch's elastic agent: it starts, watches and restarts them)."""
+    command = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args()]
+    env = {**launch.torchrun_env(), **os.environ}  # what the user set wins
+    return subprocess.call([*command, "-m", "titan_train.cli", *argv], env=env)
 
 
 if __name__ == "__main__":
