@@ -54,6 +54,7 @@ def test_accelerator_memory_peaks_retries_and_ooms(tmp_path):
     assert module is torch.get_device_module(device.type)
     device_memory(device)  # reset the peaks
     block = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    del block  # gone, but the peak since the last reset holds it
     config = MetricsConfig(enable_tensorboard=False, enable_jsonl=False)
     with MetricsLogger(config, dump_folder=tmp_path, device=device) as metrics:
         record = metrics.log(step=1, loss=1.0, tokens=10, step_seconds=1.0)
@@ -61,7 +62,6 @@ def test_accelerator_memory_peaks_retries_and_ooms(tmp_path):
         assert record["memory_allocated_gib"] >= 0.25
         assert record["memory_gib"] >= record["memory_allocated_gib"]
         ooms = record["memory_ooms"]
-        del block
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(2**50, dtype=torch.uint8, device=device)  # a petabyte
         record = metrics.log(step=2, loss=1.0, tokens=10, step_seconds=1.0)
