@@ -141,7 +141,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         infinite=True,
     )
     dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
-    loss_fn = build_loss_fn(config.parallelize)
+    loss_fn = build_loss_fn(config.parallelize, loss_parallel=plan.step_context.loss_parallel)
     validator = _build_validator(config, plan, tokenizer, dp_rank, loss_fn)
     args, model_parts, pipeline = _build_model(
         config, plan, run_vocab_size(config, tokenizer.vocab_size), validator is not None, loss_fn

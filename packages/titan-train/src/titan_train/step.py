@@ -49,16 +49,30 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def build_loss_fn(config: ParallelizeConfig) -> LossFn:
+def build_loss_fn(config: ParallelizeConfig, *, loss_parallel: bool = False) -> LossFn:
     """The training (and validation) loss: ``cross_entropy_loss``, compiled with
     ``config.compile_backend`` when ``config.compile`` is on, as torchtitan does. Eager, the
     loss writes an fp32 copy of the whole ``(tokens x vocab)`` logits (~4 GB per 8k tokens at
     a 128k vocabulary) and its gradient; compiled, the upcast fuses into the softmax and
-    loss kernels. Works on plain logits and, under ``loss_parallel``, on vocabulary-sharded
-    DTensor logits."""
+    loss kernels.
+
+    ``loss_parallel``: the logits arrive sharded over the vocabulary (DTensor) and the loss
+    runs under ``loss_parallel()``, whose trace holds this rank's vocabulary offset as a
+    constant. torch 2.13's AOTAutograd cache keys the compiled loss without it, so a later
+    run (or rank) on the machine would load another rank's offset and a wrong loss (measured
+    on 2 gloo ranks: 4.48 for 5.32); this loss is then compiled past that cache."""
     if not config.compile:
         return cross_entropy_loss
-    return torch.compile(cross_entropy_loss, backend=config.compile_backend)
+    compiled = torch.compile(cross_entropy_loss, backend=config.compile_backend)
+    if not loss_parallel:
+        return compiled
+
+    def sharded_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Compilation happens inside the first call: the patch must be on then.
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compiled(logits, labels)
+
+    return sharded_loss
 
 
 @dataclass(frozen=True)
