@@ -2,7 +2,7 @@
 # The 8-GPU run of the GPU-readiness review (issue 18) on one node: every parallel layout of
 # one model from one seed checkpoint against FSDP, checkpoints resharded across layouts, the
 # final Hugging Face export and its re-import, a hung rank, torchft replica groups and
-# profiling. One time budget for everything (BUDGET seconds, default 3600), all output under
+# profiling. One time budget for everything (BUDGET seconds, default 5400), all output under
 # one folder, a summary table at the end. Not yet run on GPUs.
 #
 #   From a fresh checkout, on a node with 8 NVIDIA GPUs and a CUDA build of torch 2.13:
@@ -13,8 +13,9 @@
 #   Knobs (environment): BUDGET (s), FLAVOR (default 8B) for the layouts, export and profile;
 #   SMALL (default 1B) for DDP, checkpointing, torchft and the hang; ONLY="item item ..." runs
 #   those items (and the seeds they need) alone; SEQ_LEN (default 2048). The plumbing can be
-#   tried on CPU: SMALL=debugmodel SEQ_LEN=64 ONLY="fsdp8_small ddp8_small" (gloo). Disk: the 8B seed is 32 GB, the export
-#   16 GB more; the 1B checkpoints ~16 GB each.
+#   tried on CPU: SMALL=debugmodel SEQ_LEN=64 ONLY="fsdp8_small ddp8_small" (gloo).
+#   Disk: about 70 GB at the peak (the 8B seed 32 GB, the export 2 x 16 GB; a 1B checkpoint
+#   with AdamW state ~15 GB); each checkpoint is deleted once no later item reads it.
 #
 # Items (findings of ../shared/reviews/gpu-readiness.md in brackets); each layout trains 20
 # steps of 16 x 2048 tokens from the same seed checkpoint, so its last loss is compared with
@@ -22,8 +23,10 @@
 #   seed, seed_small     the seed checkpoints, one process, built on the host [F10]
 #   fsdp8 ... pp2_tp2_fsdp2   FSDP8, compiled (blocks and loss [F15]), HSDP 2x4, TP2xFSDP4,
 #                        TP8, CP2xFSDP4 with torch's CP (eager and compiled [F12]) and titan's
-#                        two (no compile [F11]), PP2 1F1B, PP4 Interleaved1F1B and ZBV,
-#                        PP2xTP2xFSDP2; tokens/s and MFU per GPU count each token once [F2]
+#                        two (no compile [F11]), TP2xFSDP4 compiled (the loss under loss
+#                        parallel), the compiled CP and TP runs again from warm compile
+#                        caches, PP2 1F1B, PP4 Interleaved1F1B and ZBV, PP2xTP2xFSDP2;
+#                        tokens/s and MFU per GPU count each token once [F2]
 #   fsdp8_small, ddp8_small   DDP8 autocasts to bf16 [F1] (1B: 8B replicas do not fit)
 #   pp_init              PP4 stages start with different weights on CUDA [F5]
 #   ckpt_sync/async/pinned    saves at steps 5 and 10 in each async mode: the table's notes
@@ -45,7 +48,7 @@ OUT="$(realpath -m "${1:-gpu-8-$(date +%Y%m%d-%H%M%S)}")"
 mkdir -p "$OUT"
 LOG="$OUT/gpu8.log"
 : > "$OUT/items.tsv"
-BUDGET="${BUDGET:-3600}"
+BUDGET="${BUDGET:-5400}"
 FLAVOR="${FLAVOR:-8B}"
 SMALL="${SMALL:-1B}"
 ONLY="${ONLY:-}"
@@ -111,8 +114,9 @@ shard() { echo "$P.data_parallel_shard_degree $1"; }
 
 seeds() {
   local need_big=0 need_small=0 name
-  for name in fsdp8 fsdp8_compile hsdp2x4 tp2_fsdp4 tp8 cp2_fsdp4 cp2_fsdp4_compile cp2_titan \
-    cp2_ring pp2_1f1b pp4_interleaved pp4_zbv pp2_tp2_fsdp2 export; do
+  for name in fsdp8 fsdp8_compile hsdp2x4 tp2_fsdp4 tp8 cp2_fsdp4 cp2_fsdp4_compile \
+    tp2_fsdp4_compile cp2_fsdp4_compile_warm tp2_fsdp4_compile_warm cp2_titan cp2_ring \
+    pp2_1f1b pp4_interleaved pp4_zbv pp2_tp2_fsdp2 export profile; do
     wanted "$name" && need_big=1
   done
   for name in fsdp8_small ddp8_small ckpt_sync ckpt_async ckpt_pinned resume_tp ckpt_pp \
@@ -137,6 +141,12 @@ layouts() {
   layout tp8 300 $P.tensor_parallel_degree 8 $(shard 1)
   layout cp2_fsdp4 300 $P.context_parallel_degree 2 $(shard 4)
   layout cp2_fsdp4_compile 420 $P.context_parallel_degree 2 $(shard 4) --parallelize.compile
+  layout tp2_fsdp4_compile 420 $P.tensor_parallel_degree 2 $(shard 4) --parallelize.compile
+  # Again, now from torch's warm compile caches: a graph whose trace depends on the rank
+  # below dynamo (DTensor dispatch: loss parallel's vocabulary offset, torch CP's ring) can
+  # be served to the wrong rank by the AOTAutograd cache (seen for the loss on CPU).
+  layout cp2_fsdp4_compile_warm 420 $P.context_parallel_degree 2 $(shard 4) --parallelize.compile
+  layout tp2_fsdp4_compile_warm 420 $P.tensor_parallel_degree 2 $(shard 4) --parallelize.compile
   layout cp2_titan 300 $P.context_parallel_degree 2 $(shard 4) --parallelize.cp_attention titan
   layout cp2_ring 300 $P.context_parallel_degree 2 $(shard 4) \
     --parallelize.cp_attention titan_ring
@@ -154,7 +164,8 @@ layouts() {
     "'"$OUT"'/pp_init/checkpoint/step-1"' pp_init "${TRAIN[@]}" --nproc-per-node 8 \
     --job.dump_folder "$OUT/pp_init" --model.flavor "$SMALL" "${BATCH[@]}" --training.steps 1 \
     --optimizer.lr 0 --lr_scheduler.warmup_steps 1 $P.pipeline_parallel_degree 4 $(shard 2) \
-    --checkpoint.interval 1
+    --checkpoint.interval 1 --checkpoint.last_save_model_only
+  prune pp_init
 }
 
 checkpoints() {
@@ -164,13 +175,22 @@ checkpoints() {
     [[ $mode == sync ]] && async_mode=disabled
     [[ $mode == pinned ]] && async_mode=async_with_pinned_mem
     small "ckpt_$mode" 300 fsdp8_small 10 $(shard 8) --checkpoint.interval 5 \
-      --checkpoint.async_mode "$async_mode"
+      --checkpoint.async_mode "$async_mode" --checkpoint.keep_latest_k 1
   done
+  prune ckpt_sync ckpt_async
   # Step 10 (full state) resumed on another layout, through step 20, in a copy of the
   # saving run's folder (hard links: no second copy of the checkpoint on disk).
   resume resume_tp ckpt_pinned $P.tensor_parallel_degree 2 $(shard 4)
-  small ckpt_pp 300 fsdp8_small 10 $P.pipeline_parallel_degree 2 $(shard 4)
+  prune ckpt_pinned resume_tp
+  small ckpt_pp 300 fsdp8_small 10 $P.pipeline_parallel_degree 2 $(shard 4) \
+    --checkpoint.interval 10
   resume resume_pp_fsdp ckpt_pp $(shard 8)
+  prune ckpt_pp resume_pp_fsdp
+}
+
+prune() {  # prune ITEM...: delete the items' checkpoints (their metrics and logs stay)
+  local name
+  for name in "$@"; do rm -rf "${OUT:?}/$name/checkpoint"; done
 }
 
 resume() {  # resume NAME FROM LAYOUT...: FROM's folder, resumed from its step 10 to step 20
@@ -204,6 +224,7 @@ export_reimport() {
     --checkpoint.initial_load_path "$OUT/export/checkpoint/step-5/hf" \
     --checkpoint.initial_load_in_hf --checkpoint.load_only \
     $P.tensor_parallel_degree 2 $(shard 4) "${validation[@]}" --validation.freq 1
+  prune export
 }
 
 hang() {
@@ -218,14 +239,15 @@ hang() {
 
 torchft() {
   small hsdp_small 300 "" 30 $P.data_parallel_replicate_degree 2 $(shard 4) \
-    --checkpoint.interval 100
+    --checkpoint.load_only
   local groups=("${TRAIN[@]}" --nproc-per-node 4 --model.flavor "$SMALL" "${BATCH[@]}"
     --training.steps 30 --checkpoint.initial_load_path "$SEED_SMALL" --checkpoint.interval 5
-    $(shard 4))
+    --checkpoint.keep_latest_k 1 $(shard 4))
   item ft_clean 420 hsdp_small loss "" bash tools/gpu8/ft_groups.sh "$OUT/ft_clean" 0 \
     "${groups[@]}"
   item ft_kill 600 hsdp_small loss "" bash tools/gpu8/ft_groups.sh "$OUT/ft_kill" 1 \
     "${groups[@]}"
+  prune ft_clean ft_kill
 }
 
 profile() {

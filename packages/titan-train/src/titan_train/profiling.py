@@ -21,7 +21,6 @@ import os
 import pickle
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -198,7 +197,7 @@ class Profiler:
         self.close()
 
 
-def memory_history(device: torch.device) -> ModuleType | Any | None:
+def memory_history(device: torch.device) -> ModuleType | None:
     """The memory module of ``device``'s torch module (``torch.cuda.memory`` on CUDA and
     ROCm, likewise for other accelerators) when it records allocator history and takes
     snapshots; ``None`` on CPU and on devices without."""
