@@ -3,7 +3,10 @@
 # one model from one seed checkpoint against FSDP, checkpoints resharded across layouts, the
 # final Hugging Face export and its re-import, a hung rank, torchft replica groups and
 # profiling. One time budget for everything (BUDGET seconds, default 5400), all output under
-# one folder, a summary table at the end. Not yet run on GPUs.
+# one folder, a summary table at the end. Not yet run on GPUs; its plumbing was tried on CPU
+# (gloo, SMALL=debugmodel SEQ_LEN=64 FT_STEPS=30): fsdp8_small, ddp8_small, ckpt_sync,
+# ckpt_pinned, resume_tp, hsdp_small, ft_clean and ft_kill ran and compared as meant (DDP8,
+# the resumed TP2xFSDP4 and ft_clean's gradient norm within 0.01% of their references).
 #
 #   From a fresh checkout, on a node with 8 NVIDIA GPUs and a CUDA build of torch 2.13:
 #     pip install -e packages/titan-dims -e packages/titan-ckpt -e packages/titan-optim \
@@ -38,8 +41,10 @@
 #   hang                 expect failure: a rank sleeps 120 s at step 3 under a 30 s timeout;
 #                        the run must end, with flight-recorder traces [F20, F21, F22]
 #   hsdp_small, ft_clean, ft_kill   two torchft replica groups of 4 GPUs under a lighthouse
-#                        (bucketed gradient average [F23]) against HSDP 2x4; then group 1 is
-#                        killed at step 10 and restarted: both groups must finish
+#                        (bucketed gradient average [F23]) against HSDP 2x4 (gradient
+#                        norm: a group logs its own half-batch loss), FT_STEPS steps
+#                        (default 100); then group 1 is killed at step 10 and restarted (its
+#                        data stream anew): both groups must finish
 #   profile              traces and memory snapshots of all 8 ranks (files and sizes) [F24]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -175,7 +180,7 @@ checkpoints() {
     [[ $mode == sync ]] && async_mode=disabled
     [[ $mode == pinned ]] && async_mode=async_with_pinned_mem
     small "ckpt_$mode" 300 fsdp8_small 10 $(shard 8) --checkpoint.interval 5 \
-      --checkpoint.async_mode "$async_mode" --checkpoint.keep_latest_k 1
+      --checkpoint.async_mode "$async_mode" --checkpoint.keep_latest_k 2
   done
   prune ckpt_sync ckpt_async
   # Step 10 (full state) resumed on another layout, through step 20, in a copy of the
@@ -238,14 +243,19 @@ hang() {
 }
 
 torchft() {
-  small hsdp_small 300 "" 30 $P.data_parallel_replicate_degree 2 $(shard 4) \
+  local steps="${FT_STEPS:-100}"
+  small hsdp_small 300 "" "$steps" $P.data_parallel_replicate_degree 2 $(shard 4) \
     --checkpoint.load_only
+  # Each group takes half of the 16 sequences a step: 8 per group (2 on each of 4 GPUs).
   local groups=("${TRAIN[@]}" --nproc-per-node 4 --model.flavor "$SMALL" "${BATCH[@]}"
-    --training.steps 30 --checkpoint.initial_load_path "$SEED_SMALL" --checkpoint.interval 5
-    --checkpoint.keep_latest_k 1 $(shard 4))
-  item ft_clean 420 hsdp_small loss "" bash tools/gpu8/ft_groups.sh "$OUT/ft_clean" 0 \
+    --training.global_batch_size 8 --training.steps "$steps"
+    --checkpoint.initial_load_path "$SEED_SMALL" --checkpoint.interval 5
+    --checkpoint.keep_latest_k 2 $(shard 4))
+  # A group logs the loss of its own half of the batch; the gradient norm is the job's
+  # (averaged over the groups): the one to compare with HSDP's.
+  item ft_clean 420 hsdp_small grad_norm "" bash tools/gpu8/ft_groups.sh "$OUT/ft_clean" 0 \
     "${groups[@]}"
-  item ft_kill 600 hsdp_small loss "" bash tools/gpu8/ft_groups.sh "$OUT/ft_kill" 1 \
+  item ft_kill 600 hsdp_small grad_norm "" bash tools/gpu8/ft_groups.sh "$OUT/ft_kill" 1 \
     "${groups[@]}"
   prune ft_clean ft_kill
 }

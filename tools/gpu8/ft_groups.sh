@@ -5,7 +5,10 @@
 #   bash tools/gpu8/ft_groups.sh FOLDER KILL TRAIN_ARGS...
 #
 # KILL=1 kills replica group 1 (its launcher and ranks) once its metrics reach step 10 and
-# starts it again: it must rejoin (healing from group 0) and both groups must finish.
+# starts it again: it must rejoin (healing from group 0) and both groups must finish. The
+# shared checkpoint has moved on by then while group 1's own data position has not, so the
+# restart starts its data stream anew (checkpoint.exclude_from_loading dataloader, as
+# titan-train's message says).
 # Exit 0 when both groups end with status 0.
 set -uo pipefail
 folder="$1" kill_one="$2"
@@ -49,7 +52,8 @@ if ((kill_one)); then
   wait "${pids[1]}"
   sleep 5
   CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${gpus[*]:4:4}")" setsid "${args[@]}" \
-    --fault_tolerance.replica_id 1 >> "$folder-group1.log" 2>&1 &
+    --fault_tolerance.replica_id 1 --checkpoint.exclude_from_loading dataloader \
+    >> "$folder-group1.log" 2>&1 &
   pids[1]=$!
   echo "restarted replica group 1"
 fi
