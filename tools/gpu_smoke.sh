@@ -19,9 +19,18 @@
 #              and MFU. 8B with AdamW needs more than one GPU's memory (weights, gradients
 #              and moments in fp32: 128 GB): it belongs to the 8-GPU plan, as does FSDP CPU
 #              offload (F3), which needs FSDP, i.e. two ranks or more.
+#              With --parallelize.compile the loss over the vocabulary is compiled too (F15).
 #   determ     training.deterministic: cuBLAS workspace set (F8)
+#   gputests   the device-gated tests, on the GPU: memory metrics (allocated, reserved,
+#              retries, OOM count) and a real OOM's memory snapshot (F24), the HF import's
+#              per-rank host cut on a CUDA mesh (F19), compiled loss = eager loss (F15)
+#   oom        expect failure: Llama 3 8B at 32 x 2048 tokens runs out of memory in step 1;
+#              the run must exit non-zero and leave memory_snapshot/iteration_1_exit/ (F24)
 #   moe        DeepSeek-V3 debug model (MoE, grouped mm on the GPU)
 #   tests      the CPU test suite stays pinned to CPU on a GPU host (F9): titan-dims' tests
+#
+# The summary's memory columns: peak reserved and peak allocated GiB of the last report, and
+# the allocator's retries (above 0: fragmentation).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,6 +61,20 @@ run() {  # run NAME SECONDS COMMAND...: one item, its own log, its own and the o
 
 TRAIN=(python -m titan_train.cli --metrics.log_freq 1 --metrics.no_enable_tensorboard)
 
+expect_oom() {  # expect_oom FOLDER COMMAND...: the command fails and leaves an OOM snapshot
+  local folder="$1" snapshot="$1/memory_snapshot/iteration_1_exit/rank0_memory_snapshot.pickle"
+  shift
+  if "$@"; then
+    echo "expected an out-of-memory failure, but the run succeeded"
+    return 1
+  fi
+  grep -q "OutOfMemoryError\|out of memory" "$OUT/oom.log" || echo "(no OOM message in the log)"
+  python -c "import pickle, sys; s = pickle.load(open(sys.argv[1], 'rb'));
+print('OOM snapshot:', len(s['segments']), 'segments')" "$snapshot"
+}
+export -f expect_oom
+export OUT
+
 main() {
   run env 30 bash -c 'python -c "import torch; print(torch.__version__, torch.version.cuda,
     torch.cuda.get_device_name())"; nvidia-smi; df -h /dev/shm'
@@ -71,6 +94,12 @@ main() {
   done
   run determ 60 "${TRAIN[@]}" --job.dump_folder "$OUT/determ" --training.steps 4 \
     --training.deterministic --checkpoint.no_enable
+  run gputests 120 env TITAN_DEVICE=cuda python -m pytest -q -p no:cacheprovider -rs \
+    packages/titan-train/tests/metrics/test_memory.py packages/titan-train/tests/test_oom_snapshot.py \
+    packages/titan-ckpt/tests/test_hf_import_slices.py packages/titan-train/tests/test_compiled_loss.py
+  run oom 90 bash -c 'expect_oom "$@"' expect_oom "$OUT/oom" "${TRAIN[@]}" --job.dump_folder "$OUT/oom" \
+    --model.flavor 8B --training.steps 2 --training.seq_len 2048 \
+    --training.local_batch_size 32 --checkpoint.no_enable
   run moe 90 "${TRAIN[@]}" --job.dump_folder "$OUT/moe" --model.name deepseek_v3 \
     --model.flavor debugmodel --training.steps 10 --checkpoint.no_enable
   run tests 120 python -m pytest -q -p no:cacheprovider packages/titan-dims/tests
@@ -78,16 +107,18 @@ main() {
 
 summary() {
   echo
-  echo "item      status    last loss  tokens/s/GPU  MFU %   memory GiB"
-  for name in env plain resume async 1b 3b determ moe tests; do
+  echo "item      status    last loss  tokens/s/GPU  MFU %   reserved GiB  alloc GiB  retries"
+  for name in env plain resume async 1b 3b determ gputests oom moe tests; do
     local metrics="$OUT/$name/metrics.jsonl" numbers="-"
     if [[ -f "$metrics" ]]; then
       numbers=$(python - "$metrics" <<'EOF'
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 last = records[-1]
-print(f"{last['loss']:9.4f}  {last['tps']:12,.0f}  {last.get('mfu_pct', float('nan')):5.1f}"
-      f"  {last['memory_gib']:10.2f}")
+nan = float("nan")
+print(f"{last['loss']:9.4f}  {last['tps']:12,.0f}  {last.get('mfu_pct', nan):5.1f}"
+      f"  {last['memory_gib']:12.2f}  {last.get('memory_allocated_gib', nan):9.2f}"
+      f"  {last.get('memory_alloc_retries', nan):7.0f}")
 EOF
 )
     fi

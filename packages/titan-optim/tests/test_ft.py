@@ -114,6 +114,84 @@ def test_gradients_are_averaged_once_per_step_before_clipping(manager, monkeypat
     model(torch.randn(4, 3)).sum().backward()
     if clip:
         ft.clip_grad_norm_(1.0)
-        assert len(calls) == 2  # weight and bias, before the norm was taken
+        assert len(calls) == 1  # weight and bias in one bucket, before the norm was taken
     ft.step()
-    assert sorted(calls) == sorted([model.weight.shape, model.bias.shape])
+    assert calls == [torch.Size([model.weight.numel() + model.bias.numel()])]
+
+
+def test_gradient_buckets_respect_cap_device_and_dtype():
+    from titan_optim.ft import gradient_buckets
+
+    f32 = [torch.zeros(n) for n in (4, 4, 10, 1)]  # 16, 16, 40, 4 bytes
+    bf16 = torch.zeros(8, dtype=torch.bfloat16)  # 16 bytes
+    tensors = [f32[0], bf16, f32[1], f32[2], f32[3]]
+
+    def ids(buckets):
+        return [[next(i for i, t in enumerate(tensors) if t is x) for x in b] for b in buckets]
+
+    # 32 bytes: the two small fp32 together, bf16 apart; the 40-byte one alone.
+    assert ids(gradient_buckets(tensors, 32)) == [[0, 2], [1], [3], [4]]
+    assert ids(gradient_buckets(tensors, 2**20)) == [[0, 2, 3, 4], [1]]
+    assert ids(gradient_buckets(tensors, 0)) == [[0], [1], [2], [3], [4]]
+
+
+def test_bucket_cap_must_be_a_size():
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=-1 is not allowed; use a size in MiB"):
+        FTOptimizersContainer(build_optimizers(nn.Linear(2, 2)), manager=object(), bucket_cap_mb=-1)
+
+
+def test_two_replica_groups_average_in_buckets_with_fewer_allreduces(torchft, tmp_path):
+    """Two replica groups (processes) under a real lighthouse, gloo: bucketed averages are
+    bit for bit the per-gradient ones and the mean of both groups' gradients, in one
+    all-reduce per (dtype) bucket instead of one per parameter."""
+    import json
+    import os
+    import subprocess
+
+    from torchft._torchft import LighthouseServer
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "ft_buckets.py")
+    sys.path.insert(0, os.path.dirname(worker))
+    try:
+        import ft_buckets
+    finally:
+        sys.path.pop(0)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, worker, lighthouse.address(), str(r), str(tmp_path / f"{r}.json")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
+            for r in (0, 1)
+        ]
+        for proc in procs:
+            output, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, output[-3000:]
+    finally:
+        lighthouse.shutdown()
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    model = ft_buckets.build_model()
+    for step in ("1", "2", "3"):
+        expected = [
+            ((g0.float() + g1.float()) / 2).to(p.dtype).float()
+            for p, g0, g1 in zip(
+                model.parameters(),
+                ft_buckets.replica_gradients(0, int(step), model),
+                ft_buckets.replica_gradients(1, int(step), model),
+                strict=True,
+            )
+        ]
+        for result in results:
+            assert result[step]["participants"] == 2
+            assert result[step]["contiguous"] == [False, True, False, True]  # left in place
+            for got, want in zip(result[step]["grads"], expected, strict=True):
+                torch.testing.assert_close(torch.tensor(got), want, atol=0, rtol=0)
+    # Gradients: fp32 4x6 and 4, bf16 3x4 and 3. Per gradient: 4 calls; 25 MiB buckets: one
+    # per dtype; 64-byte buckets: fp32 weight (96 bytes) alone, then bias; bf16 in one.
+    assert results[0]["1"]["allreduce_numels"] == [24, 4, 12, 3]
+    assert results[0]["2"]["allreduce_numels"] == [28, 15]
+    assert results[0]["3"]["allreduce_numels"] == [24, 4, 15]

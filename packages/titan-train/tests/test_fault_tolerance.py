@@ -64,6 +64,7 @@ def test_enable_without_torchft_says_which_extra_to_install(monkeypatch):
         ({"group_size": 2, "min_replica_size": 3}, "min_replica_size=3 is not allowed"),
         ({"group_size": 2, "min_replica_size": 0}, "it must be 1 to group_size=2"),
         ({"group_size": 2, "process_group_timeout_ms": 0}, "process_group_timeout_ms=0"),
+        ({"group_size": 2, "bucket_cap_mb": -1}, "bucket_cap_mb=-1 is not allowed"),
     ],
 )
 def test_bad_values_are_one_clear_error(values, message):

@@ -46,14 +46,14 @@ def test_windows_stay_aligned_after_a_resume(tmp_path):
     assert _trace_steps(tmp_path) == [8, 12]
 
 
-def test_off_writes_nothing_and_memory_snapshot_needs_cuda(tmp_path, caplog):
+def test_off_writes_nothing_and_memory_snapshot_needs_an_accelerator(tmp_path, caplog):
     config = ProfilingConfig(enable_memory_snapshot=True, profile_freq=1, profiler_warmup=0)
     with (
         caplog.at_level(logging.WARNING, logger="titan_train"),
         Profiler(config, dump_folder=str(tmp_path), rank=0, device=torch.device("cpu")) as p,
     ):
         _train(p, 2)
-    assert "enable_memory_snapshot needs a CUDA device" in caplog.text
+    assert "enable_memory_snapshot needs an accelerator" in caplog.text
     assert list(tmp_path.iterdir()) == []
 
 

@@ -12,9 +12,11 @@ parameter sends its gathered copy to rank 0, so the export still holds every par
 Import reads the folder lazily (the index when there is one, else every ``*.safetensors``):
 each tensor is read from its byte range, converted by the adapter, and each rank copies its
 own slice of it into its (possibly FSDP/TP-sharded) parameter before the next tensor is
-read. The keys and shapes are checked against the model before any tensor data is read
-(under pipeline parallelism, against the parameters of all stages together; each rank
-keeps the ones its stages hold).
+read. The slice is cut on the host, where the tensor was read, and only it is copied (and
+cast) to the parameter's device: a rank never holds a whole tensor on its accelerator. The
+keys and shapes are checked against the model before any tensor data is read (under
+pipeline parallelism, against the parameters of all stages together; each rank keeps the
+ones its stages hold).
 
 An adapter without the streaming methods (see ``titan_ckpt.adapter``) goes through its
 whole-dict ``to_hf``/``from_hf``: rank 0 (export) or every rank (import) then holds the
@@ -31,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from titan_ckpt.adapter import (
     StateDictAdapter,
@@ -299,11 +302,36 @@ def _check_keys(
 
 @torch.no_grad()
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of the full tensor ``full`` into the model tensor ``target``."""
-    full = full.to(target.dtype)
+    """Copy this rank's part of the full tensor ``full`` (on the host) into the model tensor
+    ``target``: the part is cut where ``full`` lies and only it is copied and cast."""
     if isinstance(target, DTensor):
-        # Each rank cuts its own slice from the full tensor it holds: no communication.
-        mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-        target.to_local().copy_(mine.to_local())
+        target.to_local().copy_(_local_slice(full, target))
     else:
         target.copy_(full)
+
+
+def _local_slice(full: torch.Tensor, target: DTensor) -> torch.Tensor:
+    """The part of ``full`` this rank holds of ``target``, a view of ``full`` where it lies.
+
+    The cut is torch's ``distribute_tensor(..., src_data_rank=None)`` (mesh dimensions in
+    order, uneven shards as ``torch.chunk``, FSDP-over-TP's strided shards), without its
+    first step: moving the whole tensor to the mesh's device (torch 2.13
+    ``distributed/tensor/_api.py``), which put every full tensor, e.g. a 128k x 16k fp32
+    embedding of 8 GB, on every rank's GPU."""
+    mesh = target.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank holds none of it
+        return full.new_empty(0)
+    local = full
+    for mesh_dim, placement in enumerate(target.placements):
+        if isinstance(placement, Shard | _StridedShard):
+            chunks, _ = placement._split_tensor(
+                local, mesh.size(mesh_dim), with_padding=False, contiguous=False
+            )
+            local = chunks[coordinate[mesh_dim]]
+        elif not placement.is_replicate():  # Partial: a model tensor never is
+            raise CheckpointConfigError(
+                f"Cannot load a Hugging Face tensor into a parameter placed as {placement} "
+                "on the mesh; only Shard and Replicate placements load."
+            )
+    return local

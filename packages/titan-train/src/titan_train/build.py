@@ -42,7 +42,7 @@ from titan_train.nonfinite import NonFiniteGuard
 from titan_train.preflight import Plan
 from titan_train.profiling import Profiler
 from titan_train.state import TrainState
-from titan_train.step import Batch, cross_entropy_loss
+from titan_train.step import Batch, LossFn, build_loss_fn, cross_entropy_loss
 from titan_train.tied_state import tied_optimizer_state
 from titan_train.tokenizer import Tokenizer, load_tokenizer
 from titan_train.validation import Validator
@@ -82,6 +82,8 @@ class TrainingRun:
     """This process's torchft replica group; ``None`` without fault tolerance."""
     output_folder: str
     """Where metrics and traces go (per replica group with fault tolerance)."""
+    loss_fn: LossFn = cross_entropy_loss
+    """The loss of each batch (compiled with ``parallelize.compile``: ``build_loss_fn``)."""
 
     @property
     def step_context(self) -> StepContext:
@@ -140,9 +142,10 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         infinite=True,
     )
     dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
-    validator = _build_validator(config, plan, tokenizer, dp_rank)
+    loss_fn = build_loss_fn(config.parallelize, loss_parallel=plan.step_context.loss_parallel)
+    validator = _build_validator(config, plan, tokenizer, dp_rank, loss_fn)
     args, model_parts, pipeline = _build_model(
-        config, plan, run_vocab_size(config, tokenizer.vocab_size), validator is not None
+        config, plan, run_vocab_size(config, tokenizer.vocab_size), validator is not None, loss_fn
     )
 
     optimizers: Any = build_optimizers(
@@ -202,6 +205,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
             output_folder=config.job.dump_folder
             if replicas is None
             else os.path.join(config.job.dump_folder, f"ft-replica-{replicas.replica_id}"),
+            loss_fn=loss_fn,
         ),
         flops_per_token=args.flops_per_token(config.training.seq_len),
     )
@@ -254,7 +258,7 @@ def _with_reporting(config: JobConfig, run: TrainingRun, *, flops_per_token: flo
 
 
 def _build_validator(
-    config: JobConfig, plan: Plan, tokenizer: Tokenizer, dp_rank: int
+    config: JobConfig, plan: Plan, tokenizer: Tokenizer, dp_rank: int, loss_fn: LossFn
 ) -> Validator | None:
     if not config.validation.enable:
         return None
@@ -265,11 +269,12 @@ def _build_validator(
         dp_rank=dp_rank,
         device=plan.world.device,
         step_context=plan.step_context,
+        loss_fn=loss_fn,
     )
 
 
 def _build_model(
-    config: JobConfig, plan: Plan, vocab_size: int, validating: bool
+    config: JobConfig, plan: Plan, vocab_size: int, validating: bool, loss_fn: LossFn
 ) -> tuple[Any, list[nn.Module], Pipeline | None]:
     """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init),
     and the pipeline. Same seed on every rank of a stage (each initializes its shards of the
@@ -294,7 +299,7 @@ def _build_model(
             config.pipeline,
             config.parallelize,
             local_batch_size=batches.local_batch_size * batches.accumulation_steps,
-            loss_fn=cross_entropy_loss,
+            loss_fn=loss_fn,
             device=device,
             seq_len=training.seq_len,
         )

@@ -201,7 +201,7 @@ KEYS: Mapping[str, Key] = {
     "compile.enable": _move("parallelize.compile", bool),
     "compile.backend": _move("parallelize.compile_backend"),
     "compile.components": _noop(
-        "titan compiles each transformer block when compile is on, never the loss", list
+        "titan compiles each transformer block and the loss when compile is on", list
     ),
     # [float8], [mx], [quantize]
     "float8.*": _noop(_QUANTIZED, str),

@@ -13,7 +13,7 @@ optimizer wrapping) and, per step, only inside its optimizer container (titan-op
 - ``clip_grad_norm_`` first averages each gradient's local tensor over the participating
   groups through the torchft ``Manager`` (every group has the same layout, so local shards
   line up), so every group clips and steps the same gradient (``step`` does it when
-  clipping is off);
+  clipping is off); gradients go in buckets of ``bucket_cap_mb``, one all-reduce each;
 - the optimizer steps only when the manager commits the step;
 - data is sharded over all groups: global data-parallel rank
   ``replica_id x local dp degree + local dp rank``, degree ``group_size x local dp degree``;
@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 
 from titan_dims import ParallelDims
-from titan_train.errors import ConfigError, check_int
+from titan_train.errors import ConfigError, check_int, check_number
 
 __all__ = [
     "LIGHTHOUSE_ENV",
@@ -71,6 +71,9 @@ class FaultToleranceConfig:
     lighthouse: str | None = None
     """The lighthouse address, e.g. ``http://host:29510``; unset reads ``TORCHFT_LIGHTHOUSE``
     as torchft does (titan's key)."""
+    bucket_cap_mb: float = 25.0
+    """MiB per bucket of the gradient average across replica groups: gradients are flattened
+    into buckets, one all-reduce each; 0 all-reduces every gradient on its own (titan's)."""
 
     def __post_init__(self) -> None:
         check_int(
@@ -78,6 +81,12 @@ class FaultToleranceConfig:
             self.process_group_timeout_ms,
             minimum=1,
             hint="milliseconds",
+        )
+        check_number(
+            "fault_tolerance.bucket_cap_mb",
+            self.bucket_cap_mb,
+            low=0,
+            hint="MiB per all-reduce bucket; 0 all-reduces each gradient alone",
         )
         if not self.enable:
             return
@@ -219,7 +228,9 @@ class ReplicaGroup:
         second time."""
         from titan_optim import FTOptimizersContainer
 
-        return FTOptimizersContainer(optimizers, self.manager, state_key=None)
+        return FTOptimizersContainer(
+            optimizers, self.manager, state_key=None, bucket_cap_mb=self.config.bucket_cap_mb
+        )
 
     def participants(self) -> int:
         """Replica groups taking part in this step."""

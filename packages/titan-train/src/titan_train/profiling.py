@@ -1,13 +1,17 @@
 """Profiling: ``torch.profiler`` traces of a few steps every ``profile_freq`` steps, and
-CUDA memory snapshots.
+accelerator memory snapshots.
 
 The profiler runs on a schedule: in each window of ``profile_freq`` steps it waits, warms up
 for ``profiler_warmup`` steps and records ``profiler_active`` steps, then writes one Chrome
 trace per rank to ``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json``
-(open it in Perfetto or ``chrome://tracing``). Memory snapshots record the CUDA caching
-allocator's history and dump it every ``profile_freq`` steps to
+(open it in Perfetto or ``chrome://tracing``). Memory snapshots record the accelerator's
+caching-allocator history (through torch's device module: ``torch.cuda.memory`` on CUDA and
+ROCm) and dump it every ``profile_freq`` steps to
 ``<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle``
-(view it at https://pytorch.org/memory_viz); CUDA only.
+(view it at https://pytorch.org/memory_viz). A step that runs out of device memory dumps one
+more snapshot, to ``iteration_<step>_exit/`` (``memory_snapshot_on_oom``), before the error
+ends the run: with the recorded history when ``enable_memory_snapshot`` is on, else the
+allocator's segments at the failure.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import logging
 import os
 import pickle
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from titan_train.errors import ConfigError, check_int
 
-__all__ = ["Profiler", "ProfilingConfig"]
+__all__ = ["Profiler", "ProfilingConfig", "memory_history"]
 
 logger = logging.getLogger("titan_train")
 
@@ -41,9 +46,12 @@ class ProfilingConfig:
     profiler_active: int = 1
     """Steps recorded per trace."""
     enable_memory_snapshot: bool = False
-    """Record CUDA allocator history and dump snapshots (ignored, with a warning, off CUDA)."""
+    """Record the accelerator allocator's history and dump snapshots (ignored, with a
+    warning, on CPU)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Folder under ``job.dump_folder`` for the memory snapshots."""
+    memory_snapshot_on_oom: bool = True
+    """On an accelerator, dump a memory snapshot when a step runs out of memory (titan's)."""
 
     def __post_init__(self) -> None:
         for key in ("profile_freq", "profiler_active"):
@@ -66,7 +74,7 @@ class Profiler:
         config: the ``[profiling]`` section.
         dump_folder: the job's output folder.
         rank: this process's global rank (names the files).
-        device: the training device (memory snapshots need CUDA).
+        device: the training device (memory snapshots need an accelerator).
         step: the step training starts after (non-zero on resume), so windows stay
             aligned with step numbers.
     """
@@ -88,19 +96,22 @@ class Profiler:
         self._step = step
         self._start_step = step
         self._torch_profiler: torch.profiler.profile | None = None
+        self._memory = memory_history(device)
+        """The device's memory-history API (``torch.cuda.memory``...); ``None`` on CPU."""
         self._recording_memory = False
         self._start()
 
     def _start(self) -> None:
         config = self.config
         if config.enable_memory_snapshot:
-            if self.device.type == "cuda":
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+            if self._memory is not None:
+                self._memory._record_memory_history(max_entries=100_000)
                 self._recording_memory = True
             else:
                 logger.warning(
-                    "profiling.enable_memory_snapshot needs a CUDA device (this run is on "
-                    "%s); no memory snapshots are recorded.",
+                    "profiling.enable_memory_snapshot needs an accelerator whose allocator "
+                    "records history, e.g. CUDA (this run is on %s); no memory snapshots "
+                    "are recorded.",
                     self.device.type,
                 )
         if config.enable_profiling:
@@ -136,11 +147,29 @@ class Profiler:
         if self._torch_profiler is not None:
             self._torch_profiler.step()
         if self._recording_memory and self._step % self.config.profile_freq == 0:
-            folder = os.path.join(self.memory_folder, f"iteration_{self._step}")
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
-            with open(path, "wb") as f:
-                pickle.dump(torch.cuda.memory._snapshot(), f)
+            self._dump_snapshot(f"iteration_{self._step}")
+
+    def snapshot_on_oom(self, step: int) -> str | None:
+        """Dump a memory snapshot after step ``step`` ran out of device memory (call it in
+        the handler, before the error ends the run); the file's path, or ``None`` when off
+        or not on an accelerator. A failure to dump is logged, never raised over the OOM."""
+        if not self.config.memory_snapshot_on_oom or self._memory is None:
+            return None
+        try:
+            path = self._dump_snapshot(f"iteration_{step}_exit")
+        except Exception:  # the run is failing already: say so, keep the real error
+            logger.exception("Could not dump the memory snapshot of the out-of-memory step")
+            return None
+        logger.error("Out of device memory in step %d; memory snapshot: %s", step, path)
+        return path
+
+    def _dump_snapshot(self, name: str) -> str:
+        folder = os.path.join(self.memory_folder, name)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
+        with open(path, "wb") as f:
+            pickle.dump(self._memory._snapshot(), f)
+        return path
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         # Called from step() right after a window's last active step, and from close()
@@ -158,7 +187,7 @@ class Profiler:
             self._torch_profiler.stop()
             self._torch_profiler = None
         if self._recording_memory:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            self._memory._record_memory_history(enabled=None)
             self._recording_memory = False
 
     def __enter__(self) -> Profiler:
@@ -166,3 +195,17 @@ class Profiler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def memory_history(device: torch.device) -> ModuleType | None:
+    """The memory module of ``device``'s torch module (``torch.cuda.memory`` on CUDA and
+    ROCm, likewise for other accelerators) when it records allocator history and takes
+    snapshots; ``None`` on CPU and on devices without."""
+    if device.type in ("cpu", "meta"):
+        return None
+    try:
+        module = getattr(torch.get_device_module(device.type), "memory", None)
+    except RuntimeError:  # a device type without a torch module
+        return None
+    needed = ("_record_memory_history", "_snapshot")
+    return module if module is not None and all(hasattr(module, n) for n in needed) else None

@@ -129,6 +129,11 @@ def train(run: TrainingRun) -> None:
             run.profiler.step()
             if result.step == fast_from and not last:
                 _start_fail_fast(run)
+    except torch.OutOfMemoryError:
+        # Where the memory went, while the allocator still holds it (profiling's
+        # memory_snapshot_on_oom); the error then ends the run as before.
+        run.profiler.snapshot_on_oom(run.train_state.step)
+        raise
     finally:
         gc.enable()
 

@@ -22,7 +22,7 @@ from titan_dims import ParallelDims
 from titan_models import ParallelizeConfig, Pipeline, StepContext, reduce_loss, step_context
 from titan_train.data import DataSource, build_dataloader
 from titan_train.errors import ConfigError, check_int
-from titan_train.step import batch_loss
+from titan_train.step import LossFn, batch_loss, cross_entropy_loss
 from titan_train.tokenizer import Tokenizer
 
 __all__ = ["ValidationConfig", "Validator"]
@@ -66,6 +66,7 @@ class Validator:
         step_context: the plan's per-step context (context parallel, loss parallel), the
             one training steps run in; ``None`` builds it from ``dims`` with the default
             ``ParallelizeConfig``.
+        loss_fn: the loss of each batch (the training run's, compiled or not).
 
     Under pipeline parallelism the validation batch is split into the schedule's
     microbatches: ``titan_train.preflight`` checks ``local_batch_size`` divides.
@@ -80,8 +81,10 @@ class Validator:
         dp_rank: int = 0,
         device: torch.device,
         step_context: StepContext | None = None,
+        loss_fn: LossFn = cross_entropy_loss,
     ) -> None:
         self.config = config
+        self.loss_fn = loss_fn
         self.dims = dims
         self.device = device
         self.step_context = step_context or _default_context(dims)
@@ -122,6 +125,7 @@ class Validator:
                 self.step_context,
                 inputs.to(self.device),
                 labels.to(self.device),
+                loss_fn=self.loss_fn,
             )
             if loss is not None:  # only a pipeline's last stage has the loss
                 total += loss.double()

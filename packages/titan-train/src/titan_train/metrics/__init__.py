@@ -11,6 +11,7 @@ from titan_train.metrics.flops import (
     peak_flops,
 )
 from titan_train.metrics.logger import MetricsLogger, memory_gib
+from titan_train.metrics.memory import device_memory
 from titan_train.metrics.throughput import StepTokens, tokens_of_step
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "MetricsError",
     "MetricsLogger",
     "StepTokens",
+    "device_memory",
     "gpu_peak_flops",
     "measure_cpu_matmul_flops",
     "memory_gib",

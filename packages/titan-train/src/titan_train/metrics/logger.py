@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ import torch
 
 from titan_train.metrics.config import MetricsConfig, MetricsError
 from titan_train.metrics.flops import peak_flops
+from titan_train.metrics.memory import device_memory
 
 __all__ = ["MetricsLogger", "memory_gib"]
 
@@ -37,20 +37,10 @@ _COLOR_TERMINAL = sys.stderr.isatty()
 
 
 def memory_gib(device: torch.device | str | None = None) -> tuple[float, str]:
-    """(GiB, what was measured): peak reserved memory of a CUDA device since the last call,
-    else this process's resident set size."""
-    device = torch.device(device if device is not None else "cpu")
-    if device.type == "cuda" and torch.cuda.is_available():
-        used = torch.cuda.max_memory_reserved(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return used / 2**30, "reserved"
-    try:
-        with open("/proc/self/statm") as f:
-            resident_pages = int(f.read().split()[1])
-        return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "RSS"
-    except (OSError, ValueError, IndexError):  # not Linux: peak RSS in KiB (bytes on macOS)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / (2**30 if os.uname().sysname == "Darwin" else 2**20), "peak RSS"
+    """(GiB, what was measured): peak reserved memory of an accelerator since the last
+    call, else this process's resident set size (``device_memory`` has every number)."""
+    numbers, kind = device_memory(device)
+    return numbers["memory_gib"], kind
 
 
 def _empty_window() -> dict[str, float]:
@@ -195,7 +185,7 @@ class MetricsLogger:
         window = self._window
         seconds = max(window["seconds"], 1e-12)
         tps = window["device_tokens"] / seconds  # tokens/s per device
-        memory, memory_kind = memory_gib(self.device)
+        memory, memory_kind = device_memory(self.device)
         record: dict[str, Any] = {"step": step, "loss": float(loss)}
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
@@ -206,7 +196,7 @@ class MetricsLogger:
             record["tflops"] = self.flops_per_token * tps / 1e12
             if self.peak_flops:
                 record["mfu_pct"] = 100 * self.flops_per_token * tps / self.peak_flops
-        record["memory_gib"] = memory
+        record.update(memory)  # memory_gib; on accelerators allocated, active, retries, OOMs
         record["data_pct"] = 100 * window["data_seconds"] / seconds
         record["step_s"] = seconds / window["steps"]
         record["global_tokens"] = window["tokens"] / window["steps"]
@@ -252,6 +242,8 @@ class MetricsLogger:
         if "mfu_pct" in r:
             parts.append(paint("mfu", f"mfu {r['mfu_pct']:.1f}%"))
         parts.append(f"memory {r['memory_gib']:.2f}GiB ({memory_kind})")
+        if r.get("memory_alloc_retries"):  # fragmentation: the allocator emptied its cache
+            parts.append(f"alloc_retries {int(r['memory_alloc_retries'])}")
         parts.append(f"data {r['data_pct']:.1f}%")
         if r.get("skipped_steps"):
             parts.append(f"skipped {int(r['skipped_steps'])}")
