@@ -374,8 +374,10 @@ def use_deterministic_algorithms() -> None:
 
 def close(run: TrainingRun) -> None:
     """Close what holds files, threads or servers: profiler, checkpointer (waits for an
-    async save), metrics, the torchft manager. Safe after a failure."""
+    async save), metrics, the dataloader's prefetch thread, the torchft manager. Safe after
+    a failure."""
     try:
+        run.dataloader.close()
         if run.profiler is not None:
             run.profiler.close()
         run.checkpointer.close()

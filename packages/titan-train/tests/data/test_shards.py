@@ -203,3 +203,35 @@ def test_fewer_documents_than_shards_is_one_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"no document for data shard\(s\) \[5, 6, 7\] of 8.*"
                                         r"Lower training.data_shards"):  # fmt: skip
         list(itertools.islice(_loader(source, local=S), 20))
+
+
+def test_four_gloo_ranks_save_and_two_resume_through_titan_ckpt(tmp_path):
+    """The real path: 4 ranks save their dataloaders (each its own shard keys) in one
+    distributed checkpoint with titan-ckpt; 2 ranks load it and read on."""
+    from pathlib import Path
+
+    from titan_dims.testing import run_torchrun
+
+    texts, source = _corpus(tmp_path)
+    worker = Path(__file__).parent / "workers" / "dp_resume.py"
+    corpus, folder = str(tmp_path / "corpus.jsonl"), str(tmp_path / "ckpt")
+    for mode, nproc, steps in (("save", 4, 3), ("load", 2, 4)):
+        run_torchrun(worker, nproc, [mode, corpus, folder, str(tmp_path), str(steps)],
+                     timeout=120, env={"PYTHONWARNINGS": "ignore"})  # fmt: skip
+    results = {
+        (mode, r): json.loads((tmp_path / f"{mode}-rank{r}.json").read_text())
+        for mode, nproc in (("save", 4), ("load", 2))
+        for r in range(nproc)
+    }
+
+    def in_order(mode, dp):
+        rows = [[tuple(w) for w in results[mode, r]["windows"]] for r in range(dp)]
+        steps = len(rows[0]) // LOCAL
+        return [rows[k % dp][s * LOCAL + k // dp] for s in range(steps) for k in range(LOCAL * dp)]
+
+    reference, _ = _run(source, 1, (4 * 3 + 2 * 4) * LOCAL // LOCAL, local=LOCAL)
+    assert in_order("save", 4) + in_order("load", 2) == reference[: 4 * 3 * 2 + 2 * 4 * 2]
+    saved = [set(results["save", r]["texts"]) for r in range(4)]
+    assert sum(map(len, saved)) == len(set().union(*saved))  # disjoint at dp 4
+    for r in range(2):  # at dp 2, rank r reads documents i = r (mod 2)
+        assert {texts.index(t) % 2 for t in results["load", r]["texts"]} == {r}
