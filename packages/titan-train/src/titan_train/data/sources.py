@@ -91,11 +91,10 @@ class _HFSource:
         examples (the "shards" strategy would hand out whole files, so which documents a
         rank reads would change with the number of ranks)."""
         rows = self.dataset.skip(start) if start else self.dataset
-        if stride > 1:
-            from datasets.distributed import split_dataset_by_node
-
-            rows = split_dataset_by_node(rows, rank=0, world_size=stride, strategy="examples")
-        return zip(itertools.count(start, stride), self._texts(rows))
+        split = _split_by_examples(rows, stride) if stride > 1 else rows
+        if split is None:  # no by-example split in this datasets version: drop rows here
+            return itertools.islice(zip(itertools.count(start), self._texts(rows)), 0, None, stride)
+        return zip(itertools.count(start, stride), self._texts(split))
 
     def _texts(self, rows: Any) -> Iterator[str]:
         for row in rows:
@@ -107,6 +106,19 @@ class _HFSource:
                     f"{sorted(row)}. Set {self.section}.text_column to one of them."
                 ) from None
             yield text if isinstance(text, str) else str(text)
+
+
+def _split_by_examples(rows: Any, stride: int) -> Any:
+    """Rows 0, stride, 2 stride, ... of ``rows`` through ``split_dataset_by_node``; ``None``
+    where the installed ``datasets`` would split by files instead (before its ``strategy``)."""
+    from datasets.distributed import split_dataset_by_node
+
+    try:
+        return split_dataset_by_node(rows, rank=0, world_size=stride, strategy="examples")
+    except TypeError:
+        if rows.num_shards % stride:  # "auto" splits by examples then
+            return split_dataset_by_node(rows, rank=0, world_size=stride)
+        return None
 
 
 def _format_of(path: Path) -> str | None:
