@@ -48,6 +48,10 @@ def test_prefetch_gives_the_same_batches_and_state(tmp_path):
 
 def test_the_thread_ends_with_its_iterator(tmp_path):
     loader = _loader(_source(tmp_path), prefetch=2)
+    unstarted = iter(loader)  # the thread starts at once, before a batch is asked for
+    assert len(_data_threads()) == 1
+    del unstarted
+    assert not _data_threads()
     batches = iter(loader)
     next(batches)
     assert len(_data_threads()) == 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -178,13 +179,22 @@ class TextDataLoader:
             self._prefetcher.close()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches from the current position. With ``prefetch``, the thread starts
+        now, so the first batch is being made while the caller gets ready (builds the
+        model); it ends when the returned iterator is exhausted, dropped or replaced."""
         self.close()  # one producer at a time
         batches = self._batches(self._windows, dict(self._positions))
-        source: Iterator[_Item] = batches
-        if self.prefetch > 0:
-            source = self._prefetcher = Prefetcher(
-                lambda: batches, depth=self.prefetch, name=f"titan-data-rank{self.dp_rank}"
-            )
+        if self.prefetch == 0:
+            return self._hand_out(batches)
+        prefetcher = self._prefetcher = Prefetcher(
+            lambda: batches, depth=self.prefetch, name=f"titan-data-rank{self.dp_rank}"
+        )
+        handed = self._hand_out(prefetcher)
+        # A generator dropped before its first item never runs its ``finally``.
+        weakref.finalize(handed, prefetcher.close)
+        return handed
+
+    def _hand_out(self, source: Iterator[_Item]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         try:
             for inputs, labels, windows, positions in source:
                 # The state moves with the batch handed out, not with the producer: a
@@ -194,8 +204,8 @@ class TextDataLoader:
                 self._current = set(positions)
                 yield inputs, labels
         finally:
-            if self._prefetcher is source:
-                self._prefetcher.close()
+            if isinstance(source, Prefetcher):
+                source.close()
 
     def _batches(self, first: int, positions: dict[int, Position]) -> Iterator[_Item]:
         """Batches from global window ``first``, with the state after each."""
