@@ -61,12 +61,15 @@ def _rows(batch):
     return [(*row, last) for row, last in zip(inputs.tolist(), labels[:, -1].tolist(), strict=True)]
 
 
-def _global(per_rank_batches, dp):
-    """The windows of a step of ``dp`` ranks in global order (rank-fastest per row)."""
+def _global(per_rank_batches, dp, first=0):
+    """The windows of steps of ``dp`` ranks in global order: window ``g`` is rank
+    ``g mod dp``'s next row."""
+    rows = [[r for b in batches for r in _rows(b)] for batches in per_rank_batches]
+    taken = [0] * dp
     out = []
-    for step in zip(*per_rank_batches, strict=True):
-        rows = [_rows(b) for b in step]
-        out += [rows[k % dp][k // dp] for k in range(len(rows[0]) * dp)]
+    for g in range(first, first + sum(map(len, rows))):
+        out.append(rows[g % dp][taken[g % dp]])
+        taken[g % dp] += 1
     return out
 
 
@@ -77,7 +80,7 @@ def _run(source, dp, steps, tokenizers=None, states=None, **kwargs):
         if states is not None:
             loader.load_state_dict(states)
     batches = [list(itertools.islice(loader, steps)) for loader in loaders]
-    return _global(batches, dp), loaders
+    return _global(batches, dp, 0 if states is None else states["windows"]), loaders
 
 
 def _merged(loaders):
@@ -225,14 +228,33 @@ def test_four_gloo_ranks_save_and_two_resume_through_titan_ckpt(tmp_path):
         for r in range(nproc)
     }
 
-    def in_order(mode, dp):
+    def in_order(mode, dp, first):
         rows = [[tuple(w) for w in results[mode, r]["windows"]] for r in range(dp)]
-        steps = len(rows[0]) // LOCAL
-        return [rows[k % dp][s * LOCAL + k // dp] for s in range(steps) for k in range(LOCAL * dp)]
+        taken, out = [0] * dp, []
+        for g in range(first, first + sum(map(len, rows))):
+            out.append(rows[g % dp][taken[g % dp]])
+            taken[g % dp] += 1
+        return out
 
     reference, _ = _run(source, 1, 4 * 3 + 2 * 4)
-    assert in_order("save", 4) + in_order("load", 2) == reference[: 4 * 3 * 2 + 2 * 4 * 2]
+    assert in_order("save", 4, 0) + in_order("load", 2, 24) == reference
     saved = [set(results["save", r]["texts"]) for r in range(4)]
     assert sum(map(len, saved)) == len(set().union(*saved))  # disjoint at dp 4
     for r in range(2):  # at dp 2, rank r reads documents i = r (mod 2)
         assert {texts.index(t) % 2 for t in results["load", r]["texts"]} == {r}
+
+
+def test_each_rank_resumes_from_its_own_state_alone(tmp_path):
+    """As torchft's replica groups do: each saves and loads only its own dataloader."""
+    _, source = _corpus(tmp_path)
+    reference, _ = _run(source, 1, 12)
+    seen, loaders = _run(source, 2, 3)
+    states = [loader.state_dict() for loader in loaders]
+    assert [sorted(map(int, s["shards"])) for s in states] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    resumed = []
+    for rank, state in enumerate(states):
+        loader = _loader(source, rank=rank, dp=2)
+        assert loader.state_dict()["shards"].keys() == state["shards"].keys()  # what DCP asks
+        loader.load_state_dict(state)
+        resumed.append(list(itertools.islice(loader, 3)))
+    assert seen + _global(resumed, 2, states[0]["windows"]) == reference

@@ -6,8 +6,8 @@ documents tokenized as ``[BOS] text [EOS]``, concatenated and cut into windows o
 ``seq_len + 1`` tokens, and global window ``g`` taken from shard ``g mod num_shards``
 (``titan_train.data.shards`` says why). A window gives ``inputs = w[:-1]`` and
 ``labels = w[1:]``. A step of ``dp_degree`` ranks consumes the next
-``local_batch_size x dp_degree`` windows, and rank ``r`` keeps those whose index in the
-step is ``r`` modulo ``dp_degree``: it reads and tokenizes only the shards those come from,
+``local_batch_size x dp_degree`` windows, and rank ``r`` keeps those whose global index
+is ``r`` modulo ``dp_degree``: it reads and tokenizes only the shards those come from,
 ``1/dp_degree`` of the documents when ``dp_degree`` divides ``num_shards``.
 
 The state is the number of global windows consumed and each shard's position (epoch,
@@ -107,10 +107,9 @@ class TextDataLoader:
         self.num_shards = num_shards
         self.prefetch = prefetch
         self._windows = 0
+        # Every shard's position; this rank advances, saves and loads only its own.
         self._positions = {s: Position() for s in range(num_shards)}
-        # The shards whose positions here are current: all until this rank iterates, then
-        # the ones it reads (the others' readers save theirs).
-        self._current = set(self._positions)
+        self._own = owned_shards(num_shards, dp_rank, dp_degree)
         self._prefetcher: Prefetcher[_Item] | None = None
         self._reader: ShardReader | None = None
 
@@ -125,13 +124,13 @@ class TextDataLoader:
         return 0.0 if self._prefetcher is None else self._prefetcher.wait_s
 
     def state_dict(self) -> dict[str, Any]:
-        """Windows consumed, and the position of each shard this rank knows current."""
+        """Windows consumed, and the position of each shard this rank reads."""
         if self.num_shards == 1:
             return {**self._positions[0].as_dict(), "windows": self._windows}
         return {
             "num_shards": self.num_shards,
             "windows": self._windows,
-            "shards": {str(s): self._positions[s].as_dict() for s in sorted(self._current)},
+            "shards": {str(s): self._positions[s].as_dict() for s in self._own},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -147,8 +146,7 @@ class TextDataLoader:
         windows = int(state_dict["windows"])
         shards = {int(s): Position(**{k: int(v) for k, v in p.items()}) for s, p in
                   state_dict["shards"].items()}  # fmt: skip
-        needed = owned_shards(self.num_shards, self.dp_rank, self.dp_degree, windows)
-        missing = [s for s in needed if s not in shards]
+        missing = [s for s in self._own if s not in shards]
         if missing:
             raise DataError(
                 f"dataloader state lacks data shard(s) {missing[:5]} that rank {self.dp_rank} "
@@ -157,7 +155,6 @@ class TextDataLoader:
             )
         self._windows = windows
         self._positions.update(shards)
-        self._current = set(shards)
 
     def _load_one_stream(self, state_dict: dict[str, Any]) -> None:
         missing = [k for k in _STATE_KEYS if k not in state_dict]
@@ -171,7 +168,6 @@ class TextDataLoader:
         state = {k: int(state_dict[k]) for k in _STATE_KEYS}
         self._windows = state.pop("windows")
         self._positions = {0: Position(**state)}
-        self._current = {0}
 
     def close(self) -> None:
         """Stop the background thread of the current iterator, if any."""
@@ -201,7 +197,6 @@ class TextDataLoader:
                 # checkpoint taken after this batch was used resumes with the next one.
                 self._windows = windows
                 self._positions.update(positions)
-                self._current = set(positions)
                 yield inputs, labels
         finally:
             if isinstance(source, Prefetcher):
@@ -209,12 +204,11 @@ class TextDataLoader:
 
     def _batches(self, first: int, positions: dict[int, Position]) -> Iterator[_Item]:
         """Batches from global window ``first``, with the state after each."""
-        shards = owned_shards(self.num_shards, self.dp_rank, self.dp_degree, first)
         reader = self._reader = ShardReader(
             self.documents,
             self.tokenizer,
             num_shards=self.num_shards,
-            shards={s: positions[s] for s in shards},
+            shards={s: positions[s] for s in self._own},
             stride=math.gcd(self.dp_degree, self.num_shards),
             infinite=self.infinite,
             size=self.seq_len + 1,
@@ -229,7 +223,7 @@ class TextDataLoader:
                 cut = reader.next_window(s)
                 if cut is None:  # finite data ran out mid-step: drop the partial step
                     return
-                if k % self.dp_degree == self.dp_rank:
+                if (window + k) % self.dp_degree == self.dp_rank:
                     mine.append(cut)
             window += per_step
             batch = torch.tensor(mine, dtype=torch.long)

@@ -6,15 +6,17 @@ belongs to shard ``i mod S``; each shard is tokenized (``[BOS] text [EOS]``) and
 into ``seq_len + 1`` windows on its own, looping over its documents epoch after epoch; and
 window ``g`` of the global stream is the next window of shard ``g mod S``. A step of
 ``dp`` ranks takes the next ``local_batch_size x dp`` global windows and rank ``r`` keeps
-those whose index, counted from where the run (re)started, is ``r`` modulo ``dp``.
+those whose global index is ``r`` modulo ``dp`` (``local_batch_size`` of them in every
+step, whatever window the step starts at).
 
 Why this shape (the invariants the dataloader relies on):
 
 - The global stream depends on ``S`` and the data only, never on ``dp``: a run on 4 ranks
   sees the same batches as one process taking 4 times the local batch.
-- A rank keeps global windows ``g = g0 + r + k dp``, which come from the shards
-  ``s = g mod S``, i.e. ``s = g0 + r (mod gcd(dp, S))``. It reads only the documents of
-  those shards (``i = g0 + r (mod gcd(dp, S))``) and tokenizes only them: ``1/dp`` of the
+- A rank keeps global windows ``g = r (mod dp)``, which come from the shards
+  ``s = g mod S``, i.e. ``s = r (mod gcd(dp, S))``, the same at any resume point. It reads
+  only the documents of those shards (``i = r (mod gcd(dp, S))``) and tokenizes only them
+  (so a checkpoint needs to hold, and a rank to load, only its own shards): ``1/dp`` of the
   corpus when ``dp`` divides ``S``. Ranks that share a shard (``dp`` not dividing ``S``)
   each pack all of its windows and keep theirs.
 - A shard's position (epoch, document, token offset) after ``n`` global windows is the
@@ -55,11 +57,11 @@ class Position:
         return {"epoch": self.epoch, "document": self.document, "token_offset": self.token_offset}
 
 
-def owned_shards(num_shards: int, dp_rank: int, dp_degree: int, first_window: int) -> list[int]:
-    """The shards rank ``dp_rank`` of ``dp_degree`` needs when its windows are counted from
-    global window ``first_window``: those ``= first_window + dp_rank (mod gcd)``."""
+def owned_shards(num_shards: int, dp_rank: int, dp_degree: int) -> list[int]:
+    """The shards rank ``dp_rank`` of ``dp_degree`` reads: its windows ``g = dp_rank (mod
+    dp_degree)`` come from the shards ``= dp_rank (mod gcd(dp_degree, num_shards))``."""
     stride = math.gcd(dp_degree, num_shards)
-    return [s for s in range(num_shards) if (s - first_window - dp_rank) % stride == 0]
+    return [s for s in range(num_shards) if (s - dp_rank) % stride == 0]
 
 
 class _Shard:
