@@ -111,17 +111,6 @@ class TextDataLoader:
         self._positions = {s: Position() for s in range(num_shards)}
         self._own = owned_shards(num_shards, dp_rank, dp_degree)
         self._prefetcher: Prefetcher[_Item] | None = None
-        self._reader: ShardReader | None = None
-
-    @property
-    def documents_tokenized(self) -> int:
-        """Documents the current iterator's reader has tokenized so far."""
-        return 0 if self._reader is None else self._reader.documents_tokenized
-
-    @property
-    def data_wait_s(self) -> float:
-        """Seconds the current iterator waited for the background thread."""
-        return 0.0 if self._prefetcher is None else self._prefetcher.wait_s
 
     def state_dict(self) -> dict[str, Any]:
         """Windows consumed, and the position of each shard this rank reads."""
@@ -204,7 +193,7 @@ class TextDataLoader:
 
     def _batches(self, first: int, positions: dict[int, Position]) -> Iterator[_Item]:
         """Batches from global window ``first``, with the state after each."""
-        reader = self._reader = ShardReader(
+        reader = ShardReader(
             self.documents,
             self.tokenizer,
             num_shards=self.num_shards,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -48,8 +47,6 @@ class Prefetcher(Generic[T]):
         self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(make,), name=name, daemon=True)
-        self.wait_s = 0.0
-        """Seconds the consumer spent waiting for items (data-loading time on its path)."""
         self._thread.start()
 
     def __iter__(self) -> Iterator[T]:
@@ -58,7 +55,6 @@ class Prefetcher(Generic[T]):
     def __next__(self) -> T:
         if self._stop.is_set():
             raise StopIteration
-        begin = time.perf_counter()
         while True:
             try:
                 item = self._queue.get(timeout=_POLL_S)
@@ -67,7 +63,6 @@ class Prefetcher(Generic[T]):
                 if not self._thread.is_alive() and self._queue.empty():
                     self.close()
                     raise StopIteration from None
-        self.wait_s += time.perf_counter() - begin
         if item is _END:
             self.close()
             raise StopIteration

@@ -112,8 +112,6 @@ class ShardReader:
         self.infinite = infinite
         self.size = size
         self.stride = stride
-        self.documents_tokenized = 0
-        """Documents this reader encoded (what the tokenizing-work proof counts)."""
         start = min(shards.values())
         residue = next(iter(shards)) % stride
         # The first document at or after the earliest position that is this rank's.
@@ -151,7 +149,6 @@ class ShardReader:
                 return False
         epoch, index, text = shard.texts.popleft()
         ids = self.tokenizer.encode(text, bos=True, eos=True)
-        self.documents_tokenized += 1
         start = shard.position
         skip = start.token_offset if (epoch, index) == (start.epoch, start.document) else 0
         shard.current, shard.offset = (epoch, index, ids), min(skip, len(ids))
