@@ -29,6 +29,7 @@ from titan_models import Pipeline, StepContext
 from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
 from titan_train.config import JobConfig
 from titan_train.data import TextDataLoader, build_dataloader
+from titan_train.data.dataloader import explain_load_error
 from titan_train.fault_tolerance import ReplicaGroup
 from titan_train.hf_start import run_vocab_size
 from titan_train.metrics import MetricsLogger
@@ -140,6 +141,8 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         seq_len=config.training.seq_len,
         local_batch_size=config.training.local_batch_size,
         infinite=True,
+        num_shards=config.training.data_shards,
+        prefetch=config.training.data_prefetch,
     )
     dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
     loss_fn = build_loss_fn(config.parallelize, loss_parallel=plan.step_context.loss_parallel)
@@ -181,7 +184,13 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         ft_replica_id=None if replicas is None else replicas.replica_id,
         data_parallel_degree=data_degree,
     )
-    checkpointer.load()
+    try:
+        checkpointer.load()
+    except Exception as e:  # a dataloader state of another shard layout: say how to resume
+        explained = explain_load_error(e, dataloader.num_shards)
+        if explained is None:
+            raise
+        raise explained from None
     check_resumed_model(checkpointer.loaded_metadata, metadata)
     return _with_reporting(
         config,
@@ -374,8 +383,10 @@ def use_deterministic_algorithms() -> None:
 
 def close(run: TrainingRun) -> None:
     """Close what holds files, threads or servers: profiler, checkpointer (waits for an
-    async save), metrics, the torchft manager. Safe after a failure."""
+    async save), metrics, the dataloader's prefetch thread, the torchft manager. Safe after
+    a failure."""
     try:
+        run.dataloader.close()
         if run.profiler is not None:
             run.profiler.close()
         run.checkpointer.close()

@@ -106,6 +106,16 @@ class TrainingConfig(DataSource):
     """Use deterministic algorithms (slower; for bit-for-bit reproducibility checks)."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps, and never in between."""
+    data_shards: int = 64
+    """Virtual data shards: document i goes to shard i mod data_shards, each shard is packed
+    on its own, and global window g comes from shard g mod data_shards. The batches depend
+    on it, not on the data-parallel degree; each rank reads and tokenizes 1/gcd(dp,
+    data_shards) of the documents, and a checkpoint resumes at any dp. 1 is one stream
+    every rank reads whole (the stream before data shards; resumes checkpoints written then). Not a
+    torchtitan key."""
+    data_prefetch: int = 2
+    """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
+    key."""
     skip_nonfinite_steps: int = 10
     """Consecutive steps with an inf/nan gradient norm whose update is skipped (weights left
     as they were, one warning each) before the run stops with an error; 0 stops at the
@@ -114,8 +124,9 @@ class TrainingConfig(DataSource):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
+        for key in ("local_batch_size", "seq_len", "steps", "gc_freq", "data_shards"):
             check_int(f"training.{key}", getattr(self, key), minimum=1)
+        check_int("training.data_prefetch", self.data_prefetch, minimum=0, hint="0: no prefetch")
         check_int(
             "training.global_batch_size",
             self.global_batch_size,

@@ -48,7 +48,15 @@ class DataSource:
                     f"{self.section}.{key}={value!r} is not allowed; it must be a non-empty string."
                 )
 
-    def data_config(self, *, seq_len: int, local_batch_size: int, infinite: bool) -> DataConfig:
+    def data_config(
+        self,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        infinite: bool,
+        num_shards: int = 1,
+        prefetch: int = 0,
+    ) -> DataConfig:
         """These documents cut into batches of ``local_batch_size x seq_len``."""
         return DataConfig(
             dataset=self.dataset,
@@ -57,6 +65,8 @@ class DataSource:
             seq_len=seq_len,
             local_batch_size=local_batch_size,
             infinite=infinite,
+            num_shards=num_shards,
+            prefetch=prefetch,
             source_section=self.section,
         )
 
@@ -72,6 +82,12 @@ class DataConfig(DataSource):
     infinite: bool = True
     """Start over at the first document when the data runs out (counting epochs); if
     false, stop after the last complete batch."""
+    num_shards: int = 1
+    """Virtual shards the documents are dealt into (document i to shard i mod num_shards);
+    the batches depend on it, not on the data-parallel degree, and each rank tokenizes
+    1/gcd(dp, num_shards) of the documents. 1: one stream every rank reads whole."""
+    prefetch: int = 0
+    """Batches a background thread tokenizes and packs ahead; 0: none, made when asked."""
     source_section: str = "training"
     """The config section a user sets these keys in, named by errors (``training`` or
     ``validation`` for the trainer's)."""
@@ -83,4 +99,6 @@ class DataConfig(DataSource):
     def __post_init__(self) -> None:
         for key in ("seq_len", "local_batch_size"):
             check_int(f"{self.section}.{key}", getattr(self, key), minimum=1, error=DataError)
+        check_int(f"{self.section}.data_shards", self.num_shards, minimum=1, error=DataError)
+        check_int(f"{self.section}.data_prefetch", self.prefetch, minimum=0, error=DataError)
         super().__post_init__()

@@ -1,43 +1,58 @@
 """``TextDataLoader``: packed, data-parallel-sharded, resumable batches of token windows.
 
-The data is one global stream, the same on every rank: documents in order (epoch after
-epoch when infinite), each tokenized as ``[BOS] text [EOS]``, concatenated and cut into
-consecutive windows of ``seq_len + 1`` tokens; a window gives ``inputs = w[:-1]`` and
+The data is one global stream, the same at every data-parallel degree: documents dealt to
+``num_shards`` virtual shards (document ``i`` to shard ``i mod num_shards``), each shard's
+documents tokenized as ``[BOS] text [EOS]``, concatenated and cut into windows of
+``seq_len + 1`` tokens, and global window ``g`` taken from shard ``g mod num_shards``
+(``titan_train.data.shards`` says why). A window gives ``inputs = w[:-1]`` and
 ``labels = w[1:]``. A step of ``dp_degree`` ranks consumes the next
-``local_batch_size x dp_degree`` windows, and rank ``r`` keeps those whose index in the
-step is ``r`` modulo ``dp_degree``.
+``local_batch_size x dp_degree`` windows, and rank ``r`` keeps those whose global index
+is ``r`` modulo ``dp_degree``: it reads and tokenizes only the shards those come from,
+``1/dp_degree`` of the documents when ``dp_degree`` divides ``num_shards``.
 
-Invariant that makes resharding possible: after every batch, all ranks stand at the same
-place in the global stream, and the state records that place (epoch, document, token
-offset inside it), nothing rank-specific. A run resumed with another ``dp_degree`` reads
-on from there, so the union of what all ranks see equals what one uninterrupted rank would
-see: no window repeated, none skipped. The price: every rank tokenizes every document (but
-keeps only its own windows) — cheap next to a training step.
+The state is the number of global windows consumed and each shard's position (epoch,
+document, token offset), each rank saving the shards it reads; together the ranks' states
+hold every shard, and a run resumed at any data-parallel degree reads on from there: no
+window repeated or skipped, no document tokenized again. ``num_shards = 1`` is one stream
+every rank reads whole, with the state keys of titan-train before virtual shards.
+
+With ``prefetch > 0`` a background thread (``Prefetcher``) tokenizes and packs that many
+batches ahead of the step.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import logging
+import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from titan_train.data.config import DataConfig, DataError
+from titan_train.data.prefetch import Prefetcher
+from titan_train.data.shards import Position, ShardReader, owned_shards
 from titan_train.data.sources import DocumentSource, open_documents
 from titan_train.tokenizer.base import Tokenizer
 
-__all__ = ["TextDataLoader", "build_dataloader"]
+__all__ = ["TextDataLoader", "build_dataloader", "explain_load_error"]
+
+logger = logging.getLogger("titan_train")
 
 _STATE_KEYS = ("epoch", "document", "token_offset", "windows")
+"""The state of one stream (``num_shards = 1``), as titan-train wrote it before shards."""
+
+_Item = tuple[torch.Tensor, torch.Tensor, int, dict[int, Position]]
 
 
 class TextDataLoader:
     """Batches ``(inputs, labels)``, each ``local_batch_size x seq_len`` int64, for one rank.
 
     Iterating starts where the last batch handed out ended (or where ``load_state_dict``
-    put it); use one iterator at a time. ``state_dict()`` after ``n`` batches is the same on
-    every rank and can be loaded at any ``dp_degree`` (``supports_resharding``).
+    put it); a new iterator ends the previous one. ``state_dict()`` after ``n`` batches,
+    merged over the ranks (as a distributed checkpoint does), loads at any ``dp_degree``
+    (``supports_resharding``).
 
     Args:
         documents: the document source (see ``open_documents``).
@@ -48,11 +63,16 @@ class TextDataLoader:
         dp_degree: number of data-parallel ranks.
         infinite: loop over the documents forever; else stop after the last complete step
             (the remaining windows, fewer than one step of all ranks, are dropped so every
-            rank gets the same number of batches).
+            rank gets the same number of batches). Finite data needs ``num_shards = 1``:
+            where the stream ends must be known to every rank.
+        num_shards: virtual shards ``S``; the global stream depends on it, not on
+            ``dp_degree``.
+        prefetch: batches made ahead in a background thread; 0 makes them on the caller's
+            thread when asked for.
     """
 
     supports_resharding = True
-    """The state is rank-independent: titan-ckpt may load it at another world size."""
+    """Merged over the ranks, the state loads at any data-parallel degree."""
 
     def __init__(
         self,
@@ -64,11 +84,18 @@ class TextDataLoader:
         dp_rank: int = 0,
         dp_degree: int = 1,
         infinite: bool = True,
+        num_shards: int = 1,
+        prefetch: int = 0,
     ) -> None:
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise DataError(
                 f"dp_rank={dp_rank}, dp_degree={dp_degree} is not allowed; need dp_degree >= 1 "
                 "and 0 <= dp_rank < dp_degree."
+            )
+        if num_shards < 1 or (num_shards > 1 and not infinite):
+            raise DataError(
+                f"num_shards={num_shards} is not allowed here; it must be >= 1, and 1 for "
+                "finite data (every rank must know where the stream ends)."
             )
         self.documents = documents
         self.tokenizer = tokenizer
@@ -77,86 +104,151 @@ class TextDataLoader:
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
         self.infinite = infinite
-        self._state = dict.fromkeys(_STATE_KEYS, 0)
+        self.num_shards = num_shards
+        self.prefetch = prefetch
+        self._windows = 0
+        # Every shard's position; this rank advances, saves and loads only its own.
+        self._positions = {s: Position() for s in range(num_shards)}
+        self._own = owned_shards(num_shards, dp_rank, dp_degree)
+        self._prefetcher: Prefetcher[_Item] | None = None
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the next batch starts in the global stream, and windows consumed so far."""
-        return dict(self._state)
+    def state_dict(self) -> dict[str, Any]:
+        """Windows consumed, and the position of each shard this rank reads."""
+        if self.num_shards == 1:
+            return {**self._positions[0].as_dict(), "windows": self._windows}
+        return {
+            "num_shards": self.num_shards,
+            "windows": self._windows,
+            "shards": {str(s): self._positions[s].as_dict() for s in self._own},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a state saved at any ``dp_degree``; iterate afresh after this."""
+        """Continue from a state saved at any ``dp_degree`` (merged over its ranks); iterate
+        afresh after this."""
+        self.close()
+        if "shards" not in state_dict and "num_shards" not in state_dict:
+            self._load_one_stream(state_dict)
+            return
+        saved = int(state_dict.get("num_shards", -1))
+        if saved != self.num_shards:
+            raise DataError(_shards_mismatch(saved, self.num_shards))
+        windows = int(state_dict["windows"])
+        shards = {int(s): Position(**{k: int(v) for k, v in p.items()}) for s, p in
+                  state_dict["shards"].items()}  # fmt: skip
+        missing = [s for s in self._own if s not in shards]
+        if missing:
+            raise DataError(
+                f"dataloader state lacks data shard(s) {missing[:5]} that rank {self.dp_rank} "
+                f"of {self.dp_degree} reads; load the states of all ranks merged (a "
+                "checkpoint holds them all)."
+            )
+        self._windows = windows
+        self._positions.update(shards)
+
+    def _load_one_stream(self, state_dict: dict[str, Any]) -> None:
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
             raise DataError(
                 f"dataloader state lacks {missing} (has {sorted(state_dict)}); was it saved "
                 "by another dataloader? Exclude 'dataloader' from loading to start the data over."
             )
-        self._state = {k: int(state_dict[k]) for k in _STATE_KEYS}
+        if self.num_shards != 1:
+            raise DataError(_shards_mismatch(1, self.num_shards))
+        state = {k: int(state_dict[k]) for k in _STATE_KEYS}
+        self._windows = state.pop("windows")
+        self._positions = {0: Position(**state)}
+
+    def close(self) -> None:
+        """Stop the background thread of the current iterator, if any."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        windows = self._windows()
-        per_step = self.local_batch_size * self.dp_degree
+        """The batches from the current position. With ``prefetch``, the thread starts
+        now, so the first batch is being made while the caller gets ready (builds the
+        model); it ends when the returned iterator is exhausted, dropped or replaced."""
+        self.close()  # one producer at a time
+        batches = self._batches(self._windows, dict(self._positions))
+        if self.prefetch == 0:
+            return self._hand_out(batches)
+        prefetcher = self._prefetcher = Prefetcher(
+            lambda: batches, depth=self.prefetch, name=f"titan-data-rank{self.dp_rank}"
+        )
+        handed = self._hand_out(prefetcher)
+        # A generator dropped before its first item never runs its ``finally``.
+        weakref.finalize(handed, prefetcher.close)
+        return handed
+
+    def _hand_out(self, source: Iterator[_Item]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        try:
+            for inputs, labels, windows, positions in source:
+                # The state moves with the batch handed out, not with the producer: a
+                # checkpoint taken after this batch was used resumes with the next one.
+                self._windows = windows
+                self._positions.update(positions)
+                yield inputs, labels
+        finally:
+            if isinstance(source, Prefetcher):
+                source.close()
+
+    def _batches(self, first: int, positions: dict[int, Position]) -> Iterator[_Item]:
+        """Batches from global window ``first``, with the state after each."""
+        reader = ShardReader(
+            self.documents,
+            self.tokenizer,
+            num_shards=self.num_shards,
+            shards={s: positions[s] for s in self._own},
+            stride=math.gcd(self.dp_degree, self.num_shards),
+            infinite=self.infinite,
+            size=self.seq_len + 1,
+        )
+        per_step, window = self.local_batch_size * self.dp_degree, first
         while True:
             mine = []
             for k in range(per_step):
-                item = next(windows, None)
-                if item is None:  # finite data ran out mid-step: drop the partial step
+                s = (window + k) % self.num_shards
+                if s not in reader.shards:
+                    continue  # another rank's shard: it reads it
+                cut = reader.next_window(s)
+                if cut is None:  # finite data ran out mid-step: drop the partial step
                     return
-                window, position = item
-                if k % self.dp_degree == self.dp_rank:
-                    mine.append(window)
+                if (window + k) % self.dp_degree == self.dp_rank:
+                    mine.append(cut)
+            window += per_step
             batch = torch.tensor(mine, dtype=torch.long)
-            # Record the position before handing the batch out: a checkpoint taken after
-            # this batch was used must resume with the next one.
-            self._state = {**position, "windows": self._state["windows"] + per_step}
-            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), window, reader.positions()
 
-    def _documents(self, epoch: int, index: int) -> Iterator[tuple[int, int, list[int]]]:
-        """``(epoch, document index, [BOS] ids [EOS])`` from the given document on."""
-        while True:
-            count = 0
-            for i, text in enumerate(self.documents.iter_from(index), start=index):
-                yield epoch, i, self.tokenizer.encode(text, bos=True, eos=True)
-                count += 1
-            if not self.infinite:
-                return
-            if index == 0 and count == 0:  # a whole epoch without one document
-                raise DataError(f"dataset {self.documents.name!r} has no documents.")
-            epoch, index = epoch + 1, 0
 
-    def _windows(self) -> Iterator[tuple[list[int], dict[str, int]]]:
-        """Windows of ``seq_len + 1`` tokens from the saved position, each with the position
-        of the first token after it."""
-        size = self.seq_len + 1
-        start = self._state
-        docs = self._documents(start["epoch"], start["document"])
-        # Each segment: [epoch, document, offset of its next unread token, its tokens].
-        segments: deque[list[Any]] = deque()
-        buffered, skip_first = 0, start["token_offset"]
-        last = (start["epoch"], start["document"])
-        while True:
-            while buffered < size:
-                item = next(docs, None)
-                if item is None:
-                    return
-                epoch, index, ids = item
-                segments.append([epoch, index, skip_first, ids])
-                buffered += len(ids) - skip_first
-                skip_first, last = 0, (epoch, index)
-            window: list[int] = []
-            while len(window) < size:
-                segment = segments[0]
-                take = min(size - len(window), len(segment[3]) - segment[2])
-                window += segment[3][segment[2] : segment[2] + take]
-                segment[2] += take
-                if segment[2] == len(segment[3]):
-                    segments.popleft()
-            buffered -= size
-            if segments:
-                epoch, index, offset = segments[0][:3]
-            else:  # the window ended exactly at a document's end
-                epoch, index, offset = last[0], last[1] + 1, 0
-            yield window, {"epoch": epoch, "document": index, "token_offset": offset}
+def _shards_mismatch(saved: int, now: int) -> str:
+    return (
+        f"the dataloader state was saved with training.data_shards={saved} (1: one stream, "
+        f"as titan-train wrote before data shards), this run has {now}. Resume with "
+        f"--training.data_shards {saved} to continue that data stream exactly, or add "
+        "'dataloader' to checkpoint.exclude_from_loading to start the data over."
+    )
+
+
+def explain_load_error(error: BaseException, num_shards: int) -> DataError | None:
+    """A ``DataError`` saying how to resume, for a checkpoint load that failed because the
+    dataloader state has another shard layout (DCP names a key it lacks); else ``None``."""
+    text = str(error)
+    marker = "Missing key in checkpoint state_dict: dataloader."
+    if marker not in text:
+        return None
+    key = text.split(marker, 1)[1].split()[0].rstrip(".;)")
+    if key in _STATE_KEYS:  # a sharded state, asked for as one stream
+        saved = "a value > 1 (see that run's config)"
+    elif key == "num_shards":
+        saved = "1"
+    else:
+        saved = f"a value other than {num_shards} (see that run's config)"
+    return DataError(
+        f"the checkpoint's dataloader state has another data shard layout (no "
+        f"'dataloader.{key}'): it was saved with training.data_shards = {saved}, this run "
+        f"has {num_shards}. Resume with that training.data_shards to continue its data "
+        "stream exactly, or add 'dataloader' to checkpoint.exclude_from_loading to start the "
+        "data over."
+    )
 
 
 def build_dataloader(
@@ -178,6 +270,19 @@ def build_dataloader(
             "section gives its own with .data_config(seq_len=..., local_batch_size=..., "
             "infinite=...)."
         )
+    # Finite data (validation) is one stream: every rank must know where it ends.
+    shards = config.num_shards if config.infinite else 1
+    stride = math.gcd(dp_degree, shards)
+    if config.infinite and dp_rank == 0 and stride < dp_degree:
+        logger.warning(
+            "%s.data_shards=%d is not a multiple of the data-parallel degree %d: each rank "
+            "reads and tokenizes 1/%d of the documents, not 1/%d",
+            config.section,
+            shards,
+            dp_degree,
+            stride,
+            dp_degree,
+        )
     return TextDataLoader(
         open_documents(config),
         tokenizer,
@@ -186,4 +291,6 @@ def build_dataloader(
         dp_rank=dp_rank,
         dp_degree=dp_degree,
         infinite=config.infinite,
+        num_shards=shards,
+        prefetch=config.prefetch,
     )

@@ -8,6 +8,7 @@ and a hub dataset starts without downloading all of it. Restarting at document `
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 from titan_train.data.config import DataConfig, DataError
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
 
-__all__ = ["DocumentSource", "open_documents"]
+__all__ = ["DocumentSource", "iter_strided", "open_documents"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,19 @@ class DocumentSource(Protocol):
         ...
 
 
+def iter_strided(source: DocumentSource, start: int, stride: int) -> Iterator[tuple[int, str]]:
+    """``(i, text)`` of the documents ``i = start, start + stride, ...`` of ``source``: its
+    own ``iter_strided`` when it has one (skipping the others cheaply), else ``iter_from``
+    with the others dropped."""
+    own = getattr(source, "iter_strided", None)
+    if own is not None:
+        yield from own(start, stride)
+        return
+    for i, text in enumerate(source.iter_from(start), start=start):
+        if (i - start) % stride == 0:
+            yield i, text
+
+
 class _ListSource:
     def __init__(self, name: str, documents: list[str]) -> None:
         self.name = name
@@ -51,6 +65,10 @@ class _ListSource:
 
     def iter_from(self, index: int) -> Iterator[str]:
         return iter(self.documents[index:])
+
+    def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
+        indices = range(start, len(self.documents), stride)
+        return zip(indices, self.documents[start::stride], strict=True)
 
 
 class _HFSource:
@@ -66,6 +84,19 @@ class _HFSource:
 
     def iter_from(self, index: int) -> Iterator[str]:
         rows = self.dataset.skip(index) if index else self.dataset
+        return self._texts(rows)
+
+    def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
+        """Rows ``start, start + stride, ...``: ``datasets``' own node splitting, by
+        examples (the "shards" strategy would hand out whole files, so which documents a
+        rank reads would change with the number of ranks)."""
+        rows = self.dataset.skip(start) if start else self.dataset
+        split = _split_by_examples(rows, stride) if stride > 1 else rows
+        if split is None:  # no by-example split in this datasets version: drop rows here
+            return itertools.islice(zip(itertools.count(start), self._texts(rows)), 0, None, stride)
+        return zip(itertools.count(start, stride), self._texts(split))
+
+    def _texts(self, rows: Any) -> Iterator[str]:
         for row in rows:
             try:
                 text = row[self.text_column]
@@ -75,6 +106,19 @@ class _HFSource:
                     f"{sorted(row)}. Set {self.section}.text_column to one of them."
                 ) from None
             yield text if isinstance(text, str) else str(text)
+
+
+def _split_by_examples(rows: Any, stride: int) -> Any:
+    """Rows 0, stride, 2 stride, ... of ``rows`` through ``split_dataset_by_node``; ``None``
+    where the installed ``datasets`` would split by files instead (before its ``strategy``)."""
+    from datasets.distributed import split_dataset_by_node
+
+    try:
+        return split_dataset_by_node(rows, rank=0, world_size=stride, strategy="examples")
+    except TypeError:
+        if rows.num_shards % stride:  # "auto" splits by examples then
+            return split_dataset_by_node(rows, rank=0, world_size=stride)
+        return None
 
 
 def _format_of(path: Path) -> str | None:

@@ -1,0 +1,202 @@
+"""Virtual data shards: what lets each data-parallel rank read and tokenize only its share
+of the documents while the global batch stays the same at every data-parallel degree.
+
+The stream is cut into ``S`` *virtual shards* (``training.data_shards``): document ``i``
+belongs to shard ``i mod S``; each shard is tokenized (``[BOS] text [EOS]``) and packed
+into ``seq_len + 1`` windows on its own, looping over its documents epoch after epoch; and
+window ``g`` of the global stream is the next window of shard ``g mod S``. A step of
+``dp`` ranks takes the next ``local_batch_size x dp`` global windows and rank ``r`` keeps
+those whose global index is ``r`` modulo ``dp`` (``local_batch_size`` of them in every
+step, whatever window the step starts at).
+
+Why this shape (the invariants the dataloader relies on):
+
+- The global stream depends on ``S`` and the data only, never on ``dp``: a run on 4 ranks
+  sees the same batches as one process taking 4 times the local batch.
+- A rank keeps global windows ``g = r (mod dp)``, which come from the shards
+  ``s = g mod S``, i.e. ``s = r (mod gcd(dp, S))``, the same at any resume point. It reads
+  only the documents of those shards (``i = r (mod gcd(dp, S))``) and tokenizes only them
+  (so a checkpoint needs to hold, and a rank to load, only its own shards): ``1/dp`` of the
+  corpus when ``dp`` divides ``S``. Ranks that share a shard (``dp`` not dividing ``S``)
+  each pack all of its windows and keep theirs.
+- A shard's position (epoch, document, token offset) after ``n`` global windows is the
+  same on every rank that reads it. The checkpoint holds, per shard, the position its
+  readers saved, so a run resumes at any ``dp`` (any ``S`` as saved) with no window
+  repeated or skipped, and no earlier document tokenized again (``datasets`` reads past
+  the earlier rows and drops them).
+- ``S = 1`` is one packed stream that every rank reads whole: titan-train's stream before
+  virtual shards, with its checkpoint state (``epoch``, ``document``, ``token_offset``,
+  ``windows``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from titan_train.data.config import DataError
+from titan_train.data.sources import DocumentSource, iter_strided
+from titan_train.tokenizer.base import Tokenizer
+
+__all__ = ["Position", "ShardReader", "owned_shards"]
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    """Where a shard's next unread token is: token ``token_offset`` of the shard's first
+    document whose index is at least ``document`` in epoch ``epoch`` (the offset is nonzero
+    only when ``document`` is itself the shard's)."""
+
+    epoch: int = 0
+    document: int = 0
+    token_offset: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "document": self.document, "token_offset": self.token_offset}
+
+
+def owned_shards(num_shards: int, dp_rank: int, dp_degree: int) -> list[int]:
+    """The shards rank ``dp_rank`` of ``dp_degree`` reads: its windows ``g = dp_rank (mod
+    dp_degree)`` come from the shards ``= dp_rank (mod gcd(dp_degree, num_shards))``."""
+    stride = math.gcd(dp_degree, num_shards)
+    return [s for s in range(num_shards) if (s - dp_rank) % stride == 0]
+
+
+class _Shard:
+    """One virtual shard's packer: queued documents (text) and the tokens not yet cut."""
+
+    def __init__(self, position: Position) -> None:
+        self.position = position
+        self.texts: deque[tuple[int, int, str]] = deque()  # (epoch, document, text)
+        # The document being cut: its epoch, index, tokens, and the next unread token.
+        self.current: tuple[int, int, list[int]] | None = None
+        self.offset = 0
+        self.seen = False  # got a document during a full pass of the source
+
+
+class ShardReader:
+    """The windows of one rank's shards, read from ``documents`` in one pass per epoch.
+
+    ``next_window(s)`` cuts the next ``size``-token window of shard ``s``. The reader reads
+    this rank's documents in order and queues each with its shard (as text: tokenizing
+    happens when a shard needs the document), so every owned shard can go on; documents a
+    saved position has passed are dropped untokenized.
+
+    Args:
+        documents: the document source.
+        tokenizer: encodes each document with BOS and EOS.
+        num_shards: ``S``.
+        shards: the positions of the shards this rank reads (all ``= c mod stride``).
+        stride: ``gcd(dp, S)``: this rank reads documents ``i = c (mod stride)``.
+        infinite: loop over the documents forever (else end when a needed shard runs out).
+        size: tokens per window (``seq_len + 1``).
+    """
+
+    def __init__(
+        self,
+        documents: DocumentSource,
+        tokenizer: Tokenizer,
+        *,
+        num_shards: int,
+        shards: dict[int, Position],
+        stride: int,
+        infinite: bool,
+        size: int,
+    ) -> None:
+        self.documents = documents
+        self.tokenizer = tokenizer
+        self.num_shards = num_shards
+        self.shards = {s: _Shard(p) for s, p in shards.items()}
+        self.infinite = infinite
+        self.size = size
+        self.stride = stride
+        start = min(shards.values())
+        residue = next(iter(shards)) % stride
+        # The first document at or after the earliest position that is this rank's.
+        first = start.document + (residue - start.document) % stride
+        self._source = self._read(start.epoch, first, stride)
+
+    def positions(self) -> dict[int, Position]:
+        """Every owned shard's position now."""
+        return {s: shard.position for s, shard in self.shards.items()}
+
+    def next_window(self, s: int) -> list[int] | None:
+        """The next window of shard ``s``; ``None`` when finite data ran out."""
+        shard = self.shards[s]
+        window: list[int] = []
+        while len(window) < self.size:
+            done = shard.current is None or shard.offset == len(shard.current[2])
+            if done and not self._next_document(s, shard):
+                return None
+            assert shard.current is not None
+            ids = shard.current[2]
+            take = min(self.size - len(window), len(ids) - shard.offset)
+            window += ids[shard.offset : shard.offset + take]
+            shard.offset += take
+        epoch, index, ids = shard.current
+        if shard.offset < len(ids):
+            shard.position = Position(epoch, index, shard.offset)
+        else:  # the window ended with the document: the shard's next one comes after it
+            shard.position = Position(epoch, index + self.num_shards, 0)
+        return window
+
+    def _next_document(self, s: int, shard: _Shard) -> bool:
+        """Make shard ``s``'s next document current; False when finite data ran out."""
+        while not shard.texts:
+            if not self._pull():
+                return False
+        epoch, index, text = shard.texts.popleft()
+        ids = self.tokenizer.encode(text, bos=True, eos=True)
+        start = shard.position
+        skip = start.token_offset if (epoch, index) == (start.epoch, start.document) else 0
+        shard.current, shard.offset = (epoch, index, ids), min(skip, len(ids))
+        return True
+
+    def _pull(self) -> bool:
+        """Queue the next document of this rank with its shard; False at the end."""
+        while True:
+            item = next(self._source, None)
+            if item is None:
+                return False
+            epoch, index, _ = item
+            shard = self.shards.get(index % self.num_shards)
+            if shard is None:
+                continue
+            p = shard.position
+            if (epoch, index) < (p.epoch, p.document):
+                continue  # a saved position passed it: drop it untokenized
+            shard.texts.append(item)
+            return True
+
+    def _read(self, epoch: int, first: int, stride: int) -> Iterator[tuple[int, int, str]]:
+        """``(epoch, index, text)`` of this rank's documents from ``first`` on."""
+        index = first
+        while True:
+            full_pass, count = index < stride, 0
+            for shard in self.shards.values():
+                shard.seen = False
+            for i, text in iter_strided(self.documents, index, stride):
+                shard = self.shards.get(i % self.num_shards)
+                if shard is not None:
+                    shard.seen = True
+                count += 1
+                yield epoch, i, text
+            if not self.infinite:
+                return
+            empty = [s for s, shard in self.shards.items() if not shard.seen]
+            if full_pass and empty:
+                raise DataError(_empty_shards_message(self.documents.name, empty, count, self))
+            epoch, index = epoch + 1, first % stride
+
+
+def _empty_shards_message(name: str, empty: list[int], count: int, reader: ShardReader) -> str:
+    if count == 0 and reader.stride == 1:
+        return f"dataset {name!r} has no documents."
+    return (
+        f"dataset {name!r} has no document for data shard(s) {empty[:5]} of "
+        f"{reader.num_shards} (document i goes to shard i mod {reader.num_shards}): it has "
+        "fewer documents than shards. Lower training.data_shards to at most the number of "
+        "documents (1 reads one stream on every rank)."
+    )

@@ -1,0 +1,260 @@
+"""Data that scales with the ranks (issue 14): virtual shards read from a real local jsonl
+through ``datasets`` (streaming, offline), checked against one uninterrupted rank.
+
+- with dp 4 the documents each rank tokenizes are disjoint and cover the corpus;
+- the union of the windows the ranks see equals one rank's stream at every dp dividing S;
+- state saved at dp 4, merged as a distributed checkpoint merges it, resumes at dp 2 (and 3)
+  with no window repeated or skipped and no document tokenized again;
+- a state of the single-stream layout is refused with one message saying how to resume it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from titan_train.data import DataConfig, DataError, TextDataLoader, open_documents
+from titan_train.data.dataloader import explain_load_error
+from titan_train.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer()
+S = 8
+SEQ = 16
+LOCAL = 2  # sequences per rank per step
+
+
+class Recording:
+    """The real tokenizer, recording every text it encodes (the work each rank does)."""
+
+    def __init__(self, tokenizer=TOKENIZER):
+        self.tokenizer = tokenizer
+        self.texts: list[str] = []
+        self.bos_id, self.eos_id = tokenizer.bos_id, tokenizer.eos_id
+        self.vocab_size = tokenizer.vocab_size
+
+    def encode(self, text, *, bos=False, eos=False):
+        self.texts.append(text)
+        return self.tokenizer.encode(text, bos=bos, eos=eos)
+
+
+def _corpus(tmp_path, n=48):
+    """``n`` documents of varied length (8 to ~120 tokens), one jsonl file."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+             "kappa", "lambda", "mu"]  # fmt: skip
+    texts = [f"doc{i} " + " ".join(words[(i + k) % 12] for k in range(3 + (i * 7) % 40))
+             for i in range(n)]  # fmt: skip
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return texts, open_documents(DataConfig(dataset=str(path)))
+
+
+def _loader(source, tokenizer=TOKENIZER, *, rank=0, dp=1, local=LOCAL, **kwargs):
+    return TextDataLoader(source, tokenizer, seq_len=SEQ, local_batch_size=local, dp_rank=rank,
+                          dp_degree=dp, num_shards=S, **kwargs)  # fmt: skip
+
+
+def _rows(batch):
+    inputs, labels = batch
+    return [(*row, last) for row, last in zip(inputs.tolist(), labels[:, -1].tolist(), strict=True)]
+
+
+def _global(per_rank_batches, dp, first=0):
+    """The windows of steps of ``dp`` ranks in global order: window ``g`` is rank
+    ``g mod dp``'s next row."""
+    rows = [[r for b in batches for r in _rows(b)] for batches in per_rank_batches]
+    taken = [0] * dp
+    out = []
+    for g in range(first, first + sum(map(len, rows))):
+        out.append(rows[g % dp][taken[g % dp]])
+        taken[g % dp] += 1
+    return out
+
+
+def _run(source, dp, steps, tokenizers=None, states=None, **kwargs):
+    loaders = [_loader(source, tokenizers[r] if tokenizers else TOKENIZER, rank=r, dp=dp, **kwargs)
+               for r in range(dp)]  # fmt: skip
+    for loader in loaders:
+        if states is not None:
+            loader.load_state_dict(states)
+    batches = [list(itertools.islice(loader, steps)) for loader in loaders]
+    return _global(batches, dp, 0 if states is None else states["windows"]), loaders
+
+
+def _merged(loaders):
+    """What a distributed checkpoint holds: every rank's shard keys, one copy each."""
+    states = [loader.state_dict() for loader in loaders]
+    assert len({(s["windows"], s["num_shards"]) for s in states}) == 1
+    shards = {}
+    for s in states:
+        for key, position in s["shards"].items():
+            assert shards.setdefault(key, position) == position  # ranks sharing one agree
+    return {**states[0], "shards": shards}
+
+
+def test_each_rank_tokenizes_a_disjoint_share_and_together_the_corpus(tmp_path):
+    texts, source = _corpus(tmp_path)
+    recorders = [Recording() for _ in range(4)]
+    # Enough steps that every shard wrapped into its second epoch.
+    _, loaders = _run(source, 4, 40, tokenizers=recorders)
+    assert all(min(p["epoch"] for p in ld.state_dict()["shards"].values()) >= 1 for ld in loaders)
+    tokenized = [set(r.texts) for r in recorders]
+    for rank, seen in enumerate(tokenized):
+        # Rank r reads shards r and r + 4, i.e. documents i = r (mod 4).
+        assert seen == set(texts[rank::4])
+    assert set().union(*tokenized) == set(texts)
+    assert sum(map(len, tokenized)) == len(texts)  # disjoint
+    # Tokenizing work: the ranks together encode exactly what one process encodes for the
+    # same windows (no document twice), each rank the share its two shards need.
+    one = Recording()
+    _run(source, 1, 40, tokenizers=[one], local=LOCAL * 4)
+    assert sum(len(r.texts) for r in recorders) == len(one.texts)
+    assert all(0.15 < len(r.texts) / len(one.texts) < 0.35 for r in recorders)
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_the_ranks_windows_together_are_one_ranks_stream(tmp_path, dp):
+    _, source = _corpus(tmp_path)
+    reference, _ = _run(source, 1, 24, local=LOCAL * dp)
+    union, _ = _run(source, dp, 24)
+    assert len(union) == 24 * LOCAL * dp
+    assert union == reference
+
+
+def test_one_stream_is_the_stream_before_shards(tmp_path):
+    texts, source = _corpus(tmp_path)
+    one = TextDataLoader(source, TOKENIZER, seq_len=SEQ, local_batch_size=4, num_shards=1)
+    flat = [t for d in texts for t in TOKENIZER.encode(d, bos=True, eos=True)]
+    windows = [w for b in itertools.islice(one, 5) for w in _rows(b)]
+    assert windows == [tuple(flat[i : i + SEQ + 1]) for i in range(0, 20 * (SEQ + 1), SEQ + 1)]
+
+
+def test_shard_windows_are_packed_per_shard(tmp_path):
+    texts, source = _corpus(tmp_path)
+    windows, _ = _run(source, 1, 4, local=S)  # one window of each shard per step
+    for s in range(S):
+        flat = [t for d in texts[s::S] for t in TOKENIZER.encode(d, bos=True, eos=True)]
+        mine = [windows[g] for g in range(s, len(windows), S)]
+        assert mine == [tuple(flat[i : i + SEQ + 1]) for i in range(0, len(mine) * (SEQ + 1),
+                                                                   SEQ + 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("after", [2, 3, 1])
+def test_resume_at_another_dp_continues_exactly(tmp_path, after):
+    texts, source = _corpus(tmp_path)
+    before, steps_before, steps_after = 4, 5, 6
+    total = before * steps_before + after * steps_after
+    reference, _ = _run(source, 1, total, local=LOCAL)
+
+    recorders = [Recording() for _ in range(after)]
+    seen, loaders = _run(source, before, steps_before)
+    state = _merged(loaders)
+    assert any(p["token_offset"] > 0 for p in state["shards"].values())  # mid-document
+    resumed, _ = _run(source, after, steps_after, tokenizers=recorders, states=state)
+    assert seen + resumed == reference
+    # No replay: a resumed rank tokenizes no document before its shard's saved position.
+    assert all(p["epoch"] == 0 for p in state["shards"].values())
+    for recorder in recorders:
+        assert recorder.texts
+        for text in recorder.texts:
+            index = texts.index(text)
+            assert index >= state["shards"][str(index % S)]["document"]
+
+
+def test_state_survives_a_distributed_checkpoint_merge(tmp_path):
+    """DCP stores each rank's shard keys; a fresh loader asks for all of them."""
+    import torch.distributed.checkpoint as dcp
+
+    _, source = _corpus(tmp_path)
+    seen, loaders = _run(source, 1, 3, local=LOCAL * 2)
+    dcp.save({"dataloader": loaders[0]}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    restored = _loader(source, rank=1, dp=2)
+    dcp.load({"dataloader": restored}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    assert restored.state_dict()["windows"] == 3 * LOCAL * 2
+    reference, _ = _run(source, 1, 5, local=LOCAL * 2)
+    rank1 = _rows(next(iter(restored)))
+    assert rank1 == reference[len(seen) + 1 :: 2][:LOCAL]
+
+
+def test_a_single_stream_checkpoint_names_how_to_resume(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    _, source = _corpus(tmp_path)
+    old = TextDataLoader(source, TOKENIZER, seq_len=SEQ, local_batch_size=2)  # num_shards 1
+    next(iter(old))
+    dcp.save({"dataloader": old}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    sharded = _loader(source)
+    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException
+        dcp.load({"dataloader": sharded}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    error = explain_load_error(raised.value, S)
+    assert error is not None
+    assert "training.data_shards = 1" in str(error)
+    assert "exclude_from_loading" in str(error)
+    # Handed over directly, the same state is refused the same way.
+    with pytest.raises(DataError, match=r"--training.data_shards 1 to continue"):
+        _loader(source).load_state_dict(old.state_dict())
+    # ... and loads as it always did into one stream.
+    again = TextDataLoader(source, TOKENIZER, seq_len=SEQ, local_batch_size=2)
+    again.load_state_dict(old.state_dict())
+    assert torch.equal(next(iter(again))[0], next(iter(old))[0])
+
+
+def test_fewer_documents_than_shards_is_one_clear_error(tmp_path):
+    _, source = _corpus(tmp_path, n=5)
+    with pytest.raises(DataError, match=r"no document for data shard\(s\) \[5, 6, 7\] of 8.*"
+                                        r"Lower training.data_shards"):  # fmt: skip
+        list(itertools.islice(_loader(source, local=S), 20))
+
+
+@pytest.mark.slow  # 6 processes: ~20 s alone on 2 cores
+def test_four_gloo_ranks_save_and_two_resume_through_titan_ckpt(tmp_path):
+    """The real path: 4 ranks save their dataloaders (each its own shard keys) in one
+    distributed checkpoint with titan-ckpt; 2 ranks load it and read on."""
+    from pathlib import Path
+
+    from titan_dims.testing import run_torchrun
+
+    texts, source = _corpus(tmp_path)
+    worker = Path(__file__).parent / "workers" / "dp_resume.py"
+    corpus, folder = str(tmp_path / "corpus.jsonl"), str(tmp_path / "ckpt")
+    for mode, nproc, steps in (("save", 4, 3), ("load", 2, 4)):
+        run_torchrun(worker, nproc, [mode, corpus, folder, str(tmp_path), str(steps)],
+                     timeout=120, env={"PYTHONWARNINGS": "ignore"})  # fmt: skip
+    results = {
+        (mode, r): json.loads((tmp_path / f"{mode}-rank{r}.json").read_text())
+        for mode, nproc in (("save", 4), ("load", 2))
+        for r in range(nproc)
+    }
+
+    def in_order(mode, dp, first):
+        rows = [[tuple(w) for w in results[mode, r]["windows"]] for r in range(dp)]
+        taken, out = [0] * dp, []
+        for g in range(first, first + sum(map(len, rows))):
+            out.append(rows[g % dp][taken[g % dp]])
+            taken[g % dp] += 1
+        return out
+
+    reference, _ = _run(source, 1, 4 * 3 + 2 * 4)
+    assert in_order("save", 4, 0) + in_order("load", 2, 24) == reference
+    saved = [set(results["save", r]["texts"]) for r in range(4)]
+    assert sum(map(len, saved)) == len(set().union(*saved))  # disjoint at dp 4
+    for r in range(2):  # at dp 2, rank r reads documents i = r (mod 2)
+        assert {texts.index(t) % 2 for t in results["load", r]["texts"]} == {r}
+
+
+def test_each_rank_resumes_from_its_own_state_alone(tmp_path):
+    """As torchft's replica groups do: each saves and loads only its own dataloader."""
+    _, source = _corpus(tmp_path)
+    reference, _ = _run(source, 1, 12)
+    seen, loaders = _run(source, 2, 3)
+    states = [loader.state_dict() for loader in loaders]
+    assert [sorted(map(int, s["shards"])) for s in states] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    resumed = []
+    for rank, state in enumerate(states):
+        loader = _loader(source, rank=rank, dp=2)
+        assert loader.state_dict()["shards"].keys() == state["shards"].keys()  # what DCP asks
+        loader.load_state_dict(state)
+        resumed.append(list(itertools.islice(loader, 3)))
+    assert seen + _global(resumed, 2, states[0]["windows"]) == reference

@@ -1,0 +1,214 @@
+"""Data loading at data-parallel degree 8: what one rank's dataloader costs the step.
+
+Writes a ~200 MB jsonl corpus into a temporary folder (documents of words drawn from the
+embedded corpus, lengths log-normal around 2.4 kB; nothing is downloaded), then measures
+titan-train's ``TextDataLoader`` (shipped 2,048-id BPE, ``training.data_shards`` shards)
+as rank 0 of 8 ranks would run it. Ranks share nothing while loading, so one rank in one
+process is what each of the 8 does.
+
+1. *Pipeline alone*: batches made as fast as possible on the caller's thread (no
+   prefetch), tokens/s per rank, beside one process reading the whole stream (dp 1) and
+   beside the single-stream layout (``data_shards = 1``), where every rank tokenizes all.
+2. *Tokenizing work*: documents and tokens rank 0 of 8 encodes for ``--steps`` global steps,
+   against what one process encodes for the same global windows (target ~1/8).
+3. *Share of the step*: rank 0 of 8 with the background prefetch; each step takes its
+   batch (timed: the wait for data) and then trains. Two steps: the Llama 3 debug model's
+   forward + backward + AdamW on this CPU for the rank's batch (measured), and a device
+   step of ``--device-step-ms`` (a sleep: a GPU step leaves the host's cores to the
+   dataloader, as a sleep does). Share = data wait / step time.
+
+    python tools/bench/data_loading.py                 # ~3 minutes on 2 cores
+    python tools/bench/data_loading.py --mb 50 --steps 20 --model-steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional
+
+from titan_train.data import DataConfig, TextDataLoader, embedded_documents, open_documents
+from titan_train.tokenizer import load_tokenizer
+
+DP = 8
+
+
+def write_corpus(folder: Path, megabytes: float, seed: int = 0) -> tuple[Path, int]:
+    """A jsonl file of about ``megabytes`` MB; its path and number of documents."""
+    words = np.array(" ".join(embedded_documents()).split())
+    rng = np.random.default_rng(seed)
+    path, written, count = folder / "corpus.jsonl", 0, 0
+    with path.open("w") as out:
+        while written < megabytes * 1e6:
+            lengths = np.clip(rng.lognormal(5.6, 0.8, 1000), 20, 8000).astype(int)
+            picks = rng.integers(0, len(words), int(lengths.sum()))
+            start = 0
+            lines = []
+            for n in lengths:
+                lines.append(json.dumps({"text": " ".join(words[picks[start : start + n]])}))
+                start += n
+            chunk = "\n".join(lines) + "\n"
+            out.write(chunk)
+            written += len(chunk)
+            count += len(lines)
+    return path, count
+
+
+class Counting:
+    """The real tokenizer, counting documents and tokens it encodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bos_id, self.eos_id = tokenizer.bos_id, tokenizer.eos_id
+        self.vocab_size = tokenizer.vocab_size
+        self.documents = self.tokens = 0
+
+    def encode(self, text, *, bos=False, eos=False):
+        ids = self.tokenizer.encode(text, bos=bos, eos=eos)
+        self.documents += 1
+        self.tokens += len(ids)
+        return ids
+
+
+def loader(source, tokenizer, args, *, dp=DP, shards=None, local=None, prefetch=0):
+    return TextDataLoader(
+        source,
+        tokenizer,
+        seq_len=args.seq,
+        local_batch_size=local or args.batch,
+        dp_rank=0,
+        dp_degree=dp,
+        num_shards=args.shards if shards is None else shards,
+        prefetch=prefetch,
+    )
+
+
+def pipeline_alone(source, tokenizer, args) -> None:
+    print(f"\n1. Pipeline alone, {args.steps} steps of {args.batch} x {args.seq} per rank:")
+    print(f"   {'setting':<34}{'first batch s':>14}{'tokens/s per rank':>19}{'docs encoded':>14}")
+    settings = [
+        (f"rank 0 of {DP}, data_shards={args.shards}", {}),
+        (f"rank 0 of {DP}, data_shards=1", {"shards": 1}),
+        (f"1 process (dp 1), data_shards={args.shards}", {"dp": 1, "local": args.batch * DP}),
+    ]
+    for name, kwargs in settings:
+        counting = Counting(tokenizer)
+        batches = iter(loader(source, counting, args, **kwargs))
+        begin = time.perf_counter()
+        inputs, _ = next(batches)
+        first = time.perf_counter() - begin
+        tokens = 0
+        begin = time.perf_counter()
+        for _ in range(args.steps):
+            inputs, _ = next(batches)
+            tokens += inputs.numel()
+        rate = tokens / (time.perf_counter() - begin)
+        print(f"   {name:<34}{first:>14.2f}{rate:>19,.0f}{counting.documents:>14,}")
+
+
+def tokenizing_work(source, tokenizer, args) -> None:
+    print(f"\n2. Tokenizing work for {args.steps} global steps ({DP} x {args.batch} windows):")
+    whole = Counting(tokenizer)
+    for _ in itertools.islice(loader(source, whole, args, dp=1, local=args.batch * DP), args.steps):
+        pass
+    for shards in (args.shards, 1):
+        rank = Counting(tokenizer)
+        for _ in itertools.islice(loader(source, rank, args, shards=shards), args.steps):
+            pass
+        print(
+            f"   rank 0 of {DP}, data_shards={shards:<4}: {rank.documents:,} documents, "
+            f"{rank.tokens:,} tokens = {rank.tokens / whole.tokens:.3f} of the whole "
+            f"({whole.documents:,} documents, {whole.tokens:,} tokens)"
+        )
+
+
+def model_step(args):
+    from titan_models import Llama3, llama3_args
+
+    model_args = llama3_args("debugmodel", max_seq_len=args.seq)
+    torch.manual_seed(0)
+    model = Llama3(model_args)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(inputs, labels):
+        logits = model(inputs)
+        loss = functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def share_of_step(source, tokenizer, args) -> None:
+    print(f"\n3. Data wait with the background prefetch (depth {args.prefetch}), rank 0 of {DP}:")
+    train = model_step(args)
+    steps = {
+        f"Llama 3 debugmodel fwd+bwd+AdamW, {args.batch}x{args.seq}, CPU": (
+            train,
+            args.model_steps,
+        ),
+        f"device step of {args.device_step_ms:.0f} ms (host idle)": (
+            lambda inputs, labels: time.sleep(args.device_step_ms / 1e3),
+            args.steps,
+        ),
+    }
+    for name, (step, count) in steps.items():
+        data = loader(source, tokenizer, args, prefetch=args.prefetch)
+        batches = iter(data)
+        step(*next(batches))  # the first batch (opening the files) and warm-up
+        waits, totals = [], []
+        for _ in range(count):
+            begin = time.perf_counter()
+            inputs, labels = next(batches)
+            waited = time.perf_counter() - begin
+            step(inputs, labels)
+            waits.append(waited)
+            totals.append(time.perf_counter() - begin)
+        data.close()
+        share = sum(waits) / sum(totals)
+        print(
+            f"   {name:<52} step {statistics.median(totals) * 1e3:8.1f} ms, wait median "
+            f"{statistics.median(waits) * 1e3:6.2f} ms, max {max(waits) * 1e3:6.2f} ms: "
+            f"share {share:.3%}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=200, help="corpus size in MB")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--shards", type=int, default=64, help="training.data_shards")
+    parser.add_argument("--steps", type=int, default=60, help="steps for parts 1-3")
+    parser.add_argument("--model-steps", type=int, default=4, help="CPU model steps (part 3)")
+    parser.add_argument("--device-step-ms", type=float, default=250.0, help="part 3")
+    parser.add_argument("--prefetch", type=int, default=2, help="training.data_prefetch")
+    args = parser.parse_args()
+    tokenizer = load_tokenizer()
+    with tempfile.TemporaryDirectory() as tmp:
+        begin = time.perf_counter()
+        path, count = write_corpus(Path(tmp), args.mb)
+        size = path.stat().st_size / 1e6
+        print(
+            f"corpus: {path.name}, {size:.0f} MB, {count:,} documents (written in "
+            f"{time.perf_counter() - begin:.0f} s); tokenizer: shipped BPE, "
+            f"{tokenizer.vocab_size} ids; torch threads {torch.get_num_threads()}"
+        )
+        source = open_documents(DataConfig(dataset=str(path)))
+        pipeline_alone(source, tokenizer, args)
+        tokenizing_work(source, tokenizer, args)
+        share_of_step(source, tokenizer, args)
+
+
+if __name__ == "__main__":
+    main()
