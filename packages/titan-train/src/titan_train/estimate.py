@@ -1,0 +1,315 @@
+"""``estimate_memory(config, world_size=..., rank=...)``: one rank's memory for a training run
+of any layout and world size, measured in this process without allocating it.
+
+The run is built the way ``titan-train`` builds it: ``preflight`` checks the configuration
+(the same errors, before any work), then ``titan_train.build``'s own model path makes the
+model on the meta device and parallelizes it (FSDP/HSDP/DDP, TP with sequence and loss
+parallel, CP, EP) or splits it into this rank's pipeline stages, all on a fake process group
+of ``world_size`` ranks seen from ``rank`` (``titan_dims.simulate.fake_process_group``).
+The parts are then allocated as fake tensors (``FakeTensorMode``: shapes and storages, no
+memory), the optimizers are built, and two training steps run (the first creates the
+optimizer state, the second is a steady-state step) under torch's ``MemTracker``, which
+counts every storage the way an allocator would see it:
+
+- ``parameters``, ``buffers``, ``gradients``, ``optimizer_state``: what this rank keeps
+  between steps (its shards);
+- ``activations``: the most the forward's tensors held at once (what the forward saves for
+  backward under the chosen activation checkpointing, the logits, FSDP's all-gathered
+  blocks in flight);
+- ``peak``: the most memory live at any moment of a step, all kinds together.
+
+Under pipeline parallelism the schedule's own runtime cannot run in one process (it agrees
+tensor metadata with the neighbouring stages by messages), so this rank's actions of the
+real schedule (``schedule.pipeline_order``) are replayed on its real stage modules: each
+forward keeps its microbatch's activations until that microbatch's backward, as the
+schedule does, and the receive buffers torch keeps per microbatch are counted.
+
+What it does not count: the allocator's caching and fragmentation on accelerators, NCCL's
+own buffers, CUDA context; allow a few GB on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.tensor import DTensor
+
+from titan_dims.simulate import fake_process_group
+from titan_optim import build_optimizers
+from titan_optim.clip import global_grad_norm
+from titan_train.build import _build_model
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.estimate_pipeline import replay_pipeline_step
+from titan_train.preflight import Plan, World, preflight
+from titan_train.step import batch_loss
+
+__all__ = ["MemoryEstimate", "check_estimable", "estimate_memory"]
+
+logger = logging.getLogger("titan_train")
+
+_TOTAL = "Total"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """One rank's memory for one training step of a run (bytes), and what it was built as."""
+
+    model: str
+    flavor: str
+    world_size: int
+    rank: int
+    layout: dict[str, int]
+    """The parallel degrees: dp_replicate, dp_shard, cp, tp, pp, ep."""
+    activation_checkpoint: str
+    local_batch_size: int
+    seq_len: int
+    param_dtype: str
+    """The dtype FSDP computes in (mixed precision); parameters are kept in float32."""
+    num_params: int
+    """The whole model's parameters."""
+    rank_params: int
+    """Parameters this rank holds (its shards, its pipeline stages)."""
+    pipeline_stages: list[int] | None
+    """The pipeline stages this rank runs (of ``num_stages``); ``None`` without PP."""
+    num_stages: int | None
+    pipeline_microbatches: int | None
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    peak: int
+    peak_breakdown: dict[str, int] = field(default_factory=dict)
+    """What was live at the peak, by kind (torch's MemTracker categories)."""
+    seconds: float = 0.0
+    """How long the estimate took."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON object: these fields, bytes as integers."""
+        return dataclasses.asdict(self)
+
+
+def check_estimable(config: JobConfig) -> None:
+    """Raise ``ConfigError`` for what an estimate cannot simulate, before any work."""
+    refusals = {
+        "fault_tolerance.enable=true": config.fault_tolerance.enable,
+        "parallelize.cpu_offload=true": config.parallelize.cpu_offload,
+        "optimizer.early_step_in_backward=true": config.optimizer.early_step_in_backward,
+    }
+    named = [name for name, on in refusals.items() if on]
+    if named:
+        raise ConfigError(
+            f"titan-train estimate cannot simulate {', '.join(named)} (a torchft replica "
+            "group needs its lighthouse; offloaded and in-backward state live outside the "
+            "step it replays); estimate without it (set it to false): the layout's memory "
+            "is the same on the device."
+        )
+
+
+def _check_layout(plan: Plan) -> None:
+    """Raise ``ConfigError`` for a layout fake tensors cannot run, after preflight's checks."""
+    dims = plan.parallel_dims
+    if dims.dp_replicate > 1 and not dims.fsdp_enabled:
+        raise ConfigError(
+            f"titan-train estimate cannot simulate DDP (data_parallel_replicate_degree="
+            f"{dims.dp_replicate} with no sharding): torch's DDP reducer needs real storage. "
+            "A DDP rank holds what one process holds plus gradient buckets about the size of "
+            "the gradients: estimate with data_parallel_replicate_degree=1, or shard (HSDP: "
+            "data_parallel_shard_degree > 1)."
+        )
+
+
+def estimate_memory(
+    config: JobConfig, *, world_size: int, rank: int = 0, vocab_size: int | None = None
+) -> MemoryEstimate:
+    """Estimate the memory of ``rank`` in a ``world_size``-rank run of ``config``.
+
+    Raises the configuration errors a real run's ``preflight`` raises (plus
+    ``check_estimable``'s), before any model is built. ``vocab_size`` overrides the
+    tokenizer's vocabulary (e.g. 128256 for Llama 3's tokenizer without having its file)."""
+    started = time.perf_counter()
+    if world_size < 1:
+        raise ConfigError(f"--world_size={world_size} is not allowed; it must be >= 1.")
+    check_estimable(config)
+    # Checkpoints, compilation and profiling do not change a step's memory on the device
+    # (compile lowers it a little): the estimate is of the eager step.
+    config = dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+        parallelize=dataclasses.replace(config.parallelize, compile=False),
+    )
+    world = World(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    with fake_process_group(world_size, rank), _quiet_logs():
+        plan = preflight(config, world)
+        _check_layout(plan)
+        vocab = vocab_size if vocab_size is not None else _tokenizer_vocab(config)
+        args, parts, pipeline = _build_model(config, plan, vocab, False, materialize=False)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            measured = _measure(config, plan, parts, pipeline, vocab)
+    dims = plan.parallel_dims
+    return MemoryEstimate(
+        model=plan.spec.name,
+        flavor=config.model.flavor,
+        world_size=world_size,
+        rank=rank,
+        layout={
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+            "pp": dims.pp,
+            "ep": dims.ep,
+        },
+        activation_checkpoint=config.parallelize.activation_checkpoint.mode,
+        local_batch_size=plan.batches.local_batch_size,
+        seq_len=config.training.seq_len,
+        param_dtype=str(measured.pop("param_dtype")),
+        num_params=int(args.num_params()),
+        pipeline_stages=None if pipeline is None else list(pipeline.stage_ids),
+        num_stages=None if pipeline is None else pipeline.schedule._num_stages,
+        pipeline_microbatches=plan.pipeline_microbatches,
+        seconds=round(time.perf_counter() - started, 3),
+        **measured,
+    )
+
+
+def _tokenizer_vocab(config: JobConfig) -> int:
+    from titan_train.hf_start import run_vocab_size
+    from titan_train.tokenizer import load_tokenizer
+
+    return run_vocab_size(config, load_tokenizer(config.model.tokenizer_path).vocab_size)
+
+
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """The build's INFO lines describe a run that does not happen: keep warnings only."""
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class _Tracker(MemTracker):
+    """torch's MemTracker, also keeping the most the activations held at any moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_activations = 0
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        for snap in self._curr_mem_snap.values():
+            self.max_activations = max(self.max_activations, snap.get(_MemRefType.ACT, 0))
+
+
+def _measure(
+    config: JobConfig, plan: Plan, parts: list[nn.Module], pipeline: Any, vocab: int
+) -> dict[str, Any]:
+    """Allocate ``parts`` (fake), build the optimizers and run two steps under the tracker."""
+    cpu = torch.device("cpu")
+    for part in parts:
+        part.to_empty(device=cpu)  # fake storages; no init: values do not change memory
+        part.train()
+    dims = plan.parallel_dims
+    optimizers: Any = build_optimizers(parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
+    tracker = _Tracker()
+    tracker.track_external(*parts)
+    batch = plan.batches.local_batch_size
+    steps = plan.batches.accumulation_steps
+    seq_len = config.training.seq_len
+    with tracker:
+        for _ in range(2):
+            optimizers.zero_grad()
+            if pipeline is not None:
+                tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
+                replay_pipeline_step(
+                    pipeline, plan, tokens, tokens.clone(), before_forward=tracker.reset_mod_stats
+                )
+            else:
+                for _ in range(steps):
+                    tracker.reset_mod_stats()  # per-module stats of one forward at a time
+                    tokens = torch.randint(0, vocab, (batch, seq_len), device=cpu)
+                    batch_loss(
+                        parts, None, plan.step_context, tokens, tokens.clone(), backward_scale=steps
+                    )
+            if config.training.max_norm > 0:
+                _grad_norm(parts, dims)
+            optimizers.step()
+        # The gradients of the last step are still there, as between steps of a real run.
+        resident = _resident(parts, optimizers)
+    peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    return {
+        **resident,
+        "activations": tracker.max_activations,
+        "peak": int(peak_snap.get(_TOTAL, 0)),
+        "peak_breakdown": {str(k.value if hasattr(k, "value") else k): int(v) for k, v in peak_snap.items()},
+        "param_dtype": _compute_dtype(parts),
+    }
+
+
+def _grad_norm(parts: list[nn.Module], dims: Any) -> None:
+    """The clip's global norm, as a real step computes it (its finiteness check reads a
+    value, which fake tensors have not; its scaling is in place, so costs nothing). A
+    function of its own: a list of the gradients held on to would outlive ``zero_grad``."""
+    pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    global_grad_norm(grads, pp_group=pp_mesh)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def _resident(parts: list[nn.Module], optimizers: Any) -> dict[str, int]:
+    """What this rank keeps between steps: its parameter shards, buffers, gradients and
+    optimizer state (each storage once)."""
+    params = [p for part in parts for p in part.parameters()]
+    state = [
+        value
+        for optimizer in optimizers.optimizers
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "rank_params": sum(_local(p).numel() for p in params),
+        "parameters": sum(_nbytes(p) for p in params),
+        "buffers": sum(_nbytes(b) for part in parts for b in part.buffers()),
+        "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_state": sum(_nbytes(v) for v in state),
+    }
+
+
+def _compute_dtype(parts: list[nn.Module]) -> str:
+    """The dtype the blocks compute in: FSDP's mixed-precision parameter dtype, if set."""
+    for part in parts:
+        for module in part.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            if state is None:
+                continue
+            try:
+                policy = state()._mp_policy
+            except (AttributeError, AssertionError):
+                continue
+            if policy.param_dtype is not None:
+                return str(policy.param_dtype).removeprefix("torch.")
+    params = next(iter(parts[0].parameters()), None)
+    return "float32" if params is None else str(params.dtype).removeprefix("torch.")
