@@ -43,6 +43,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from titan_dims.simulate import fake_process_group
 from titan_optim import build_optimizers
@@ -203,16 +204,51 @@ def _quiet_logs() -> Iterator[None]:
 
 
 class _Tracker(MemTracker):
-    """torch's MemTracker, also keeping the most the activations held at any moment."""
+    """torch's MemTracker, also keeping the most the activations held at any moment, and
+    blind to DTensor's sharding propagation: that runs each new op once on fake tensors of
+    the *global* shapes, in the active fake mode when there is one (ours), which the plain
+    tracker would count as memory of this rank (a whole unsharded weight per op)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.max_activations = 0
+        self._propagating = 0
+        self._saved_lock: Any = None
+
+    def __enter__(self) -> _Tracker:
+        # DTensor enters ``ShardingPropagator._fake_mode_lock`` (a replaceable context
+        # manager, a no-op by default) around exactly the propagation's ops.
+        self._saved_lock = ShardingPropagator._fake_mode_lock
+        ShardingPropagator._fake_mode_lock = _Counting(self)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        ShardingPropagator._fake_mode_lock = self._saved_lock
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
         for snap in self._curr_mem_snap.values():
             self.max_activations = max(self.max_activations, snap.get(_MemRefType.ACT, 0))
+
+
+class _Counting:
+    """A context manager counting, on the tracker, that DTensor propagation is under way."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        self._tracker = tracker
+
+    def __enter__(self) -> None:
+        self._tracker._propagating += 1
+
+    def __exit__(self, *args: Any) -> None:
+        self._tracker._propagating -= 1
 
 
 def _measure(
