@@ -157,7 +157,7 @@ def estimate_memory(
         vocab = vocab_size if vocab_size is not None else _tokenizer_vocab(config)
         args, parts, pipeline = _build_model(config, plan, vocab, False, materialize=False)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            measured = _measure(config, plan, parts, pipeline, vocab)
+            measured = _measure(config, plan, parts, pipeline, vocab, dim=int(args.dim))
     dims = plan.parallel_dims
     return MemoryEstimate(
         model=plan.spec.name,
@@ -232,6 +232,14 @@ class _Tracker(MemTracker):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        # The plain tracker refuses a second forward of a root module (the next iteration);
+        # microbatches and steps are exactly that here: start the root's stats afresh.
+        name = self._mod_tracker.get_known_fqn(module)
+        if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) - {name} == {"Global"}:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
         for snap in self._curr_mem_snap.values():
@@ -252,7 +260,13 @@ class _Counting:
 
 
 def _measure(
-    config: JobConfig, plan: Plan, parts: list[nn.Module], pipeline: Any, vocab: int
+    config: JobConfig,
+    plan: Plan,
+    parts: list[nn.Module],
+    pipeline: Any,
+    vocab: int,
+    *,
+    dim: int,
 ) -> dict[str, Any]:
     """Allocate ``parts`` (fake), build the optimizers and run two steps under the tracker."""
     cpu = torch.device("cpu")
@@ -272,11 +286,15 @@ def _measure(
             if pipeline is not None:
                 tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
                 replay_pipeline_step(
-                    pipeline, plan, tokens, tokens.clone(), before_forward=tracker.reset_mod_stats
+                    pipeline,
+                    plan,
+                    tokens,
+                    tokens.clone(),
+                    dim=dim,
+                    dtype=getattr(torch, _compute_dtype(parts)),
                 )
             else:
                 for _ in range(steps):
-                    tracker.reset_mod_stats()  # per-module stats of one forward at a time
                     tokens = torch.randint(0, vocab, (batch, seq_len), device=cpu)
                     batch_loss(
                         parts, None, plan.step_context, tokens, tokens.clone(), backward_scale=steps
