@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -213,6 +214,7 @@ class _Tracker(MemTracker):
         super().__init__()
         self.max_activations = 0
         self._propagating = 0
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._saved_lock: Any = None
 
     def __enter__(self) -> _Tracker:
@@ -232,18 +234,38 @@ class _Tracker(MemTracker):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    # The plain tracker keeps per-module snapshots (deep copies at every module boundary,
+    # a loop over all modules at every op): what makes it slow on an 80-block model, and
+    # what refuses a second forward of a module (microbatches, steps). Only what the
+    # global numbers need is kept: parameters and their gradient hooks, the first time a
+    # module runs; activation checkpointing's recomputation region (a module running
+    # forward again during backward).
+
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        # The plain tracker refuses a second forward of a root module (the next iteration);
-        # microbatches and steps are exactly that here: start the root's stats afresh.
-        name = self._mod_tracker.get_known_fqn(module)
-        if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) - {name} == {"Global"}:
-            self.memory_tracking.pop(module, None)
-        super()._pre_fw_hook(module, inputs)
+        if module not in self._seen:
+            self._seen.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        elif self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
-        for snap in self._curr_mem_snap.values():
+        for device, snap in self._curr_mem_snap.items():
             self.max_activations = max(self.max_activations, snap.get(_MemRefType.ACT, 0))
+            if self._peak_mem.get(device, 0) < snap[_TOTAL]:
+                self._peak_mem[device] = snap[_TOTAL]
+                self._peak_mem_snap[device] = dict(snap)
 
 
 class _Counting:
@@ -281,27 +303,23 @@ def _measure(
     steps = plan.batches.accumulation_steps
     seq_len = config.training.seq_len
     with tracker:
-        for _ in range(2):
-            optimizers.zero_grad()
-            if pipeline is not None:
-                tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
-                replay_pipeline_step(
-                    pipeline,
-                    plan,
-                    tokens,
-                    tokens.clone(),
-                    dim=dim,
-                    dtype=getattr(torch, _compute_dtype(parts)),
-                )
-            else:
-                for _ in range(steps):
-                    tokens = torch.randint(0, vocab, (batch, seq_len), device=cpu)
-                    batch_loss(
-                        parts, None, plan.step_context, tokens, tokens.clone(), backward_scale=steps
-                    )
-            if config.training.max_norm > 0:
-                _grad_norm(parts, dims)
-            optimizers.step()
+        # The optimizer state exists from the first step on: make it with one update on
+        # zero gradients (what a step's backward would leave, at a fraction of the cost),
+        # then measure one whole step.
+        for param in (p for part in parts for p in part.parameters()):
+            param.grad = torch.zeros_like(param)
+        optimizers.step()
+        optimizers.zero_grad()
+        tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
+        if pipeline is not None:
+            dtype = getattr(torch, _compute_dtype(parts))
+            replay_pipeline_step(pipeline, plan, tokens, tokens.clone(), dim=dim, dtype=dtype)
+        else:
+            for micro in tokens.chunk(steps):
+                batch_loss(parts, None, plan.step_context, micro, micro.clone(), backward_scale=steps)
+        if config.training.max_norm > 0:
+            _grad_norm(parts, dims)
+        optimizers.step()
         # The gradients of the last step are still there, as between steps of a real run.
         resident = _resident(parts, optimizers)
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
