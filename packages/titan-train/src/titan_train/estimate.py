@@ -310,6 +310,7 @@ def _measure(
             param.grad = torch.zeros_like(param)
         optimizers.step()
         optimizers.zero_grad()
+        tracker.max_activations = 0  # the zero gradients were made outside any module
         tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
         if pipeline is not None:
             dtype = getattr(torch, _compute_dtype(parts))

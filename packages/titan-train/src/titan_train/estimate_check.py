@@ -11,8 +11,9 @@ maximum is the peak. This shares nothing with the estimator (no fake tensors, no
 MemTracker): it is what the allocator saw. It counts what the run allocates besides the
 model too (the dataloader's buffers, a few KiB to MiB).
 
-``spawn_real_peaks(argv, nproc)`` starts ``nproc`` gloo ranks on this machine, each parsing
-``argv`` as ``titan-train`` does, and returns each rank's peak.
+``spawn_real_peaks(argvs, nproc)`` starts ``nproc`` gloo ranks on this machine which run
+each command line of ``argvs`` in turn (parsed as ``titan-train`` does), and returns each
+run's peak per rank.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _allocator_peak(prof: Any) -> int:
     return peak
 
 
-def _rank_main(rank: int, nproc: int, port: int, argv: list[str], out: Any) -> None:
+def _rank_main(rank: int, nproc: int, port: int, argvs: list[list[str]], out: Any) -> None:
     from titan_train.config import parse_job_config
 
     os.environ.update(
@@ -77,24 +78,29 @@ def _rank_main(rank: int, nproc: int, port: int, argv: list[str], out: Any) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=nproc)
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            config = parse_job_config(
-                [*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"]
-            )
-            out.put((rank, measure_real_peak(config)))
+        for index, argv in enumerate(argvs):
+            with tempfile.TemporaryDirectory() as folder:
+                config = parse_job_config(
+                    [*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"]
+                )
+                out.put((index, rank, measure_real_peak(config)))
     finally:
         dist.destroy_process_group()
 
 
-def spawn_real_peaks(argv: list[str], nproc: int) -> list[int]:
-    """Each rank's real peak (bytes) for ``titan-train ARGV`` on ``nproc`` gloo ranks."""
+def spawn_real_peaks(argvs: list[list[str]], nproc: int) -> list[list[int]]:
+    """Per command line of ``argvs``, each rank's real peak (bytes) of ``titan-train ARGV``
+    on ``nproc`` gloo ranks (one job runs them all, one after another)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(
-        _rank_main, args=(nproc, port, argv, out), nprocs=nproc, start_method="spawn"
+        _rank_main, args=(nproc, port, argvs, out), nprocs=nproc, start_method="spawn"
     )
-    peaks = dict(out.get() for _ in range(nproc))
-    return [peaks[r] for r in range(nproc)]
+    peaks = {}
+    for _ in range(nproc * len(argvs)):
+        index, rank, peak = out.get()
+        peaks[index, rank] = peak
+    return [[peaks[i, r] for r in range(nproc)] for i in range(len(argvs))]
