@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -94,6 +94,10 @@ class MemoryEstimate:
     peak: int
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     """What was live at the peak, by kind (torch's MemTracker categories)."""
+    step_simulated: bool = True
+    """Whether a whole training step ran (``False``: see ``note``)."""
+    note: str | None = None
+    """What the estimate could not simulate, and what its numbers then mean."""
     seconds: float = 0.0
     """How long the estimate took."""
 
@@ -312,25 +316,60 @@ def _measure(
         optimizers.zero_grad()
         tracker.max_activations = 0  # the zero gradients were made outside any module
         tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
-        if pipeline is not None:
-            dtype = getattr(torch, _compute_dtype(parts))
-            replay_pipeline_step(pipeline, plan, tokens, tokens.clone(), dim=dim, dtype=dtype)
-        else:
-            for micro in tokens.chunk(steps):
-                batch_loss(parts, None, plan.step_context, micro, micro.clone(), backward_scale=steps)
-        if config.training.max_norm > 0:
-            _grad_norm(parts, dims)
-        optimizers.step()
+        step_note = None
+        primed_peak = dict(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+        try:
+            _step(config, plan, parts, pipeline, tokens, steps=steps, dim=dim)
+        except DataDependentOutputException as error:
+            # A model that routes tokens by their values (an MoE's tokens per expert sizes
+            # its buffers) cannot run on fake tensors, which have none: what the rank keeps
+            # between steps is still exact; the step's activations are not known.
+            step_note = (
+                f"{plan.spec.name} decides tensor sizes from tensor values ({error.func}), "
+                "which fake tensors have not: parameters, gradients and optimizer state are "
+                "exact; activations and the step's peak were not simulated (the peak shown "
+                "is the optimizer update's)"
+            )
+            tracker.max_activations = 0  # a partial forward's: not a number to report
+            tracker._peak_mem_snap = {cpu: primed_peak}
+            tracker._peak_mem = {cpu: primed_peak.get(_TOTAL, 0)}
+            for param in (p for part in parts for p in part.parameters()):
+                param.grad = torch.zeros_like(param)  # what the backward would have left
         # The gradients of the last step are still there, as between steps of a real run.
         resident = _resident(parts, optimizers)
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     return {
         **resident,
         "activations": tracker.max_activations,
+        "step_simulated": step_note is None,
+        "note": step_note,
         "peak": int(peak_snap.get(_TOTAL, 0)),
-        "peak_breakdown": {str(k.value if hasattr(k, "value") else k): int(v) for k, v in peak_snap.items()},
+        "peak_breakdown": {getattr(k, "value", str(k)): int(v) for k, v in peak_snap.items()},
         "param_dtype": _compute_dtype(parts),
     }
+
+
+def _step(
+    config: JobConfig,
+    plan: Plan,
+    parts: list[nn.Module],
+    pipeline: Any,
+    tokens: torch.Tensor,
+    *,
+    steps: int,
+    dim: int,
+) -> None:
+    """One training step's forward and backward passes over ``tokens`` (this rank's batch,
+    ``steps`` accumulation steps), and the clip's norm: as ``titan_train.step`` runs them."""
+    if pipeline is not None:
+        dtype = getattr(torch, _compute_dtype(parts))
+        replay_pipeline_step(pipeline, plan, tokens, tokens.clone(), dim=dim, dtype=dtype)
+    else:
+        for micro in tokens.chunk(steps):
+            context = plan.step_context
+            batch_loss(parts, None, context, micro, micro.clone(), backward_scale=steps)
+    if config.training.max_norm > 0:
+        _grad_norm(parts, plan.parallel_dims)
 
 
 def _grad_norm(parts: list[nn.Module], dims: Any) -> None:

@@ -130,10 +130,12 @@ def format_table(estimate: MemoryEstimate) -> str:
         ("gradients", e.gradients),
         ("optimizer state", e.optimizer_state),
         ("buffers", e.buffers),
-        ("activations (most at once)", e.activations),
+        ("activations (most at once)", e.activations if e.step_simulated else None),
         ("peak (one step)", e.peak),
     ]
     lines.append("")
-    lines += [f"  {name:<28}{_gib(n):>14}" for name, n in rows]
+    lines += [f"  {name:<28}{'not simulated' if n is None else _gib(n):>14}" for name, n in rows]
+    if e.note:
+        lines.append(f"\nnote: {e.note}")
     lines.append(f"\nestimated in {e.seconds:.1f} s")
     return "\n".join(lines)
