@@ -18,6 +18,7 @@ run's peak per rank.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -42,6 +43,10 @@ def measure_real_peak(config: JobConfig) -> int:
 
     device = torch.device("cpu")
     plan = preflight(config, World.current(device))
+    # A run measured before in this process may still hold tensors in reference cycles; freed
+    # inside this window, they would count as negative bytes here (the allocator reports the
+    # free of any block allocated while a profiler was on).
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run = build(config, plan)
         try:
