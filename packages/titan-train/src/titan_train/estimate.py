@@ -3,13 +3,13 @@ of any layout and world size, measured in this process without allocating it.
 
 The run is built the way ``titan-train`` builds it: ``preflight`` checks the configuration
 (the same errors, before any work), then ``titan_train.build``'s own model path makes the
-model on the meta device and parallelizes it (FSDP/HSDP/DDP, TP with sequence and loss
+model on the meta device and parallelizes it (FSDP/HSDP, TP with sequence and loss
 parallel, CP, EP) or splits it into this rank's pipeline stages, all on a fake process group
 of ``world_size`` ranks seen from ``rank`` (``titan_dims.simulate.fake_process_group``).
 The parts are then allocated as fake tensors (``FakeTensorMode``: shapes and storages, no
-memory), the optimizers are built, and two training steps run (the first creates the
-optimizer state, the second is a steady-state step) under torch's ``MemTracker``, which
-counts every storage the way an allocator would see it:
+memory), the optimizers are built, their state made by one update on zero gradients, and
+one whole training step runs (forward, backward, the clip's norm, the update) under torch's
+``MemTracker``, which counts every storage the way an allocator would see it:
 
 - ``parameters``, ``buffers``, ``gradients``, ``optimizer_state``: what this rank keeps
   between steps (its shards);
@@ -20,9 +20,12 @@ counts every storage the way an allocator would see it:
 
 Under pipeline parallelism the schedule's own runtime cannot run in one process (it agrees
 tensor metadata with the neighbouring stages by messages), so this rank's actions of the
-real schedule (``schedule.pipeline_order``) are replayed on its real stage modules: each
-forward keeps its microbatch's activations until that microbatch's backward, as the
-schedule does, and the receive buffers torch keeps per microbatch are counted.
+real schedule are replayed on its real stage modules (``titan_train.estimate_pipeline``).
+
+A model that sizes tensors from tensor values (an MoE's tokens per expert) cannot run its
+step on fake tensors: its resident state is still exact, and ``step_simulated`` is False.
+DDP without sharding, fault tolerance, CPU offload and optimizer-in-backward are refused
+(``ConfigError``, exit 2 from the command).
 
 What it does not count: the allocator's caching and fragmentation on accelerators, NCCL's
 own buffers, CUDA context; allow a few GB on a GPU.
@@ -49,7 +52,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from titan_dims.simulate import fake_process_group
 from titan_optim import build_optimizers
 from titan_optim.clip import global_grad_norm
-from titan_train.build import _build_model
+from titan_train.build import _build_model  # training's own model path, never another
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.estimate_pipeline import replay_pipeline_step
