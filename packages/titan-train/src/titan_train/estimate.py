@@ -202,13 +202,21 @@ def _tokenizer_vocab(config: JobConfig) -> int:
 
 @contextmanager
 def _quiet_logs() -> Iterator[None]:
-    """The build's INFO lines describe a run that does not happen: keep warnings only."""
-    level = logger.level
-    logger.setLevel(logging.WARNING)
+    """The build's INFO lines describe a run that does not happen, and DTensor's advice on
+    redistributing the clip's norm is about torch's collectives, not the estimate: keep
+    warnings of ours, errors of DTensor's."""
+    levels = {logger: logging.WARNING, _REDISTRIBUTE_LOGGER: logging.ERROR}
+    saved = {log: log.level for log in levels}
+    for log, level in levels.items():
+        log.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for log, level in saved.items():
+            log.setLevel(level)
+
+
+_REDISTRIBUTE_LOGGER = logging.getLogger("torch.distributed.tensor._redistribute")
 
 
 class _Tracker(MemTracker):
