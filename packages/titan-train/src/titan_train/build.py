@@ -283,11 +283,19 @@ def _build_validator(
 
 
 def _build_model(
-    config: JobConfig, plan: Plan, vocab_size: int, validating: bool, loss_fn: LossFn
+    config: JobConfig,
+    plan: Plan,
+    vocab_size: int,
+    validating: bool,
+    loss_fn: LossFn,
+    *,
+    materialize: bool = True,
 ) -> tuple[Any, list[nn.Module], Pipeline | None]:
     """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init),
     and the pipeline. Same seed on every rank of a stage (each initializes its shards of the
-    same model), another per pipeline stage (``seed_model_init``)."""
+    same model), another per pipeline stage (``seed_model_init``). ``materialize=False``
+    stops before allocating: the parts stay on the meta device (``titan-train estimate``
+    allocates them as fake tensors)."""
     training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
     longest = max(training.seq_len, config.validation.seq_len if validating else 0)
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
@@ -317,6 +325,8 @@ def _build_model(
         model_parts = [
             spec.parallelize_fn(model, dims, config.parallelize, seq_len=training.seq_len)
         ]
+    if not materialize:
+        return args, model_parts, pipeline
     params_on, buffers_on = materialization_devices(config, device)
     for part in model_parts:
         part.to_empty(device=params_on)

@@ -6,6 +6,7 @@
     titan-train config --print [--job.config_file run.toml ...]   # the merged config as TOML
     titan-train list-models
     titan-train generate --checkpoint.path outputs/checkpoint/step-30 --prompt "Once upon"
+    titan-train estimate --world_size 64 --parallelism.tensor_parallel_degree 8 [--json]
 
 The options of ``train`` (below) take torchtitan's spellings too: ``--training.compile``,
 ``--checkpoint.no-enable-checkpoint``, ``--activation_checkpoint.mode full``, lists as
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-COMMANDS = ("train", "config", "list-models", "generate")
+COMMANDS = ("train", "config", "list-models", "generate", "estimate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,6 +75,10 @@ def _main(argv: list[str]) -> int:
             return _print_config(argv)
         if command == "generate":
             return _generate(launch, argv)
+        if command == "estimate":  # one process whatever the world size (estimate_cli)
+            from titan_train.estimate_cli import run_estimate
+
+            return run_estimate(argv)
         if launch.launches:
             return _launch(launch, argv)
         return _train(argv)

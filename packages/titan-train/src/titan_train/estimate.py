@@ -1,0 +1,440 @@
+"""``estimate_memory(config, world_size=..., rank=...)``: one rank's memory for a training run
+of any layout and world size, measured in this process without allocating it.
+
+The run is built the way ``titan-train`` builds it: ``preflight`` checks the configuration
+(the same errors, before any work), then ``titan_train.build``'s own model path makes the
+model on the meta device and parallelizes it (FSDP/HSDP, TP with sequence and loss
+parallel, CP, EP) or splits it into this rank's pipeline stages, all on a fake process group
+of ``world_size`` ranks seen from ``rank`` (``titan_dims.simulate.fake_process_group``).
+The parts are then allocated as fake tensors (``FakeTensorMode``: shapes and storages, no
+memory), the optimizers are built, their state made by one update on zero gradients, and
+one whole training step runs (forward, backward, the clip's norm, the update) under torch's
+``MemTracker``, which counts every storage the way an allocator would see it:
+
+- ``parameters``, ``buffers``, ``gradients``, ``optimizer_state``: what this rank keeps
+  between steps (its shards);
+- ``activations``: the most the forward's tensors held at once (what the forward saves for
+  backward under the chosen activation checkpointing, the logits, FSDP's all-gathered
+  blocks in flight);
+- ``peak``: the most memory live at any moment of a step, all kinds together.
+
+Under pipeline parallelism the schedule's own runtime cannot run in one process (it agrees
+tensor metadata with the neighbouring stages by messages), so this rank's actions of the
+real schedule are replayed on its real stage modules (``titan_train.estimate_pipeline``).
+
+A model that sizes tensors from tensor values (an MoE's tokens per expert) cannot run its
+step on fake tensors: its resident state is still exact, and ``step_simulated`` is False.
+DDP without sharding, fault tolerance, CPU offload and optimizer-in-backward are refused
+(``ConfigError``, exit 2 from the command).
+
+What it does not count: the allocator's caching and fragmentation on accelerators, NCCL's
+own buffers, CUDA context; allow a few GB on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+from titan_dims.simulate import fake_process_group
+from titan_optim import build_optimizers
+from titan_optim.clip import global_grad_norm
+from titan_train.build import _build_model  # training's own model path, never another
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.estimate_pipeline import replay_pipeline_step
+from titan_train.preflight import Plan, World, preflight
+from titan_train.step import batch_loss, cross_entropy_loss
+
+__all__ = ["MemoryEstimate", "check_estimable", "estimate_memory"]
+
+logger = logging.getLogger("titan_train")
+
+_TOTAL = "Total"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """One rank's memory for one training step of a run (bytes), and what it was built as."""
+
+    model: str
+    flavor: str
+    world_size: int
+    rank: int
+    layout: dict[str, int]
+    """The parallel degrees: dp_replicate, dp_shard, cp, tp, pp, ep."""
+    activation_checkpoint: str
+    local_batch_size: int
+    seq_len: int
+    param_dtype: str
+    """The dtype FSDP computes in (mixed precision); parameters are kept in float32."""
+    num_params: int
+    """The whole model's parameters."""
+    rank_params: int
+    """Parameters this rank holds (its shards, its pipeline stages)."""
+    pipeline_stages: list[int] | None
+    """The pipeline stages this rank runs (of ``num_stages``); ``None`` without PP."""
+    num_stages: int | None
+    pipeline_microbatches: int | None
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    peak: int
+    peak_breakdown: dict[str, int] = field(default_factory=dict)
+    """What was live at the peak, by kind (torch's MemTracker categories)."""
+    step_simulated: bool = True
+    """Whether a whole training step ran (``False``: see ``note``)."""
+    note: str | None = None
+    """What the estimate could not simulate, and what its numbers then mean."""
+    seconds: float = 0.0
+    """How long the estimate took."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON object: these fields, bytes as integers."""
+        return dataclasses.asdict(self)
+
+
+def check_estimable(config: JobConfig) -> None:
+    """Raise ``ConfigError`` for what an estimate cannot simulate, before any work."""
+    refusals = {
+        "fault_tolerance.enable=true": config.fault_tolerance.enable,
+        "parallelize.cpu_offload=true": config.parallelize.cpu_offload,
+        "optimizer.early_step_in_backward=true": config.optimizer.early_step_in_backward,
+    }
+    named = [name for name, on in refusals.items() if on]
+    if named:
+        raise ConfigError(
+            f"titan-train estimate cannot simulate {', '.join(named)} (a torchft replica "
+            "group needs its lighthouse; offloaded and in-backward state live outside the "
+            "step it replays); estimate without it (set it to false): the layout's memory "
+            "is the same on the device."
+        )
+
+
+def _check_layout(plan: Plan) -> None:
+    """Raise ``ConfigError`` for a layout fake tensors cannot run, after preflight's checks."""
+    dims = plan.parallel_dims
+    if dims.dp_replicate > 1 and not dims.fsdp_enabled:
+        raise ConfigError(
+            f"titan-train estimate cannot simulate DDP (data_parallel_replicate_degree="
+            f"{dims.dp_replicate} with no sharding): torch's DDP reducer needs real storage. "
+            "A DDP rank holds what one process holds plus gradient buckets about the size of "
+            "the gradients: estimate with data_parallel_replicate_degree=1, or shard (HSDP: "
+            "data_parallel_shard_degree > 1)."
+        )
+
+
+def estimate_memory(
+    config: JobConfig, *, world_size: int, rank: int = 0, vocab_size: int | None = None
+) -> MemoryEstimate:
+    """Estimate the memory of ``rank`` in a ``world_size``-rank run of ``config``.
+
+    Raises the configuration errors a real run's ``preflight`` raises (plus
+    ``check_estimable``'s), before any model is built. ``vocab_size`` overrides the
+    tokenizer's vocabulary (e.g. 128256 for Llama 3's tokenizer without having its file)."""
+    started = time.perf_counter()
+    if world_size < 1:
+        raise ConfigError(f"--world_size={world_size} is not allowed; it must be >= 1.")
+    check_estimable(config)
+    # Checkpoints, compilation and profiling do not change a step's memory on the device
+    # (compile lowers it a little): the estimate is of the eager step.
+    config = dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+        parallelize=dataclasses.replace(config.parallelize, compile=False),
+    )
+    world = World(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    with fake_process_group(world_size, rank), _quiet_logs():
+        plan = preflight(config, world)
+        _check_layout(plan)
+        vocab = vocab_size if vocab_size is not None else _tokenizer_vocab(config)
+        args, parts, pipeline = _build_model(
+            config, plan, vocab, False, cross_entropy_loss, materialize=False
+        )
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            measured = _measure(config, plan, parts, pipeline, vocab, dim=int(args.dim))
+    dims = plan.parallel_dims
+    return MemoryEstimate(
+        model=plan.spec.name,
+        flavor=config.model.flavor,
+        world_size=world_size,
+        rank=rank,
+        layout={
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+            "pp": dims.pp,
+            "ep": dims.ep,
+        },
+        activation_checkpoint=config.parallelize.activation_checkpoint.mode,
+        local_batch_size=plan.batches.local_batch_size,
+        seq_len=config.training.seq_len,
+        param_dtype=str(measured.pop("param_dtype")),
+        num_params=int(args.num_params()),
+        pipeline_stages=None if pipeline is None else list(pipeline.stage_ids),
+        num_stages=None if pipeline is None else pipeline.schedule._num_stages,
+        pipeline_microbatches=plan.pipeline_microbatches,
+        seconds=round(time.perf_counter() - started, 3),
+        **measured,
+    )
+
+
+def _tokenizer_vocab(config: JobConfig) -> int:
+    from titan_train.hf_start import run_vocab_size
+    from titan_train.tokenizer import load_tokenizer
+
+    return run_vocab_size(config, load_tokenizer(config.model.tokenizer_path).vocab_size)
+
+
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """The build's INFO lines describe a run that does not happen, and DTensor's advice on
+    redistributing the clip's norm is about torch's collectives, not the estimate: keep
+    warnings of ours, errors of DTensor's."""
+    levels = {logger: logging.WARNING, _REDISTRIBUTE_LOGGER: logging.ERROR}
+    saved = {log: log.level for log in levels}
+    for log, level in levels.items():
+        log.setLevel(level)
+    try:
+        yield
+    finally:
+        for log, level in saved.items():
+            log.setLevel(level)
+
+
+_REDISTRIBUTE_LOGGER = logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+class _Tracker(MemTracker):
+    """torch's MemTracker, also keeping the most the activations held at any moment, and
+    blind to DTensor's sharding propagation: that runs each new op once on fake tensors of
+    the *global* shapes, in the active fake mode when there is one (ours), which the plain
+    tracker would count as memory of this rank (a whole unsharded weight per op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_activations = 0
+        self._propagating = 0
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._saved_lock: Any = None
+
+    def __enter__(self) -> _Tracker:
+        # DTensor enters ``ShardingPropagator._fake_mode_lock`` (a replaceable context
+        # manager, a no-op by default) around exactly the propagation's ops.
+        self._saved_lock = ShardingPropagator._fake_mode_lock
+        ShardingPropagator._fake_mode_lock = _Counting(self)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        ShardingPropagator._fake_mode_lock = self._saved_lock
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    # The plain tracker keeps per-module snapshots (deep copies at every module boundary,
+    # a loop over all modules at every op): what makes it slow on an 80-block model, and
+    # what refuses a second forward of a module (microbatches, steps). Only what the
+    # global numbers need is kept: parameters and their gradient hooks, the first time a
+    # module runs; activation checkpointing's recomputation region (a module running
+    # forward again during backward).
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if module not in self._seen:
+            self._seen.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        elif self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snap in self._curr_mem_snap.items():
+            self.max_activations = max(self.max_activations, snap.get(_MemRefType.ACT, 0))
+            if self._peak_mem.get(device, 0) < snap[_TOTAL]:
+                self._peak_mem[device] = snap[_TOTAL]
+                self._peak_mem_snap[device] = dict(snap)
+
+
+class _Counting:
+    """A context manager counting, on the tracker, that DTensor propagation is under way."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        self._tracker = tracker
+
+    def __enter__(self) -> None:
+        self._tracker._propagating += 1
+
+    def __exit__(self, *args: Any) -> None:
+        self._tracker._propagating -= 1
+
+
+def _measure(
+    config: JobConfig,
+    plan: Plan,
+    parts: list[nn.Module],
+    pipeline: Any,
+    vocab: int,
+    *,
+    dim: int,
+) -> dict[str, Any]:
+    """Allocate ``parts`` (fake), build the optimizers and run two steps under the tracker."""
+    cpu = torch.device("cpu")
+    for part in parts:
+        part.to_empty(device=cpu)  # fake storages; no init: values do not change memory
+        part.train()
+    dims = plan.parallel_dims
+    optimizers: Any = build_optimizers(parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
+    tracker = _Tracker()
+    tracker.track_external(*parts)
+    batch = plan.batches.local_batch_size
+    steps = plan.batches.accumulation_steps
+    seq_len = config.training.seq_len
+    with tracker:
+        # The optimizer state exists from the first step on: make it with one update on
+        # zero gradients (what a step's backward would leave, at a fraction of the cost),
+        # then measure one whole step.
+        for param in (p for part in parts for p in part.parameters()):
+            param.grad = torch.zeros_like(param)
+        optimizers.step()
+        optimizers.zero_grad()
+        tracker.max_activations = 0  # the zero gradients were made outside any module
+        tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
+        step_note = None
+        primed_peak = dict(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+        try:
+            _step(config, plan, parts, pipeline, tokens, steps=steps, dim=dim)
+        except DataDependentOutputException as error:
+            # A model that routes tokens by their values (an MoE's tokens per expert sizes
+            # its buffers) cannot run on fake tensors, which have none: what the rank keeps
+            # between steps is still exact; the step's activations are not known.
+            step_note = (
+                f"{plan.spec.name} decides tensor sizes from tensor values ({error.func}), "
+                "which fake tensors have not: parameters, gradients and optimizer state are "
+                "exact; activations and the step's peak were not simulated (the peak shown "
+                "is the optimizer update's)"
+            )
+            tracker.max_activations = 0  # a partial forward's: not a number to report
+            tracker._peak_mem_snap = {cpu: primed_peak}
+            tracker._peak_mem = {cpu: primed_peak.get(_TOTAL, 0)}
+            for param in (p for part in parts for p in part.parameters()):
+                param.grad = torch.zeros_like(param)  # what the backward would have left
+        # The gradients of the last step are still there, as between steps of a real run.
+        resident = _resident(parts, optimizers)
+    peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    return {
+        **resident,
+        "activations": tracker.max_activations,
+        "step_simulated": step_note is None,
+        "note": step_note,
+        "peak": int(peak_snap.get(_TOTAL, 0)),
+        "peak_breakdown": {getattr(k, "value", str(k)): int(v) for k, v in peak_snap.items()},
+        "param_dtype": _compute_dtype(parts),
+    }
+
+
+def _step(
+    config: JobConfig,
+    plan: Plan,
+    parts: list[nn.Module],
+    pipeline: Any,
+    tokens: torch.Tensor,
+    *,
+    steps: int,
+    dim: int,
+) -> None:
+    """One training step's forward and backward passes over ``tokens`` (this rank's batch,
+    ``steps`` accumulation steps), and the clip's norm: as ``titan_train.step`` runs them."""
+    if pipeline is not None:
+        dtype = getattr(torch, _compute_dtype(parts))
+        replay_pipeline_step(pipeline, plan, tokens, tokens.clone(), dim=dim, dtype=dtype)
+    else:
+        for micro in tokens.chunk(steps):
+            context = plan.step_context
+            batch_loss(parts, None, context, micro, micro.clone(), backward_scale=steps)
+    if config.training.max_norm > 0:
+        _grad_norm(parts, plan.parallel_dims)
+
+
+def _grad_norm(parts: list[nn.Module], dims: Any) -> None:
+    """The clip's global norm, as a real step computes it (its finiteness check reads a
+    value, which fake tensors have not; its scaling is in place, so costs nothing). A
+    function of its own: a list of the gradients held on to would outlive ``zero_grad``."""
+    pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    global_grad_norm(grads, pp_group=pp_mesh)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def _resident(parts: list[nn.Module], optimizers: Any) -> dict[str, int]:
+    """What this rank keeps between steps: its parameter shards, buffers, gradients and
+    optimizer state (each storage once)."""
+    params = [p for part in parts for p in part.parameters()]
+    state = [
+        value
+        for optimizer in optimizers.optimizers
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "rank_params": sum(_local(p).numel() for p in params),
+        "parameters": sum(_nbytes(p) for p in params),
+        "buffers": sum(_nbytes(b) for part in parts for b in part.buffers()),
+        "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_state": sum(_nbytes(v) for v in state),
+    }
+
+
+def _compute_dtype(parts: list[nn.Module]) -> str:
+    """The dtype the blocks compute in: FSDP's mixed-precision parameter dtype, if set."""
+    for part in parts:
+        for module in part.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            if state is None:
+                continue
+            try:
+                policy = state()._mp_policy
+            except (AttributeError, AssertionError):
+                continue
+            if policy.param_dtype is not None:
+                return str(policy.param_dtype).removeprefix("torch.")
+    params = next(iter(parts[0].parameters()), None)
+    return "float32" if params is None else str(params.dtype).removeprefix("torch.")

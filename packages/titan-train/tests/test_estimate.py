@@ -1,0 +1,172 @@
+"""``titan-train estimate`` as a user runs it (``main(["estimate", ...])``), checked against:
+what the layouts must do to the numbers (FSDP over N ranks divides the parameter bytes by
+~N, tensor parallel the sharded weights, full activation checkpointing lowers activations,
+pipeline stages split the model), one message and exit status 2 for bad input (the same
+errors a real run gives), and the real thing: the CPU allocator's peak of real runs of the
+debug model on gloo (``titan_train.estimate_check``, torch's profiler on the allocator:
+nothing shared with the estimator), within 15% for one process and 2-rank FSDP, TP and PP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from titan_train.cli import main
+from titan_train.config import parse_job_config
+from titan_train.estimate import estimate_memory
+from titan_train.estimate_check import spawn_real_peaks
+
+SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2"]
+
+
+def _estimate(capsys, *argv: str) -> dict:
+    assert main(["estimate", "--json", *SMALL, *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return estimate_memory(parse_job_config(SMALL), world_size=1).to_json()
+
+
+def test_one_process_counts_the_whole_model(capsys, single):
+    out = _estimate(capsys)
+    assert out["parameters"] == single["parameters"]
+    assert out["num_params"] == out["rank_params"] == 6_163_712
+    assert out["parameters"] == 4 * out["num_params"]  # fp32 weights
+    assert out["gradients"] == out["parameters"]
+    # AdamW: two moments per weight (+ a step counter per tensor).
+    assert 2 * out["parameters"] <= out["optimizer_state"] < 2 * out["parameters"] + 4096
+    resident = out["parameters"] + out["optimizer_state"] + out["buffers"]
+    assert out["peak"] > resident + out["activations"] / 2
+    assert set(out) >= {"layout", "peak_breakdown", "seconds", "pipeline_stages", "world_size"}
+
+
+def test_fsdp_divides_the_parameters(capsys, single):
+    out = _estimate(capsys, "--world_size", "4", "--parallelism.data_parallel_shard_degree", "4")
+    assert out["layout"]["dp_shard"] == 4
+    assert out["parameters"] == pytest.approx(single["parameters"] / 4, rel=0.01)
+    assert out["optimizer_state"] == pytest.approx(single["optimizer_state"] / 4, rel=0.01)
+    assert out["peak"] < single["peak"]
+
+
+def test_tensor_parallel_divides_the_sharded_weights(capsys, single):
+    out = _estimate(
+        capsys,
+        "--world_size", "2",
+        "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1",
+    )  # fmt: skip
+    # Every matrix is split in two; only the norms' weights (a few KiB) are whole.
+    assert out["parameters"] == pytest.approx(single["parameters"] / 2, rel=0.01)
+    assert out["activations"] < single["activations"]
+
+
+def test_full_activation_checkpointing_lowers_activations(capsys, single):
+    out = _estimate(capsys, "--parallelize.activation_checkpoint.mode", "full")
+    assert out["activation_checkpoint"] == "full"
+    assert out["activations"] < 0.6 * single["activations"]
+    assert out["parameters"] == single["parameters"]
+
+
+def test_pipeline_stages_split_the_model(capsys, single):
+    pp = [
+        "--world_size", "2", "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4",
+    ]  # fmt: skip
+    first = _estimate(capsys, *pp)
+    last = _estimate(capsys, *pp, "--rank", "1")
+    assert (first["pipeline_stages"], last["pipeline_stages"]) == ([0], [1])
+    assert first["num_stages"] == 2
+    assert first["pipeline_microbatches"] == 4
+    assert first["rank_params"] + last["rank_params"] == single["rank_params"]
+
+
+def test_table_names_the_stage(capsys):
+    assert main(["estimate", *SMALL, "--world_size", "2",
+                 "--parallelism.pipeline_parallel_degree", "2", "--rank", "1",
+                 "--parallelism.data_parallel_shard_degree", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "rank 1 runs stage(s) [1] of 2" in out
+    assert "peak (one step)" in out
+    assert "MiB" in out
+
+
+BAD = [
+        # the model's own check (check_fn), as a real run gives it
+        (["--world_size", "3", "--parallelism.tensor_parallel_degree", "3",
+          "--training.seq_len", "384"], "must divide n_heads=16"),
+        (["--world_size", "0"], "--world_size=0"),
+        (["--rank", "2", "--world_size", "2"], "--rank=2 is outside"),
+        (["--world_size", "x"], "--world_size needs a whole number"),
+        (["--model.flavor", "huge"], "model.flavor='huge'"),
+        (["--world_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
+          "--parallelism.data_parallel_shard_degree", "1"], "cannot simulate DDP"),
+        (["--parallelize.cpu_offload"], "cannot simulate parallelize.cpu_offload"),
+        # preflight's layout check (titan-dims)
+        (["--world_size", "4", "--parallelism.tensor_parallel_degree", "3"], "does not divide"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "says"), BAD)
+def test_bad_input_is_one_message_and_exit_2(capsys, argv, says):
+    assert main(["estimate", *SMALL, *argv]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("titan-train: error")]
+    assert len(lines) == 1, captured.err
+    assert says in lines[0]
+    assert captured.out == ""
+
+
+def test_help_documents_the_command(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["estimate", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--world_size", "--rank", "--json", "--parallelism.tensor_parallel_degree"):
+        assert option in out
+
+
+LAYOUTS = {
+    "one process": [],
+    "fsdp": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp": ["--parallelism.tensor_parallel_degree", "2",
+           "--parallelism.data_parallel_shard_degree", "1"],
+    "pp": ["--parallelism.pipeline_parallel_degree", "2",
+           "--parallelism.data_parallel_shard_degree", "1"],
+}  # fmt: skip
+REAL = [*SMALL, "--training.local_batch_size", "4", "--training.steps", "2",
+        "--lr_scheduler.warmup_steps", "1", "--metrics.no_enable_tensorboard"]  # fmt: skip
+
+
+def test_within_15_percent_of_real_runs():
+    """The estimated peak against the allocator's peak of real gloo runs (one 2-rank job
+    runs the three 2-rank layouts in turn): rank 0 of each, and both pipeline stages.
+    About a minute on 2 cores: the slowest test here."""
+    real = {"one process": spawn_real_peaks([REAL], 1)[0]}
+    two = [name for name in LAYOUTS if name != "one process"]
+    peaks = spawn_real_peaks([[*REAL, *LAYOUTS[name]] for name in two], 2)
+    real.update(zip(two, peaks, strict=True))
+    for name, ranks in [*((n, [0]) for n in LAYOUTS), ("pp", [1])]:
+        world = len(real[name])
+        for rank in ranks:
+            config = parse_job_config([*REAL, *LAYOUTS[name]])
+            estimate = estimate_memory(config, world_size=world, rank=rank)
+            assert estimate.peak == pytest.approx(real[name][rank], rel=0.15), (name, rank)
+
+
+def test_moe_keeps_exact_state_and_says_what_it_did_not_simulate(capsys):
+    """DeepSeek-V3 sizes its expert buffers from the routing (values fake tensors have not):
+    the resident state is exact, expert parallel divides the experts, the note says so."""
+    moe = ["--model.name", "deepseek_v3", "--world_size", "2"]
+    out = _estimate(capsys, *moe, "--parallelism.data_parallel_shard_degree", "2")
+    ep = _estimate(capsys, *moe, "--parallelism.expert_parallel_degree", "2",
+                   "--parallelism.data_parallel_shard_degree", "2")  # fmt: skip
+    assert out["step_simulated"] is False
+    assert "not simulated" in out["note"]
+    assert out["layout"]["ep"] == 1
+    assert ep["layout"]["ep"] == 2
+    assert out["optimizer_state"] >= 2 * out["parameters"]
+    assert out["peak"] >= out["parameters"] + out["gradients"] + out["optimizer_state"]
