@@ -12,7 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from titan_optim import FTOptimizersContainer, OptimizerConfig, build_optimizers
+from titan_optim import (
+    FTOptimizersContainer,
+    OptimizerConfig,
+    OptimizersContainer,
+    build_optimizers,
+)
 
 # torchft 0.2.0 logs through the deprecated Logger.warn; that is its business, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated")
@@ -78,6 +83,36 @@ def test_commits_steps_and_serves_cached_state_without_stepping(manager):
     assert peer_view is optimizers.state_dict()  # the cache, not a recomputation
     assert peer_view["state.weight.step"].item() == 2.0  # as of the last committed step
     assert torch.equal(model.weight, before)
+
+
+def test_the_state_is_built_when_asked_not_at_every_step(manager):
+    """F23: the flat optimizer state dict (a walk over every parameter's state) is built on
+    demand, once per committed step, not after each step whether anyone reads it or not."""
+
+    class Counting(OptimizersContainer):
+        builds = 0
+
+        def state_dict(self):
+            Counting.builds += 1
+            return super().state_dict()
+
+    model = nn.Linear(3, 2)
+    inner = Counting([model], [[torch.optim.AdamW(model.parameters(), lr=0.1)]])
+    optimizers = FTOptimizersContainer(inner, manager)
+    for _step in range(3):
+        optimizers.zero_grad()
+        model(torch.randn(4, 3)).square().mean().backward()
+        optimizers.step()
+    assert Counting.builds == 0
+    first = optimizers.state_dict()
+    assert optimizers.state_dict() is first
+    assert Counting.builds == 1
+    assert first["state.weight.step"].item() == 3.0
+    optimizers.zero_grad()
+    model(torch.randn(4, 3)).square().mean().backward()
+    optimizers.step()
+    assert optimizers.state_dict()["state.weight.step"].item() == 4.0
+    assert Counting.builds == 2
 
 
 def test_uncommitted_step_is_skipped(manager):

@@ -127,11 +127,12 @@ class FTOptimizersContainer:
 
     def step(self) -> None:
         """Average the gradients (if clipping did not), then step only if the manager
-        commits this step; refresh the cached state if so."""
+        commits this step; the cached state is then rebuilt when next asked for (a peer's
+        recovery, a checkpoint), not at every step."""
         self.average_gradients()
         if self.manager.should_commit():
             self.optimizers.step()
-            self._cache = self.optimizers.state_dict()
+            self._cache = None
 
     def clip_grad_norm_(
         self,
@@ -154,7 +155,9 @@ class FTOptimizersContainer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The state as of the last committed step (safe to call from any thread)."""
+        """The state as of the last committed step (safe to call from any thread: torchft
+        asks for it between steps, or while the next step's quorum runs, before its update).
+        Built once per committed step, on the first call."""
         if self._cache is None:
             self._cache = self.optimizers.state_dict()
         return self._cache
