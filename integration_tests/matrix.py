@@ -147,6 +147,14 @@ ROWS: dict[str, Row] = {
         check="validation",
     ),
     "generate": Row(1, command="generate", needs=("single",), reference=None, check="generate"),
+    # One process plans rank 0 of FSDP 2 x TP 2 x PP 2 on a fake process group.
+    "estimate": Row(
+        1,
+        _degrees(dp_shard=2, tp=2, pp=2),
+        command="estimate",
+        reference=None,
+        check="estimate",
+    ),
     "moe_single": Row(1, MOE, reference=None),
     "moe_ep": Row(2, (*MOE, *_degrees(dp_shard=2, ep=2)), reference="moe_single", rtol=1e-4),
     "qwen3_moe_single": Row(1, QWEN_MOE, reference=None),
@@ -200,9 +208,10 @@ class Matrix:
     def _run(self, name: str, row: Row) -> tuple[bool, str]:
         folder = self.work / name
         if row.command == "generate":
-            return CHECKS["generate"](
-                self.folders["single"], _titan_generate(self.folders["single"])
-            )
+            single = self.folders["single"]
+            return CHECKS["generate"](single, _titan_generate(single))
+        if row.command == "estimate":
+            return CHECKS["estimate"](folder, _titan_estimate(row.args))
         model = (
             MOE if set(MOE) <= set(row.args) else QWEN_MOE if set(QWEN_MOE) <= set(row.args) else ()
         )
@@ -269,6 +278,17 @@ def _titan_generate(folder: Path) -> str:
     return done.stdout
 
 
+def _titan_estimate(args: tuple[str, ...]) -> str:
+    command = [
+        sys.executable, "-m", "titan_train.cli", "estimate", *args,
+        "--training.seq_len", "64", "--training.local_batch_size", "2", "--json",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"estimate exit {done.returncode}: {done.stderr[-3000:]}")
+    return done.stdout
+
+
 def _losses(folder: Path, key: str = "loss") -> dict[int, float]:
     lines = (folder / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r[key] for r in map(json.loads, lines) if key in r}
@@ -306,10 +326,21 @@ def _check_generate(_folder: Path, output: str) -> tuple[bool, str]:
     return True, f"greedy sample of 8 tokens from step {STEPS}: {text[:80]}"
 
 
+def _check_estimate(_folder: Path, output: str) -> tuple[bool, str]:
+    report = json.loads(output)
+    shards = report["layout"]["dp_shard"] * report["layout"]["tp"] * report["layout"]["pp"]
+    resident = report["parameters"] + report["gradients"] + report["optimizer_state"]
+    share = report["rank_params"] * shards / report["num_params"]
+    if not report["step_simulated"] or report["peak"] < resident or not 0.95 < share < 1.05:
+        return False, f"estimate {report}"
+    return True, f"peak {report['peak'] / 2**20:.1f} MiB on rank 0 of {report['world_size']}"
+
+
 CHECKS: dict[str, Callable[[Path, str], tuple[bool, str]]] = {
     "export_bf16": _check_export_bf16,
     "validation": _check_validation,
     "generate": _check_generate,
+    "estimate": _check_estimate,
 }
 
 
