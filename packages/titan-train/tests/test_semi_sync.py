@@ -8,7 +8,9 @@ fragments, and real runs under a real torchft lighthouse:
 - two ``titan-train`` replica groups (one process each) with LocalSGD every 2 steps: their
   weights (the validation loss of the same unsharded batch) are equal after steps 2 and 4
   and differ after steps 1 and 3, and losses decrease; DiLoCo with ``outer_lr = 1`` and no
-  momentum trains exactly like LocalSGD (the stated equivalence).
+  momentum trains exactly like LocalSGD (the stated equivalence);
+- a group started late (as a killed group restarts) heals from its peer at its first sync
+  and trains in step with it from then on.
 
 The tests needing torchft are skipped when the ``torchft`` extra is not installed.
 """
@@ -297,3 +299,54 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd(semi_sync_runs):
             )
     first, second = semi_sync_runs["diloco"]
     assert first["validation/loss"][2] == pytest.approx(second["validation/loss"][2], abs=1e-6)
+
+
+JOIN_STEPS = 120
+REPLICA_0, REPLICA_1 = (["--fault_tolerance.replica_id", str(r)] for r in (0, 1))
+
+
+@pytest.mark.slow
+def test_a_group_that_joins_late_heals_at_the_next_sync(tmp_path):
+    """Group 0 trains alone (``min_replica_size = 1``); group 1 starts once group 0 is past
+    step 4 (as a killed group restarts): at its first sync it copies group 0's state (weights,
+    optimizer, step) through torchft and from then on the two sync every 2 steps."""
+    pytest.importorskip("torchft")
+    import subprocess
+    import time
+
+    from torchft._torchft import LighthouseServer
+
+    helpers = _ft_helpers()
+    args = ["--job.dump_folder", str(tmp_path), *SEMI_STEPS, *LOCAL_SGD]
+    args += ["--training.steps", str(JOIN_STEPS), "--metrics.log_freq", "1"]
+    args += ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    env = helpers._env(**{LIGHTHOUSE_ENV: lighthouse.address()})
+    metrics = tmp_path / "ft-replica-0" / "metrics.jsonl"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
+    groups = [subprocess.Popen(helpers._command(*args, *REPLICA_0), **quiet)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
+            assert groups[0].poll() is None, "group 0 ended before group 1 could join"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        groups.append(subprocess.Popen(helpers._command(*args, *REPLICA_1), **quiet))
+        assert [g.wait(timeout=240) for g in groups] == [0, 0]
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+        lighthouse.shutdown()
+    first, second = (
+        helpers._records(tmp_path / f"ft-replica-{r}" / "metrics.jsonl") for r in (0, 1)
+    )
+    assert sorted(first["loss"]) == list(range(1, JOIN_STEPS + 1))
+    joined = sorted(second["loss"])
+    # Step 1 alone, then healed at its first sync: group 0's step, far past step 2.
+    assert joined[0] == 1
+    assert joined[1] > 4
+    assert joined[-1] == JOIN_STEPS
+    # From then on the same weights at every sync step.
+    for step in (s for s in joined[1:] if s % 2 == 0):
+        assert first["validation/loss"][step] == second["validation/loss"][step], step
