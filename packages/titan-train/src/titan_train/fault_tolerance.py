@@ -21,6 +21,10 @@ optimizer wrapping) and, per step, only inside its optimizer container (titan-op
   state (titan-ckpt's ``ft_manager``), and its metrics under
   ``<dump_folder>/ft-replica-<replica_id>/``.
 
+With ``semi_sync_method`` (``local_sgd`` or ``diloco``) none of the per-step work above
+happens: each group steps alone and ``titan_train.semi_sync`` syncs the groups every
+``sync_steps`` steps, in a synchronous quorum.
+
 Needs the ``torchft`` extra: ``pip install 'titan-train[torchft]'``.
 """
 
