@@ -215,18 +215,6 @@ KEYS: Mapping[str, Key] = {
     "memory_estimation.enabled": _refuse("titan has no FSDP memory estimator"),
     "memory_estimation.enable": _refuse("titan has no FSDP memory estimator"),
     "memory_estimation.disable_fake_mode": _noop("titan has no FSDP memory estimator"),
-    # [fault_tolerance]: torchtitan's semi-synchronous training (DiLoCo, local SGD).
-    "fault_tolerance.semi_sync_method": _refuse(
-        "titan's torchft groups average gradients every step; semi-synchronous training "
-        "(DiLoCo, local SGD) is not supported",
-        str,
-        inert=(None, ""),
-    ),
-    "fault_tolerance.sync_steps": _noop("it applies only with semi_sync_method", int),
-    "fault_tolerance.should_quantize": _noop("it applies only with semi_sync_method"),
-    "fault_tolerance.fragment_sync_delay": _noop("it applies only with semi_sync_method", int),
-    "fault_tolerance.fragment_update_alpha": _noop("it applies only with semi_sync_method", float),
-    "fault_tolerance.num_fragments": _noop("it applies only with semi_sync_method", int),
     # [experimental]
     "experimental.custom_import": _refuse(_ENTRY_POINTS, str, inert=("",)),
     "experimental.custom_args_module": _refuse(

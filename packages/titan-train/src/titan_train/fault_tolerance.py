@@ -21,6 +21,10 @@ optimizer wrapping) and, per step, only inside its optimizer container (titan-op
   state (titan-ckpt's ``ft_manager``), and its metrics under
   ``<dump_folder>/ft-replica-<replica_id>/``.
 
+With ``semi_sync_method`` (``local_sgd`` or ``diloco``) none of the per-step work above
+happens: each group steps alone and ``titan_train.semi_sync`` syncs the groups every
+``sync_steps`` steps, in a synchronous quorum.
+
 Needs the ``torchft`` extra: ``pip install 'titan-train[torchft]'``.
 """
 
@@ -36,6 +40,7 @@ import torch
 
 from titan_dims import ParallelDims
 from titan_train.errors import ConfigError, check_int, check_number
+from titan_train.semi_sync import check_semi_sync_fields
 
 __all__ = [
     "LIGHTHOUSE_ENV",
@@ -74,6 +79,27 @@ class FaultToleranceConfig:
     bucket_cap_mb: float = 25.0
     """MiB per bucket of the gradient average across replica groups: gradients are flattened
     into buckets, one all-reduce each; 0 all-reduces every gradient on its own (titan's)."""
+    semi_sync_method: Literal["local_sgd", "diloco"] | None = None
+    """Semi-synchronous training (``titan_train.semi_sync``): each group steps on its own
+    gradients and the groups sync every ``sync_steps`` steps, averaging weights (local_sgd)
+    or through an outer optimizer (diloco); unset averages gradients every step."""
+    sync_steps: int = 5
+    """Optimizer steps between syncs (with semi_sync_method)."""
+    should_quantize: bool = False
+    """DiLoCo: quantize the pseudo-gradients before their all-reduce (CUDA only)."""
+    fragment_sync_delay: int = 0
+    """DiLoCo: steps between starting a fragment's all-reduce and waiting for it."""
+    fragment_update_alpha: float = 0.0
+    """DiLoCo: after a sync, weights = lerp(synced, local, alpha); 0 keeps the synced ones."""
+    num_fragments: int = 1
+    """DiLoCo: fragments of whole blocks that sync in turn (Streaming DiLoCo); must divide
+    the model's blocks and sync_steps."""
+    outer_lr: float = 0.7
+    """DiLoCo: the outer SGD's learning rate (titan's key; torchtitan fixes 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo: the outer SGD's momentum, 0 to below 1 (titan's key; torchtitan fixes 0.9)."""
+    outer_nesterov: bool = True
+    """DiLoCo: Nesterov momentum in the outer SGD (titan's key; torchtitan's is on)."""
 
     def __post_init__(self) -> None:
         check_int(
@@ -88,6 +114,7 @@ class FaultToleranceConfig:
             low=0,
             hint="MiB per all-reduce bucket; 0 all-reduces each gradient alone",
         )
+        check_semi_sync_fields(self)
         if not self.enable:
             return
         if self.group_size < 1:
@@ -204,7 +231,9 @@ class ReplicaGroup:
             min_replica_size=config.min_replica_size,
             load_state_dict=None,
             state_dict=None,
-            use_async_quorum=True,
+            # Semi-sync methods meet only every sync_steps steps, in a quorum that must be
+            # complete (a joining group heals in it) before they average: synchronous.
+            use_async_quorum=config.semi_sync_method is None,
             replica_id=f"titan_ft_{config.replica_id}",
             store_addr=store_addr,
             store_port=store_port,
@@ -228,12 +257,16 @@ class ReplicaGroup:
         second time."""
         from titan_optim import FTOptimizersContainer
 
+        if self.config.semi_sync_method is not None:
+            return optimizers  # each group steps alone; titan_train.semi_sync syncs them
         return FTOptimizersContainer(
             optimizers, self.manager, state_key=None, bucket_cap_mb=self.config.bucket_cap_mb
         )
 
     def participants(self) -> int:
-        """Replica groups taking part in this step."""
+        """Replica groups taking part in this step (semi-sync: in the last sync, at least 1)."""
+        if self.config.semi_sync_method is not None:
+            return max(1, self.manager.num_participants())
         return self.manager.num_participants()
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ group, no model, no data), in the order a user meets them:
 - the checkpoint folder (writable, holding nothing titan would touch wrongly), and a
   Hugging Face folder to start from (``checkpoint.initial_load_in_hf``) against the model
   (``titan_train.hf_start``);
-- fault tolerance (layout, seed checkpoint, lighthouse);
+- fault tolerance (layout, seed checkpoint, lighthouse; semi-sync fragments and device);
 - optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
 - the context-parallel implementation for this device, resolved once into the plan's
   ``StepContext``.
@@ -42,6 +42,7 @@ from titan_train.fault_tolerance import check_fault_tolerance
 from titan_train.hf_start import check_initial_hf_load
 from titan_train.model_args import build_model_args
 from titan_train.registry import load_model_spec
+from titan_train.semi_sync import check_semi_sync
 
 logger = logging.getLogger("titan_train")
 
@@ -124,6 +125,9 @@ def preflight(config: JobConfig, world: World) -> Plan:
         config.fault_tolerance,
         dims,
         create_seed_checkpoint=config.checkpoint.create_seed_checkpoint,
+    )
+    check_semi_sync(
+        config.fault_tolerance, n_layers=_n_layers(config, spec), device_type=world.device.type
     )
     check_optimizer_in_backward(config, dims)
     return Plan(
@@ -227,6 +231,16 @@ def checkpoint_cost_warning(config: JobConfig, spec: ModelSpec) -> str | None:
         f"{checkpoint.interval} steps; torchtitan saves every 500. Set checkpoint.interval "
         "to what your storage and step time allow."
     )
+
+
+def _n_layers(config: JobConfig, spec: ModelSpec) -> int:
+    """The model's blocks, as the run will build it (0 for a model without ``n_layers``)."""
+    if config.fault_tolerance.semi_sync_method is None:
+        return 0  # only the semi-sync fragments need it
+    args = build_model_args(
+        spec, config.model, vocab_size=None, max_seq_len=_longest_seq_len(config)
+    )
+    return int(getattr(args, "n_layers", 0))
 
 
 def _longest_seq_len(config: JobConfig) -> int:

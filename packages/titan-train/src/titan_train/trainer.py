@@ -12,7 +12,9 @@ run(config)
 With ``fault_tolerance.enable`` the run is one replica group of a torchft job (see
 ``titan_train.fault_tolerance``): the data is sharded over all groups at build time, and the
 optimizer container does the per-step work (quorum, gradient averaging before clipping,
-commit); the loop is the same.
+commit); the loop is the same. With ``fault_tolerance.semi_sync_method`` the loop runs inside
+``titan_train.semi_sync``'s LocalSGD or DiLoCo context: groups step alone and sync every
+``sync_steps`` steps.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from titan_train.preflight import (
     plan_batches,
     preflight,
 )
+from titan_train.semi_sync import semi_sync_training
 from titan_train.state import TrainState
 from titan_train.step import cross_entropy_loss, next_batches, report_step, train_step
 
@@ -110,25 +113,28 @@ def train(run: TrainingRun) -> None:
     fast_from = fail_fast_step(run.config)
     gc.disable()
     try:
-        while run.train_state.step < training.steps:
-            started = time.perf_counter()
-            if (run.train_state.step + 1) % training.gc_freq == 0:
-                gc.collect(1)
-            batches, data_seconds = next_batches(
-                run.batches, run.plan.batches.accumulation_steps, run.plan.world.device
-            )
-            result = train_step(run, batches)
-            report_step(run, result, started=started, data_seconds=data_seconds)
-            validate(run, result.step)
-            last = result.step == training.steps
-            if last and result.step >= fast_from:
-                # The final save (and HF export: rank 0 writes shards while the others wait
-                # in the next gather) may take minutes: the start-up timeout again.
-                _set_timeout(run, run.config.comm.init_timeout_seconds)
-            run.checkpointer.save(result.step, last_step=last)
-            run.profiler.step()
-            if result.step == fast_from and not last:
-                _start_fail_fast(run)
+        # Semi-synchronous fault tolerance (LocalSGD, DiLoCo) syncs the replica groups from
+        # the optimizer's step hooks while inside; otherwise a no-op.
+        with semi_sync_training(run):
+            while run.train_state.step < training.steps:
+                started = time.perf_counter()
+                if (run.train_state.step + 1) % training.gc_freq == 0:
+                    gc.collect(1)
+                batches, data_seconds = next_batches(
+                    run.batches, run.plan.batches.accumulation_steps, run.plan.world.device
+                )
+                result = train_step(run, batches)
+                report_step(run, result, started=started, data_seconds=data_seconds)
+                validate(run, result.step)
+                last = result.step == training.steps
+                if last and result.step >= fast_from:
+                    # The final save (and HF export: rank 0 writes shards while the others wait
+                    # in the next gather) may take minutes: the start-up timeout again.
+                    _set_timeout(run, run.config.comm.init_timeout_seconds)
+                run.checkpointer.save(result.step, last_step=last)
+                run.profiler.step()
+                if result.step == fast_from and not last:
+                    _start_fail_fast(run)
     except torch.OutOfMemoryError:
         # Where the memory went, while the allocator still holds it (profiling's
         # memory_snapshot_on_oom); the error then ends the run as before.

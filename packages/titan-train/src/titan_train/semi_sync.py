@@ -1,0 +1,233 @@
+"""Semi-synchronous training with torchft: LocalSGD and DiLoCo as fault-tolerance modes.
+
+With ``fault_tolerance.semi_sync_method`` set, the replica groups no longer average
+gradients every step: each group's optimizer steps on its own gradients, and every
+``fault_tolerance.sync_steps`` optimizer steps the groups meet (one torchft quorum, so a
+group that died and came back joins there and heals from a peer):
+
+- ``local_sgd``: the groups' weights are averaged (LocalSGD, arXiv:1805.09767);
+- ``diloco``: each group's pseudo-gradient (the weights at the last sync minus its weights
+  now) is averaged, and an outer SGD optimizer (``outer_lr``, ``outer_momentum``,
+  ``outer_nesterov``) steps the last synced weights with it (DiLoCo, arXiv:2311.08105).
+  With ``num_fragments`` > 1 the model is cut into that many fragments of whole blocks
+  (embeddings with the first, final norm and output with the last) and one fragment
+  syncs every ``sync_steps / num_fragments`` steps, in turn (Streaming DiLoCo,
+  arXiv:2501.18512).
+
+Stated equivalence: DiLoCo with ``outer_lr = 1`` and ``outer_momentum = 0`` sets the weights
+to the average of the groups' weights, as LocalSGD does.
+
+The keys and their meanings are torchtitan's ``[fault_tolerance]`` ones (its torchft
+experiment), so its TOML carries over; ``outer_lr``, ``outer_momentum`` and
+``outer_nesterov`` are titan's (torchtitan fixes them at 0.7, 0.9 and Nesterov, titan's
+defaults). torchft's ``LocalSGD`` / ``DiLoCo`` do the work: ``semi_sync_training(run)``
+wraps the training loop in one of them, driven by the optimizer container's step hooks.
+
+Between syncs the groups' weights differ: the shared checkpoint holds the writing group's
+weights (set ``checkpoint.interval`` to a multiple of ``sync_steps`` to save synced ones),
+and the first shared checkpoint is written once the first sync formed a quorum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from titan_train.errors import ConfigError, check_int, check_number
+
+if TYPE_CHECKING:
+    from titan_train.build import TrainingRun
+    from titan_train.fault_tolerance import FaultToleranceConfig
+
+__all__ = [
+    "METHODS",
+    "check_semi_sync",
+    "check_semi_sync_fields",
+    "model_fragments",
+    "semi_sync_training",
+]
+
+logger = logging.getLogger("titan_train")
+
+METHODS = ("local_sgd", "diloco")
+"""The values of ``fault_tolerance.semi_sync_method`` (unset: average gradients every step)."""
+
+
+def check_semi_sync_fields(config: FaultToleranceConfig) -> None:
+    """Raise ``ConfigError`` for semi-sync keys out of range or combined impossibly (the
+    checks that need only the section; the model's and device's come in
+    ``check_semi_sync``)."""
+    ft = "fault_tolerance"
+    check_int(f"{ft}.sync_steps", config.sync_steps, minimum=1, hint="optimizer steps per sync")
+    check_int(f"{ft}.num_fragments", config.num_fragments, minimum=1, hint="model fragments")
+    check_int(f"{ft}.fragment_sync_delay", config.fragment_sync_delay, minimum=0, hint="steps")
+    check_number(f"{ft}.fragment_update_alpha", config.fragment_update_alpha, low=0, high=1)
+    check_number(f"{ft}.outer_lr", config.outer_lr, low=0, hint="the outer SGD's lr")
+    check_number(f"{ft}.outer_momentum", config.outer_momentum, low=0, high=1, high_open=True)
+    method = config.semi_sync_method
+    if method is None:
+        return
+    if method not in METHODS:
+        raise ConfigError(
+            f"{ft}.semi_sync_method={method!r} is not allowed; it must be one of "
+            f"{', '.join(METHODS)} (or unset, to average gradients every step)."
+        )
+    if not config.enable:
+        raise ConfigError(
+            f"{ft}.semi_sync_method={method!r} needs {ft}.enable=true (it is a mode of "
+            "torchft replica groups); enable fault tolerance or unset semi_sync_method."
+        )
+    if method == "local_sgd" and config.num_fragments != 1:
+        raise ConfigError(
+            f"{ft}.num_fragments={config.num_fragments} applies to semi_sync_method='diloco' "
+            "only (local_sgd averages the whole model); set it to 1 or use diloco."
+        )
+    if method == "diloco":
+        _check_diloco_schedule(config)
+
+
+def _check_diloco_schedule(config: FaultToleranceConfig) -> None:
+    steps, fragments = config.sync_steps, config.num_fragments
+    if steps % fragments != 0:
+        example = fragments * max(1, steps // fragments)
+        raise ConfigError(
+            f"fault_tolerance.sync_steps={steps} must be a multiple of "
+            f"fault_tolerance.num_fragments={fragments}: one fragment syncs every "
+            f"sync_steps / num_fragments steps; e.g. sync_steps={example}."
+        )
+    per_fragment = steps // fragments
+    if config.fragment_sync_delay >= per_fragment:
+        raise ConfigError(
+            f"fault_tolerance.fragment_sync_delay={config.fragment_sync_delay} must be below "
+            f"sync_steps / num_fragments = {per_fragment} (a fragment must finish syncing "
+            "before its next sync starts); lower it or raise sync_steps."
+        )
+
+
+def check_semi_sync(config: FaultToleranceConfig, *, n_layers: int, device_type: str) -> None:
+    """Raise ``ConfigError`` if the semi-sync mode cannot run this model (``n_layers``
+    blocks) on ``device_type``; checked before any work. Nothing to check when unset."""
+    if not config.enable or config.semi_sync_method is None:
+        return
+    if config.num_fragments > 1 and n_layers % config.num_fragments != 0:
+        divisors = [d for d in range(1, n_layers + 1) if n_layers % d == 0]
+        raise ConfigError(
+            f"fault_tolerance.num_fragments={config.num_fragments} does not divide the "
+            f"model's {n_layers} blocks: each fragment holds the same number of whole blocks; "
+            f"use one of {', '.join(map(str, divisors))}."
+        )
+    if config.should_quantize and device_type != "cuda":
+        raise ConfigError(
+            "fault_tolerance.should_quantize=true needs CUDA (torchft quantizes the "
+            f"pseudo-gradients with GPU kernels), not {device_type}; set it to false."
+        )
+
+
+def model_fragments(model: nn.Module, num_fragments: int) -> list[nn.Module]:
+    """``model`` cut into ``num_fragments`` modules (views that share its parameters): the
+    ``layers`` blocks in equal consecutive runs, the children registered before ``layers``
+    (embeddings) with the first fragment and those after (final norm, output) with the
+    last. One fragment is the model itself."""
+    if num_fragments == 1:
+        return [model]
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, nn.ModuleDict | nn.ModuleList):
+        raise ConfigError(
+            f"fault_tolerance.num_fragments={num_fragments} needs a model with its blocks "
+            f"in `layers`; {type(model).__name__} has none: set num_fragments=1."
+        )
+    names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else None
+    block_list = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+    per = len(block_list) // num_fragments
+    children = list(model.named_children())
+    cut = next(i for i, (name, _) in enumerate(children) if name == "layers")
+    fragments = []
+    for f in range(num_fragments):
+        fragment = nn.Module()
+        if f == 0:
+            for name, child in children[:cut]:
+                fragment.add_module(name, child)
+        part = nn.ModuleDict(
+            {(names[i] if names else str(i)): block_list[i] for i in range(f * per, (f + 1) * per)}
+        )
+        fragment.add_module("layers", part)
+        if f == num_fragments - 1:
+            for name, child in children[cut + 1 :]:
+                fragment.add_module(name, child)
+        fragments.append(fragment)
+    return fragments
+
+
+class _TorchOptimizerHooks:
+    """titan's optimizer container as torchft's ``LocalSGD`` / ``DiLoCo`` drive an
+    optimizer: they register step hooks of torch's ``(optimizer, args, kwargs)`` shape,
+    the container calls ``hook(container)``."""
+
+    def __init__(self, optimizers: Any) -> None:
+        self._optimizers = optimizers
+
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
+        return self._optimizers.register_step_pre_hook(lambda opt: hook(opt, (), {}))
+
+    def register_step_post_hook(self, hook: Callable[..., None]) -> Any:
+        return self._optimizers.register_step_post_hook(lambda opt: hook(opt, (), {}))
+
+
+def semi_sync_training(run: TrainingRun) -> AbstractContextManager[Any]:
+    """The context the training loop runs in: torchft's ``LocalSGD`` or ``DiLoCo`` over
+    ``run``'s model and optimizers when ``fault_tolerance.semi_sync_method`` is set, else a
+    no-op."""
+    config = run.config.fault_tolerance
+    if run.replicas is None or config.semi_sync_method is None:
+        return contextlib.nullcontext()
+    from torchft import local_sgd
+
+    (model,) = run.model_parts  # pipeline parallel is refused with fault tolerance
+    manager, optimizer = run.replicas.manager, _TorchOptimizerHooks(run.optimizers)
+    if config.semi_sync_method == "local_sgd":
+        return _logged(
+            local_sgd.LocalSGD(manager, model, optimizer, sync_every=config.sync_steps),  # type: ignore[arg-type]
+            config,
+        )
+    fragments = model_fragments(model, config.num_fragments)
+    return _logged(
+        local_sgd.DiLoCo(
+            manager,
+            fragments,
+            optimizer,  # type: ignore[arg-type]
+            [_outer_optimizer(f, config) for f in fragments],
+            sync_every=config.sync_steps,
+            should_quantize=config.should_quantize,
+            fragment_sync_delay=config.fragment_sync_delay,
+            fragment_update_alpha=config.fragment_update_alpha,
+        ),
+        config,
+    )
+
+
+def _outer_optimizer(fragment: nn.Module, config: FaultToleranceConfig) -> torch.optim.SGD:
+    # Nesterov without momentum is plain SGD (torch refuses the combination).
+    return torch.optim.SGD(
+        [p for p in fragment.parameters() if p.requires_grad],
+        lr=config.outer_lr,
+        momentum=config.outer_momentum,
+        nesterov=config.outer_nesterov and config.outer_momentum > 0,
+    )
+
+
+@contextlib.contextmanager
+def _logged(method: Any, config: FaultToleranceConfig) -> Iterator[Any]:
+    logger.info(
+        "Semi-synchronous training: %s, replica groups sync every %d steps%s",
+        config.semi_sync_method,
+        config.sync_steps,
+        f" ({config.num_fragments} fragments)" if config.semi_sync_method == "diloco" else "",
+    )
+    with method:
+        yield method
