@@ -1,7 +1,9 @@
 """Fault tolerance with torchft: the ``[fault_tolerance]`` section's checks, and two replica
 groups (each its own one-process ``titan-train`` run) coordinated by a real local lighthouse:
 they see different data, step with the same averaged gradients, resume bit for bit, and
-train like a plain two-rank data-parallel run of the same config.
+train like a plain two-rank data-parallel run of the same config; resumed as one group,
+their data goes on exactly; one killed with SIGKILL and started again heals from the other's
+live state and ends with its weights.
 
 The tests needing torchft are skipped when the ``torchft`` extra is not installed.
 """
