@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from datetime import timedelta
@@ -216,17 +217,54 @@ def test_each_group_keeps_its_own_dataloader_and_resumes_it(two_groups, manager,
     assert opt.state_dict()["state"][0]["step"].item() == 5
 
 
-def test_missing_replica_dataloader_checkpoint_is_refused(two_groups, manager, common):
-    folder, _ = two_groups
-    stranger = CheckpointManager(
+def _group(folder, manager, common, replica_id):
+    data = Position(-1)
+    checkpointer = CheckpointManager(
         CheckpointConfig(enable=True, folder=str(folder)),
         model_parts=common.make_model(),
-        states={"dataloader": Position(), "train_state": common.TrainState()},
+        states={"dataloader": data, "train_state": common.TrainState()},
         ft_manager=manager,
-        ft_replica_id=5,
+        ft_replica_id=replica_id,
     )
-    with pytest.raises(ValueError, match=r"Replica group 5 has no committed dataloader"):
+    return checkpointer, data
+
+
+def test_a_new_group_takes_the_other_groups_dataloader_state_when_they_agree(
+    two_groups, manager, common, tmp_path
+):
+    """More replica groups on resume: a group with no state of its own merges the others'
+    (every key they hold alike); where they disagree there is no exact resume."""
+    folder, _ = two_groups
+    stranger, data = _group(folder, manager, common, 5)
+    with pytest.raises(ValueError, match=r"disagree on 'dataloader.value' \(group 0: 100, group 1"):
         stranger.load()
+    assert data.value == -1
+
+
+def test_a_new_group_goes_on_from_the_only_other_groups_state(
+    two_groups, manager, common, tmp_path
+):
+    # Only group 0 saved step 5 (group 1 was down): a new group 5 goes on from its state.
+    folder, _ = two_groups
+    alone = tmp_path / "alone"
+    shutil.copytree(folder, alone)
+    shutil.rmtree(alone / "ft-replica-1")
+    stranger, data = _group(alone, manager, common, 5)
+    assert stranger.load()
+    assert data.value == 100
+
+
+def test_a_group_without_any_dataloader_state_starts_its_data_over(
+    two_groups, manager, common, tmp_path
+):
+    folder, _ = two_groups
+    alone = tmp_path / "alone"
+    shutil.copytree(folder, alone)
+    for replica in alone.glob("ft-replica-*"):
+        shutil.rmtree(replica)
+    restarted, data = _group(alone, manager, common, 1)
+    assert restarted.load()  # the shared state
+    assert data.value == -1  # the data as built
 
 
 def test_ft_manager_needs_a_replica_id_with_a_dataloader(manager, common, tmp_path):

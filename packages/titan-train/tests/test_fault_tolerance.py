@@ -1,7 +1,9 @@
 """Fault tolerance with torchft: the ``[fault_tolerance]`` section's checks, and two replica
 groups (each its own one-process ``titan-train`` run) coordinated by a real local lighthouse:
 they see different data, step with the same averaged gradients, resume bit for bit, and
-train like a plain two-rank data-parallel run of the same config.
+train like a plain two-rank data-parallel run of the same config; resumed as one group,
+their data goes on exactly; one killed with SIGKILL and started again heals from the other's
+live state and ends with its weights.
 
 The tests needing torchft are skipped when the ``torchft`` extra is not installed.
 """
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -292,3 +297,129 @@ def test_resumed_replica_groups_continue_bit_for_bit(runs):
         assert sorted(resumed["loss"]) == [3, 4]
         for key in ("loss", "grad_norm"):
             assert resumed[key] == {s: original[key][s] for s in (3, 4)}, (replica, key)
+
+
+def test_a_new_replica_group_count_reshards_the_per_group_data_state(runs):
+    """Two replica groups saved step 2, each with the data shards it read; one group resumes
+    it alone (group_size 1) and reads on exactly: after steps 3-4 its data state is that of
+    one uninterrupted stream after the same windows (2 steps x 2 groups x 2, then 2 x 2)."""
+    from torchft._torchft import LighthouseServer
+
+    from titan_ckpt.formats.dcp import DcpSource
+    from titan_train.data import build_dataloader
+    from titan_train.tokenizer import load_tokenizer
+
+    alone = runs / "ft-alone"
+    shutil.copytree(runs / "ft", alone)
+    for step in alone.glob(f"checkpoint/**/step-{STEPS}"):
+        shutil.rmtree(step)
+    shutil.rmtree(alone / "ft-replica-0")
+    one = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "1"]
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        command = _command("--job.dump_folder", str(alone), *one, *REPLICA_ID, "0")
+        _run(command, env=_env(**{LIGHTHOUSE_ENV: lighthouse.address()}))
+    finally:
+        lighthouse.shutdown()
+    assert sorted(_records(alone / "ft-replica-0" / "metrics.jsonl")["loss"]) == [3, 4]
+
+    config = parse_job_config(TINY)
+    training = config.training
+    data = training.data_config(
+        seq_len=training.seq_len,
+        local_batch_size=training.local_batch_size,
+        infinite=True,
+        num_shards=training.data_shards,
+    )
+    stream = build_dataloader(data, load_tokenizer(config.model.tokenizer_path))
+    batches = iter(stream)
+    for _ in range(2 * 2 + 2):  # local batches of 2 windows: 8 windows, then 4
+        next(batches)
+    expected = stream.state_dict()
+    assert expected["num_shards"] > 2  # each group held only half the shards
+    saved = DcpSource(str(alone / "checkpoint" / "ft-replica-0" / f"step-{STEPS}"))
+    keys = [k for k in saved.entries if k.startswith("dataloader.")]
+    stored = saved.read(keys)
+    assert stored["dataloader.windows"] == expected["windows"] == 12
+    for shard, position in expected["shards"].items():
+        for key, value in position.items():
+            assert stored[f"dataloader.shards.{shard}.{key}"] == value, (shard, key)
+
+
+KILL_STEPS = 80  # the survivor trains alone while the killed group restarts (seconds)
+
+
+def _last_step(metrics: Path) -> int:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+@pytest.mark.slow
+def test_a_killed_replica_group_heals_from_its_live_peer_and_rejoins(tmp_path):
+    """Group 1 is killed (SIGKILL) at step 10 and started again with the same command while
+    group 0 trains on alone: the restarted group loads the newest shared checkpoint from
+    disk, then torchft heals it from group 0's live state (its checkpoint transport), a
+    later step than the disk holds; both end with the same weights."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    folder = tmp_path / "ft"
+    steps = [a if a != str(STEPS) else str(KILL_STEPS) for a in TINY]
+    args = ["--job.dump_folder", str(folder), "--checkpoint.interval", "5"]
+    args += ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+    # A step goes on with the groups that are there (group 0 alone while 1 is down).
+    args += ["--fault_tolerance.min_replica_size", "1"]
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=1000)
+    env = _env(**{LIGHTHOUSE_ENV: lighthouse.address()})
+
+    def start(replica: int, log: str) -> subprocess.Popen:
+        command = [*_command(*args, *REPLICA_ID, str(replica)), *steps]
+        out = (tmp_path / log).open("w")
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    groups = [start(0, "group-0.log"), start(1, "group-1.log")]
+    try:
+        killed_metrics = folder / "ft-replica-1" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while _last_step(killed_metrics) < 10:
+            assert groups[1].poll() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        groups[1].send_signal(signal.SIGKILL)
+        killed_at = _last_step(killed_metrics)
+        assert groups[1].wait() == -signal.SIGKILL
+        groups[1] = start(1, "group-1-restarted.log")
+        for group in groups:
+            group.wait(timeout=180)
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+                group.wait()
+        lighthouse.shutdown()
+    logs = {
+        name: (tmp_path / f"{name}.log").read_text() for name in ("group-0", "group-1-restarted")
+    }
+    assert [g.returncode for g in groups] == [0, 0], logs["group-1-restarted"][-3000:]
+
+    survivor, healed = (_records(folder / f"ft-replica-{r}" / "metrics.jsonl") for r in (0, 1))
+    # The survivor never stopped: every step logged, once.
+    assert sorted(survivor["loss"]) == list(range(1, KILL_STEPS + 1))
+    # The restarted group read the newest shared step N from disk, then healed from the
+    # live peer at a later step M > N (torchft's step: committed steps).
+    restarted = logs["group-1-restarted"]
+    loaded = int(re.search(r"Loaded \S+/step-(\d+) \(model", restarted).group(1))
+    heal = re.search(
+        r"healing is required step=0, max_step=(\d+), recover_src_replica_rank=0", restarted
+    )
+    assert heal is not None
+    assert int(heal.group(1)) > loaded
+    # It did not replay from step N: it rejoined at the peer's step, logging every step on.
+    rejoined = sorted(s for s in healed["loss"] if s > killed_at)
+    assert rejoined[0] > loaded + 1
+    assert rejoined == list(range(rejoined[0], KILL_STEPS + 1))
+    # The same weights as the peer at the end: the same unsharded validation batch gives
+    # the same loss, bit for bit.
+    assert survivor["validation/loss"][KILL_STEPS] == healed["validation/loss"][KILL_STEPS]
+    if loaded > killed_at:  # down at step N: its data goes on from its own older state
+        assert f"Replica group 1 has no committed dataloader state at step {loaded}" in restarted

@@ -14,18 +14,28 @@ torchft itself is never imported here: the manager object is passed in.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
+
+import torch
+import torch.distributed.checkpoint as dcp
 
 from titan_ckpt.config import DATALOADER, MODEL
 from titan_ckpt.errors import CheckpointConfigError
-from titan_ckpt.layout import Manifest, read_manifest, step_dir, verify_step
+from titan_ckpt.formats.dcp import unwrap_read_errors
+from titan_ckpt.layout import Manifest, read_manifest, scan_steps, step_dir, verify_step
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 
 __all__ = ["DATALOADER", "FaultTolerance"]
 
 T = TypeVar("T")
+logger = logging.getLogger("titan_ckpt")
+REPLICA_PREFIX = "ft-replica-"
+"""Each replica group's own folder under the checkpoint folder: ``ft-replica-<id>``."""
 FT_STATE_KEY = "titan_ckpt"
 """The key of our callbacks in torchft's recovery state (``Manager.register_state_dict_fn``)."""
 
@@ -79,7 +89,7 @@ class FaultTolerance:
 
     def replica_folder(self, storage: Storage, folder: str) -> str:
         """This replica group's own folder under the checkpoint folder ``folder``."""
-        return storage.join(folder, f"ft-replica-{self.replica_id}")
+        return storage.join(folder, f"{REPLICA_PREFIX}{self.replica_id}")
 
     def save_dataloader(
         self,
@@ -112,25 +122,84 @@ class FaultTolerance:
         *,
         checksums: bool,
         decide: Callable[[Callable[[], T]], T],
-        read: Callable[[str, dict[str, Any]], None],
+        trust_pickles: bool = False,
     ) -> None:
-        """Load this replica group's dataloader state saved at ``step``: ``decide(check)``
-        runs the check on the checkpointing group's rank 0 and raises its error on every
-        rank; ``read(directory, state)`` loads through DCP on every rank."""
-        directory = step_dir(storage, self.replica_folder(storage, folder), step)
+        """Load this replica group's dataloader state for a resume of step ``step``, merged
+        with the other groups' states of that step, so that the replica group count may
+        change between save and resume (each group's state holds the data shards it read;
+        the merge holds them all, and the dataloader picks its own).
 
-        def check() -> None:
-            manifest = read_manifest(storage, directory)
-            if manifest is None:
-                raise CheckpointConfigError(
-                    f"Replica group {self.replica_id} has no committed dataloader checkpoint "
-                    f"at step {step} ({directory}); add 'dataloader' to "
-                    "checkpoint.exclude_from_loading to restart its data stream."
+        This group's own state wins where states differ: its state at ``step``, or, when it
+        has none there (it was down then and has just restarted), its newest older one
+        (its data goes on from there, as torchtitan's does). A key only other groups hold,
+        and on which they disagree, cannot be resumed exactly: ``CheckpointConfigError``. A
+        group with no state of its own that the others' do not fit (the dataloader refuses
+        it: ``ValueError`` or ``KeyError``) starts its data over, as does one with nothing.
+        ``decide(plan)`` runs the plan on the checkpointing group's rank 0 and hands its
+        result (or error) to every rank; then every rank reads the states it names itself.
+        """
+        own, others = decide(partial(self._plan_dataloader, storage, folder, step, checksums))
+        if own is None and not others:
+            logger.warning(
+                "Replica group %s has no committed dataloader state at or before step %d "
+                "and no other group saved one at step %d: its data starts over",
+                self.replica_id,
+                step,
+                step,
+            )
+            return
+        read = partial(read_entries, storage, prefix=f"{DATALOADER}.", trust_pickles=trust_pickles)
+        merged = merge_dataloader_states(
+            self.replica_id,
+            step,
+            None if own is None else read(own[1]),
+            {replica: read(directory) for replica, directory in others},
+        )
+        try:
+            self.states[DATALOADER].load_state_dict(unflatten(merged, f"{DATALOADER}."))
+        except (ValueError, KeyError) as error:
+            if own is not None:
+                raise
+            # A group that never saved (killed before its first save) finds only the other
+            # groups' data shards, not its own: it starts its data over, as before it had any.
+            logger.warning(
+                "Replica group %s has no dataloader state of its own and the other groups' "
+                "of step %d do not fit it (%s): its data starts over",
+                self.replica_id,
+                step,
+                error,
+            )
+
+    def _plan_dataloader(
+        self, storage: Storage, folder: str, step: int, checksums: bool
+    ) -> tuple[tuple[int, str] | None, list[tuple[str, str]]]:
+        """(this group's (step, directory) to load, or None; the other groups' directories
+        of ``step``), each verified."""
+        own_folder = self.replica_folder(storage, folder)
+        own_steps = [s for s in scan_steps(storage, own_folder, log=False).committed if s <= step]
+        own = None
+        if own_steps:
+            own = (max(own_steps), step_dir(storage, own_folder, max(own_steps)))
+            if own[0] != step:
+                logger.warning(
+                    "Replica group %s has no committed dataloader state at step %d (it was "
+                    "not running then): its data goes on from its own step %d",
+                    self.replica_id,
+                    step,
+                    own[0],
                 )
+        others = []
+        for name in sorted(storage.list(folder)) if storage.exists(folder) else []:
+            if not name.startswith(REPLICA_PREFIX) or name == f"{REPLICA_PREFIX}{self.replica_id}":
+                continue
+            directory = step_dir(storage, storage.join(folder, name), step)
+            if read_manifest(storage, directory) is not None:
+                others.append((name[len(REPLICA_PREFIX) :], directory))
+        for directory in ([own[1]] if own else []) + [d for _, d in others]:
+            manifest = read_manifest(storage, directory)
+            assert manifest is not None  # committed: found above
             verify_step(storage, directory, manifest, checksums=checksums)
-
-        decide(check)
-        read(directory, {DATALOADER: self.states[DATALOADER]})
+        return own, others
 
     def state_dict(self) -> dict[str, Any]:
         """The state a recovering peer copies: everything but the dataloader."""
@@ -143,3 +212,66 @@ class FaultTolerance:
         for name, value in state_dict.items():
             if name != MODEL:
                 self.states[name].load_state_dict(value)
+
+
+def merge_dataloader_states(
+    replica_id: str | int | None,
+    step: int,
+    own: dict[str, Any] | None,
+    others: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """Flat dataloader entries: ``own`` (this group's), then every key only ``others`` (by
+    group id) hold. Raises ``CheckpointConfigError`` when such a key differs between groups
+    (no exact resume: which value would be right?)."""
+    merged = dict(own or {})
+    taken: dict[str, str] = {}  # key -> the group its value came from
+    for replica, entries in others.items():
+        for key, value in entries.items():
+            if own is not None and key in own:
+                continue
+            if key in taken and merged[key] != value:
+                raise CheckpointConfigError(
+                    f"The replica groups' dataloader states of step {step} disagree on {key!r} "
+                    f"(group {taken[key]}: {merged[key]!r}, group {replica}: {value!r}), and "
+                    f"replica group {replica_id} has no state of its own to go by, so its data "
+                    "cannot go on exactly. Resume with the replica group count the step was "
+                    "saved with, or add 'dataloader' to checkpoint.exclude_from_loading to "
+                    "start the data over."
+                )
+            merged.setdefault(key, value)
+            taken.setdefault(key, replica)
+    return merged
+
+
+def read_entries(
+    storage: Storage, directory: str, *, prefix: str, trust_pickles: bool = False
+) -> dict[str, Any]:
+    """The flat entries under ``prefix`` of the DCP step in ``directory``, read by this rank
+    alone (small states: a replica group's dataloader)."""
+    reader = storage.dcp_reader(directory, trust_pickles=trust_pickles)
+    state: dict[str, Any] = {}
+    for key, md in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix):
+            size = getattr(md, "size", None)  # a tensor's; other values are records
+            dtype = getattr(getattr(md, "properties", None), "dtype", None)
+            state[key] = 0 if size is None else torch.empty(tuple(size), dtype=dtype)
+    with warnings.catch_warnings(), unwrap_read_errors(directory):
+        # One process reading on its own is the intent, whatever the process group.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def unflatten(entries: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The nested state dict of the flat DCP entries under ``prefix`` (DCP joins nested
+    keys with dots)."""
+    out: dict[str, Any] = {}
+    for key, value in entries.items():
+        if not key.startswith(prefix):
+            continue
+        *parents, leaf = key[len(prefix) :].split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out

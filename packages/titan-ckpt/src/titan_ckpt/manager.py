@@ -570,7 +570,7 @@ class CheckpointManager:
                 manifest.step,
                 checksums=checksums,
                 decide=self._decide,
-                read=self._read,
+                trust_pickles=self.config.trust_pickles,
             )
             names.append(DATALOADER)
         logger.info(
