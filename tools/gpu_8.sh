@@ -46,6 +46,8 @@
 #                        (default 100); then group 1 is killed at step 10 and restarted (its
 #                        data stream anew): both groups must finish
 #   profile              traces and memory snapshots of all 8 ranks (files and sizes) [F24]
+#   cp_profile           one profiled CP2xFSDP4 step: host-to-device copies and host syncs
+#                        fewer than the attention layers (none per layer) [F6]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -121,7 +123,7 @@ seeds() {
   local need_big=0 need_small=0 name
   for name in fsdp8 fsdp8_compile hsdp2x4 tp2_fsdp4 tp8 cp2_fsdp4 cp2_fsdp4_compile \
     tp2_fsdp4_compile cp2_fsdp4_compile_warm tp2_fsdp4_compile_warm cp2_titan cp2_ring \
-    pp2_1f1b pp4_interleaved pp4_zbv pp2_tp2_fsdp2 export profile; do
+    pp2_1f1b pp4_interleaved pp4_zbv pp2_tp2_fsdp2 export profile cp_profile; do
     wanted "$name" && need_big=1
   done
   for name in fsdp8_small ddp8_small ckpt_sync ckpt_async ckpt_pinned resume_tp ckpt_pp \
@@ -271,6 +273,18 @@ profile() {
     --metrics.save_for_all_ranks
 }
 
+cp_profile() {  # one profiled CP2xFSDP4 step: no copy or sync per attention layer [F6]
+  local layers
+  layers=$(python -c "from titan_models import llama3_args; print(llama3_args('$FLAVOR').n_layers)")
+  item cp_profile 420 "" loss "" bash -c '"$@" && python tools/gpu8/cp_trace.py \
+    "$(find "'"$OUT"'/cp_profile/profile_traces" -name "rank0_trace.json" | sort | tail -n 1)" \
+    '"$layers" cp_profile "${TRAIN[@]}" --nproc-per-node 8 --job.dump_folder "$OUT/cp_profile" \
+    --model.flavor "$FLAVOR" "${BATCH[@]}" --training.steps 5 --checkpoint.initial_load_path \
+    "$SEED" --checkpoint.load_only $(shard 4) $P.context_parallel_degree 2 \
+    --profiling.enable_profiling --profiling.profile_freq 5 --profiling.profiler_warmup 1 \
+    --profiling.profiler_active 1
+}
+
 {
   python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(),
     'x', torch.cuda.get_device_name())"
@@ -285,4 +299,5 @@ export_reimport
 hang
 torchft
 profile
+cp_profile
 python tools/gpu8/summary.py "$OUT" | tee "$OUT/summary.txt"
