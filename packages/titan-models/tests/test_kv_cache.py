@@ -1,4 +1,4 @@
-"""``titan_models.kv_cache.KVCache`` through Llama 3's (and DeepSeek-V3's) forward, checked
+"""``titan_models.kv_cache.KVCache`` through Llama 3's (and DeepSeek-V3's, Qwen3's) forward, checked
 against the model's own full forward without a cache: incremental decoding, left-padded
 rows and padding slots in the middle give each real token the logits of the uncached model
 on that row alone."""
@@ -115,6 +115,35 @@ def test_deepseek_v3_takes_the_cache_too():
     nxt = torch.stack((t[0, 5:6], t[1, 7:8]))
     second = model(nxt, cache=cache)
     alone = [model(t[:1, :6])[0], model(t[1:, :8])[0]]
+    torch.testing.assert_close(first[0, 2:], alone[0][:5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first[1], alone[1][:7], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[0, 0], alone[0][5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[1, 0], alone[1][7], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen3_takes_the_cache_too(moe):
+    """QK-norm and half-split RoPE (per-row angles), dense and MoE blocks: left-padded,
+    incremental decoding equals the full forward on each row alone."""
+    from titan_models.moe import tokens_not_counted
+    from titan_models.qwen3 import Qwen3
+    from titan_models.qwen3.args import qwen3_args
+
+    torch.manual_seed(0)
+    flavor = "debugmodel_moe" if moe else "debugmodel"
+    args = qwen3_args(flavor, vocab_size=VOCAB, max_seq_len=32, n_layers=2, dim=64,
+                      n_heads=4, n_kv_heads=2, head_dim=16)  # fmt: skip
+    model = Qwen3(args).eval()
+    model.init_weights()
+    t = tokens(2, 9)
+    cache = KVCache(args.n_layers, 2, 16)
+    cache.set_padding(torch.tensor([[True, True] + [False] * 5, [False] * 7]))
+    rows = torch.stack((torch.cat((torch.zeros(2, dtype=torch.long), t[0, :5])), t[1, :7]))
+    with tokens_not_counted():
+        first = model(rows, cache=cache)
+        second = model(torch.stack((t[0, 5:6], t[1, 7:8])), cache=cache)
+        alone = [model(t[:1, :6])[0], model(t[1:, :8])[0]]
     torch.testing.assert_close(first[0, 2:], alone[0][:5], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(first[1], alone[1][:7], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second[0, 0], alone[0][5], rtol=1e-5, atol=1e-5)

@@ -290,6 +290,13 @@ def test_deepseek_v3_generates_with_its_cache(capsys):
     assert generate_json(args, capsys) == generate_json([*args, "--no-kv_cache"], capsys)
 
 
+def test_qwen3_generates_with_its_cache(capsys):
+    """Qwen3 (QK-norm, half-split RoPE) has the cache too: cached and re-run tokens agree."""
+    args = ["--model.name", "qwen3", *prompt_args(PROMPTS[:2]), "--temperature", "0",
+            "--max_new_tokens", "4", "--no-stop_at_eos"]  # fmt: skip
+    assert generate_json(args, capsys) == generate_json([*args, "--no-kv_cache"], capsys)
+
+
 def test_bfloat16_weights_generate(step, capsys):
     args = ["--checkpoint.path", step, "--prompt", PROMPTS[0], *GREEDY, "--dtype", "bfloat16"]
     capsys.readouterr()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_models.kv_cache import KVCache, LayerKVCache
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope, rope_table
 from titan_models.moe import MoE
 from titan_models.qwen3.args import Qwen3Args
@@ -49,13 +50,18 @@ class Qwen3Attention(nn.Module):
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.inner_attention = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        """``cache``: this layer's keys and values so far (incremental decoding; ``rope``
+        then holds per-row angles); without it, causal attention over ``x`` alone."""
         bs, seqlen, _ = x.shape
         q = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))
         k = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope, half_split=True), apply_rope(k, rope, half_split=True)
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.inner_attention(q, k, v) if cache is None else cache.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -85,8 +91,14 @@ class Qwen3Block(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -137,15 +149,30 @@ class Qwen3(nn.Module):
         if tied and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
         without the embedding, ``tokens`` is the previous stage's hidden state; on one
-        without the output, the hidden state is returned."""
+        without the output, the hidden state is returned.
+
+        With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
+        those the cache holds: they attend to the cached keys too, and are cached."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table goes down: attention slices it to the sequence length it sees,
         # which under sequence parallel is longer than this (sharded) hidden state's.
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        seq = tokens.shape[1]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = cache.rope_rows(self.rope, seq)
+        for name, layer in self.layers.items():
+            h = layer(h, rope, cache=cache.layer(int(name)))
+        cache.advance(seq)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
