@@ -64,6 +64,24 @@ def test_tensor_parallel_divides_the_sharded_weights(capsys, single):
     assert out["activations"] < single["activations"]
 
 
+def test_ddp_is_one_replica_plus_the_reducers_buckets(capsys, single):
+    """DDP (replicas, no sharding): every rank holds one process's state and batch, and the
+    reducer's flat gradient buckets on top, at the peak."""
+    out = _estimate(
+        capsys,
+        "--world_size", "4",
+        "--rank", "3",
+        "--parallelism.data_parallel_replicate_degree", "4",
+        "--parallelism.data_parallel_shard_degree", "1",
+    )  # fmt: skip
+    assert (out["world_size"], out["rank"], out["layout"]["dp_replicate"]) == (4, 3, 4)
+    for key in ("parameters", "gradients", "optimizer_state", "rank_params"):
+        assert out[key] == single[key], key
+    assert out["peak"] == single["peak"] + single["gradients"]
+    assert out["peak_breakdown"]["DDP buckets"] == single["gradients"]
+    assert "DDP over 4 replicas" in out["note"]
+
+
 def test_full_activation_checkpointing_lowers_activations(capsys, single):
     out = _estimate(capsys, "--parallelize.activation_checkpoint.mode", "full")
     assert out["activation_checkpoint"] == "full"
@@ -102,8 +120,6 @@ BAD = [
         (["--rank", "2", "--world_size", "2"], "--rank=2 is outside"),
         (["--world_size", "x"], "--world_size needs a whole number"),
         (["--model.flavor", "huge"], "model.flavor='huge'"),
-        (["--world_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
-          "--parallelism.data_parallel_shard_degree", "1"], "cannot simulate DDP"),
         (["--parallelize.cpu_offload"], "cannot simulate parallelize.cpu_offload"),
         # preflight's layout check (titan-dims)
         (["--world_size", "4", "--parallelism.tensor_parallel_degree", "3"], "does not divide"),
@@ -136,6 +152,8 @@ LAYOUTS = {
            "--parallelism.data_parallel_shard_degree", "1"],
     "pp": ["--parallelism.pipeline_parallel_degree", "2",
            "--parallelism.data_parallel_shard_degree", "1"],
+    "ddp": ["--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1"],
 }  # fmt: skip
 REAL = [*SMALL, "--training.local_batch_size", "4", "--training.steps", "2",
         "--lr_scheduler.warmup_steps", "1", "--metrics.no_enable_tensorboard"]  # fmt: skip
@@ -143,7 +161,7 @@ REAL = [*SMALL, "--training.local_batch_size", "4", "--training.steps", "2",
 
 def test_within_15_percent_of_real_runs():
     """The estimated peak against the allocator's peak of real gloo runs (one 2-rank job
-    runs the three 2-rank layouts in turn): rank 0 of each, and both pipeline stages.
+    runs the four 2-rank layouts in turn): rank 0 of each, and both pipeline stages.
     About a minute on 2 cores: the slowest test here."""
     real = {"one process": spawn_real_peaks([REAL], 1)[0]}
     two = [name for name in LAYOUTS if name != "one process"]

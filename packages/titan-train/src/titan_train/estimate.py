@@ -24,8 +24,9 @@ real schedule are replayed on its real stage modules (``titan_train.estimate_pip
 
 A model that sizes tensors from tensor values (an MoE's tokens per expert) cannot run its
 step on fake tensors: its resident state is still exact, and ``step_simulated`` is False.
-DDP without sharding, fault tolerance, CPU offload and optimizer-in-backward are refused
-(``ConfigError``, exit 2 from the command).
+DDP (replicas without sharding) runs as one replica, since torch's DDP reducer needs real
+storage, plus the reducer's gradient buckets; fault tolerance, CPU offload and
+optimizer-in-backward are refused (``ConfigError``, exit 2 from the command).
 
 What it does not count: the allocator's caching and fragmentation on accelerators, NCCL's
 own buffers, CUDA context; allow a few GB on a GPU.
@@ -126,17 +127,30 @@ def check_estimable(config: JobConfig) -> None:
         )
 
 
-def _check_layout(plan: Plan) -> None:
-    """Raise ``ConfigError`` for a layout fake tensors cannot run, after preflight's checks."""
-    dims = plan.parallel_dims
-    if dims.dp_replicate > 1 and not dims.fsdp_enabled:
-        raise ConfigError(
-            f"titan-train estimate cannot simulate DDP (data_parallel_replicate_degree="
-            f"{dims.dp_replicate} with no sharding): torch's DDP reducer needs real storage. "
-            "A DDP rank holds what one process holds plus gradient buckets about the size of "
-            "the gradients: estimate with data_parallel_replicate_degree=1, or shard (HSDP: "
-            "data_parallel_shard_degree > 1)."
-        )
+def _one_replica(config: JobConfig, plan: Plan) -> tuple[JobConfig, int, int, int]:
+    """For DDP (replicas, no sharding): one replica's config, world size and rank, and the
+    number of replicas. torch's DDP reducer needs real storage, so the estimate runs one
+    replica (the same parameters, optimizer state, batch and activations per rank) and adds
+    the reducer's buckets; any other layout comes back unchanged, with 1."""
+    dims, world = plan.parallel_dims, plan.world
+    if dims.dp_replicate <= 1 or dims.fsdp_enabled:
+        return config, world.world_size, world.rank, 1
+    coordinates = dims.layout.coordinates(world.rank)
+    sizes = dict(zip(dims.layout.dim_names, dims.layout.dim_sizes, strict=True))
+    rank = 0
+    for name in dims.layout.dim_names:  # the rank in the layout without dp_replicate
+        if name != "dp_replicate":
+            rank = rank * sizes[name] + coordinates[name]
+    training, parallelism = config.training, config.parallelism
+    global_batch = training.global_batch_size
+    if global_batch > 0:
+        global_batch //= dims.dp_replicate
+    config = dataclasses.replace(
+        config,
+        parallelism=dataclasses.replace(parallelism, data_parallel_replicate_degree=1),
+        training=dataclasses.replace(training, global_batch_size=global_batch),
+    )
+    return config, world.world_size // dims.dp_replicate, rank, dims.dp_replicate
 
 
 def estimate_memory(
@@ -160,28 +174,37 @@ def estimate_memory(
     )
     world = World(rank=rank, world_size=world_size, device=torch.device("cpu"))
     with fake_process_group(world_size, rank), _quiet_logs():
-        plan = preflight(config, world)
-        _check_layout(plan)
+        plan = preflight(config, world)  # the real run's checks, on its own layout
+    layout = _degrees(plan)
+    inner, inner_world, inner_rank, replicas = _one_replica(config, plan)
+    with fake_process_group(inner_world, inner_rank), _quiet_logs():
+        if replicas > 1:
+            config = inner
+            plan = preflight(config, World(inner_rank, inner_world, torch.device("cpu")))
         vocab = vocab_size if vocab_size is not None else _tokenizer_vocab(config)
         args, parts, pipeline = _build_model(
             config, plan, vocab, False, cross_entropy_loss, materialize=False
         )
         with FakeTensorMode(allow_non_fake_inputs=True):
             measured = _measure(config, plan, parts, pipeline, vocab, dim=int(args.dim))
-    dims = plan.parallel_dims
+    if replicas > 1:
+        # DDP's reducer copies every gradient into flat buckets it keeps allocated, on top of
+        # the gradients themselves (gradient_as_bucket_view is off): count them at the peak.
+        buckets = measured["gradients"]
+        measured["peak"] += buckets
+        measured["peak_breakdown"] = {
+            **measured["peak_breakdown"],
+            "DDP buckets": buckets,
+            _TOTAL: measured["peak_breakdown"].get(_TOTAL, 0) + buckets,
+        }
+        ddp = f"DDP over {replicas} replicas: one simulated, plus the reducer's gradient buckets."
+        measured["note"] = f"{measured['note']} {ddp}" if measured.get("note") else ddp
     return MemoryEstimate(
         model=plan.spec.name,
         flavor=config.model.flavor,
         world_size=world_size,
         rank=rank,
-        layout={
-            "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard,
-            "cp": dims.cp,
-            "tp": dims.tp,
-            "pp": dims.pp,
-            "ep": dims.ep,
-        },
+        layout=layout,
         activation_checkpoint=config.parallelize.activation_checkpoint.mode,
         local_batch_size=plan.batches.local_batch_size,
         seq_len=config.training.seq_len,
@@ -193,6 +216,12 @@ def estimate_memory(
         seconds=round(time.perf_counter() - started, 3),
         **measured,
     )
+
+
+def _degrees(plan: Plan) -> dict[str, int]:
+    dims = plan.parallel_dims
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+    return {name: int(getattr(dims, name)) for name in names}
 
 
 def _tokenizer_vocab(config: JobConfig) -> int:

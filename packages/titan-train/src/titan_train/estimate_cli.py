@@ -15,8 +15,9 @@ Options of its own (anywhere on the line):
   --json             one JSON document instead of the table
 Every other option is train's (below): the same TOML files and --section.key flags. The
 configuration is checked as a real run checks it (same errors, exit status 2, before any
-work); layouts an estimate cannot simulate (DDP without sharding, fault tolerance, CPU
-offload, optimizer-in-backward) exit 2 too, with the reason. param_dtype "auto" resolves
+work); layouts an estimate cannot simulate (fault tolerance, CPU offload,
+optimizer-in-backward) exit 2 too, with the reason. DDP is one replica plus its gradient
+buckets. param_dtype "auto" resolves
 for this machine's device: give --parallelize.param_dtype bfloat16 to plan a GPU run.
 """
 
