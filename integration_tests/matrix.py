@@ -311,7 +311,7 @@ def _check_export_bf16(folder: Path, _output: str) -> tuple[bool, str]:
 
 
 def _check_validation(folder: Path, _output: str) -> tuple[bool, str]:
-    losses = _losses(folder, "validation_loss")
+    losses = _losses(folder, "validation/loss")
     if sorted(losses) != [2, 4] or not all(math.isfinite(v) for v in losses.values()):
         return False, f"validation losses {losses}, expected finite ones at steps 2 and 4"
     return True, f"validation loss {losses[4]:.4f} at step 4"
