@@ -148,7 +148,6 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
     tokens = tokens_of_step(
         sum(labels.numel() for _, labels in batches), run.plan.parallel_dims, replica_groups
     )
-    state.tokens_seen += tokens.global_tokens
     grad_norm = None
     if training.max_norm > 0:
         grad_norm = run.optimizers.clip_grad_norm_(
@@ -158,6 +157,9 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
         run.nonfinite.observe(state.step, grad_norm)
     run.checkpointer.maybe_wait_for_staging()
     run.optimizers.step()
+    # After the optimizer step: a torchft replica group that heals loads its peer's train
+    # state there (as of before this step's tokens), and must count this step's tokens too.
+    state.tokens_seen += tokens.global_tokens
     lr = run.schedulers.get_last_lr()[0]  # the lr this step trained with
     run.schedulers.step()
     return StepResult(step=state.step, loss=loss, grad_norm=grad_norm, tokens=tokens, lr=lr)
