@@ -98,16 +98,19 @@ def titan_train(folder: Path, hf: Path, flavor: str, *args: str, nproc: int = 1)
 def first_batch(dp_degree: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of step 1: every data-parallel rank's first batch, as the trainer's
     dataloader cuts it from the default (embedded) corpus with the default tokenizer."""
+    from titan_train.config import TrainingConfig
     from titan_train.data import DataConfig, build_dataloader
     from titan_train.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     assert tokenizer.vocab_size == VOCAB
+    # The trainer's data: its default virtual shards (training.data_shards).
+    shards = TrainingConfig().data_shards
+    config = DataConfig(seq_len=SEQ, local_batch_size=BATCH, num_shards=shards)
     parts = [
-        next(iter(build_dataloader(DataConfig(seq_len=SEQ, local_batch_size=BATCH), tokenizer,
-                                   dp_rank=rank, dp_degree=dp_degree)))
+        next(iter(build_dataloader(config, tokenizer, dp_rank=rank, dp_degree=dp_degree)))
         for rank in range(dp_degree)
-    ]  # fmt: skip
+    ]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 

@@ -10,6 +10,7 @@ one rank's compiled loss to another (the fix compiles that loss past the cache).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,11 +139,17 @@ def _loss_parallel_rank(rank: int, init_file: str, out: str, cache: str) -> None
 
 
 @pytest.mark.slow
-def test_the_compiled_loss_takes_vocabulary_sharded_logits_under_loss_parallel(tmp_path):
+def test_the_compiled_loss_takes_vocabulary_sharded_logits_under_loss_parallel(
+    tmp_path, monkeypatch
+):
     """Tensor parallel leaves the logits sharded over the vocabulary (a DTensor) and the
     loss runs inside ``loss_parallel()``: compiled, on two gloo ranks, the same loss and
     gradients as eager. Twice, sharing one compile cache: the second run is the one that
     loaded another rank's graph from torch's AOTAutograd cache (a loss of 4.48 for 5.32)."""
+    # The spawned ranks import this module by the name the suite's importlib mode gave it
+    # (packages.titan-train.tests....), from the repository root: the plain `pytest` command
+    # does not put that on sys.path (`python -m pytest` does), and spawn copies sys.path.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
     for attempt in ("cold cache", "warm cache"):
         out = tmp_path / f"{attempt}.json"
         torch.multiprocessing.spawn(
