@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_models.kv_cache import KVCache, LayerKVCache
+from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope, rope_table
 from titan_models.moe import MoE
 from titan_models.qwen3.args import Qwen3Args
@@ -157,22 +157,12 @@ class Qwen3(nn.Module):
         With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
         those the cache holds: they attend to the cached keys too, and are cached."""
         if cache is not None:
-            return self._forward_cached(tokens, cache)
+            return cached_forward(self, tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table goes down: attention slices it to the sequence length it sees,
         # which under sequence parallel is longer than this (sharded) hidden state's.
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
-
-    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        seq = tokens.shape[1]
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = cache.rope_rows(self.rope, seq)
-        for name, layer in self.layers.items():
-            h = layer(h, rope, cache=cache.layer(int(name)))
-        cache.advance(seq)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
