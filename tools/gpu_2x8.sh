@@ -75,7 +75,10 @@ touch "$OUT/fsdp16.node$NODE_RANK.done"
 wait_for "$OUT/fsdp16.node1.done" "$TIMEOUT" || exit 1
 
 say "resume8: fsdp16 from step 10 on $NPROC ranks of this node"
-rm -rf "$OUT/resume8"
+# A rerun in the same OUT keeps the earlier resume8 (renamed), never deletes it.
+stamp=$(date +%Y%m%d-%H%M%S)
+[[ -e "$OUT/resume8" ]] && mv "$OUT/resume8" "$OUT/resume8.$stamp"
+[[ -e "$OUT/resume8.log" ]] && mv "$OUT/resume8.log" "$OUT/resume8.$stamp.log"
 mkdir -p "$OUT/resume8/checkpoint"
 cp -r "$OUT/fsdp16/checkpoint/step-10" "$OUT/resume8/checkpoint/"
 timeout "$TIMEOUT" "${TRAIN[@]}" --nproc-per-node "$NPROC" \

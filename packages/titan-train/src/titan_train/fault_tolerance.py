@@ -79,10 +79,11 @@ class FaultToleranceConfig:
     bucket_cap_mb: float = 25.0
     """MiB per bucket of the gradient average across replica groups: gradients are flattened
     into buckets, one all-reduce each; 0 all-reduces every gradient on its own (titan's)."""
-    semi_sync_method: Literal["local_sgd", "diloco"] | None = None
+    semi_sync_method: Literal["local_sgd", "diloco", ""] | None = None
     """Semi-synchronous training (``titan_train.semi_sync``): each group steps on its own
     gradients and the groups sync every ``sync_steps`` steps, averaging weights (local_sgd)
-    or through an outer optimizer (diloco); unset averages gradients every step."""
+    or through an outer optimizer (diloco); unset averages gradients every step. ``""``
+    (what TOML files that cannot write "unset" hold) is read as unset."""
     sync_steps: int = 5
     """Optimizer steps between syncs (with semi_sync_method)."""
     should_quantize: bool = False
@@ -102,6 +103,8 @@ class FaultToleranceConfig:
     """DiLoCo: Nesterov momentum in the outer SGD (titan's key; torchtitan's is on)."""
 
     def __post_init__(self) -> None:
+        if self.semi_sync_method == "":
+            self.semi_sync_method = None
         check_int(
             "fault_tolerance.process_group_timeout_ms",
             self.process_group_timeout_ms,
