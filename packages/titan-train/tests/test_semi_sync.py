@@ -74,7 +74,9 @@ def test_a_torchtitan_toml_carries_over(tmp_path):
 def test_an_empty_method_in_a_toml_means_unset(tmp_path, enable):
     # torchtitan's TOMLs write "" for "no semi-sync"; it must not stop a run here.
     toml = tmp_path / "tt.toml"
-    toml.write_text(f"[fault_tolerance]\nenable = {enable}\ngroup_size = 2\nsemi_sync_method = ''\n")
+    toml.write_text(
+        f"[fault_tolerance]\nenable = {enable}\ngroup_size = 2\nsemi_sync_method = ''\n"
+    )
     assert (
         parse_job_config(["--job.config_file", str(toml)]).fault_tolerance.semi_sync_method is None
     )

@@ -116,6 +116,11 @@ class TrainingConfig(DataSource):
     data_prefetch: int = 2
     """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
     key."""
+    reuse_host_memory: bool = True
+    """Training on the CPU: keep freed host memory for reuse instead of returning it to the
+    system each step (glibc's mmap and trim thresholds raised; ``titan_train.host_memory``).
+    Saves the page faults of remapping every activation each step. No effect on
+    accelerators or without glibc. Not a torchtitan key."""
     skip_nonfinite_steps: int = 10
     """Consecutive steps with an inf/nan gradient norm whose update is skipped (weights left
     as they were, one warning each) before the run stops with an error; 0 stops at the

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from titan_dims import detect_device_type, init_distributed, set_collective_timeout
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
+from titan_train.host_memory import reuse_host_memory
 from titan_train.preflight import (
     World,
     check_checkpoint_folder,
@@ -93,6 +94,8 @@ def _destroy_group() -> None:
 def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
     world = World.current(device)
     _setup_logging(world.rank)
+    if device.type == "cpu" and config.training.reuse_host_memory:
+        reuse_host_memory()
     plan = preflight(config, world)
     training_run = build(config, plan)
     try:
