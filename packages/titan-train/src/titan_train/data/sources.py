@@ -1,9 +1,12 @@
 """Document sources: the embedded corpus, local files and hub datasets, read as text in a
 fixed order that can restart at any document index.
 
-Every source streams (``datasets`` with ``streaming=True``): nothing is copied into a cache,
-and a hub dataset starts without downloading all of it. Restarting at document ``i`` skips
-``i`` rows without tokenizing them.
+Local JSON-lines and parquet files are read by ``titan_train.data.local_files``: a
+data-parallel rank parses only its own rows, and a restart at document ``i`` counts the
+earlier rows instead of parsing them. Every other source streams (``datasets`` with
+``streaming=True``): nothing is copied into a cache, a hub dataset starts without
+downloading all of it, a rank's rows come from ``datasets``' own node splitting, and a
+restart at document ``i`` skips ``i`` rows without tokenizing them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Protocol
 
 from titan_train.data.config import DataConfig, DataError
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
+from titan_train.data.local_files import open_local_files
 
 __all__ = ["DocumentSource", "iter_strided", "open_documents"]
 
@@ -170,6 +174,9 @@ def open_documents(config: DataConfig) -> DocumentSource:
         return _HFSource(path, dataset, config.text_column, config.section)
     if local.exists():
         builder, files = _local_files(local, fmt)
+        own_rows = open_local_files(target, builder, files, config.text_column, config.section)
+        if own_rows is not None:  # each rank parses only its rows
+            return own_rows
         kwargs: dict[str, Any] = {"data_files": files}
         if builder == "text":
             kwargs["sample_by"] = "paragraph"  # a blank line ends a document

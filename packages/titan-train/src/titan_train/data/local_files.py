@@ -1,0 +1,252 @@
+"""Local JSON-lines and parquet files read by data-parallel rank: a rank parses only its
+own rows.
+
+``datasets``' streaming readers parse every row of a file into a Python dict before a
+by-example node split drops the rows of other ranks, so at data-parallel degree ``dp`` a
+rank parsed ``dp`` times the rows it kept. These sources give the same documents in the same
+order, with the same indices (document ``i`` is the ``i``-th row over the files in order),
+but a rank touches other ranks' rows only as bytes:
+
+- JSON lines (``.jsonl``, ``.json`` holding one object per line): raw chunks of ~8 MB cut
+  at line ends; a chunk with no row of this rank is only counted (its newlines), a chunk
+  with some is split into lines and only this rank's lines are ``json.loads``-ed. Blank
+  lines (spaces, tabs, ``\\r`` only) are not rows, as in ``datasets``.
+- Parquet: row counts come from the files' metadata, so row groups holding no row of this
+  rank are not read; from the others only the text column is read (decoded whole: parquet
+  pages cannot be decoded by row), and only this rank's rows become Python strings.
+
+Restarting at document ``i`` (a resumed run) counts rows the same way instead of parsing
+them. Compressed files, JSON files holding one array or object (not one object per line),
+text and csv files keep ``datasets``' reader (``open_local_files`` returns ``None``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from titan_train.data.config import DataError
+
+__all__ = ["JsonLinesSource", "ParquetSource", "open_local_files"]
+
+_CHUNK = 8 << 20
+"""Bytes read at a time (then to the end of the line)."""
+_SCHEMA_CHUNK = 10 << 20
+"""``datasets`` infers a JSON file's columns from its first 10 MB (then to the line end)."""
+_BATCH = 8192
+"""Parquet rows decoded at a time."""
+_BOM = b"\xef\xbb\xbf"
+_BLANK = re.compile(rb"\n[ \t\r]*(?:\n|\Z)")
+"""A blank line after the first (pyarrow skips blank lines); starting with a literal
+newline, the search jumps from newline to newline."""
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+
+
+def open_local_files(
+    name: str, builder: str, files: list[str], text_column: str, section: str
+) -> JsonLinesSource | ParquetSource | None:
+    """The rank-aware source of local ``files`` of ``builder``'s format, or ``None`` where
+    ``datasets``' streaming reader must stay (see the module docstring)."""
+    if any(f.endswith(_COMPRESSED) for f in files):
+        return None
+    if builder == "parquet":
+        return ParquetSource(name, files, text_column, section)
+    if builder == "json" and all(_first_byte(f) in (b"{", b"") for f in files):
+        return JsonLinesSource(name, files, text_column, section)
+    return None
+
+
+def _first_byte(path: str) -> bytes:
+    """The first byte of ``path`` after a BOM and whitespace (``b""`` for none)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(_BOM)
+        while head:
+            if stripped := head.lstrip(b" \t\r\n"):
+                return stripped[:1]
+            head = f.read(1 << 20)
+    return b""
+
+
+class _RowSource:
+    """Shared by the two sources: documents ``i = start, start + stride, ...`` of the rows
+    over all files in order; subclasses read one file's rows."""
+
+    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
+        self.name = name
+        self.files = files
+        self.text_column = text_column
+        self.section = section
+
+    def iter_from(self, index: int) -> Iterator[str]:
+        """The documents from ``index`` on (earlier rows counted, not parsed)."""
+        return (text for _, text in self.iter_strided(index, 1))
+
+    def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
+        """``(i, text)`` of documents ``i = start, start + stride, ...``; the other rows
+        are not parsed."""
+        if start < 0 or stride < 1:
+            raise ValueError(f"start={start}, stride={stride}: need start >= 0, stride >= 1")
+        first, want = 0, start  # index of the file's first row; the next index to yield
+        for path in self.files:
+            for count, texts in self._file_rows(path, first, want, stride):
+                for text in texts:
+                    yield want, text
+                    want += stride
+                first += count
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        """Per piece of ``path`` (whose first row has index ``first``): its number of rows
+        and the texts of rows ``want, want + stride, ...`` in it."""
+        raise NotImplementedError
+
+    def _text(self, value: Any) -> str:
+        return value if isinstance(value, str) else str(value)
+
+    def _no_column(self, columns: list[str]) -> DataError:
+        """The error ``datasets``' path raises for a missing text column."""
+        return DataError(
+            f"dataset {self.name!r} has no column {self.text_column!r}; its columns are "
+            f"{sorted(columns)}. Set {self.section}.text_column to one of them."
+        )
+
+
+class JsonLinesSource(_RowSource):
+    """Local JSON-lines files, one document per non-blank line (see the module docstring).
+
+    A row without the text column, or with ``null`` there, gives the document ``"None"``
+    when the column exists in the first 10 MB of the first file (``datasets`` fills the
+    missing value with ``None`` and ``str`` makes it ``"None"``); else it is the error
+    ``datasets``' path raises, naming the columns.
+    """
+
+    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
+        super().__init__(name, files, text_column, section)
+        self._columns: list[str] | None = None
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        for chunk in _chunks(path, _CHUNK):
+            end = len(chunk) - 1 if chunk.endswith(b"\n") else len(chunk)
+            blank = _has_blank_line(chunk, end)
+            if not blank and want > first:  # maybe no row of this rank: count newlines
+                count = chunk.count(b"\n", 0, end) + 1
+                if want >= first + count:
+                    yield count, []
+                    first += count
+                    continue
+            lines = chunk.split(b"\n")
+            if end < len(chunk):
+                lines.pop()  # the empty piece after the final newline
+            if blank:
+                lines = [line for line in lines if line.strip(b" \t\r")]
+            own = lines[want - first :: stride]
+            texts = [self._parse(line, path, want + k * stride) for k, line in enumerate(own)]
+            yield len(lines), texts
+            first, want = first + len(lines), want + stride * len(own)
+
+    def _parse(self, line: bytes, path: str, index: int) -> str:
+        try:
+            row = json.loads(line)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise DataError(
+                f"document {index} of {self.name!r} (in {path}) is not valid JSON ({e}); a "
+                "JSON-lines file holds one object per line. Fix or remove that line."
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"document {index} of {self.name!r} (in {path}) is a JSON "
+                f"{type(row).__name__}, not an object; a JSON-lines file holds one object "
+                "per line."
+            )
+        if self.text_column in row:
+            return self._text(row[self.text_column])
+        columns = self._first_columns()
+        if self.text_column not in columns:
+            raise self._no_column(columns)
+        return self._text(None)
+
+    def _first_columns(self) -> list[str]:
+        """The columns ``datasets`` infers: every key in the first 10 MB holding rows."""
+        if self._columns is None:
+            keys: dict[str, None] = {}
+            for path in self.files:
+                for chunk in _chunks(path, _SCHEMA_CHUNK):
+                    for line in chunk.split(b"\n"):
+                        try:
+                            row = json.loads(line) if line.strip(b" \t\r") else None
+                        except ValueError:
+                            continue
+                        if isinstance(row, dict):
+                            keys.update(dict.fromkeys(row))
+                    if keys:
+                        break
+                if keys:
+                    break
+            self._columns = list(keys)
+        return self._columns
+
+
+def _has_blank_line(chunk: bytes, end: int) -> bool:
+    """Whether ``chunk[:end]`` (lines, the final newline cut off) has a blank line."""
+    if chunk[:1] in (b"\n", b" ", b"\t", b"\r"):  # the first line may be blank
+        newline = chunk.find(b"\n")
+        if not chunk[: newline if newline >= 0 else end].strip(b" \t\r"):
+            return True
+    return _BLANK.search(chunk, 0, end) is not None
+
+
+def _chunks(path: str, size: int) -> Iterator[bytes]:
+    """``path``'s bytes in pieces of about ``size``, each ending at a line end (or the end
+    of the file), without a leading BOM."""
+    with open(path, "rb") as f:
+        start = True
+        while chunk := f.read(size):
+            chunk += f.readline()
+            if start:
+                chunk, start = chunk.removeprefix(_BOM), False
+                if not chunk:
+                    continue
+            yield chunk
+
+
+class ParquetSource(_RowSource):
+    """Local parquet files, one document per row (see the module docstring)."""
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot read {self.name!r} as parquet: {path}: {e}") from e
+        columns = parquet.schema_arrow.names
+        if self.text_column not in columns:
+            if path == self.files[0]:
+                raise self._no_column(columns)
+            raise DataError(
+                f"{path} of {self.name!r} has no column {self.text_column!r} (its columns are "
+                f"{sorted(columns)}), unlike {self.files[0]}; give files of one schema."
+            )
+        for group in range(parquet.num_row_groups):
+            count = parquet.metadata.row_group(group).num_rows
+            if want >= first + count:  # no row of this rank: not read
+                yield count, []
+                first += count
+                continue
+            batches = parquet.iter_batches(
+                batch_size=_BATCH, row_groups=[group], columns=[self.text_column]
+            )
+            for batch in batches:
+                rows = batch.num_rows
+                own = range(want - first, rows, stride) if want < first + rows else range(0)
+                values = batch.column(0).take(pa.array(own, pa.int64())).to_pylist() if own else []
+                yield rows, [self._text(v) for v in values]
+                first, want = first + rows, want + stride * len(own)
