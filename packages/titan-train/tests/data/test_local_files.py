@@ -119,7 +119,7 @@ def test_a_rank_parses_only_its_own_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(local_files.json, "loads", lambda s: parsed.append(s) or real_loads(s))
     source = open_documents(DataConfig(dataset=str(path)))
     assert list(iter_strided(source, 0, 4)) == [(0, "doc 0"), (4, "doc 4"), (8, "doc 8")]
-    assert len(parsed) == 3  # rows 0, 4 and 8: the other ranks' rows are not parsed
+    assert len(parsed) == source.rows_parsed == 3  # rows 0, 4, 8; the others are not parsed
     assert list(source.iter_from(6)) == [f"doc {i}" for i in range(6, 12)]  # skips row 5
     with pytest.raises(DataError, match=r"document 5 of .*d.jsonl.* is not valid JSON \("):
         list(iter_strided(source, 1, 4))

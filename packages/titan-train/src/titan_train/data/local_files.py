@@ -77,6 +77,8 @@ class _RowSource:
         self.files = files
         self.text_column = text_column
         self.section = section
+        self.rows_parsed = 0
+        """Rows turned into text so far (all iterators together): what this rank parsed."""
 
     def iter_from(self, index: int) -> Iterator[str]:
         """The documents from ``index`` on (earlier rows counted, not parsed)."""
@@ -90,6 +92,7 @@ class _RowSource:
         first, want = 0, start  # index of the file's first row; the next index to yield
         for path in self.files:
             for count, texts in self._file_rows(path, first, want, stride):
+                self.rows_parsed += len(texts)
                 for text in texts:
                     yield want, text
                     want += stride
