@@ -114,10 +114,10 @@ def test_a_rank_parses_only_its_own_lines(tmp_path, monkeypatch):
     lines[5] = '{"text": broken'
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")
+    source = open_documents(DataConfig(dataset=str(path)))  # checks the first line is JSON
     parsed = []
     real_loads = json.loads
     monkeypatch.setattr(local_files.json, "loads", lambda s: parsed.append(s) or real_loads(s))
-    source = open_documents(DataConfig(dataset=str(path)))
     assert list(iter_strided(source, 0, 4)) == [(0, "doc 0"), (4, "doc 4"), (8, "doc 8")]
     assert len(parsed) == source.rows_parsed == 3  # rows 0, 4, 8; the others are not parsed
     assert list(source.iter_from(6)) == [f"doc {i}" for i in range(6, 12)]  # skips row 5
@@ -141,13 +141,15 @@ def test_missing_text_column_is_the_same_error_as_before(tmp_path):
         assert "has no column 'text'; its columns are ['body', 'id']" in str(now.value)
 
 
-def test_compressed_and_json_array_files_keep_the_datasets_reader(tmp_path):
+def test_compressed_and_whole_json_files_keep_the_datasets_reader(tmp_path):
     packed = tmp_path / "d.jsonl.gz"
     with gzip.open(packed, "wt") as f:
         f.write('{"text": "a"}\n{"text": "b"}\n')
     array = tmp_path / "e.json"
     array.write_text('[{"text": "c"}, {"text": "d"}]')
-    for path, texts in [(packed, ["a", "b"]), (array, ["c", "d"])]:
+    spread = tmp_path / "f.json"  # one object over several lines
+    spread.write_text('\n{\n  "text": "e"\n}\n')
+    for path, texts in [(packed, ["a", "b"]), (array, ["c", "d"]), (spread, ["e"])]:
         source = open_documents(DataConfig(dataset=str(path)))
         assert isinstance(source, _HFSource)
         assert list(source.iter_from(0)) == texts

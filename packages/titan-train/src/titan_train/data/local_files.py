@@ -17,8 +17,9 @@ ranks' rows only as bytes:
   pages cannot be decoded by row), and only this rank's rows become Python strings.
 
 Restarting at document ``i`` (a resumed run) counts rows the same way instead of parsing
-them. Compressed files, JSON files holding one array or object (not one object per line),
-text and csv files keep ``datasets``' reader (``open_local_files`` returns ``None``).
+them. Compressed files, JSON files whose first line is not one object (an array, or an
+object over several lines), text and csv files keep ``datasets``' reader
+(``open_local_files`` returns ``None``).
 """
 
 from __future__ import annotations
@@ -52,20 +53,28 @@ def open_local_files(
         return None
     if builder == "parquet":
         return ParquetSource(name, files, text_column, section)
-    if builder == "json" and all(_first_byte(f) in (b"{", b"") for f in files):
+    if builder == "json" and all(_is_json_lines(f) for f in files):
         return JsonLinesSource(name, files, text_column, section)
     return None
 
 
-def _first_byte(path: str) -> bytes:
-    """The first byte of ``path`` after a BOM and whitespace (``b""`` for none)."""
+def _is_json_lines(path: str) -> bool:
+    """Whether ``path``'s first non-blank line is one JSON object (or it has none): else it
+    may be a JSON array or an object over several lines, which ``datasets`` reads whole."""
     with open(path, "rb") as f:
-        head = f.read(4096).removeprefix(_BOM)
-        while head:
-            if stripped := head.lstrip(b" \t\r\n"):
-                return stripped[:1]
-            head = f.read(1 << 20)
-    return b""
+        head = f.read(1 << 16).removeprefix(_BOM)
+        while head and not head.strip(b" \t\r\n"):
+            head = f.read(1 << 16)
+        if not head:
+            return True
+        head = head.lstrip(b" \t\r\n")
+        if not head.startswith(b"{"):  # an array, or not JSON: not read as lines here
+            return False
+        line = head.split(b"\n", 1)[0] if b"\n" in head else head + f.readline()
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 class _RowSource:
