@@ -153,3 +153,27 @@ def test_compressed_and_whole_json_files_keep_the_datasets_reader(tmp_path):
         source = open_documents(DataConfig(dataset=str(path)))
         assert isinstance(source, _HFSource)
         assert list(source.iter_from(0)) == texts
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_local_copy_of_a_hub_dataset_is_read_by_rank(tmp_path, fmt):
+    data = tmp_path / "data"
+    data.mkdir()
+    texts = _texts(20, seed=3)
+    for k in range(3):  # datasets' layout: train-* files, and a test split left out
+        part = {"text": texts[k * 6 : k * 6 + 6], "id": list(range(6))}
+        if fmt == "parquet":
+            pq.write_table(pa.table(part), data / f"train-0000{k}-of-00003.parquet")
+        else:
+            rows = [json.dumps({"text": t, "id": i}) for i, t in enumerate(part["text"])]
+            (data / f"train-0000{k}-of-00003.jsonl").write_text("\n".join(rows) + "\n")
+    (data / f"test-00000-of-00001.{fmt}").write_bytes(
+        (data / f"train-00000-of-00003.{fmt}").read_bytes()
+    )
+    config = DataConfig(dataset="my-org/my-data", dataset_path=str(tmp_path))
+    new = open_documents(config)
+    assert isinstance(new, local_files.JsonLinesSource | local_files.ParquetSource)
+    old = _HFSource(str(tmp_path), _load_streaming(str(tmp_path)), "text")
+    assert list(new.iter_from(0)) == texts[:18]
+    for start, stride in [(0, 1), (1, 2), (2, 4), (5, 3), (17, 2)]:
+        assert list(iter_strided(new, start, stride)) == list(iter_strided(old, start, stride))

@@ -11,26 +11,27 @@ ranks' rows only as bytes:
 - JSON lines (``.jsonl``, ``.json`` holding one object per line): raw chunks of ~8 MB cut
   at line ends; one vectorized pass finds the chunk's newlines (so its rows are located
   and counted without parsing), and only this rank's lines are ``json.loads``-ed. Blank
-  lines (spaces, tabs, ``\r`` only) are not rows, as in ``datasets``.
+  lines (spaces, tabs, ``\\r`` only) are not rows, as in ``datasets``.
 - Parquet: row counts come from the files' metadata, so row groups holding no row of this
   rank are not read; from the others only the text column is read (decoded whole: parquet
   pages cannot be decoded by row), and only this rank's rows become Python strings.
 
 Restarting at document ``i`` (a resumed run) counts rows the same way instead of parsing
-them. Compressed files, JSON files whose first line is not one object (an array, or an
-object over several lines), text and csv files keep ``datasets``' reader
-(``open_local_files`` returns ``None``).
-"""
+them. A local copy of a hub dataset's repository is read so too when ``datasets``
+resolves its ``train`` split to such files (``open_hub_copy``). Compressed files, JSON
+files whose first line is not one object (an array, or an object over several lines),
+text and csv files keep ``datasets``' reader (``open_local_files`` returns ``None``)."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
 from titan_train.data.config import DataError
 
-__all__ = ["JsonLinesSource", "ParquetSource", "open_local_files"]
+__all__ = ["JsonLinesSource", "ParquetSource", "open_hub_copy", "open_local_files"]
 
 _CHUNK = 8 << 20
 """Bytes read at a time (then to the end of the line)."""
@@ -56,6 +57,35 @@ def open_local_files(
     if builder == "json" and all(_is_json_lines(f) for f in files):
         return JsonLinesSource(name, files, text_column, section)
     return None
+
+
+def open_hub_copy(
+    name: str, path: str, subset: str | None, text_column: str, section: str
+) -> JsonLinesSource | ParquetSource | None:
+    """The rank-aware source ``name`` of a local copy of a hub dataset's repository (the
+    folder ``path``, with the config ``subset``), or
+    ``None`` where ``datasets``' reader must stay: ``datasets`` resolves the copy's
+    ``train`` files (its layout and configs) and, when they are plain local jsonl or
+    parquet files read as they are, they are read here in that order."""
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(path, name=subset)
+    except Exception:  # datasets' reader says what is wrong, with today's message
+        return None
+    config, features = builder.config, builder.info.features
+    files = list((config.data_files or {}).get("train") or [])
+    if builder.name not in ("json", "parquet") or not files:
+        return None
+    if not all(isinstance(f, str) and os.path.isfile(f) for f in files):
+        return None
+    # Options that change which rows or values datasets gives: keep its reader.
+    if any(getattr(config, key, None) for key in ("field", "filters", "columns")):
+        return None
+    text = features.get(text_column) if features is not None else None
+    if text is not None and getattr(text, "dtype", None) not in ("string", "large_string"):
+        return None
+    return open_local_files(name, builder.name, files, text_column, section)
 
 
 def _is_json_lines(path: str) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from titan_train.data.config import DataConfig, DataError
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
-from titan_train.data.local_files import open_local_files
+from titan_train.data.local_files import open_hub_copy, open_local_files
 
 __all__ = ["DocumentSource", "iter_strided", "open_documents"]
 
@@ -167,6 +167,9 @@ def open_documents(config: DataConfig) -> DocumentSource:
     local = Path(target).expanduser()
     if path and fmt is None and name != EMBEDDED_DATASET and local.is_dir():
         # A local copy of a hub dataset's repository: datasets reads its layout and configs.
+        own_rows = open_hub_copy(path, os.fspath(local), subset, config.text_column, config.section)
+        if own_rows is not None:  # plain jsonl or parquet files: each rank parses its rows
+            return own_rows
         try:
             dataset = _load_streaming(os.fspath(local), name=subset)
         except Exception as e:
