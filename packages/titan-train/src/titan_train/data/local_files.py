@@ -63,10 +63,11 @@ def open_hub_copy(
     name: str, path: str, subset: str | None, text_column: str, section: str
 ) -> JsonLinesSource | ParquetSource | None:
     """The rank-aware source ``name`` of a local copy of a hub dataset's repository (the
-    folder ``path``, with the config ``subset``), or
-    ``None`` where ``datasets``' reader must stay: ``datasets`` resolves the copy's
-    ``train`` files (its layout and configs) and, when they are plain local jsonl or
-    parquet files read as they are, they are read here in that order."""
+    folder ``path``, config ``subset``), or ``None`` where ``datasets``' reader must stay.
+
+    ``datasets`` resolves the copy's ``train`` files (its layout and configs); when they
+    are plain local jsonl or parquet files, read with no option that changes their rows,
+    they are read here in that order."""
     import datasets
 
     try:
