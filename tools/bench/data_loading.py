@@ -7,14 +7,15 @@ as rank 0 of 8 ranks would run it. Ranks share nothing while loading, so one ran
 process is what each of the 8 does.
 
 0. *Reading by rank*: rank 0 of 8, and of 64 (``data_shards`` 64: it needs documents
-   ``i = 0 mod dp``) reads the whole corpus, as jsonl and as a parquet copy, through
+   ``i = 0 mod dp``) reads the whole corpus, as jsonl, a parquet and a txt copy, through
    titan-train's rank-aware reader (``titan_train.data.local_files``) and through
    ``datasets``' streaming reader with its by-example node split (the path before), which
-   parses every row with pyarrow before the split drops the others: CPU seconds to read
-   and parse (all threads, fewest of 3 runs), the share of the corpus's rows the rank
-   parsed, CPU seconds to tokenize its documents, the share of reading and parsing in its
-   reading + tokenizing, and the seconds to the first document of a resume at the middle
-   of the corpus. Both readers must give the same documents (checked).
+   parses every row (pyarrow, or Python for txt) before the split drops the others: CPU
+   seconds to read and parse (all threads; each CPU figure the fewest of 3 runs), the
+   share of the corpus's rows the rank parsed, CPU seconds to tokenize its documents, the
+   share of reading and parsing in its reading + tokenizing, and the seconds to the first
+   document of a resume at the middle of the corpus. Both readers must give the same
+   documents (checked).
 1. *Pipeline alone*: batches made as fast as possible on the caller's thread (no
    prefetch), tokens/s per rank, beside one process reading the whole stream (dp 1) and
    beside the single-stream layout (``data_shards = 1``), where every rank tokenizes all.
@@ -28,16 +29,17 @@ process is what each of the 8 does.
 
     python tools/bench/data_loading.py                 # ~3 minutes on 2 cores
     python tools/bench/data_loading.py --mb 50 --steps 20 --model-steps 3
-    python tools/bench/data_loading.py --mb 100 --parts 0   # reading by rank only, ~30 s
+    python tools/bench/data_loading.py --mb 100 --parts 0   # reading by rank only, ~1 minute
 
 Part 0 with ``--mb 100 --parts 0`` on the shared 2-core machine (102 MB, 40,000
-documents): per 100 MB a rank of 8 spends 0.10 CPU s reading and parsing jsonl by rank
-against 0.32 s through ``datasets`` (0.06 against 0.25 s at dp 64), parsing 0.125 (0.016)
-of the rows instead of all; parquet 0.22 against 0.28 s (0.20 against 0.25 s at dp 64: the
-text column's pages are still decoded whole). Reading is then 11% of a dp-8 rank's
-reading + tokenizing CPU for jsonl (28% before), 39% at dp 64 (72% before). A resume at the
-corpus's middle reaches its first document in 0.05-0.09 s for jsonl (0.13-0.20 s) and 0.02 s
-for parquet (0.15 s).
+documents), CPU seconds a rank spends reading and parsing the corpus, by rank against
+``datasets`` (before): jsonl 0.10 against 0.28 at dp 8 and 0.06 against 0.24 at dp 64;
+parquet 0.24 against 0.37 and 0.25 against 0.30 (the text column's pages are still
+decoded whole); txt 0.30 against 0.79 and 0.75. The rank parses 0.125 (dp 8) and 0.016
+(dp 64) of the rows instead of all. Reading is then 12% of a dp-8 rank's reading +
+tokenizing CPU for jsonl (28% before), 40% at dp 64 (73% before). A resume at the
+corpus's middle reaches its first document in 0.03-0.04 s for jsonl (0.12-0.16 s before),
+0.06-0.07 s for parquet (0.24-0.27 s) and 0.31 s for txt (0.61-0.92 s).
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def loader(source, tokenizer, args, *, dp=DP, shards=None, local=None, prefetch=
     )
 
 
+_SAMPLE_BY = {"text": {"sample_by": "paragraph"}}  # as titan_train.data.sources reads text
+
+
 def _cpu(work, repeat=1):
     """``work()``'s result, and the fewest CPU seconds of this process (all threads) it
     took in ``repeat`` runs (the machine is shared: the least disturbed run counts)."""
@@ -127,19 +132,23 @@ def reading_by_rank(jsonl: Path, tokenizer, args) -> None:
     import pyarrow.json
     import pyarrow.parquet
 
-    parquet = jsonl.with_suffix(".parquet")
-    pyarrow.parquet.write_table(pyarrow.json.read_json(jsonl), parquet, row_group_size=2000)
+    parquet, text = jsonl.with_suffix(".parquet"), jsonl.with_suffix(".txt")
+    table = pyarrow.json.read_json(jsonl)
+    pyarrow.parquet.write_table(table, parquet, row_group_size=2000)
+    text.write_text("\n\n".join(table.column("text").to_pylist()) + "\n")  # paragraphs
     print(f"\n0. Reading by rank: rank 0 of dp ranks, data_shards {args.shards}, whole corpus:")
     print(
         f"   {'file':<8}{'dp':>4}  {'reader':<27}{'read+parse cpu s':>17}{'rows parsed':>12}"
         f"{'tokenize cpu s':>15}{'parse share':>12}{'resume s':>9}"
     )
-    for path, builder in ((jsonl, "json"), (parquet, "parquet")):
+    for path, builder in ((jsonl, "json"), (parquet, "parquet"), (text, "text")):
         total = sum(1 for _ in open_documents(DataConfig(dataset=str(path))).iter_from(0))
         readers = {
             "by rank (local_files)": open_documents(DataConfig(dataset=str(path))),
             "datasets by-example split": _HFSource(
-                path.name, _load_streaming(builder, data_files=[str(path)]), "text"
+                path.name,
+                _load_streaming(builder, data_files=[str(path)], **_SAMPLE_BY.get(builder, {})),
+                "text",
             ),
         }
         for dp in (DP, 64):
@@ -153,7 +162,8 @@ def reading_by_rank(jsonl: Path, tokenizer, args) -> None:
                 if own is None:
                     own = docs
                     _, token_s = _cpu(
-                        lambda d=own: [tokenizer.encode(t, bos=True, eos=True) for _, t in d]
+                        lambda d=own: [tokenizer.encode(t, bos=True, eos=True) for _, t in d],
+                        repeat=3,
                     )
                 # datasets parses every row (pyarrow) before its split drops the others.
                 parsed = (getattr(source, "rows_parsed", before + 3 * total) - before) / 3

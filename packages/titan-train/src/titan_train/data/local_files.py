@@ -1,4 +1,4 @@
-"""Local JSON-lines and parquet files read by data-parallel rank: a rank parses only its
+"""Local JSON-lines, parquet and text files read by data-parallel rank: a rank parses only its
 own rows.
 
 ``datasets``' streaming readers parse every row of a file, all its columns, into Arrow
@@ -12,6 +12,8 @@ ranks' rows only as bytes:
   at line ends; one vectorized pass finds the chunk's newlines (so its rows are located
   and counted without parsing), and only this rank's lines are ``json.loads``-ed. Blank
   lines (spaces, tabs, ``\\r`` only) are not rows, as in ``datasets``.
+- Text (``.txt``, ``.md``): paragraphs split, as ``datasets`` splits them, on the bytes;
+  only this rank's are decoded (``datasets`` decoded all and made an Arrow array of them).
 - Parquet: row counts come from the files' metadata, so row groups holding no row of this
   rank are not read; from the others only the text column is read (decoded whole: parquet
   pages cannot be decoded by row), and only this rank's rows become Python strings.
@@ -19,8 +21,9 @@ ranks' rows only as bytes:
 Restarting at document ``i`` (a resumed run) counts rows the same way instead of parsing
 them. A local copy of a hub dataset's repository is read so too when ``datasets``
 resolves its ``train`` split to such files (``open_hub_copy``). Compressed files, JSON
-files whose first line is not one object (an array, or an object over several lines),
-text and csv files keep ``datasets``' reader (``open_local_files`` returns ``None``)."""
+files whose first line is not one object (an array, or an object over several lines) and
+csv files (whose quoted values may hold newlines) keep ``datasets``' reader
+(``open_local_files`` returns ``None``)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,13 @@ from typing import Any
 
 from titan_train.data.config import DataError
 
-__all__ = ["JsonLinesSource", "ParquetSource", "open_hub_copy", "open_local_files"]
+__all__ = [
+    "JsonLinesSource",
+    "ParquetSource",
+    "TextSource",
+    "open_hub_copy",
+    "open_local_files",
+]
 
 _CHUNK = 8 << 20
 """Bytes read at a time (then to the end of the line)."""
@@ -47,13 +56,15 @@ _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
 
 def open_local_files(
     name: str, builder: str, files: list[str], text_column: str, section: str
-) -> JsonLinesSource | ParquetSource | None:
+) -> _RowSource | None:
     """The rank-aware source of local ``files`` of ``builder``'s format, or ``None`` where
     ``datasets``' streaming reader must stay (see the module docstring)."""
     if any(f.endswith(_COMPRESSED) for f in files):
         return None
     if builder == "parquet":
         return ParquetSource(name, files, text_column, section)
+    if builder == "text":
+        return TextSource(name, files, "text", section)
     if builder == "json" and all(_is_json_lines(f) for f in files):
         return JsonLinesSource(name, files, text_column, section)
     return None
@@ -61,7 +72,7 @@ def open_local_files(
 
 def open_hub_copy(
     name: str, path: str, subset: str | None, text_column: str, section: str
-) -> JsonLinesSource | ParquetSource | None:
+) -> _RowSource | None:
     """The rank-aware source ``name`` of a local copy of a hub dataset's repository (the
     folder ``path``, config ``subset``), or ``None`` where ``datasets``' reader must stay.
 
@@ -299,3 +310,34 @@ class ParquetSource(_RowSource):
                 values = batch.column(0).take(pa.array(own, pa.int64())).to_pylist() if own else []
                 yield rows, [self._text(v) for v in values]
                 first, want = first + rows, want + stride * len(own)
+
+
+class TextSource(_RowSource):
+    """Local text files, one document per paragraph: the pieces between blank lines
+    (``"\\n\\n"`` once ``"\\r\\n"`` and ``"\\r"`` read as ``"\\n"``), empty pieces left out,
+    as ``datasets``' text reader with ``sample_by="paragraph"`` splits them. The split is
+    done on bytes, and only this rank's paragraphs are decoded (``datasets`` decoded the
+    whole file and made an Arrow array of every paragraph)."""
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        with open(path, "rb") as f:
+            rest = b""
+            # A chunk ends at a "\n" (or the file's end), so no "\r\n" is cut in two.
+            while chunk := f.read(_CHUNK):
+                chunk = (chunk + f.readline()).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+                pieces = (rest + chunk).split(b"\n\n")
+                rest = pieces.pop()  # the paragraph going on in the next chunk
+                rows = [piece for piece in pieces if piece]
+                own = rows[want - first :: stride] if want < first + len(rows) else []
+                yield len(rows), [self._decode(row, path) for row in own]
+                first, want = first + len(rows), want + stride * len(own)
+        if rest:
+            yield 1, [self._decode(rest, path)] if want == first else []
+
+    def _decode(self, row: bytes, path: str) -> str:
+        try:
+            return row.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path} of {self.name!r} is not UTF-8 text ({e}).") from None

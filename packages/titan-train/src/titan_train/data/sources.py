@@ -1,7 +1,7 @@
 """Document sources: the embedded corpus, local files and hub datasets, read as text in a
 fixed order that can restart at any document index.
 
-Local JSON-lines and parquet files are read by ``titan_train.data.local_files``: a
+Local JSON-lines, parquet and text files are read by ``titan_train.data.local_files``: a
 data-parallel rank parses only its own rows, and a restart at document ``i`` counts the
 earlier rows instead of parsing them. Every other source streams (``datasets`` with
 ``streaming=True``): nothing is copied into a cache, a hub dataset starts without
