@@ -155,6 +155,16 @@ def _load_streaming(builder: str, **kwargs: Any) -> Any:
     return datasets.load_dataset(builder, split="train", streaming=True, **kwargs)
 
 
+def _by_rank(source: Any) -> Any:
+    logger.info(
+        "reading %r by data-parallel rank: %d %s file(s), each rank parses only its rows",
+        source.name,
+        len(source.files),
+        type(source).__name__.removesuffix("Source"),
+    )
+    return source
+
+
 def open_documents(config: DataConfig) -> DocumentSource:
     """The document source ``config.dataset`` / ``config.dataset_path`` name."""
     name, path = config.dataset, config.dataset_path
@@ -169,7 +179,7 @@ def open_documents(config: DataConfig) -> DocumentSource:
         # A local copy of a hub dataset's repository: datasets reads its layout and configs.
         own_rows = open_hub_copy(path, os.fspath(local), subset, config.text_column, config.section)
         if own_rows is not None:  # plain jsonl or parquet files: each rank parses its rows
-            return own_rows
+            return _by_rank(own_rows)
         try:
             dataset = _load_streaming(os.fspath(local), name=subset)
         except Exception as e:
@@ -179,7 +189,7 @@ def open_documents(config: DataConfig) -> DocumentSource:
         builder, files = _local_files(local, fmt)
         own_rows = open_local_files(target, builder, files, config.text_column, config.section)
         if own_rows is not None:  # each rank parses only its rows
-            return own_rows
+            return _by_rank(own_rows)
         kwargs: dict[str, Any] = {"data_files": files}
         if builder == "text":
             kwargs["sample_by"] = "paragraph"  # a blank line ends a document
