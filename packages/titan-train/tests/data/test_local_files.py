@@ -195,3 +195,10 @@ def test_local_copy_of_a_hub_dataset_is_read_by_rank(tmp_path, fmt):
     assert list(new.iter_from(0)) == texts[:18]
     for start, stride in [(0, 1), (1, 2), (2, 4), (5, 3), (17, 2)]:
         assert list(iter_strided(new, start, stride)) == list(iter_strided(old, start, stride))
+
+
+def test_a_file_that_is_not_parquet_is_refused_when_opened(tmp_path):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"cannot read .*d.parquet.* as parquet: "):
+        open_documents(DataConfig(dataset=str(path)))

@@ -275,18 +275,29 @@ def _chunks(path: str, size: int) -> Iterator[bytes]:
 
 
 class ParquetSource(_RowSource):
-    """Local parquet files, one document per row (see the module docstring)."""
+    """Local parquet files, one document per row (see the module docstring). A first file
+    that is not parquet is an error when the source is made, as ``datasets`` raised it."""
+
+    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
+        super().__init__(name, files, text_column, section)
+        if files:
+            self._open(files[0])
+
+    def _open(self, path: str) -> Any:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot read {self.name!r} as parquet: {path}: {e}") from e
 
     def _file_rows(
         self, path: str, first: int, want: int, stride: int
     ) -> Iterator[tuple[int, list[str]]]:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        try:
-            parquet = pq.ParquetFile(path)
-        except (OSError, pa.ArrowException) as e:
-            raise DataError(f"cannot read {self.name!r} as parquet: {path}: {e}") from e
+        parquet = self._open(path)
         columns = parquet.schema_arrow.names
         if self.text_column not in columns:
             if path == self.files[0]:
