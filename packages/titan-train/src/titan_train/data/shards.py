@@ -22,8 +22,8 @@ Why this shape (the invariants the dataloader relies on):
 - A shard's position (epoch, document, token offset) after ``n`` global windows is the
   same on every rank that reads it. The checkpoint holds, per shard, the position its
   readers saved, so a run resumes at any ``dp`` (any ``S`` as saved) with no window
-  repeated or skipped, and no earlier document tokenized again (``datasets`` reads past
-  the earlier rows and drops them).
+  repeated or skipped, and no earlier document tokenized again (local jsonl and parquet
+  files count the earlier rows without parsing them; ``datasets`` reads past them).
 - ``S = 1`` is one packed stream that every rank reads whole: titan-train's stream before
   virtual shards, with its checkpoint state (``epoch``, ``document``, ``token_offset``,
   ``windows``).

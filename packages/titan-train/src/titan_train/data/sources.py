@@ -1,9 +1,12 @@
 """Document sources: the embedded corpus, local files and hub datasets, read as text in a
 fixed order that can restart at any document index.
 
-Every source streams (``datasets`` with ``streaming=True``): nothing is copied into a cache,
-and a hub dataset starts without downloading all of it. Restarting at document ``i`` skips
-``i`` rows without tokenizing them.
+Local JSON-lines, parquet and text files are read by ``titan_train.data.local_files``: a
+data-parallel rank parses only its own rows, and a restart at document ``i`` counts the
+earlier rows instead of parsing them. Every other source streams (``datasets`` with
+``streaming=True``): nothing is copied into a cache, a hub dataset starts without
+downloading all of it, a rank's rows come from ``datasets``' own node splitting, and a
+restart at document ``i`` skips ``i`` rows without tokenizing them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Protocol
 
 from titan_train.data.config import DataConfig, DataError
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
+from titan_train.data.local_files import open_hub_copy, open_local_files
 
 __all__ = ["DocumentSource", "iter_strided", "open_documents"]
 
@@ -151,6 +155,16 @@ def _load_streaming(builder: str, **kwargs: Any) -> Any:
     return datasets.load_dataset(builder, split="train", streaming=True, **kwargs)
 
 
+def _by_rank(source: Any) -> Any:
+    logger.info(
+        "reading %r by data-parallel rank: %d %s file(s), each rank parses only its rows",
+        source.name,
+        len(source.files),
+        type(source).__name__.removesuffix("Source"),
+    )
+    return source
+
+
 def open_documents(config: DataConfig) -> DocumentSource:
     """The document source ``config.dataset`` / ``config.dataset_path`` name."""
     name, path = config.dataset, config.dataset_path
@@ -163,6 +177,9 @@ def open_documents(config: DataConfig) -> DocumentSource:
     local = Path(target).expanduser()
     if path and fmt is None and name != EMBEDDED_DATASET and local.is_dir():
         # A local copy of a hub dataset's repository: datasets reads its layout and configs.
+        own_rows = open_hub_copy(path, os.fspath(local), subset, config.text_column, config.section)
+        if own_rows is not None:  # plain jsonl or parquet files: each rank parses its rows
+            return _by_rank(own_rows)
         try:
             dataset = _load_streaming(os.fspath(local), name=subset)
         except Exception as e:
@@ -170,6 +187,9 @@ def open_documents(config: DataConfig) -> DocumentSource:
         return _HFSource(path, dataset, config.text_column, config.section)
     if local.exists():
         builder, files = _local_files(local, fmt)
+        own_rows = open_local_files(target, builder, files, config.text_column, config.section)
+        if own_rows is not None:  # each rank parses only its rows
+            return _by_rank(own_rows)
         kwargs: dict[str, Any] = {"data_files": files}
         if builder == "text":
             kwargs["sample_by"] = "paragraph"  # a blank line ends a document

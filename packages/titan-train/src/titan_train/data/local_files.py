@@ -1,0 +1,354 @@
+"""Local JSON-lines, parquet and text files read by data-parallel rank: a rank parses only its
+own rows.
+
+``datasets``' streaming readers parse every row of a file, all its columns, into Arrow
+tables (pyarrow's JSON parser, parquet decoding), and the by-example node split then drops
+the rows of other ranks, so each rank parsed the whole corpus whatever the data-parallel
+degree. These sources give the same documents in the same order, with the same indices
+(document ``i`` is the ``i``-th row over the files in order), while a rank touches other
+ranks' rows only as bytes:
+
+- JSON lines (``.jsonl``, ``.json`` holding one object per line): raw chunks of ~8 MB cut
+  at line ends; one vectorized pass finds the chunk's newlines (so its rows are located
+  and counted without parsing), and only this rank's lines are ``json.loads``-ed. Blank
+  lines (spaces, tabs, ``\\r`` only) are not rows, as in ``datasets``.
+- Text (``.txt``, ``.md``): paragraphs split, as ``datasets`` splits them, on the bytes;
+  only this rank's are decoded (``datasets`` decoded all and made an Arrow array of them).
+- Parquet: row counts come from the files' metadata, so row groups holding no row of this
+  rank are not read; from the others only the text column is read (decoded whole: parquet
+  pages cannot be decoded by row), and only this rank's rows become Python strings.
+
+Restarting at document ``i`` (a resumed run) counts rows the same way instead of parsing
+them. A local copy of a hub dataset's repository is read so too when ``datasets``
+resolves its ``train`` split to such files (``open_hub_copy``). Compressed files, JSON
+files whose first line is not one object (an array, or an object over several lines) and
+csv files (whose quoted values may hold newlines) keep ``datasets``' reader
+(``open_local_files`` returns ``None``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from titan_train.data.config import DataError
+
+__all__ = [
+    "JsonLinesSource",
+    "ParquetSource",
+    "TextSource",
+    "open_hub_copy",
+    "open_local_files",
+]
+
+_CHUNK = 8 << 20
+"""Bytes read at a time (then to the end of the line)."""
+_SCHEMA_CHUNK = 10 << 20
+"""``datasets`` infers a JSON file's columns from its first 10 MB (then to the line end)."""
+_BATCH = 8192
+"""Parquet rows decoded at a time."""
+_BOM = b"\xef\xbb\xbf"
+_WS = (32, 9, 13)
+"""Space, tab, CR: the bytes a blank line (which pyarrow skips) may hold."""
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+
+
+def open_local_files(
+    name: str, builder: str, files: list[str], text_column: str, section: str
+) -> _RowSource | None:
+    """The rank-aware source of local ``files`` of ``builder``'s format, or ``None`` where
+    ``datasets``' streaming reader must stay (see the module docstring)."""
+    if any(f.endswith(_COMPRESSED) for f in files):
+        return None
+    if builder == "parquet":
+        return ParquetSource(name, files, text_column, section)
+    if builder == "text":
+        return TextSource(name, files, "text", section)
+    if builder == "json" and all(_is_json_lines(f) for f in files):
+        return JsonLinesSource(name, files, text_column, section)
+    return None
+
+
+def open_hub_copy(
+    name: str, path: str, subset: str | None, text_column: str, section: str
+) -> _RowSource | None:
+    """The rank-aware source ``name`` of a local copy of a hub dataset's repository (the
+    folder ``path``, config ``subset``), or ``None`` where ``datasets``' reader must stay.
+
+    ``datasets`` resolves the copy's ``train`` files (its layout and configs); when they
+    are plain local jsonl or parquet files, read with no option that changes their rows,
+    they are read here in that order."""
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(path, name=subset)
+    except Exception:  # datasets' reader says what is wrong, with today's message
+        return None
+    config, features = builder.config, builder.info.features
+    files = list((config.data_files or {}).get("train") or [])
+    if builder.name not in ("json", "parquet") or not files:
+        return None
+    if not all(isinstance(f, str) and os.path.isfile(f) for f in files):
+        return None
+    # Options that change which rows or values datasets gives: keep its reader.
+    if any(getattr(config, key, None) for key in ("field", "filters", "columns")):
+        return None
+    text = features.get(text_column) if features is not None else None
+    if text is not None and getattr(text, "dtype", None) not in ("string", "large_string"):
+        return None
+    return open_local_files(name, builder.name, files, text_column, section)
+
+
+def _is_json_lines(path: str) -> bool:
+    """Whether ``path``'s first non-blank line is one JSON object (or it has none): else it
+    may be a JSON array or an object over several lines, which ``datasets`` reads whole."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16).removeprefix(_BOM)
+        while head and not head.strip(b" \t\r\n"):
+            head = f.read(1 << 16)
+        if not head:
+            return True
+        head = head.lstrip(b" \t\r\n")
+        if not head.startswith(b"{"):  # an array, or not JSON: not read as lines here
+            return False
+        line = head.split(b"\n", 1)[0] if b"\n" in head else head + f.readline()
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+class _RowSource:
+    """Shared by the two sources: documents ``i = start, start + stride, ...`` of the rows
+    over all files in order; subclasses read one file's rows."""
+
+    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
+        self.name = name
+        self.files = files
+        self.text_column = text_column
+        self.section = section
+        self.rows_parsed = 0
+        """Rows turned into text so far (all iterators together): what this rank parsed."""
+
+    def iter_from(self, index: int) -> Iterator[str]:
+        """The documents from ``index`` on (earlier rows counted, not parsed)."""
+        return (text for _, text in self.iter_strided(index, 1))
+
+    def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
+        """``(i, text)`` of documents ``i = start, start + stride, ...``; the other rows
+        are not parsed."""
+        if start < 0 or stride < 1:
+            raise ValueError(f"start={start}, stride={stride}: need start >= 0, stride >= 1")
+        first, want = 0, start  # index of the file's first row; the next index to yield
+        for path in self.files:
+            for count, texts in self._file_rows(path, first, want, stride):
+                self.rows_parsed += len(texts)
+                for text in texts:
+                    yield want, text
+                    want += stride
+                first += count
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        """Per piece of ``path`` (whose first row has index ``first``): its number of rows
+        and the texts of rows ``want, want + stride, ...`` in it."""
+        raise NotImplementedError
+
+    def _text(self, value: Any) -> str:
+        return value if isinstance(value, str) else str(value)
+
+    def _no_column(self, columns: list[str]) -> DataError:
+        """The error ``datasets``' path raises for a missing text column."""
+        return DataError(
+            f"dataset {self.name!r} has no column {self.text_column!r}; its columns are "
+            f"{sorted(columns)}. Set {self.section}.text_column to one of them."
+        )
+
+
+class JsonLinesSource(_RowSource):
+    """Local JSON-lines files, one document per non-blank line (see the module docstring).
+
+    A row without the text column, or with ``null`` there, gives the document ``"None"``
+    when the column exists in the first 10 MB of the first file (``datasets`` fills the
+    missing value with ``None`` and ``str`` makes it ``"None"``); else it is the error
+    ``datasets``' path raises, naming the columns.
+    """
+
+    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
+        super().__init__(name, files, text_column, section)
+        self._columns: list[str] | None = None
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        for chunk in _chunks(path, _CHUNK):
+            starts, ends = _row_bounds(chunk)
+            count = len(starts)
+            if want >= first + count:  # no row of this rank
+                yield count, []
+                first += count
+                continue
+            own = slice(want - first, None, stride)
+            bounds = zip(starts[own].tolist(), ends[own].tolist(), strict=True)
+            texts = [  # only these rows are parsed; the others stay bytes
+                self._parse(chunk[a:b], path, want + k * stride) for k, (a, b) in enumerate(bounds)
+            ]
+            yield count, texts
+            first, want = first + count, want + stride * len(texts)
+
+    def _parse(self, line: bytes, path: str, index: int) -> str:
+        try:
+            row = json.loads(line)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise DataError(
+                f"document {index} of {self.name!r} (in {path}) is not valid JSON ({e}); a "
+                "JSON-lines file holds one object per line. Fix or remove that line."
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"document {index} of {self.name!r} (in {path}) is a JSON "
+                f"{type(row).__name__}, not an object; a JSON-lines file holds one object "
+                "per line."
+            )
+        if self.text_column in row:
+            return self._text(row[self.text_column])
+        columns = self._first_columns()
+        if self.text_column not in columns:
+            raise self._no_column(columns)
+        return self._text(None)
+
+    def _first_columns(self) -> list[str]:
+        """The columns ``datasets`` infers: every key in the first 10 MB holding rows."""
+        if self._columns is None:
+            keys: dict[str, None] = {}
+            for path in self.files:
+                for chunk in _chunks(path, _SCHEMA_CHUNK):
+                    for line in chunk.split(b"\n"):
+                        try:
+                            row = json.loads(line) if line.strip(b" \t\r") else None
+                        except ValueError:
+                            continue
+                        if isinstance(row, dict):
+                            keys.update(dict.fromkeys(row))
+                    if keys:
+                        break
+                if keys:
+                    break
+            self._columns = list(keys)
+        return self._columns
+
+
+def _row_bounds(chunk: bytes) -> tuple[Any, Any]:
+    """Where each row of ``chunk`` (whole lines) starts and ends, blank lines left out:
+    one vectorized pass finds the newlines, so rows are located without being parsed."""
+    import numpy as np
+
+    data = np.frombuffer(chunk, np.uint8)
+    ends = np.flatnonzero(data == 10)
+    if not chunk.endswith(b"\n"):
+        ends = np.append(ends, len(chunk))
+    starts = np.empty_like(ends)
+    starts[:1], starts[1:] = 0, ends[:-1] + 1
+    # A blank line is empty or starts with a space, tab or CR; check those few one by one.
+    # (Every start is inside the chunk: a line ends at a newline or at the chunk's end.)
+    maybe = np.flatnonzero((ends == starts) | np.isin(data[starts], _WS))
+    blank = [k for k in maybe.tolist() if not chunk[starts[k] : ends[k]].strip(b" \t\r")]
+    if blank:
+        starts, ends = np.delete(starts, blank), np.delete(ends, blank)
+    return starts, ends
+
+
+def _chunks(path: str, size: int) -> Iterator[bytes]:
+    """``path``'s bytes in pieces of about ``size``, each ending at a line end (or the end
+    of the file), without a leading BOM."""
+    with open(path, "rb") as f:
+        start = True
+        while chunk := f.read(size):
+            chunk += f.readline()
+            if start:
+                chunk, start = chunk.removeprefix(_BOM), False
+                if not chunk:
+                    continue
+            yield chunk
+
+
+class ParquetSource(_RowSource):
+    """Local parquet files, one document per row (see the module docstring). A first file
+    that is not parquet is an error when the source is made, as ``datasets`` raised it."""
+
+    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
+        super().__init__(name, files, text_column, section)
+        if files:
+            self._open(files[0])
+
+    def _open(self, path: str) -> Any:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot read {self.name!r} as parquet: {path}: {e}") from e
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        import pyarrow as pa
+
+        parquet = self._open(path)
+        columns = parquet.schema_arrow.names
+        if self.text_column not in columns:
+            if path == self.files[0]:
+                raise self._no_column(columns)
+            raise DataError(
+                f"{path} of {self.name!r} has no column {self.text_column!r} (its columns are "
+                f"{sorted(columns)}), unlike {self.files[0]}; give files of one schema."
+            )
+        for group in range(parquet.num_row_groups):
+            count = parquet.metadata.row_group(group).num_rows
+            if want >= first + count:  # no row of this rank: not read
+                yield count, []
+                first += count
+                continue
+            batches = parquet.iter_batches(
+                batch_size=_BATCH, row_groups=[group], columns=[self.text_column]
+            )
+            for batch in batches:
+                rows = batch.num_rows
+                own = range(want - first, rows, stride) if want < first + rows else range(0)
+                values = batch.column(0).take(pa.array(own, pa.int64())).to_pylist() if own else []
+                yield rows, [self._text(v) for v in values]
+                first, want = first + rows, want + stride * len(own)
+
+
+class TextSource(_RowSource):
+    """Local text files, one document per paragraph: the pieces between blank lines
+    (``"\\n\\n"`` once ``"\\r\\n"`` and ``"\\r"`` read as ``"\\n"``), empty pieces left out,
+    as ``datasets``' text reader with ``sample_by="paragraph"`` splits them. The split is
+    done on bytes, and only this rank's paragraphs are decoded (``datasets`` decoded the
+    whole file and made an Arrow array of every paragraph)."""
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        with open(path, "rb") as f:
+            rest = b""
+            # A chunk ends at a "\n" (or the file's end), so no "\r\n" is cut in two.
+            while chunk := f.read(_CHUNK):
+                chunk = (chunk + f.readline()).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+                pieces = (rest + chunk).split(b"\n\n")
+                rest = pieces.pop()  # the paragraph going on in the next chunk
+                rows = [piece for piece in pieces if piece]
+                own = rows[want - first :: stride] if want < first + len(rows) else []
+                yield len(rows), [self._decode(row, path) for row in own]
+                first, want = first + len(rows), want + stride * len(own)
+        if rest:
+            yield 1, [self._decode(rest, path)] if want == first else []
+
+    def _decode(self, row: bytes, path: str) -> str:
+        try:
+            return row.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path} of {self.name!r} is not UTF-8 text ({e}).") from None
