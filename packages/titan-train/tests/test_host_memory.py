@@ -5,6 +5,7 @@ process-wide and cannot be undone)."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -36,9 +37,13 @@ print(json.dumps({"applied": applied, "faults": faults[1:]}))
 """
 
 
-def _probe(mode: str) -> dict:
+def _probe(mode: str, **env: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PROBE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -52,6 +57,12 @@ def test_a_reused_block_is_not_faulted_in_again():
     # Kept for reuse: at most one round (while the heap first grows) pays, the rest none.
     assert max(sorted(reused["faults"])[:3]) < 100, reused
     assert sum(reused["faults"]) < 0.3 * sum(default["faults"]), (default, reused)
+
+
+@glibc_only
+def test_torchs_huge_page_allocation_keeps_glibcs_defaults():
+    # Both together made a large matmul ~10x slower on this machine kind.
+    assert _probe("on", THP_MEM_ALLOC_ENABLE="1")["applied"] is False
 
 
 def test_the_key_is_on_by_default_and_can_be_turned_off():

@@ -13,13 +13,17 @@ reuses them: the faults per step drop to almost none. The peak resident memory i
 
 Only where it applies: a Linux process whose C library is glibc, training on the CPU
 (accelerators have their own caching allocators; their host memory is not the hot path).
-Turned off by ``training.reuse_host_memory = false``.
+Turned off by ``training.reuse_host_memory = false``, and left off when torch's own
+transparent-huge-page allocation is on (``THP_MEM_ALLOC_ENABLE=1``): that already avoids
+most of the faults, and the two together made a large matmul ~10x slower here (the huge
+pages' advice on a reused heap).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "reuse_host_memory"]
@@ -40,10 +44,14 @@ _CAPPED_MMAP_THRESHOLD = 32 << 20
 
 def reuse_host_memory() -> bool:
     """Make glibc's ``malloc`` keep freed blocks for reuse (see the module's docstring).
-    Returns whether it applied; ``False`` where the C library is not glibc or refuses, with
-    nothing changed. Process-wide and safe to call more than once."""
+    Returns whether it applied; ``False`` where the C library is not glibc or refuses, or
+    torch's huge-page allocation is on, with nothing changed. Process-wide and safe to
+    call more than once."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         logger.debug("host memory: not glibc; the system allocator's defaults stay")
+        return False
+    if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0"):
+        logger.info("host memory: THP_MEM_ALLOC_ENABLE is set; glibc's defaults stay")
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
