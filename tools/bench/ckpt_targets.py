@@ -1,0 +1,256 @@
+"""Issue 14's integrity targets, measured side by side on one state in one run.
+
+Run through ``tools/bench/ckpt_save_load.py --targets`` (which starts the gloo ranks). The
+state is a Llama 3 model (``titan_models.Llama3``, ``--llama-dim``/``--llama-layers``, vocab
+16384) with its AdamW state after one training step, FSDP2-sharded over the ranks. Each
+repetition runs every measure once, the order alternating between repetitions
+(A,B,C,D then D,C,B,A), after one unrecorded warm-up round:
+
+- plain ``dcp.save``: torch's DCP save of the same state dict (model FQNs at the top level,
+  the flattened optimizer state under ``optimizer``) to DCP's default ``FileSystemWriter``.
+  That is what torchtitan's ``CheckpointManager`` (July 2025, 6204cdff9) does in a
+  synchronous save (``dcp.save(state, checkpoint_id=...)``), less its ``gc.collect``: the
+  torchtitan-equivalent baseline;
+- sync save, integrity off: ``CheckpointManager.save`` with async_mode=disabled through a
+  writer that reports file sizes but hashes nothing (bench-only: the manager has no switch
+  to turn integrity off); the manager's own costs (owner marker, commit, collectives) stay;
+- sync save, integrity on: the same with titan-ckpt's default writer (sha256 while writing);
+- async save, blocked: the time ``save()`` + ``maybe_wait_for_staging()`` keep the caller
+  (training) waiting with async_mode=async, the slowest rank's; the write is then awaited
+  outside the measure;
+- load with ``verify_checksums`` off and on, of the integrity-on step.
+
+Every measure is bracketed by barriers (the slowest rank's time); steps are deleted after
+each repetition. Ratios are of medians; the spread shows min-max over the repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage, OptimizerState
+from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, _HashingFileSystem
+
+SAVES = ("plain dcp.save", "sync save, integrity off", "sync save, integrity on", "async blocked")
+LOADS = ("load, verify off", "load, verify on")
+
+
+class _CountingStream(HashingStream):
+    """A write stream that counts its bytes and hashes none."""
+
+    def write(self, data: Any) -> int:
+        n = self._raw.write(data)
+        self._size += memoryview(data).nbytes
+        return n
+
+    def digest(self) -> dict[str, Any] | None:
+        return {"size": self._size, "sha256": "not computed (bench)"}
+
+
+class _SizesOnly(_HashingFileSystem):
+    """DCP's filesystem recording each written file's size, hashing nothing."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        with self._inner.create_stream(path, mode) as raw:
+            stream = _CountingStream(raw)
+            yield stream
+        self.files[os.fspath(path)] = stream.digest()
+
+
+class SizesOnlyWriter(HashingFileSystemWriter):
+    """titan-ckpt's DCP writer with the hashing taken out: integrity off, all else equal."""
+
+    def _wrap_fs(self) -> None:
+        self.fs = _SizesOnly(self.fs)
+
+
+class NoIntegrityStorage(LocalStorage):
+    """The local filesystem whose DCP writer hashes nothing (``SizesOnlyWriter``)."""
+
+    def dcp_writer(self, path: str) -> SizesOnlyWriter:
+        return SizesOnlyWriter(path)
+
+
+def build_state(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A sharded Llama 3 and its AdamW after one step (so the optimizer state exists)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_models import Llama3, Llama3Args
+
+    torch.manual_seed(0)
+    model_args = Llama3Args(
+        dim=args.llama_dim, n_layers=args.llama_layers, n_heads=8, vocab_size=16384,
+        max_seq_len=64, rope_scaling=None,
+    )  # fmt: skip
+    model = Llama3(model_args)
+    model.init_weights()
+    for layer in model.layers.values():
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, model_args.vocab_size, (1, 64))
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+class Targets:
+    """The managers over one state and the timed measures (every rank runs each)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.dir = args.dir
+        self.rank = dist.get_rank()
+        self.model, self.opt = build_state(args)
+        self.optimizer = OptimizerState(self.model, self.opt)
+        self.on = self._manager("on", "disabled")
+        self.off = self._manager("off", "disabled", storage=NoIntegrityStorage())
+        self.async_ = self._manager("async", "async")
+
+    def _manager(self, name: str, mode: str, **kwargs: Any) -> CheckpointManager:
+        config = CheckpointConfig(
+            enable=True, folder=os.path.join(self.dir, name), interval=1, keep_latest_k=0,
+            async_mode=mode,
+        )  # fmt: skip
+        return CheckpointManager(
+            config, model_parts=[self.model], states={"optimizer": self.optimizer}, **kwargs
+        )
+
+    def state_bytes(self) -> int:
+        """Bytes of the whole state (model and optimizer), summed over the ranks."""
+        state = {**self.on.model.state_dict(), **self.optimizer.state_dict()}
+        local = sum(
+            (v.to_local() if hasattr(v, "to_local") else v).nbytes
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        total = torch.tensor([local])
+        dist.all_reduce(total)
+        return int(total)
+
+    def plain_dcp(self, rep: int) -> None:
+        state = {**self.on.model.state_dict(), "optimizer": self.optimizer}
+        dcp.save(state, checkpoint_id=os.path.join(self.dir, "plain", f"step-{rep}"))
+
+    def blocked(self, rep: int) -> float:
+        """Seconds the slowest rank waited in an async save; the write finishes untimed."""
+        dist.barrier()
+        start = time.perf_counter()
+        self.async_.save(rep, force=True)
+        self.async_.maybe_wait_for_staging()
+        seconds = torch.tensor([time.perf_counter() - start])
+        self.async_.wait()
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return float(seconds)
+
+    def save_measures(self) -> dict[str, Callable[[int], float]]:
+        return {
+            "plain dcp.save": lambda rep: timed(lambda: self.plain_dcp(rep)),
+            "sync save, integrity off": lambda rep: timed(lambda: self.off.save(rep, force=True)),
+            "sync save, integrity on": lambda rep: timed(lambda: self.on.save(rep, force=True)),
+            "async blocked": self.blocked,
+        }
+
+    def clean(self, step: int) -> None:
+        """Delete step ``step`` of every kind (rank 0): one state per kind on storage."""
+        dist.barrier()
+        if self.rank == 0:
+            for name in ("plain", "off", "async", "on"):
+                shutil.rmtree(os.path.join(self.dir, name, f"step-{step}"), ignore_errors=True)
+        dist.barrier()
+
+    def run(self, reps: int) -> dict[str, list[float]]:
+        measures, out = self.save_measures(), {}
+        for rep in range(-1, reps):  # rep -1: warm-up, not recorded
+            order = list(measures) if rep % 2 == 0 else list(measures)[::-1]
+            for key in order:
+                seconds = measures[key](rep + 1)
+                if rep >= 0:
+                    out.setdefault(key, []).append(seconds)
+            if rep < reps - 1:
+                self.clean(rep + 1)
+        loads = {
+            "load, verify off": lambda: self.on.load(reps, verify_checksums=False),
+            "load, verify on": lambda: self.on.load(reps, verify_checksums=True),
+        }
+        for rep in range(-1, reps):
+            for key in sorted(loads, reverse=rep % 2 == 1):
+                seconds = timed(loads[key])
+                if rep >= 0:
+                    out.setdefault(key, []).append(seconds)
+        return out
+
+    def close(self) -> None:
+        for manager in (self.on, self.off, self.async_):
+            manager.close()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds from a barrier before ``fn`` to a barrier after it (the slowest rank)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def report(args: argparse.Namespace, out: dict[str, list[float]], nbytes: int) -> None:
+    """The table of medians and spreads, then each target's ratio and verdict."""
+    med = {k: statistics.median(v) for k, v in out.items()}
+    world = dist.get_world_size()
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; torch "
+          f"{torch.__version__}; {world} gloo ranks; writing to {args.dir}")  # fmt: skip
+    print(f"state: Llama 3 dim {args.llama_dim} x {args.llama_layers} layers + AdamW, "
+          f"{nbytes / 2**20:.0f} MiB; {args.reps} interleaved repetitions")  # fmt: skip
+    print(f"\n| measure | median s | min-max s |\n|---|---|---|")  # noqa: F541
+    for key in (*SAVES, *LOADS):
+        values = out[key]
+        print(f"| {key} | {med[key]:.3f} | {min(values):.3f}-{max(values):.3f} |")
+
+    def pair(a: str, b: str, pct: bool) -> str:  # per-repetition ratios a_i / b_i: spread
+        ratios = [x / y for x, y in zip(out[a], out[b], strict=True)]
+        if pct:
+            return f"{min(ratios):.1%}-{max(ratios):.1%}"
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+    rows = [
+        ("sync save: integrity on / off", "sync save, integrity on", "sync save, integrity off",
+         1.1, "<= 1.1x"),
+        ("sync save with integrity / plain dcp.save (torchtitan)", "sync save, integrity on",
+         "plain dcp.save", 1.0, "<= 1.0x"),
+        ("async save: blocked / sync save with integrity", "async blocked",
+         "sync save, integrity on", 0.1, "< 10%"),
+        ("load: verify on / off", "load, verify on", "load, verify off", 1.2, "<= 1.2x"),
+    ]  # fmt: skip
+    print("\n| target | ratio of medians | per-rep spread | goal | met |\n|---|---|---|---|---|")
+    for name, a, b, limit, goal in rows:
+        ratio = med[a] / med[b]
+        pct = "%" in goal
+        met = ratio < limit if pct else ratio <= limit
+        shown = f"{ratio:.1%}" if pct else f"{ratio:.2f}x"
+        print(f"| {name} | {shown} | {pair(a, b, pct)} | {goal} | {'yes' if met else 'NO'} |")
+
+
+def run_targets(args: argparse.Namespace) -> None:
+    """Build the state, run the measures, print the tables on rank 0."""
+    targets = Targets(args)
+    nbytes = targets.state_bytes()
+    out = targets.run(args.reps)
+    targets.close()
+    if dist.get_rank() == 0:
+        report(args, out, nbytes)
