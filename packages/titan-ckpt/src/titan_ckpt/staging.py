@@ -76,12 +76,10 @@ def _rebuild(staged: Any, new: Any, pairs: list[tuple[torch.Tensor, torch.Tensor
     ``_MISMATCH`` when the layouts differ. Appends (staged local tensor, new local tensor) to
     ``pairs`` for each tensor; other values are deep-copied from ``new``."""
     if isinstance(new, torch.Tensor):
-        if not _same_layout(staged, new):
+        pair = _local_pair(staged, new)
+        if pair is None:
             return _MISMATCH
-        if isinstance(new, DTensor):
-            pairs.append((staged.to_local(), new.to_local()))
-        else:
-            pairs.append((staged, new))
+        pairs.append(pair)
         return staged
     if type(new) is dict:
         if type(staged) is not dict or list(staged) != list(new):
@@ -105,15 +103,16 @@ def _rebuild(staged: Any, new: Any, pairs: list[tuple[torch.Tensor, torch.Tensor
     return copy.deepcopy(new)  # any other value (a custom container too): a fresh copy
 
 
-def _same_layout(staged: Any, new: torch.Tensor) -> bool:
-    """Whether ``staged`` can hold ``new``'s values as they are laid out."""
+def _local_pair(staged: Any, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(staged, new) as local tensors when ``staged`` can hold ``new``'s values as they are
+    laid out, else None."""
     if type(staged) is not type(new) or staged.dtype != new.dtype:
-        return False
+        return None
     if isinstance(new, DTensor):
         mesh = staged.device_mesh is new.device_mesh or staged.device_mesh == new.device_mesh
-        if not mesh or staged.placements != new.placements:
-            return False
-        if staged.shape != new.shape:
-            return False
-        staged, new = staged.to_local(), new.to_local()
-    return staged.shape == new.shape and staged.stride() == new.stride()
+        if not mesh or staged.placements != new.placements or staged.shape != new.shape:
+            return None
+        staged, new = staged._local_tensor, new._local_tensor  # to_local() without autograd
+    if staged.shape != new.shape or staged.stride() != new.stride():
+        return None
+    return staged, new
