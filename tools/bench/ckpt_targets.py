@@ -18,6 +18,11 @@ repetition runs every measure once, the order alternating between repetitions
 - async save, blocked: the time ``save()`` + ``maybe_wait_for_staging()`` keep the caller
   (training) waiting with async_mode=async, the slowest rank's; the write is then awaited
   outside the measure;
+- async_with_pinned_mem as titan-train drives it (``Targets.pinned_blocked``): save(), the
+  next step's forward/backward (1 x 128 tokens) while staging runs in the background, then
+  ``maybe_wait_for_staging()`` before that step's optimizer step. "blocked" is the time
+  spent in save() and in that wait; "delayed" is how much longer the whole took than a
+  forward/backward alone (so it also counts staging slowing the step down);
 - load with ``verify_checksums`` off and on, of the integrity-on step.
 
 Every measure is bracketed by barriers (the slowest rank's time); steps are deleted after
@@ -43,7 +48,14 @@ import torch.distributed.checkpoint as dcp
 from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage, OptimizerState
 from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, _HashingFileSystem
 
-SAVES = ("plain dcp.save", "sync save, integrity off", "sync save, integrity on", "async blocked")
+SAVES = (
+    "plain dcp.save",
+    "sync save, integrity off",
+    "sync save, integrity on",
+    "async blocked",
+    "pinned blocked",
+    "pinned delayed",
+)
 LOADS = ("load, verify off", "load, verify on")
 
 
@@ -93,7 +105,7 @@ def build_state(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.
     torch.manual_seed(0)
     model_args = Llama3Args(
         dim=args.llama_dim, n_layers=args.llama_layers, n_heads=8, vocab_size=16384,
-        max_seq_len=64, rope_scaling=None,
+        max_seq_len=128, rope_scaling=None,
     )  # fmt: skip
     model = Llama3(model_args)
     model.init_weights()
@@ -101,12 +113,19 @@ def build_state(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, model_args.vocab_size, (1, 64))
-    logits = model(tokens)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    forward_backward(model)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return model, opt
+
+
+def forward_backward(model: torch.nn.Module) -> None:
+    """One forward and backward on 1 x 128 tokens (gradients dropped afterwards)."""
+    tokens = torch.randint(0, model.args.vocab_size, (1, 128))
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    for p in model.parameters():
+        p.grad = None
 
 
 class Targets:
@@ -120,6 +139,7 @@ class Targets:
         self.on = self._manager("on", "disabled")
         self.off = self._manager("off", "disabled", storage=NoIntegrityStorage())
         self.async_ = self._manager("async", "async")
+        self.pinned = self._manager("pinned", "async_with_pinned_mem")
 
     def _manager(self, name: str, mode: str, **kwargs: Any) -> CheckpointManager:
         config = CheckpointConfig(
@@ -146,7 +166,7 @@ class Targets:
         state = {**self.on.model.state_dict(), "optimizer": self.optimizer}
         dcp.save(state, checkpoint_id=os.path.join(self.dir, "plain", f"step-{rep}"))
 
-    def blocked(self, rep: int) -> float:
+    def blocked(self, rep: int) -> dict[str, float]:
         """Seconds the slowest rank waited in an async save; the write finishes untimed."""
         dist.barrier()
         start = time.perf_counter()
@@ -155,21 +175,45 @@ class Targets:
         seconds = torch.tensor([time.perf_counter() - start])
         self.async_.wait()
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        return float(seconds)
+        return {"async blocked": float(seconds)}
 
-    def save_measures(self) -> dict[str, Callable[[int], float]]:
+    def pinned_blocked(self, rep: int) -> dict[str, float]:
+        """async_with_pinned_mem as titan-train drives it: save(), the next step's forward
+        and backward while staging runs, then ``maybe_wait_for_staging`` before its optimizer
+        step. Blocked: the time in save() and in that wait (slowest rank); delayed: how much
+        longer save + forward/backward + wait took than a forward/backward alone (measured
+        just before), which also counts staging slowing the step down."""
+        alone = timed(lambda: forward_backward(self.model))
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.pinned.save(rep, force=True)
+        t1 = time.perf_counter()
+        forward_backward(self.model)
+        t2 = time.perf_counter()
+        self.pinned.maybe_wait_for_staging()
+        t3 = time.perf_counter()
+        seconds = torch.tensor([(t1 - t0) + (t3 - t2), (t3 - t0) - alone])
+        self.pinned.wait()
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return {"pinned blocked": float(seconds[0]), "pinned delayed": max(0.0, float(seconds[1]))}
+
+    def save_measures(self) -> dict[str, Callable[[int], dict[str, float]]]:
+        def one(key: str, fn: Callable[[], Any]) -> Callable[[int], dict[str, float]]:
+            return lambda rep: {key: timed(lambda: fn(rep))}
+
         return {
-            "plain dcp.save": lambda rep: timed(lambda: self.plain_dcp(rep)),
-            "sync save, integrity off": lambda rep: timed(lambda: self.off.save(rep, force=True)),
-            "sync save, integrity on": lambda rep: timed(lambda: self.on.save(rep, force=True)),
-            "async blocked": self.blocked,
+            "plain": one("plain dcp.save", self.plain_dcp),
+            "off": one("sync save, integrity off", lambda rep: self.off.save(rep, force=True)),
+            "on": one("sync save, integrity on", lambda rep: self.on.save(rep, force=True)),
+            "async": self.blocked,
+            "pinned": self.pinned_blocked,
         }
 
     def clean(self, step: int) -> None:
         """Delete step ``step`` of every kind (rank 0): one state per kind on storage."""
         dist.barrier()
         if self.rank == 0:
-            for name in ("plain", "off", "async", "on"):
+            for name in ("plain", "off", "async", "pinned", "on"):
                 shutil.rmtree(os.path.join(self.dir, name, f"step-{step}"), ignore_errors=True)
         dist.barrier()
 
@@ -177,10 +221,10 @@ class Targets:
         measures, out = self.save_measures(), {}
         for rep in range(-1, reps):  # rep -1: warm-up, not recorded
             order = list(measures) if rep % 2 == 0 else list(measures)[::-1]
-            for key in order:
-                seconds = measures[key](rep + 1)
-                if rep >= 0:
-                    out.setdefault(key, []).append(seconds)
+            for name in order:
+                for key, seconds in measures[name](rep + 1).items():
+                    if rep >= 0:
+                        out.setdefault(key, []).append(seconds)
             if rep < reps - 1:
                 self.clean(rep + 1)
         loads = {
@@ -195,7 +239,7 @@ class Targets:
         return out
 
     def close(self) -> None:
-        for manager in (self.on, self.off, self.async_):
+        for manager in (self.on, self.off, self.async_, self.pinned):
             manager.close()
 
 
@@ -234,6 +278,10 @@ def report(args: argparse.Namespace, out: dict[str, list[float]], nbytes: int) -
         ("sync save with integrity / plain dcp.save (torchtitan)", "sync save, integrity on",
          "plain dcp.save", 1.0, "<= 1.0x"),
         ("async save: blocked / sync save with integrity", "async blocked",
+         "sync save, integrity on", 0.1, "< 10%"),
+        ("async_with_pinned_mem: blocked / sync save", "pinned blocked",
+         "sync save, integrity on", 0.1, "< 10%"),
+        ("async_with_pinned_mem: delayed / sync save", "pinned delayed",
          "sync save, integrity on", 0.1, "< 10%"),
         ("load: verify on / off", "load, verify on", "load, verify off", 1.2, "<= 1.2x"),
     ]  # fmt: skip
