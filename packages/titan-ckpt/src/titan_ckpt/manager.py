@@ -530,8 +530,8 @@ class CheckpointManager:
         self.wait()
         step = cfg.load_step if step is None else step
         checksums = cfg.verify_checksums if verify_checksums is None else verify_checksums
-        # With several ranks, every rank hashes its share of the files (after rank 0's plan).
-        shared = checksums and self._distributed and dist.get_world_size(self.pg) > 1
+        # In a process group, every rank hashes its share of the files while DCP reads.
+        shared = checksums and self._distributed
         sums_on_rank_0 = checksums and not shared
         plan = self._decide(
             partial(plan_load, self.storage, cfg, self.model, step=step, checksums=sums_on_rank_0)
