@@ -43,6 +43,7 @@ __all__ = [
     "LoadPlan",
     "SharedVerification",
     "plan_load",
+    "shares",
     "states_to_load",
     "verified_while_reading",
     "verify_shared",
@@ -210,24 +211,28 @@ def states_to_load(
     return names
 
 
+def shares(files: Mapping[str, dict], world: int) -> list[dict[str, dict]]:
+    """``files`` (a manifest's entries) split among ``world`` ranks with balanced bytes: from
+    the largest file to the smallest, each to the rank holding the fewest bytes so far (the
+    lowest such rank); the same split on every rank."""
+    loads, out = [0] * world, [{} for _ in range(world)]
+    for rel, info in sorted(files.items(), key=lambda kv: (-kv[1]["size"], kv[0])):
+        owner = loads.index(min(loads))
+        loads[owner] += info["size"]
+        out[owner][rel] = info
+    return out
+
+
 class SharedVerification:
     """This rank's share of a step's checksums, hashed in a background thread from creation
-    on; ``finish`` waits for it and agrees with the other ranks (a collective).
-
-    The shares balance bytes: files from largest to smallest, each to the rank holding the
-    fewest bytes so far (every rank computes the same split from the same manifest)."""
+    on (its share: ``shares``); ``finish`` waits for it and agrees with the other ranks (a
+    collective)."""
 
     def __init__(
         self, storage: Storage, directory: str, manifest: Manifest, group: dist.ProcessGroup | None
     ) -> None:
         self.directory, self.group = directory, group
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        loads, mine = [0] * world, {}
-        for rel, info in sorted(manifest.files.items(), key=lambda kv: (-kv[1]["size"], kv[0])):
-            owner = loads.index(min(loads))
-            loads[owner] += info["size"]
-            if owner == rank:
-                mine[rel] = info
+        mine = shares(manifest.files, dist.get_world_size(group))[dist.get_rank(group)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-verify")
         self._found = self._pool.submit(file_problems, storage, directory, mine, checksums=True)
 
