@@ -1,10 +1,11 @@
 """Issue 14's integrity targets, measured side by side on one state in one run.
 
-Run through ``tools/bench/ckpt_save_load.py --targets`` (which starts the gloo ranks). The
-state is a Llama 3 model (``titan_models.Llama3``, ``--llama-dim``/``--llama-layers``, vocab
-16384) with its AdamW state after one training step, FSDP2-sharded over the ranks. Each
-repetition runs every measure once, the order alternating between repetitions
-(A,B,C,D then D,C,B,A), after one unrecorded warm-up round:
+Run through ``tools/bench/ckpt_save_load.py --targets`` (which starts the gloo ranks), or as
+``python tools/bench/run.py ckpt_targets [ARGS]`` (the same). The state is a Llama 3 model
+(``titan_models.Llama3``, ``--llama-dim``/``--llama-layers``, vocab 16384) with its AdamW
+state after one training step, FSDP2-sharded over the ranks. Each repetition runs every
+measure once, the order reversed every other repetition (A,B,C,D then D,C,B,A), after one
+unrecorded warm-up round:
 
 - plain ``dcp.save``: torch's DCP save of the same state dict (model FQNs at the top level,
   the flattened optimizer state under ``optimizer``) to DCP's default ``FileSystemWriter``.
@@ -311,3 +312,12 @@ def run_targets(args: argparse.Namespace) -> None:
     targets.close()
     if dist.get_rank() == 0:
         report(args, out, nbytes, load_before)
+
+
+if __name__ == "__main__":  # the same as ckpt_save_load.py --targets (which starts the ranks)
+    import runpy
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt_save_load.py")
+    sys.argv = [script, "--targets", *sys.argv[1:]]
+    runpy.run_path(script, run_name="__main__")
