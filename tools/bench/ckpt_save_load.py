@@ -18,6 +18,11 @@ Starts ``--nproc`` gloo ranks under torchrun, shards a stack of square Linear la
     python tools/bench/ckpt_save_load.py                   # 1024 MiB at world size 2
     python tools/bench/ckpt_save_load.py --size-mb 256 --nproc 2 --dir /tmp/ckpt-bench
 
+``--targets`` measures only issue 14's integrity targets, on a Llama 3 model (titan_models)
+with its AdamW state, FSDP2-sharded (``tools/bench/ckpt_targets.py``):
+
+    python tools/bench/ckpt_save_load.py --targets --reps 5 --dir /dev/shm/ckpt-bench
+
 Numbers print on rank 0; the folder is deleted afterwards unless ``--keep``.
 """
 
@@ -44,6 +49,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     p.add_argument("--reps", type=int, default=5, help="side-by-side repetitions (default 5)")
+    p.add_argument(
+        "--targets",
+        action="store_true",
+        help="only the integrity targets, on a Llama 3 + AdamW state (see ckpt_targets.py)",
+    )
+    p.add_argument("--llama-dim", type=int, default=512, help="--targets: model width (512)")
+    p.add_argument("--llama-layers", type=int, default=6, help="--targets: blocks (6)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -58,7 +70,8 @@ def launch(args: argparse.Namespace) -> int:
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(args.nproc), "--master-port", str(port),
         __file__, "--worker", "--size-mb", str(args.size_mb), "--dir", directory,
-        "--reps", str(args.reps),
+        "--reps", str(args.reps), "--llama-dim", str(args.llama_dim),
+        "--llama-layers", str(args.llama_layers), *(["--targets"] if args.targets else []),
     ]  # fmt: skip
     try:
         return subprocess.run(cmd, env={**os.environ, "PYTHONWARNINGS": "ignore"}).returncode
@@ -72,6 +85,13 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    if args.targets:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from ckpt_targets import run_targets
+
+        run_targets(args)
+        dist.destroy_process_group()
+        return
     bench = Bench(args)
     results = bench.single_runs()
     side = bench.side_by_side()

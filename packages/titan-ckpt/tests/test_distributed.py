@@ -89,11 +89,14 @@ def test_fsdp2_round_trips_crash_and_reshard_4_2_1(common, torchrun, results, tm
         assert r["params"] == saved[0]["params"]
         assert r["opt"] == saved[0]["opt"]
         # Both async modes wrote what the model held at save time, while training went on.
+        # The second save refilled the first one's staged copy (titan_ckpt.staging).
         for mode in ("async", "async_with_pinned_mem"):
             assert r[mode]["loaded"] == r[mode]["expected"]
+            assert r[mode]["loaded_opt"] == r[mode]["expected_opt"]
+            assert r[mode]["reused"] == 1
     for mode in ("async", "async_with_pinned_mem"):
         async_folder = str(tmp_path / "async" / mode)
-        assert scan_steps(storage_for(async_folder), async_folder).committed == [2]
+        assert scan_steps(storage_for(async_folder), async_folder).committed == [2, 4]
 
     # A dataloader that cannot reshard is refused (written by 4 ranks, read by 1).
     with pytest.raises(CheckpointConfigError, match=r"data-parallel degree 4, this run has 1"):

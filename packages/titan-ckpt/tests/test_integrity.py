@@ -4,8 +4,9 @@ commit marker merges the digests (``titan_ckpt.formats.hashing``).
 Checked against: reads counted during saves on 2 gloo ranks in every async mode, both through
 the storage seam and by an audit hook on every ``open`` of the process; ``hashlib`` over the
 files on disk; a flipped byte in each rank's file caught by ``load(verify_checksums=True)``
-and by ``titan-ckpt verify``; an fsspec (``memory://``) save; and the fallbacks (a stream
-written out of order, a file changed after it was written)."""
+and by ``titan-ckpt verify`` (also when it breaks DCP's read, with the ranks hashing while
+DCP reads); how the files are shared among the ranks; an fsspec (``memory://``) save; and the
+fallbacks (a stream written out of order, a file changed after it was written)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from titan_ckpt import (
 )
 from titan_ckpt.formats.hashing import HashingStream
 from titan_ckpt.layout import Manifest, commit_step
+from titan_ckpt.load_plan import shares
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -78,8 +80,11 @@ def test_two_ranks_verify_their_shares_on_load_and_agree_on_a_damaged_file(two_r
     _, reports = two_rank_saves
     for report in reports:
         assert report["load"]["intact"] == {"loaded": True}
+        # The checksums run while DCP reads: the flipped byte broke the read itself (a
+        # pickled record), and the damaged file is still reported by name in its place.
         assert report["load"]["damaged"] == {
-            "problems": ["__1_0.distcp: sha256 differs from the manifest (contents changed)"]
+            "problems": ["__1_0.distcp: sha256 differs from the manifest (contents changed)"],
+            "replaced": "CheckpointReadError",
         }
 
 
@@ -216,3 +221,22 @@ def test_hugging_face_export_is_hashed_as_written(common, tmp_path):
     for name, info in files.items():
         data = (step / name).read_bytes()
         assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_verification_shares_balance_bytes_and_cover_every_file_once():
+    files = {
+        ".metadata": {"size": 5, "sha256": "a"},
+        "__0_0.distcp": {"size": 100, "sha256": "b"},
+        "__1_0.distcp": {"size": 60, "sha256": "c"},
+        "__2_0.distcp": {"size": 50, "sha256": "d"},
+    }
+    # Largest first, each to the lighter rank: 100 | 60, then 50 -> 110, then 5 -> 105.
+    assert [sorted(share) for share in shares(files, 2)] == [
+        [".metadata", "__0_0.distcp"],
+        ["__1_0.distcp", "__2_0.distcp"],
+    ]
+    assert shares(files, 2)[0][".metadata"] == files[".metadata"]
+    # More ranks than files: the extra ranks hash nothing; every file exactly once.
+    split = shares(files, 6)
+    assert sorted(rel for share in split for rel in share) == sorted(files)
+    assert [len(share) for share in split] == [1, 1, 1, 1, 0, 0]

@@ -7,6 +7,9 @@
   and a separate process writes, so the writer never holds the trainer's GIL. On a CPU-only
   machine there is nothing to pin: staging uses plain (shared) memory and this is logged once.
 
+Both stage through ``titan_ckpt.staging.ReusingStager``: from the second save on, staging
+copies the values into the previous save's staged tensors instead of rebuilding them.
+
 A single process without ``torch.distributed`` writes from a thread (DCP's writer process
 joins the trainer's process group, so it needs one). The writer process is started with
 ``spawn``, which re-imports the launching script; a script without an
@@ -28,6 +31,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titan_ckpt.errors import DiskFullError
+from titan_ckpt.staging import ReusingStager
 
 __all__ = ["CheckedStager", "check_main_guard", "check_shared_memory", "make_stager"]
 
@@ -42,7 +46,7 @@ def make_stager(
         # Synchronous staging: the copy to CPU happens before async_save returns, so training
         # may change its tensors as soon as save() returns.
         no_extras = StagingOptions(False, False, False, False)
-        return AsyncCheckpointerType.THREAD, DefaultStager(no_extras)
+        return AsyncCheckpointerType.THREAD, ReusingStager(no_extras)
     accelerator = torch.accelerator.is_available()
     if not accelerator:
         logger.info(
@@ -69,7 +73,7 @@ def make_stager(
 SHARED_MEMORY = "/dev/shm"
 
 
-class CheckedStager(DefaultStager):
+class CheckedStager(ReusingStager):
     """torch's background stager, made safe to call right after an optimizer step:
 
     - It copies on its own stream, which does not wait for the kernels already queued on the

@@ -116,8 +116,10 @@ def main() -> None:
 
 
 def load_checks(model, opt, rank: int) -> dict:
-    """Load step 1 with checksums (the ranks hash their shares of the files), intact and
-    with one byte of rank 1's data file flipped: every rank must raise the same error."""
+    """Load step 1 with checksums (the ranks hash their shares of the files while DCP reads),
+    intact and with one byte of rank 1's data file flipped: every rank must raise the same
+    error. The flipped byte lies in a pickled record, so DCP's read fails too; the report
+    names the error the integrity error replaced."""
     intact = os.path.join(sys.argv[2], "async")
     damaged = os.path.join(sys.argv[2], "damaged")
     if rank == 0:
@@ -127,7 +129,7 @@ def load_checks(model, opt, rank: int) -> dict:
             f.seek(os.path.getsize(path) // 2)
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 1]))
+            f.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
     out = {}
     for name, folder in (("intact", intact), ("damaged", damaged)):
@@ -139,7 +141,8 @@ def load_checks(model, opt, rank: int) -> dict:
         try:
             out[name] = {"loaded": manager.load(verify_checksums=True)}
         except CheckpointIntegrityError as error:
-            out[name] = {"problems": error.problems}
+            replaced = type(error.__context__).__name__ if error.__context__ else None
+            out[name] = {"problems": error.problems, "replaced": replaced}
         manager.close()
     return out
 

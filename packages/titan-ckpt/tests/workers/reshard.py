@@ -132,9 +132,13 @@ def main() -> None:
             train_steps(model, opt, range(1, 3), rank)
             assert manager.save(2)
             manager.maybe_wait_for_staging()
-            expected = eval_loss(model)
             # Training (FSDP collectives included) changes the weights while the write runs.
-            train_steps(model, opt, range(3, 4), rank)
+            train_steps(model, opt, range(3, 5), rank)
+            assert manager.save(4)  # staged into save 2's copy (titan_ckpt.staging)
+            manager.maybe_wait_for_staging()
+            expected, expected_opt = eval_loss(model), optimizer_sums(opt_state)
+            reused = manager._stager.reused
+            train_steps(model, opt, range(5, 6), rank)
             manager.close()
             reader = CheckpointManager(
                 CheckpointConfig(enable=True, folder=async_folder),
@@ -143,7 +147,13 @@ def main() -> None:
             )
             reader.load()
             reader.close()
-            result[mode] = {"expected": expected, "loaded": eval_loss(model)}
+            result[mode] = {
+                "expected": expected,
+                "loaded": eval_loss(model),
+                "expected_opt": expected_opt,
+                "loaded_opt": optimizer_sums(opt_state),
+                "reused": reused,
+            }
         write_result("load", result)
 
 
