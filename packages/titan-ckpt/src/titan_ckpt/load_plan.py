@@ -7,17 +7,15 @@ a step directory titan did not write and cannot read stops the run (``titan_ckpt
 The chosen step is checked against its manifest (sizes, checksums on request) and against the
 model (every FQN present, same shapes), so a wrong or damaged checkpoint is refused with its
 name before any rank reads a tensor. With several ranks, the checksums are not computed on
-rank 0 alone: every rank hashes its share of the step's files, in a background thread while
-DCP reads the step (``verified_while_reading``); a damaged file is then reported by name after
-the read, in place of any error the read raised.
+rank 0 alone: every rank hashes its share of the step's files (``verify_shared``; shares
+balanced by bytes), all before any rank reads a tensor, so a damaged step leaves the model and
+optimizer as they were.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,15 +37,7 @@ from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
 
-__all__ = [
-    "LoadPlan",
-    "SharedVerification",
-    "plan_load",
-    "shares",
-    "states_to_load",
-    "verified_while_reading",
-    "verify_shared",
-]
+__all__ = ["LoadPlan", "plan_load", "shares", "states_to_load", "verify_shared"]
 
 logger = logging.getLogger("titan_ckpt")
 
@@ -223,63 +213,16 @@ def shares(files: Mapping[str, dict], world: int) -> list[dict[str, dict]]:
     return out
 
 
-class SharedVerification:
-    """This rank's share of a step's checksums, hashed in a background thread from creation
-    on (its share: ``shares``); ``finish`` waits for it and agrees with the other ranks (a
-    collective)."""
-
-    def __init__(
-        self, storage: Storage, directory: str, manifest: Manifest, group: dist.ProcessGroup | None
-    ) -> None:
-        self.directory, self.group = directory, group
-        mine = shares(manifest.files, dist.get_world_size(group))[dist.get_rank(group)]
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-verify")
-        self._found = self._pool.submit(file_problems, storage, directory, mine, checksums=True)
-
-    def finish(self) -> None:
-        """Raise the same ``CheckpointIntegrityError`` on every rank of ``group`` if any rank
-        found a file that differs from the manifest."""
-        try:
-            found = self._found.result()
-        finally:
-            self._pool.shutdown()
-        everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, found, group=self.group)
-        problems = sorted(p for part in everyone for p in part)
-        if problems:
-            raise integrity_error(self.directory, problems)
-
-
 def verify_shared(
     storage: Storage, directory: str, manifest: Manifest, group: dist.ProcessGroup | None
 ) -> None:
     """Check every file's sha256 against ``manifest``, the files split among the ranks of
     ``group`` (a collective); every rank raises the same ``CheckpointIntegrityError`` naming
     each damaged file. Sizes were checked on rank 0 in ``plan_load``."""
-    SharedVerification(storage, directory, manifest, group).finish()
-
-
-@contextmanager
-def verified_while_reading(
-    storage: Storage,
-    directory: str,
-    manifest: Manifest | None,
-    group: dist.ProcessGroup | None,
-) -> Iterator[None]:
-    """Check the step's checksums (``SharedVerification``; nothing when ``manifest`` is None)
-    while the body reads it: the hashing overlaps DCP's reads instead of preceding them.
-
-    A damaged file raises ``CheckpointIntegrityError`` on every rank once the body is done,
-    also in place of the body's own error (a damaged file explains a failed read), so the
-    states may then hold some of the damaged step's values: the load failed, load another
-    step. A collective after the body; DCP's load raises on every rank alike."""
-    if manifest is None:
-        yield
-        return
-    check = SharedVerification(storage, directory, manifest, group)
-    try:
-        yield
-    except BaseException:
-        check.finish()
-        raise
-    check.finish()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    found = file_problems(storage, directory, shares(manifest.files, world)[rank], checksums=True)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, found, group=group)
+    problems = sorted(p for part in everyone for p in part)
+    if problems:
+        raise integrity_error(directory, problems)

@@ -55,7 +55,7 @@ from titan_ckpt.layout import (
     step_of,
     write_owner,
 )
-from titan_ckpt.load_plan import plan_load, states_to_load, verified_while_reading
+from titan_ckpt.load_plan import plan_load, states_to_load, verify_shared
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
@@ -530,8 +530,9 @@ class CheckpointManager:
         self.wait()
         step = cfg.load_step if step is None else step
         checksums = cfg.verify_checksums if verify_checksums is None else verify_checksums
-        # In a process group, every rank hashes its share of the files while DCP reads.
-        shared = checksums and self._distributed
+        # With several ranks, every rank hashes its share of the files (after rank 0's plan),
+        # all before any tensor is read: a damaged step leaves the model as it was.
+        shared = checksums and self._distributed and dist.get_world_size(self.pg) > 1
         sums_on_rank_0 = checksums and not shared
         plan = self._decide(
             partial(plan_load, self.storage, cfg, self.model, step=step, checksums=sums_on_rank_0)
@@ -548,6 +549,8 @@ class CheckpointManager:
             logger.info("Loaded Hugging Face weights from %s", directory)
             return True
         manifest = Manifest.from_json(manifest_json) if manifest_json else None
+        if manifest is not None and shared:
+            verify_shared(self.storage, directory, manifest, self.pg)
         names = states_to_load(
             cfg, kind, directory, manifest, self._shared_states(), self._data_parallel_degree()
         )
@@ -555,9 +558,7 @@ class CheckpointManager:
         names = list(entries)
         model_sd = self.model.state_dict()
         state = {**model_sd, **entries}
-        verified = manifest if shared else None  # each rank its share, while DCP reads
-        with verified_while_reading(self.storage, directory, verified, self.pg):
-            self._read(directory, state)
+        self._read(directory, state)
         self.model.load_state_dict({k: state[k] for k in model_sd})
         self._remember(directory, manifest)
         if self.ft is not None and self.ft.loads_dataloader(

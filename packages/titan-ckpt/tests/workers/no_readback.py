@@ -115,11 +115,23 @@ def main() -> None:
     write_result("no_readback", {"rank": rank, **report})
 
 
+def _snapshot(model, opt) -> list[torch.Tensor]:
+    tensors = [
+        p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()
+    ]
+    for state in opt.state.values():
+        tensors += [
+            v.to_local() if hasattr(v, "to_local") else v
+            for v in state.values()
+            if torch.is_tensor(v)
+        ]
+    return [t.clone() for t in tensors]
+
+
 def load_checks(model, opt, rank: int) -> dict:
-    """Load step 1 with checksums (the ranks hash their shares of the files while DCP reads),
-    intact and with one byte of rank 1's data file flipped: every rank must raise the same
-    error. The flipped byte lies in a pickled record, so DCP's read fails too; the report
-    names the error the integrity error replaced."""
+    """Load step 1 with checksums (the ranks hash their shares of the files before any
+    tensor is read), intact and with one byte of rank 1's data file flipped: every rank must
+    raise the same error, with its model's and optimizer's tensors left as they were."""
     intact = os.path.join(sys.argv[2], "async")
     damaged = os.path.join(sys.argv[2], "damaged")
     if rank == 0:
@@ -138,11 +150,15 @@ def load_checks(model, opt, rank: int) -> dict:
             model_parts=[model],
             states={"optimizer": OptimizerState(model, opt), "train_state": TrainState()},
         )
+        before = _snapshot(model, opt)
         try:
             out[name] = {"loaded": manager.load(verify_checksums=True)}
         except CheckpointIntegrityError as error:
-            replaced = type(error.__context__).__name__ if error.__context__ else None
-            out[name] = {"problems": error.problems, "replaced": replaced}
+            after = _snapshot(model, opt)
+            unchanged = len(before) == len(after) and all(
+                torch.equal(a, b) for a, b in zip(before, after, strict=True)
+            )
+            out[name] = {"problems": error.problems, "states_unchanged": unchanged}
         manager.close()
     return out
 
