@@ -17,6 +17,7 @@ page faults dominate every elementwise op.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 
@@ -107,12 +108,21 @@ def bench_steps(batch: int, seq: int, reps: int, variants: list[str]) -> None:
         for variant in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
             _set_variant(model, variant)
             times[variant].append(step())
-    print(f"{'step (batch ' + str(batch) + ')':<20}{'CPU s':>8}{'tokens/s':>10}{'gain':>8}")
+    header = f"step (batch {batch})"
+    print(f"{header:<20}{'CPU s':>8}{'tokens/s':>10}{'gain':>8}{'median gain':>13}")
     plain = min(times.get("plain", [0.0])) or min(min(t) for t in times.values())
     for variant in variants:
         seconds = min(times[variant])
         gain = (plain - seconds) / plain
-        print(f"{variant:<20}{seconds:>8.3f}{batch * seq / seconds:>10.0f}{gain:>8.1%}")
+        median = statistics.median(times[variant])
+        plain_median = statistics.median(times.get("plain", [median]))
+        median_gain = (plain_median - median) / plain_median
+        print(
+            f"{variant:<20}{seconds:>8.3f}{batch * seq / seconds:>10.0f}{gain:>8.1%}"
+            f"{median_gain:>13.1%}"
+        )
+    for variant in variants:
+        print(f"  {variant} steps (s): " + " ".join(f"{t:.3f}" for t in times[variant]))
 
 
 def main() -> None:
