@@ -13,7 +13,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn import functional
 
-from titan_models import Llama3
+from titan_models import (
+    DeepSeekV3,
+    Llama3,
+    Qwen3,
+    deepseek_v3_args,
+    llama3_args,
+    qwen3_args,
+)
 from titan_models.fused import FusedRMSNorm, rms_norm, swiglu
 
 
@@ -156,9 +163,28 @@ def test_dtensor_inputs_take_the_plain_ops(mesh):
     assert torch.equal(gated.full_tensor(), functional.silu(x.full_tensor()) * x.full_tensor())
 
 
+@pytest.mark.parametrize(
+    ("build", "norms"),
+    [
+        (lambda: Llama3(llama3_args("debugmodel")), 2 * 6 + 1),
+        (lambda: Qwen3(qwen3_args("debugmodel")), None),
+        (lambda: DeepSeekV3(deepseek_v3_args("debugmodel")), None),
+    ],
+)
+def test_every_family_norms_with_fused_rms_norm(build, norms):
+    """The models' norms are FusedRMSNorm by default (block, QK and latent norms alike)."""
+    with torch.device("meta"):
+        model = build()
+    found = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    assert found
+    assert all(type(m) is FusedRMSNorm for m in found)
+    if norms is not None:
+        assert len(found) == norms
+
+
 def test_tiny_llama_trains_to_the_same_losses(tiny):
-    """Three AdamW steps of the tiny Llama 3 with every norm fused: the losses equal the
-    plain model's to 1e-5 relative."""
+    """Three AdamW steps of the tiny Llama 3 with its (fused) norms and with nn.RMSNorm's:
+    the losses equal to 1e-5 relative."""
     inputs, labels = tiny.batches()
 
     def losses(fused: bool) -> list[float]:
