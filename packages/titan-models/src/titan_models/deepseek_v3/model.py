@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope
 from titan_models.moe import MoE
@@ -96,10 +97,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.wq = nn.Linear(args.dim, q_out, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = FusedRMSNorm(self.q_lora_rank, eps=args.norm_eps)
             self.wq_b = nn.Linear(self.q_lora_rank, q_out, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = FusedRMSNorm(self.kv_lora_rank, eps=args.norm_eps)
         self.wkv_b = nn.Linear(
             self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
@@ -151,9 +152,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.attention = MultiHeadLatentAttention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = layer_id >= args.n_dense_layers
         if self.moe_enabled:
             self.moe = MoE(args.moe_args(), dim=args.dim, hidden_dim=args.moe_inter_dim)
@@ -199,7 +200,7 @@ class DeepSeekV3(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm: nn.RMSNorm | None = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from args, so it stays out of checkpoints; rebuilt by init_weights after
         # a meta-device construction.

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
 from titan_models.llama3.args import Llama3Args, RopeScaling
 from titan_models.ops import repeat_kv
@@ -177,8 +178,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
         # Deeper blocks start with smaller output projections so the residual stream's
         # variance does not grow with depth.
         depth = layer_id + 1 if args.depth_init else args.n_layers
@@ -216,7 +217,7 @@ class Llama3(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm: nn.RMSNorm | None = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from args, so it stays out of checkpoints; rebuilt by init_weights after
         # a meta-device construction.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope, rope_table
 from titan_models.moe import MoE
@@ -46,8 +47,8 @@ class Qwen3Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.q_norm = FusedRMSNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = FusedRMSNorm(args.head_dim, eps=args.norm_eps)
         self.inner_attention = CausalAttention()
 
     def forward(
@@ -78,9 +79,9 @@ class Qwen3Block(nn.Module):
 
     def __init__(self, layer_id: int, args: Qwen3Args) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Qwen3Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
             self.moe = MoE(args.moe_args(), dim=args.dim, hidden_dim=args.moe_inter_dim)
@@ -131,7 +132,7 @@ class Qwen3(nn.Module):
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): Qwen3Block(i, args) for i in range(args.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm: nn.RMSNorm | None = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # Derived from args, so it stays out of checkpoints; rebuilt by init_weights after
