@@ -25,10 +25,12 @@ import time
 
 CATEGORIES = ("matmul", "attention", "loss", "optimizer", "elementwise", "fill/copy", "other")
 _MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
+# The fused RMSNorm's row sums are matrix-vector products: counted with the norm's work.
+_NORM_MATVEC = {"aten::mv", "aten::addmv"}
 _LOSS = ("log_softmax", "nll_loss")
 _ELEMENTWISE = (
     "mul", "add", "sub", "div", "pow", "rsqrt", "mean", "sum", "silu", "neg", "exp",
-    "view_as", "where", "embedding", "sqrt", "lerp", "addc",
+    "view_as", "where", "embedding", "sqrt", "lerp", "addc", "linalg_vector_norm",
 )  # fmt: skip
 _FILL = ("fill_", "zero_", "copy_", "clone", "contiguous", "_to_copy", "cat", "empty")
 
@@ -38,6 +40,8 @@ def category(name: str, in_optimizer: bool) -> str:
     optimizer's step)."""
     if in_optimizer:
         return "optimizer"
+    if name in _NORM_MATVEC:
+        return "elementwise"
     if name in _MATMUL:
         return "matmul"
     if "scaled_dot_product" in name or "flash_attention" in name:
