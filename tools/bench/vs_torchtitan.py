@@ -25,6 +25,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,9 +80,7 @@ def main() -> int:
     if missing:
         print(f"vs_torchtitan: not found: {'; '.join(missing)}", file=sys.stderr)
         return 2
-    out = args.out or Path(
-        subprocess.check_output(["mktemp", "-d", "/tmp/vs-tt.XXXX"], text=True).strip()
-    )
+    out = args.out or Path(tempfile.mkdtemp(prefix="vs-torchtitan."))
     if out.exists() and any(out.iterdir()):
         print(f"vs_torchtitan: {out} is not empty; give a new --out folder", file=sys.stderr)
         return 2

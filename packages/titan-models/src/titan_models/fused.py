@@ -32,7 +32,7 @@ __all__ = ["FusedRMSNorm", "rms_norm", "swiglu"]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _plain(*tensors: torch.Tensor | None) -> bool:
+def _fusable(*tensors: torch.Tensor | None) -> bool:
     """Whether the fused path applies: no DTensor among ``tensors`` and not being traced by
     ``torch.compile``."""
     if torch.compiler.is_compiling():
@@ -89,7 +89,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) ->
     backward (see the module's docstring); ``eps=None`` is the input dtype's machine epsilon,
     as in torch. DTensor inputs and code being compiled take ``F.rms_norm`` itself."""
     n = x.shape[-1]
-    if not _plain(x, weight) or not (
+    if not _fusable(x, weight) or not (
         x.requires_grad or (weight is not None and weight.requires_grad)
     ):
         return functional.rms_norm(x, (n,), weight, eps)
@@ -124,7 +124,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``silu(a)``). Same values and gradients; on the CPU slower than the plain expression
     (see the module's docstring). DTensor inputs and code being compiled take the plain
     expression."""
-    if not _plain(a, b) or not (a.requires_grad or b.requires_grad):
+    if not _fusable(a, b) or not (a.requires_grad or b.requires_grad):
         return functional.silu(a) * b
     return _SwiGLU.apply(a, b)
 

@@ -4,12 +4,13 @@ glibc's ``malloc`` serves every block above its mmap threshold (128 KiB, adaptin
 32 MiB) with a fresh ``mmap`` and unmaps it on ``free``. A training step on CPU allocates
 and frees hundreds of such blocks (activations, their gradients, matmul outputs), so each
 step the kernel maps, faults in and zeroes the same gigabytes again: measured on the Llama 3
-debug model at batch 8 x 2048 tokens, ~550,000 minor page faults (~2.2 GB of zeroed pages)
-per step, and a large matmul 25-35% slower than into memory already mapped
-(``tools/bench/step_profile.py`` shows both). Raising the mmap and trim thresholds makes
-``malloc`` carve those blocks from its heap and keep them when freed, so the next step
-reuses them: the faults per step drop to almost none. The peak resident memory is the same
-(the next step needs the same blocks); the process holds it until it exits.
+debug model at batch 8 x 2048 tokens, ~500,000-625,000 minor page faults per step, and a
+large matmul 25-35% slower than into memory already mapped. Raising the mmap and trim
+thresholds makes ``malloc`` carve those blocks from its heap and keep them when freed, so
+the next step reuses them: ~33,000 faults per step, the step 0.89x the time
+(``tools/bench/step_profile.py`` prints both, with and without). The peak resident memory
+stays about the same (3.4-3.6 GiB either way there: the next step needs the same blocks);
+the process holds it until it exits.
 
 Only where it applies: a Linux process whose C library is glibc, training on the CPU
 (accelerators have their own caching allocators; their host memory is not the hot path).
