@@ -46,7 +46,12 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (default 1024)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="where to write: a new temporary folder is made inside it (default: in the "
+        "system's temporary directory), and only that folder is removed afterwards",
+    )
     p.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     p.add_argument("--reps", type=int, default=5, help="side-by-side repetitions (default 5)")
     p.add_argument(
@@ -56,13 +61,21 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--llama-dim", type=int, default=512, help="--targets: model width (512)")
     p.add_argument("--llama-layers", type=int, default=6, help="--targets: blocks (6)")
+    p.add_argument(
+        "--checksum",
+        default="auto",
+        choices=("auto", "xxh3_128", "sha256"),
+        help="--targets: checkpoint.checksum of the integrity-on saves (default auto)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
 def launch(args: argparse.Namespace) -> int:
-    directory = args.dir or tempfile.mkdtemp(prefix="titan-ckpt-bench-")
-    os.makedirs(directory, exist_ok=True)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    # Always a folder of our own: --keep aside, it is removed afterwards, with nothing else.
+    directory = tempfile.mkdtemp(prefix="titan-ckpt-bench-", dir=args.dir)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -71,7 +84,8 @@ def launch(args: argparse.Namespace) -> int:
         "--nproc-per-node", str(args.nproc), "--master-port", str(port),
         __file__, "--worker", "--size-mb", str(args.size_mb), "--dir", directory,
         "--reps", str(args.reps), "--llama-dim", str(args.llama_dim),
-        "--llama-layers", str(args.llama_layers), *(["--targets"] if args.targets else []),
+        "--llama-layers", str(args.llama_layers), "--checksum", args.checksum,
+        *(["--targets"] if args.targets else []),
     ]  # fmt: skip
     try:
         return subprocess.run(cmd, env={**os.environ, "PYTHONWARNINGS": "ignore"}).returncode

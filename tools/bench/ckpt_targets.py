@@ -15,7 +15,8 @@ unrecorded warm-up round:
 - sync save, integrity off: ``CheckpointManager.save`` with async_mode=disabled through a
   writer that reports file sizes but hashes nothing (bench-only: the manager has no switch
   to turn integrity off); the manager's own costs (owner marker, commit, collectives) stay;
-- sync save, integrity on: the same with titan-ckpt's default writer (sha256 while writing);
+- sync save, integrity on: the same with titan-ckpt's default writer (hashing while writing,
+  with ``--checksum``: auto, i.e. xxh3_128 where xxhash is installed, or sha256);
 - async save, blocked: the time ``save()`` + ``maybe_wait_for_staging()`` keep the caller
   (training) waiting with async_mode=async, the slowest rank's; the write is then awaited
   outside the measure;
@@ -49,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage, OptimizerState
+from titan_ckpt.checksums import resolve_checksum
 from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, _HashingFileSystem
 
 SAVES = (
@@ -71,7 +73,7 @@ class _CountingStream(HashingStream):
         return n
 
     def digest(self) -> dict[str, Any] | None:
-        return {"size": self._size, "sha256": "not computed (bench)"}
+        return {"size": self._size, self._algorithm: "not computed (bench)"}
 
 
 class _SizesOnly(_HashingFileSystem):
@@ -80,7 +82,7 @@ class _SizesOnly(_HashingFileSystem):
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str):
         with self._inner.create_stream(path, mode) as raw:
-            stream = _CountingStream(raw)
+            stream = _CountingStream(raw, self.algorithm)
             yield stream
         self.files[os.fspath(path)] = stream.digest()
 
@@ -88,8 +90,8 @@ class _SizesOnly(_HashingFileSystem):
 class SizesOnlyWriter(HashingFileSystemWriter):
     """titan-ckpt's DCP writer with the hashing taken out: integrity off, all else equal."""
 
-    def _wrap_fs(self) -> None:
-        self.fs = _SizesOnly(self.fs)
+    def _wrap_fs(self, checksum: str) -> None:
+        self.fs = _SizesOnly(self.fs, "sha256")
 
 
 class NoIntegrityStorage(LocalStorage):
@@ -136,6 +138,7 @@ class Targets:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.dir = args.dir
+        self.checksum = args.checksum
         self.rank = dist.get_rank()
         self.model, self.opt = build_state(args)
         self.optimizer = OptimizerState(self.model, self.opt)
@@ -147,7 +150,7 @@ class Targets:
     def _manager(self, name: str, mode: str, **kwargs: Any) -> CheckpointManager:
         config = CheckpointConfig(
             enable=True, folder=os.path.join(self.dir, name), interval=1, keep_latest_k=0,
-            async_mode=mode,
+            async_mode=mode, checksum=self.checksum,
         )  # fmt: skip
         return CheckpointManager(
             config, model_parts=[self.model], states={"optimizer": self.optimizer}, **kwargs
@@ -266,7 +269,8 @@ def report(
           f"{os.getloadavg()[0]:.1f} after; torch "
           f"{torch.__version__}; {world} gloo ranks; writing to {args.dir}")  # fmt: skip
     print(f"state: Llama 3 dim {args.llama_dim} x {args.llama_layers} layers + AdamW, "
-          f"{nbytes / 2**20:.0f} MiB; {args.reps} interleaved repetitions")  # fmt: skip
+          f"{nbytes / 2**20:.0f} MiB; {args.reps} interleaved repetitions; checksum "
+          f"{args.checksum} = {resolve_checksum(args.checksum)}")  # fmt: skip
     print(f"\n| measure | median s | min-max s |\n|---|---|---|")  # noqa: F541
     for key in (*SAVES, *LOADS):
         values = out[key]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -56,6 +57,38 @@ def common() -> ModuleType:
 def torchrun():
     """``run_torchrun`` as a fixture: test modules cannot import conftest in importlib mode."""
     return run_torchrun
+
+
+def _independent_digest(data: bytes, algorithm: str) -> str:
+    """``data``'s checksum computed straight by hashlib or xxhash, not through titan-ckpt."""
+    if algorithm == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    import xxhash
+
+    assert algorithm == "xxh3_128", algorithm
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def default_checksum() -> str:
+    """The algorithm ``checkpoint.checksum = "auto"`` picks here (xxhash installed or not)."""
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "xxh3_128"
+
+
+@pytest.fixture(scope="session")
+def entry_of(default_checksum):
+    """``entry_of(data, algorithm=default)``: the manifest entry a file of ``data`` must
+    have, {"size", algorithm: digest}, computed independently of titan-ckpt."""
+
+    def entry(data: bytes, algorithm: str | None = None) -> dict:
+        algorithm = algorithm or default_checksum
+        return {"size": len(data), algorithm: _independent_digest(data, algorithm)}
+
+    return entry
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 commit marker merges the digests (``titan_ckpt.formats.hashing``).
 
 Checked against: reads counted during saves on 2 gloo ranks in every async mode, both through
-the storage seam and by an audit hook on every ``open`` of the process; ``hashlib`` over the
+the storage seam and by an audit hook on every ``open`` of the process; hashlib or xxhash over the
 files on disk; a flipped byte in each rank's file caught by ``load(verify_checksums=True)``
 and by ``titan-ckpt verify`` (also when it breaks DCP's read, with the ranks hashing while
 DCP reads); how the files are shared among the ranks; an fsspec (``memory://``) save; and the
@@ -10,7 +10,6 @@ fallbacks (a stream written out of order, a file changed after it was written)."
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -65,7 +64,7 @@ def test_no_byte_of_a_data_file_is_read_while_saving(two_rank_saves):
                 assert not via_storage
 
 
-def test_manifest_equals_an_independent_hash_of_every_ranks_files(two_rank_saves):
+def test_manifest_equals_an_independent_hash_of_every_ranks_files(two_rank_saves, entry_of):
     folder, _ = two_rank_saves
     for mode in MODES:
         step = folder / mode / "step-1"
@@ -73,17 +72,21 @@ def test_manifest_equals_an_independent_hash_of_every_ranks_files(two_rank_saves
         assert sorted(files) == FILES
         for name, info in files.items():
             data = (step / name).read_bytes()
-            assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            assert info == entry_of(data)
 
 
-def test_two_ranks_verify_their_shares_on_load_and_agree_on_a_damaged_file(two_rank_saves):
+def test_two_ranks_verify_their_shares_on_load_and_agree_on_a_damaged_file(
+    two_rank_saves, default_checksum
+):
     _, reports = two_rank_saves
     for report in reports:
         assert report["load"]["intact"] == {"loaded": True}
         # Verified before any tensor is read: the damaged file is named on every rank and
         # nothing of the damaged step reached the model or the optimizer.
         assert report["load"]["damaged"] == {
-            "problems": ["__1_0.distcp: sha256 differs from the manifest (contents changed)"],
+            "problems": [
+                f"__1_0.distcp: {default_checksum} differs from the manifest (contents changed)"
+            ],
             "states_unchanged": True,
         }
 
@@ -104,7 +107,7 @@ def _load(common, folder, step):
 
 @pytest.mark.parametrize("name", FILES)
 def test_a_flipped_byte_in_any_ranks_file_is_caught(
-    two_rank_saves, common, titan_ckpt, tmp_path, name
+    two_rank_saves, common, titan_ckpt, tmp_path, name, default_checksum
 ):
     folder, _ = two_rank_saves
     copy = tmp_path / "ckpt"
@@ -114,7 +117,7 @@ def test_a_flipped_byte_in_any_ranks_file_is_caught(
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointIntegrityError, match=f"{name}: sha256 differs"):
+    with pytest.raises(CheckpointIntegrityError, match=f"{name}: {default_checksum} differs"):
         _load(common, copy, 1)
     code, out, _ = titan_ckpt("verify", copy / "step-1")
     assert code == 1
@@ -122,7 +125,7 @@ def test_a_flipped_byte_in_any_ranks_file_is_caught(
     assert name in out
 
 
-def test_fsspec_save_hashes_while_writing(common):
+def test_fsspec_save_hashes_while_writing(common, entry_of):
     fsspec = pytest.importorskip("fsspec")
     url = "memory://integrity-test/run"
     storage = FsspecStorage(url)
@@ -147,39 +150,41 @@ def test_fsspec_save_hashes_while_writing(common):
         assert sorted(files) == [".metadata", "__0_0.distcp"]
         for name, info in files.items():
             data = fs.cat(f"{step}/{name}")
-            assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            assert info == entry_of(data)
     finally:
         fs.open = original
         fs.rm("memory://integrity-test", recursive=True)
 
 
-def test_hashing_stream_gives_no_digest_when_written_out_of_order():
+@pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
+def test_hashing_stream_gives_no_digest_when_written_out_of_order(algorithm, entry_of):
+    if algorithm == "xxh3_128":
+        pytest.importorskip("xxhash")
     raw = io.BytesIO()
-    stream = HashingStream(raw)
+    stream = HashingStream(raw, algorithm)
     big = bytes(range(256)) * 8192  # 2 MiB: hashed beside the write, in the helper thread
     stream.write(b"head")
     stream.write(big)
-    assert stream.digest() == {
-        "size": 4 + len(big),
-        "sha256": hashlib.sha256(b"head" + big).hexdigest(),
-    }
+    assert stream.digest() == entry_of(b"head" + big, algorithm)
+    assert raw.getvalue() == b"head" + big
     stream.seek(0)
     stream.write(b"HEAD")  # overwrites hashed bytes: the hash no longer says what is there
     assert stream.digest() is None
 
 
-def test_commit_takes_digests_reads_the_rest_and_refuses_a_changed_file(tmp_path):
+def test_commit_takes_digests_reads_the_rest_and_refuses_a_changed_file(tmp_path, entry_of):
     storage = LocalStorage()
     (tmp_path / "a.distcp").write_bytes(b"a" * 10)
     (tmp_path / "b.distcp").write_bytes(b"b" * 7)
     written = {"a.distcp": {"size": 10, "sha256": "0" * 64}}  # taken as given, not read
+    # b.distcp was not reported by a writer: the commit reads it, with checksum=sha256.
 
     def manifest():
         return Manifest(step=1, world_size=1, states=["model"], model_only=True)
 
-    files = commit_step(storage, str(tmp_path), manifest(), written).files
-    assert files["a.distcp"]["sha256"] == "0" * 64
-    assert files["b.distcp"] == {"size": 7, "sha256": hashlib.sha256(b"b" * 7).hexdigest()}
+    files = commit_step(storage, str(tmp_path), manifest(), written, checksum="sha256").files
+    assert files["a.distcp"] == {"size": 10, "sha256": "0" * 64}
+    assert files["b.distcp"] == entry_of(b"b" * 7, "sha256")
     (tmp_path / COMMIT_MARKER).unlink()
     (tmp_path / "a.distcp").write_bytes(b"a" * 9)  # torn after it was written
     with pytest.raises(OSError, match="9 bytes on storage but 10 were written"):
@@ -202,7 +207,7 @@ class _ReadCounting(LocalStorage):
         return super().open(path, mode)
 
 
-def test_hugging_face_export_is_hashed_as_written(common, tmp_path):
+def test_hugging_face_export_is_hashed_as_written(common, tmp_path, entry_of):
     storage = _ReadCounting()
     # keep_latest_k=0: no retention thread, whose listing reads the commit markers.
     config = CheckpointConfig(
@@ -220,7 +225,7 @@ def test_hugging_face_export_is_hashed_as_written(common, tmp_path):
     assert sorted(files) == [".metadata", "__0_0.distcp", "hf/config.json", "hf/model.safetensors"]
     for name, info in files.items():
         data = (step / name).read_bytes()
-        assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert info == entry_of(data)
 
 
 def test_verification_shares_balance_bytes_and_cover_every_file_once():

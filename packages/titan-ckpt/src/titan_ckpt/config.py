@@ -1,7 +1,7 @@
 """``CheckpointConfig``: when and what the CheckpointManager saves and loads, as a config section.
 
 Field names and defaults follow torchtitan's ``[checkpoint]`` section so that its TOML files
-carry over; ``verify_checksums`` is ours.
+carry over; ``verify_checksums`` and ``checksum`` are ours.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from titan_ckpt.checksums import CHECKSUMS, resolve_checksum
 from titan_ckpt.errors import CheckpointConfigError, check_bool, check_choice, check_int
 
 __all__ = ["ASYNC_MODES", "EXPORT_DTYPES", "CheckpointConfig", "CheckpointConfigError"]
@@ -72,7 +73,11 @@ class CheckpointConfig:
     enable_ft_dataloader_checkpoints: bool = True
     """With a torchft manager: each replica group also saves its own dataloader state."""
     verify_checksums: bool = False
-    """Check every file's sha256 against the manifest on load; sizes are always checked."""
+    """Check every file's checksum against the manifest on load; sizes are always checked."""
+    checksum: Literal["auto", "xxh3_128", "sha256"] = "auto"
+    """The checksum a save records for every file in the manifest: xxh3_128 (fast, needs
+    the xxhash package), sha256 (a cryptographic digest), or auto (xxh3_128 where xxhash is
+    installed, else sha256). Loads verify whatever each step recorded."""
     trust_pickles: bool = False
     """Unpickle checkpoint metadata and records without the allowlist (which admits only DCP's
     types, torch sizes, dtypes and tensors, and plain containers): for checkpoints you made
@@ -123,6 +128,8 @@ class CheckpointConfig:
             )
         check_choice("checkpoint.async_mode", self.async_mode, ASYNC_MODES)
         check_choice("checkpoint.export_dtype", self.export_dtype, EXPORT_DTYPES)
+        check_choice("checkpoint.checksum", self.checksum, CHECKSUMS)
+        resolve_checksum(self.checksum)  # xxh3_128 only with xxhash installed
 
     def _check_load_settings(self) -> None:
         if isinstance(self.exclude_from_loading, str):

@@ -3,7 +3,8 @@
 A step directory is a DCP checkpoint. It becomes loadable only when rank 0 writes
 ``titan-commit.json`` into it, after DCP finished (DCP's coordinator writes ``.metadata`` only
 once every rank reported its files written, so the marker implies every rank's data is on
-storage). The marker is also the manifest: every other file's size and sha256, so a damaged
+storage). The marker is also the manifest: every other file's size and checksum
+(``titan_ckpt.checksums``: xxh3_128, or sha256), so a damaged
 step is reported by file name instead of failing deep inside a tensor read. The digests are
 computed while the files are written, by each rank for its own files
 (``titan_ckpt.formats.hashing``); the commit merges them and reads nothing back.
@@ -26,17 +27,20 @@ killed halfway through ``interrupted``.
 from __future__ import annotations
 
 import errno
-import hashlib
+import io
 import json
 import logging
+import mmap
 import os
 import re
+import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_ckpt.checksums import entry_algorithm, new_hasher, require_algorithms, resolve_checksum
 from titan_ckpt.errors import CheckpointIntegrityError
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import is_torchtitan_checkpoint, read_state_keys
@@ -52,6 +56,7 @@ __all__ = [
     "classify_step",
     "commit_step",
     "committed_steps",
+    "file_digest",
     "file_problems",
     "hash_files",
     "integrity_error",
@@ -75,7 +80,7 @@ _MARKERS = (COMMIT_MARKER, OWNER_MARKER)  # ours, not checkpoint data: not in th
 FORMAT = "titan-ckpt/1"
 STEP_RE = re.compile(r"^step-(\d+)$")
 """A step directory's name (the one pattern: discovery, detection, the commands)."""
-_HASH_CHUNK = 1 << 20
+_HASH_CHUNK = 4 << 20
 
 
 def step_name(step: int) -> str:
@@ -110,7 +115,8 @@ class Manifest:
     """Data-parallel ranks of the run that wrote it (its dataloader's sharding), if known;
     None in older markers, where ``world_size`` stands in."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Relative path -> {"size": bytes, "sha256": hex digest}."""
+    """Relative path -> {"size": bytes, <algorithm>: hex digest}, the algorithm one of
+    ``titan_ckpt.checksums.ALGORITHMS`` ("xxh3_128" or "sha256")."""
     created: float = 0.0
     """Unix time of the commit."""
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -153,9 +159,12 @@ def _well_formed(m: Manifest) -> bool:
         and isinstance(m.created, (int, float))
         and isinstance(m.files, dict)
         and all(
+            # A size and at least one digest; an algorithm a later version adds still parses
+            # (the step stays committed), and only verifying its checksums is refused.
             isinstance(info, dict)
             and whole(info.get("size"))
-            and isinstance(info.get("sha256"), str)
+            and len(info) > 1
+            and all(isinstance(v, str) for k, v in info.items() if k != "size")
             for info in m.files.values()
         )
     )
@@ -173,15 +182,37 @@ def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         ) from None
 
 
-def _sha256(storage: Storage, path: str) -> str:
-    # One reused buffer: hashing a large file costs _HASH_CHUNK bytes, not two fresh chunks.
-    digest = hashlib.sha256()
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
+def file_digest(storage: Storage, path: str, algorithm: str) -> str:
+    """The ``algorithm`` checksum (hex) of the file ``path``, by reading it through
+    ``storage.open``: a local file is hashed from a read-only memory map of it (no copy into
+    a buffer: 1.7x faster than reading with xxh3_128 on tmpfs), any other stream in chunks."""
+    digest = new_hasher(algorithm)
     with storage.open(path, "rb") as f:
+        mapped = _mapped(f)
+        if mapped is not None:
+            with mapped:
+                digest.update(mapped)
+            return digest.hexdigest()
+        # One reused buffer: hashing a large file costs _HASH_CHUNK bytes, not two chunks.
+        buffer = bytearray(_HASH_CHUNK)
+        view = memoryview(buffer)
         while n := f.readinto(buffer):
             digest.update(view[:n])
     return digest.hexdigest()
+
+
+def _mapped(f: Any) -> mmap.mmap | None:
+    """A read-only map of the whole regular file ``f`` is open on, positioned at its start;
+    None for an empty file, a non-file stream (fsspec's, a pipe) or where mapping fails."""
+    if not isinstance(f, io.BufferedReader) or f.tell() != 0:
+        return None
+    try:
+        fd = f.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size == 0:
+            return None
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
 
 
 def _data_files(storage: Storage, directory: str, prefix: str = "") -> list[str]:
@@ -196,15 +227,19 @@ def _data_files(storage: Storage, directory: str, prefix: str = "") -> list[str]
     return out
 
 
-def _file_entry(storage: Storage, path: str) -> dict[str, Any]:
-    return {"size": storage.size(path), "sha256": _sha256(storage, path)}
+def _file_entry(storage: Storage, path: str, algorithm: str) -> dict[str, Any]:
+    return {"size": storage.size(path), algorithm: file_digest(storage, path, algorithm)}
 
 
-def hash_files(storage: Storage, directory: str, *, prefix: str = "") -> dict[str, dict]:
-    """Size and sha256 of the files in ``directory`` whose names start with ``prefix``, by
-    reading them (a save does not: its writer hashes while writing; see ``commit_step``)."""
+def hash_files(
+    storage: Storage, directory: str, *, prefix: str = "", checksum: str = "auto"
+) -> dict[str, dict]:
+    """Size and checksum (``checkpoint.checksum``'s values) of the files in ``directory``
+    whose names start with ``prefix``, by reading them (a save does not: its writer hashes
+    while writing; see ``commit_step``)."""
+    algorithm = resolve_checksum(checksum)
     return {
-        rel: _file_entry(storage, storage.join(directory, rel))
+        rel: _file_entry(storage, storage.join(directory, rel), algorithm)
         for rel in _data_files(storage, directory, prefix)
     }
 
@@ -214,22 +249,26 @@ def commit_step(
     directory: str,
     manifest: Manifest,
     written: Mapping[str, dict] | None = None,
+    *,
+    checksum: str = "auto",
 ) -> Manifest:
-    """Commit the step in ``directory``: fill the manifest with every file's size and sha256,
-    then write the commit marker, last.
+    """Commit the step in ``directory``: fill the manifest with every file's size and
+    checksum, then write the commit marker, last.
 
-    ``written`` holds the size and sha256 of the files the save hashed as it wrote them (every
+    ``written`` holds the size and checksum of the files the save hashed as it wrote them (every
     rank's DCP files, ``titan_ckpt.formats.hashing``); they are taken as they are, after a
     size check against storage (a stat, no read). Only a file the directory holds beyond
     those is hashed here by reading it. A file of ``written`` missing from the directory, or
-    of another size there, fails the commit (``OSError``): the step stays uncommitted."""
+    of another size there, fails the commit (``OSError``): the step stays uncommitted. A file
+    hashed here gets the ``checksum`` algorithm (``checkpoint.checksum``'s values)."""
+    algorithm = resolve_checksum(checksum)
     written = dict(written or {})
     read_back = []
     for rel in _data_files(storage, directory):
         path = storage.join(directory, rel)
         entry = written.pop(rel, None)
         if entry is None:
-            entry = _file_entry(storage, path)
+            entry = _file_entry(storage, path, algorithm)
             read_back.append(rel)
         elif storage.size(path) != entry["size"]:
             raise OSError(
@@ -269,7 +308,11 @@ def read_manifest(storage: Storage, directory: str) -> Manifest | None:
 
 
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:
-    """Raise ``CheckpointIntegrityError`` naming every file that differs from the manifest."""
+    """Raise ``CheckpointIntegrityError`` naming every file that differs from the manifest;
+    with ``checksums``, first ``CheckpointConfigError`` if an entry's algorithm cannot be
+    computed here (``titan_ckpt.checksums.require_algorithms``), before any file is read."""
+    if checksums:
+        require_algorithms(manifest.files.values(), directory)
     problems = file_problems(storage, directory, manifest.files, checksums=checksums)
     if problems:
         raise integrity_error(directory, problems)
@@ -279,8 +322,9 @@ def file_problems(
     storage: Storage, directory: str, files: Mapping[str, dict], *, checksums: bool
 ) -> list[str]:
     """One line per file of ``files`` (a manifest's entries, or a rank's share of them) that
-    is missing, of another size, or (``checksums``) of other contents. Files are hashed in
-    parallel threads: sha256 and reads release the GIL."""
+    is missing, of another size, or (``checksums``) of other contents, by the algorithm each
+    entry names. Files are hashed in parallel threads: the hashes and reads release the GIL.
+    The caller checked the algorithms first (``require_algorithms``)."""
 
     def problem(rel: str) -> str | None:
         info = files[rel]
@@ -291,8 +335,9 @@ def file_problems(
             size = storage.size(path)
             if size != info["size"]:
                 return f"{rel}: {size} bytes, the manifest says {info['size']}"
-            if checksums and _sha256(storage, path) != info["sha256"]:
-                return f"{rel}: sha256 differs from the manifest (contents changed)"
+            algorithm = entry_algorithm(info) if checksums else None
+            if algorithm and file_digest(storage, path, algorithm) != info[algorithm]:
+                return f"{rel}: {algorithm} differs from the manifest (contents changed)"
         except OSError as error:
             return f"{rel}: unreadable ({error})"
         return None

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from titan_ckpt.checksums import require_algorithms
 from titan_ckpt.config import DATALOADER, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError, CheckpointIntegrityError
 from titan_ckpt.layout import (
@@ -216,10 +217,25 @@ def shares(files: Mapping[str, dict], world: int) -> list[dict[str, dict]]:
 def verify_shared(
     storage: Storage, directory: str, manifest: Manifest, group: dist.ProcessGroup | None
 ) -> None:
-    """Check every file's sha256 against ``manifest``, the files split among the ranks of
+    """Check every file's checksum against ``manifest``, the files split among the ranks of
     ``group`` (a collective); every rank raises the same ``CheckpointIntegrityError`` naming
-    each damaged file. Sizes were checked on rank 0 in ``plan_load``."""
+    each damaged file, or the same ``CheckpointConfigError`` when a rank cannot compute an
+    algorithm the manifest uses (``require_algorithms``; nothing read then). Sizes were
+    checked on rank 0 in ``plan_load``."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        require_algorithms(manifest.files.values(), directory)
+    except CheckpointConfigError as error:
+        refused: str | None = str(error)
+    else:
+        refused = None
+    # Every rank learns of a refusal before any reads (a rank raising alone would leave the
+    # others waiting in the gather below).
+    refusals: list[Any] = [None] * world
+    dist.all_gather_object(refusals, refused, group=group)
+    first = next((r for r in refusals if r is not None), None)
+    if first is not None:
+        raise CheckpointConfigError(first)
     found = file_problems(storage, directory, shares(manifest.files, world)[rank], checksums=True)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, found, group=group)

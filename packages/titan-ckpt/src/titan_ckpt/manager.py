@@ -39,10 +39,11 @@ from torch import nn
 
 from titan_ckpt.adapter import StateDictAdapter
 from titan_ckpt.asyncmode import check_main_guard, make_stager
+from titan_ckpt.checksums import resolve_checksum
 from titan_ckpt.config import DATALOADER, MODEL, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.dcp import unwrap_read_errors
-from titan_ckpt.formats.hashing import written_files
+from titan_ckpt.formats.hashing import set_checksum, written_files
 from titan_ckpt.ft import FaultTolerance
 from titan_ckpt.hf import load_hf, require_safetensors, save_hf
 from titan_ckpt.layout import (
@@ -122,6 +123,9 @@ class CheckpointManager:
         self.states = {k: v for k, v in (states or {}).items() if v is not None}
         self.adapter = state_dict_adapter
         self.storage = storage if storage is not None else open_storage(config.folder)
+        self.checksum = resolve_checksum(config.checksum)
+        """The algorithm the manifests of this manager's saves use (``config.checksum``
+        resolved: ``auto`` is ``xxh3_128`` where ``xxhash`` is installed, else ``sha256``)."""
         self.data_parallel_degree = data_parallel_degree
         self.folder = config.folder
         self.last_loaded_step: int | None = None
@@ -311,6 +315,13 @@ class CheckpointManager:
             logger.info("Staged %s in %.2f s; writing in the background", directory, seconds)
         return True
 
+    def _dcp_writer(self, directory: str) -> Any:
+        """The storage's DCP writer for ``directory``, hashing with ``self.checksum`` when it
+        is one of ours (any other writer's files are hashed by the commit, by reading)."""
+        writer = self.storage.dcp_writer(directory)
+        set_checksum(writer, self.checksum)
+        return writer
+
     def _save_async(
         self, directory: str, state: dict[str, Any], manifest: Manifest, needed: int | None
     ) -> None:
@@ -319,7 +330,7 @@ class CheckpointManager:
         with self._quiet_single_process():
             response = dcp.async_save(
                 state,
-                storage_writer=self.storage.dcp_writer(directory),
+                storage_writer=self._dcp_writer(directory),
                 process_group=self.pg,
                 async_checkpointer_type=self._async_type,
                 async_stager=self._stager,
@@ -378,7 +389,7 @@ class CheckpointManager:
             with self._quiet_single_process():
                 result = dcp.save(
                     state,
-                    storage_writer=self.storage.dcp_writer(directory),
+                    storage_writer=self._dcp_writer(directory),
                     process_group=self.pg,
                     no_dist=not self._distributed,
                 )
@@ -407,7 +418,8 @@ class CheckpointManager:
         if hf:
             assert self.adapter is not None  # checked in _validate
             hf_dir = self.storage.join(directory, HF_SUBDIR)
-            recorder = RecordingStorage(self.storage)  # hashes the export as it is written
+            # Hashes the export as it is written.
+            recorder = RecordingStorage(self.storage, checksum=self.checksum)
             save_hf(
                 recorder,
                 hf_dir,
@@ -455,7 +467,7 @@ class CheckpointManager:
         purger: Purger | None,
         written: dict[str, dict] | None = None,
     ) -> None:
-        commit_step(self.storage, directory, manifest, written)
+        commit_step(self.storage, directory, manifest, written, checksum=self.checksum)
         logger.info("Committed %s (%d files)", directory, len(manifest.files))
         if purger is not None:
             purger.request()

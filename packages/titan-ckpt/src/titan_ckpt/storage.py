@@ -8,7 +8,6 @@ object, so a new backend is one subclass.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -18,6 +17,7 @@ from typing import IO
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from titan_ckpt.checksums import new_hasher, resolve_checksum
 from titan_ckpt.formats.dcp import SafeFileSystemReader, safe_fsspec_reader
 from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, hashing_fsspec_writer
 
@@ -58,7 +58,7 @@ class Storage(ABC):
     @abstractmethod
     def dcp_writer(self, path: str) -> StorageWriter:
         """A DCP storage writer for the checkpoint directory ``path``. One that reports the
-        size and sha256 of the files it wrote (``titan_ckpt.formats.hashing``) spares the
+        size and checksum of the files it wrote (``titan_ckpt.formats.hashing``) spares the
         commit a second read of the step; any other is fine, and its files are read back."""
 
     @abstractmethod
@@ -216,20 +216,22 @@ class FsspecStorage(Storage):
 
 
 class RecordingStorage(Storage):
-    """``inner``, recording the size and sha256 of every file written through ``open(path,
-    "wb")`` or ``write_atomic`` (``written``: path -> {"size", "sha256"}), computed from the
-    bytes on their way out: titan's own files of a step (the Hugging Face export) reach the
-    manifest without a second read. A file written out of order is left out (read later)."""
+    """``inner``, recording the size and checksum of every file written through ``open(path,
+    "wb")`` or ``write_atomic`` (``written``: path -> {"size", <algorithm>}), computed from
+    the bytes on their way out: titan's own files of a step (the Hugging Face export) reach
+    the manifest without a second read. A file written out of order is left out (read
+    later). ``checksum``: ``checkpoint.checksum``'s values."""
 
-    def __init__(self, inner: Storage) -> None:
+    def __init__(self, inner: Storage, *, checksum: str = "auto") -> None:
         self.inner = inner
+        self.algorithm = resolve_checksum(checksum)
         self.written: dict[str, dict] = {}
 
     def open(self, path: str, mode: str = "rb") -> IO:
         f = self.inner.open(path, mode)
         if mode != "wb":
             return f
-        stream = HashingStream(f)
+        stream = HashingStream(f, self.algorithm)
         close = stream.close
 
         def close_and_record() -> None:
@@ -248,7 +250,9 @@ class RecordingStorage(Storage):
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self.inner.write_atomic(path, data)
-        self.written[path] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        digest = new_hasher(self.algorithm)
+        digest.update(data)
+        self.written[path] = {"size": len(data), self.algorithm: digest.hexdigest()}
 
     def list(self, path: str) -> list[str]:
         return self.inner.list(path)

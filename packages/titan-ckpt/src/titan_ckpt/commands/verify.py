@@ -1,6 +1,6 @@
 """``titan-ckpt verify``: is a checkpoint intact, and if not, which files and keys are damaged.
 
-For a DCP step: the titan commit marker and its manifest (every file's size and sha256, via
+For a DCP step: the titan commit marker and its manifest (every file's size and checksum, via
 ``layout.verify_step``); DCP's ``.metadata`` itself; that every tensor's chunks cover it exactly
 once (no gap, no overlap, none out of bounds); that every chunk's bytes lie inside an existing
 file; and that every entry loads. A plain DCP directory without a marker (torchtitan's) gets
@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any
 
+from titan_ckpt.checksums import entry_algorithm
 from titan_ckpt.errors import CheckpointIntegrityError, UnsafeCheckpointError
 from titan_ckpt.formats.base import Source, batches
 from titan_ckpt.formats.dcp import DCP_METADATA, DcpSource
@@ -102,7 +103,10 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
         verify_step(storage, path, manifest, checksums=True)
     except CheckpointIntegrityError as error:
         problems.extend(error.problems)
-    notes.append(f"titan manifest: {len(manifest.files)} files checked (size and sha256)")
+    algorithms = sorted({entry_algorithm(info) or "?" for info in manifest.files.values()})
+    notes.append(
+        f"titan manifest: {len(manifest.files)} files checked (size and {', '.join(algorithms)})"
+    )
 
 
 def _check_coverage(source: DcpSource, problems: list[str]) -> None:
