@@ -39,7 +39,12 @@ MIB = 1 << 20
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (default 2 GB)")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="where to write: a new temporary folder is made inside it (default: in the "
+        "system's temporary directory), and only that folder is removed afterwards",
+    )
     p.add_argument("--keep", action="store_true", help="keep the files afterwards")
     return p.parse_args()
 
@@ -116,8 +121,10 @@ pass"""
 
 def main() -> None:
     args = parse()
-    root = args.dir or tempfile.mkdtemp(prefix="titan-ckpt-convert-bench-")
-    os.makedirs(root, exist_ok=True)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    # Always a folder of our own: --keep aside, it is removed afterwards, with nothing else.
+    root = tempfile.mkdtemp(prefix="titan-ckpt-convert-bench-", dir=args.dir)
     src = os.path.join(root, "dcp")
     try:
         t0 = time.perf_counter()
