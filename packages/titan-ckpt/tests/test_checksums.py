@@ -22,7 +22,7 @@ from titan_ckpt import (
     LocalStorage,
 )
 from titan_ckpt.checksums import entry_algorithm, resolve_checksum
-from titan_ckpt.layout import _mapped, file_digest
+from titan_ckpt.layout import _mappable, file_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -192,6 +192,6 @@ def test_file_digest_mapped_and_streamed_agree_with_an_independent_hash(
     path.write_bytes(data)
     expected = entry_of(data, algorithm)[algorithm]
     with open(path, "rb") as f:
-        assert (_mapped(f) is not None) == (size > 0)  # the local path is really mapped
+        assert (_mappable(f) is not None) == (size > 0)  # the local path is really mapped
     assert file_digest(LocalStorage(), str(path), algorithm) == expected
     assert file_digest(_StreamOnly(), str(path), algorithm) == expected

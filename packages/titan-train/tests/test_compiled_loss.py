@@ -150,6 +150,10 @@ def test_the_compiled_loss_takes_vocabulary_sharded_logits_under_loss_parallel(
     # (packages.titan-train.tests....), from the repository root: the plain `pytest` command
     # does not put that on sys.path (`python -m pytest` does), and spawn copies sys.path.
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    # Inductor compiles in each rank's own process, without its pool of compile workers:
+    # one CI rehearsal saw a rank abort ("terminate called without an active exception")
+    # with the pool running beside two ranks on two cores.
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     for attempt in ("cold cache", "warm cache"):
         out = tmp_path / f"{attempt}.json"
         torch.multiprocessing.spawn(

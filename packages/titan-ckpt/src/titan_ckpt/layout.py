@@ -80,7 +80,7 @@ _MARKERS = (COMMIT_MARKER, OWNER_MARKER)  # ours, not checkpoint data: not in th
 FORMAT = "titan-ckpt/1"
 STEP_RE = re.compile(r"^step-(\d+)$")
 """A step directory's name (the one pattern: discovery, detection, the commands)."""
-_HASH_CHUNK = 4 << 20
+_HASH_CHUNK = 1 << 20
 
 
 def step_name(step: int) -> str:
@@ -184,14 +184,20 @@ def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def file_digest(storage: Storage, path: str, algorithm: str) -> str:
     """The ``algorithm`` checksum (hex) of the file ``path``, by reading it through
-    ``storage.open``: a local file is hashed from a read-only memory map of it (no copy into
-    a buffer: 1.7x faster than reading with xxh3_128 on tmpfs), any other stream in chunks."""
+    ``storage.open``: a local file is hashed from read-only memory maps of it, one
+    ``_HASH_CHUNK`` window at a time (no copy into a buffer: 0.042 s against 0.058 s for
+    213 MiB with xxh3_128 on tmpfs; mapping the whole file was no faster, and would hold it
+    all in the process's resident memory); any other stream is read in chunks."""
     digest = new_hasher(algorithm)
     with storage.open(path, "rb") as f:
-        mapped = _mapped(f)
-        if mapped is not None:
-            with mapped:
-                digest.update(mapped)
+        fd = _mappable(f)
+        if fd is not None:
+            size, offset = os.fstat(fd).st_size, 0
+            while offset < size:
+                length = min(_HASH_CHUNK, size - offset)
+                with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=offset) as window:
+                    digest.update(window)
+                offset += length
             return digest.hexdigest()
         # One reused buffer: hashing a large file costs _HASH_CHUNK bytes, not two chunks.
         buffer = bytearray(_HASH_CHUNK)
@@ -201,18 +207,21 @@ def file_digest(storage: Storage, path: str, algorithm: str) -> str:
     return digest.hexdigest()
 
 
-def _mapped(f: Any) -> mmap.mmap | None:
-    """A read-only map of the whole regular file ``f`` is open on, positioned at its start;
-    None for an empty file, a non-file stream (fsspec's, a pipe) or where mapping fails."""
+def _mappable(f: Any) -> int | None:
+    """The descriptor of the regular, non-empty local file ``f`` is open on (at its start),
+    if it can be memory-mapped; None for a non-file stream (fsspec's, a pipe), an empty
+    file, or where mapping fails."""
     if not isinstance(f, io.BufferedReader) or f.tell() != 0:
         return None
     try:
         fd = f.fileno()
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size == 0:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
             return None
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        mmap.mmap(fd, min(info.st_size, _HASH_CHUNK), access=mmap.ACCESS_READ).close()
     except (OSError, ValueError):
         return None
+    return fd
 
 
 def _data_files(storage: Storage, directory: str, prefix: str = "") -> list[str]:
