@@ -109,8 +109,10 @@ def _loss_parallel_rank(rank: int, init_file: str, out: str, cache: str) -> None
     """One of two gloo ranks: the loss of vocabulary-sharded DTensor logits under
     ``loss_parallel``, eager and compiled (inductor, caching in ``cache``), with the
     gradients gathered."""
+    import faulthandler
     import os
 
+    faulthandler.enable()  # an abort (SIGABRT) prints where each thread was
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -134,6 +136,9 @@ def _loss_parallel_rank(rank: int, init_file: str, out: str, cache: str) -> None
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
+        # Neither rank tears its gloo connections down while the other may still be in a
+        # collective (a CI rehearsal saw a rank abort at the end of this function).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -150,9 +155,9 @@ def test_the_compiled_loss_takes_vocabulary_sharded_logits_under_loss_parallel(
     # (packages.titan-train.tests....), from the repository root: the plain `pytest` command
     # does not put that on sys.path (`python -m pytest` does), and spawn copies sys.path.
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
-    # Inductor compiles in each rank's own process, without its pool of compile workers:
-    # one CI rehearsal saw a rank abort ("terminate called without an active exception")
-    # with the pool running beside two ranks on two cores.
+    # Inductor compiles in each rank's own process, without its pool of compile workers
+    # (fewer threads and processes on two cores; two CI rehearsals saw a rank abort with
+    # "terminate called without an active exception").
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     for attempt in ("cold cache", "warm cache"):
         out = tmp_path / f"{attempt}.json"
