@@ -9,8 +9,9 @@ same keys as the model part of a full one.
 Invariants the code below keeps:
 - A step is loadable only once ``titan-commit.json`` exists in it; rank 0 writes it after DCP
   finished on every rank (DCP's ``.metadata`` is written after all ranks reported), with the
-  manifest of every file: sizes and sha256 that each rank's writer computed while writing
-  (they reach rank 0 with DCP's own gather of the write results), so no byte is read back.
+  manifest of every file: sizes and checksums (``config.checksum``) that each rank's writer
+  computed while writing (they reach rank 0 with DCP's own gather of the write results), so
+  no byte is read back.
   Discovery, integrity checks and errors are decided on rank 0 and
   broadcast, so every rank loads the same step or raises the same error.
 - At most one save is in flight: a new save, a load and ``close()`` first finish the previous

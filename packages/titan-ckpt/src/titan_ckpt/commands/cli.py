@@ -97,7 +97,9 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser(
         "verify",
         help="check the commit marker, manifest, shard coverage and readability",
-        description="Exit 0 if intact, 1 if damaged (naming files and keys), 2 on bad usage. "
+        description="Exit 0 if intact, 1 if damaged (naming files and keys), 2 on bad usage "
+        "or a manifest whose checksums cannot be computed here (xxh3_128 without the xxhash "
+        "package: the message names the pip install). "
         "A DCP step without a titan commit marker (e.g. torchtitan's) gets every check but the "
         "manifest's sizes and checksums.",
     )
