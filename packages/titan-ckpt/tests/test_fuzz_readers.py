@@ -63,12 +63,17 @@ def test_damaged_checkpoints_end_in_our_errors(pristine, tmp_path):
     last = progress.read_text() if progress.exists() else "none"
     assert proc.returncode == 0, f"worker died (signal?) in case {last}: {proc.stderr[-2000:]}"
     results = json.loads(out.read_text())["results"]
-    bad = [r for r in results if r["outcome"] not in ("ok", "refused")]
+    bad = [r for r in results if r["outcome"] not in ("ok", "reported", "refused")]
     assert bad == [], "\n".join(
         f"{r['kind']} {r['how']} {r['check']}: {r['outcome']} {r['text']}" for r in bad[:5]
     )
     outcomes = Counter((r["kind"], r["outcome"]) for r in results)
-    # The damage was noticed: every kind of file had cases refused by our errors.
-    kinds = {r["kind"] for r in results}
-    assert all(outcomes[(kind, "refused")] > 0 for kind in kinds), outcomes
+    # The damage was noticed: for every kind of file, most damaged copies were refused by
+    # our errors or reported (verify's problems; a commit marker too damaged to parse makes
+    # the step uncommitted, so the load starts fresh). Not all: a flip inside a tensor's
+    # bytes of a file without checksums (safetensors, torch.save) reads normally.
+    for kind in {r["kind"] for r in results}:
+        cases = {r["case"] for r in results if r["kind"] == kind}
+        noticed = {r["case"] for r in results if r["kind"] == kind and r["outcome"] != "ok"}
+        assert len(noticed) >= len(cases) // 4, (kind, outcomes)
     assert len({r["case"] for r in results}) == CASES

@@ -102,6 +102,27 @@ def test_missing_metadata(step, titan_ckpt):
     assert ".metadata: missing" in out
 
 
+def test_unparsable_commit_marker_is_reported(saved_folder, tmp_path, titan_ckpt):
+    # A marker that does not parse makes the step uncommitted: a run neither loads it nor
+    # keeps it. verify must say so, for the step and for its folder, not call it intact.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved_folder, folder)
+    marker = folder / "step-2" / COMMIT_MARKER
+    marker.write_bytes(marker.read_bytes()[:-40])  # torn
+    code, out, _ = titan_ckpt("verify", folder / "step-2")
+    assert code == 1
+    assert f"{COMMIT_MARKER}: unreadable" in out
+    assert "takes this step as an interrupted save" in out
+    code, out, _ = titan_ckpt("verify", folder, "--json")
+    report = json.loads(out)
+    assert code == 1
+    assert [os.path.basename(s["path"]) for s in report["steps"]] == ["step-1", "step-2"]
+    assert [s["ok"] for s in report["steps"]] == [True, False]
+    assert report["problems"][0].startswith(f"step-2: {COMMIT_MARKER}: unreadable")
+    # step-3 holds only the owner marker: an interrupted save, a note and not a problem.
+    assert report["notes"] == ["step-3: uncommitted (interrupted or in progress), not checked"]
+
+
 def test_shards_must_cover_each_tensor_once(tmp_path, titan_ckpt):
     # Drop one chunk of a tensor from the metadata, as a lost rank's entries would be.
     dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path / "s"), no_dist=True)

@@ -74,10 +74,17 @@ def mutate(data: bytes, rng: random.Random, header_only: bool) -> tuple[bytes, s
     return bytes(out), f"flip {flips}"
 
 
+def verify_report(path: str) -> str | None:
+    """``titan-ckpt verify``'s reading of ``path``: None if sound, else its problems."""
+    from titan_ckpt.commands.verify import verify_path
+
+    report = verify_path(path)
+    return None if report["ok"] else "; ".join(report["problems"])
+
+
 def _dcp_checks(root: Path) -> list:
     from titan_ckpt import CheckpointConfig, CheckpointManager, OptimizerState
     from titan_ckpt.commands.inspect import inspect_path
-    from titan_ckpt.commands.verify import verify_path
 
     common = _common()
 
@@ -90,20 +97,20 @@ def _dcp_checks(root: Path) -> list:
             states={"optimizer": OptimizerState(model, opt), "train_state": common.TrainState()},
         )
         try:
-            manager.load()
+            # A marker too damaged to parse makes the step uncommitted: the load starts fresh.
+            return None if manager.load() else "loaded nothing: the step was not taken as committed"
         finally:
             manager.close()
 
     step = str(root / "step-1")
     return [
-        ("verify", lambda: verify_path(step)),
+        ("verify", lambda: verify_report(step)),
         ("inspect", lambda: inspect_path(step, stats=True)),
         ("load", manager_load),
     ]
 
 
 def _st_checks(root: Path) -> list:
-    from titan_ckpt.commands.verify import verify_path
     from titan_ckpt.formats.safetensors import SafetensorsSource
     from titan_ckpt.hf import hf_files
     from titan_ckpt.storage import LocalStorage
@@ -121,12 +128,11 @@ def _st_checks(root: Path) -> list:
     return [
         ("read", command_reader),
         ("hf-import", hf_import),
-        ("verify", lambda: verify_path(path)),
+        ("verify", lambda: verify_report(path)),
     ]
 
 
 def _torch_checks(root: Path) -> list:
-    from titan_ckpt.commands.verify import verify_path
     from titan_ckpt.formats.torch_save import TorchSource
 
     path = str(root / "model.pt")
@@ -135,7 +141,7 @@ def _torch_checks(root: Path) -> list:
         source = TorchSource(path)
         source.read(list(source.entries))
 
-    return [("read", read), ("verify", lambda: verify_path(path))]
+    return [("read", read), ("verify", lambda: verify_report(path))]
 
 
 def checks(kind: str, root: Path) -> list:
@@ -158,10 +164,12 @@ def _common():
 
 
 def run_check(fn, allowed) -> tuple[str, str]:
+    """The outcome of one reader: "ok", "reported" (it ended normally and returned a text
+    naming the damage), "refused" (one of our errors), or what went wrong otherwise."""
     signal.alarm(20)
     try:
-        fn()
-        return "ok", ""
+        report = fn()
+        return ("reported", report[:300]) if isinstance(report, str) else ("ok", "")
     except allowed as error:
         text = f"{type(error).__name__}: {error}"
         return ("alloc" if any(w in text for w in ALLOC_WORDS) else "refused"), text[:300]

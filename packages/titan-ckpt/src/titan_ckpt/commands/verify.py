@@ -20,6 +20,7 @@ from titan_ckpt.formats.dcp import DCP_METADATA, DcpSource
 from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import (
     COMMIT_MARKER,
+    Manifest,
     read_manifest,
     scan_steps,
     step_dir,
@@ -42,10 +43,18 @@ def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
     if kind == "folder":
         storage = LocalStorage()
         scan = scan_steps(storage, path)
-        checked = sorted(scan.committed + scan.torchtitan)  # torchtitan's: DCP checks only
+        # An uncommitted step with a commit marker that does not parse is checked and
+        # reported like a damaged one; one without a marker is an interrupted (or running)
+        # save. torchtitan's steps get the DCP checks only.
+        torn = [
+            s
+            for s in scan.uncommitted
+            if storage.exists(storage.join(step_dir(storage, path, s), COMMIT_MARKER))
+        ]
+        checked = sorted(scan.committed + scan.torchtitan + torn)
         steps = [_verify_one(step_dir(storage, path, s), "dcp", trust_pickles) for s in checked]
         notes = [f"{step_name(s)}: uncommitted (interrupted or in progress), not checked"
-                 for s in scan.uncommitted]  # fmt: skip
+                 for s in scan.uncommitted if s not in torn]  # fmt: skip
         notes += [f"{step_name(s)}: not titan's or torchtitan's, not checked" for s in scan.foreign]
         return {
             "path": path,
@@ -97,7 +106,16 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
         problems.append(f"{COMMIT_MARKER}: unreadable ({error})")
         return
     if manifest is None:
-        notes.append(NO_MANIFEST)
+        marker = storage.join(path, COMMIT_MARKER)
+        if storage.exists(marker):  # present but unparsable: damaged, or torn by a crash
+            problems.append(
+                f"{COMMIT_MARKER}: unreadable ({_marker_error(storage, marker)}); a titan run "
+                "takes this step as an interrupted save: it does not load it, and a save of "
+                "the same step replaces it. If the data files are intact, restore the marker "
+                "from a copy"
+            )
+        else:
+            notes.append(NO_MANIFEST)
         return
     try:
         verify_step(storage, path, manifest, checksums=True)
@@ -107,6 +125,17 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
     notes.append(
         f"titan manifest: {len(manifest.files)} files checked (size and {', '.join(algorithms)})"
     )
+
+
+def _marker_error(storage: LocalStorage, marker: str) -> str:
+    """Why the commit marker at ``marker`` does not parse (``read_manifest`` only logs it)."""
+    with storage.open(marker, "rb") as f:
+        data = f.read()
+    try:
+        Manifest.from_json(data)
+    except (ValueError, TypeError, AttributeError, RecursionError) as error:
+        return _short(error)
+    return "it changed while being read"
 
 
 def _check_coverage(source: DcpSource, problems: list[str]) -> None:
