@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
+from titan_ckpt import COMMIT_MARKER
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -29,6 +32,30 @@ def test_folder_lists_steps_committed_or_not(saved_folder, titan_ckpt):
     assert steps[2]["states"] == ["model", "optimizer", "train_state"]
     assert steps[2]["bytes"] > 0
     assert steps[2]["age_seconds"] >= 0
+
+
+def test_unreadable_commit_marker_is_not_called_plain_dcp(saved_folder, tmp_path, titan_ckpt):
+    # A marker that does not parse makes the step uncommitted; inspect says so, for the step
+    # and in the folder's list, instead of taking it for a checkpoint without a marker.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved_folder, folder)
+    marker = folder / "step-2" / COMMIT_MARKER
+    marker.write_bytes(b"\x00" + marker.read_bytes()[1:])
+    code, out, _ = titan_ckpt("inspect", folder / "step-2")
+    assert code == 0
+    assert "titan commit marker UNREADABLE (" in out
+    assert "a run takes this step as an interrupted save" in out
+    assert "no titan commit marker" not in out
+    code, out, _ = titan_ckpt("inspect", folder / "step-2", "--json")
+    report = json.loads(out)
+    assert report["manifest"] is None
+    assert report["marker_problem"]
+    code, out, _ = titan_ckpt("inspect", folder)
+    assert "commit marker unreadable" in out.split("step-2", 1)[1].splitlines()[0]
+    assert "commit marker unreadable" not in out.split("step-3", 1)[1]  # owner marker only
+    steps = {s["step"]: s for s in json.loads(titan_ckpt("inspect", folder, "--json")[1])["steps"]}
+    assert steps[2]["marker_problem"]
+    assert (steps[1]["marker_problem"], steps[3]["marker_problem"]) == (None, None)
 
 
 def test_step_text_groups_keys_with_shapes_and_values(saved_folder, titan_ckpt):

@@ -75,6 +75,11 @@ logger = logging.getLogger("titan_ckpt")
 
 COMMIT_MARKER = "titan-commit.json"
 OWNER_MARKER = "titan-owner.json"
+UNREADABLE_MARKER_MEANS = (
+    "a run takes this step as an interrupted save: it does not load it, and a save of the "
+    "same step replaces it"
+)
+"""What a commit marker that does not parse means, as ``verify`` and ``inspect`` say it."""
 STEP_KINDS = ("committed", "interrupted", "torchtitan", "foreign")
 _MARKERS = (COMMIT_MARKER, OWNER_MARKER)  # ours, not checkpoint data: not in the manifest
 FORMAT = "titan-ckpt/1"
@@ -314,6 +319,22 @@ def read_manifest(storage: Storage, directory: str) -> Manifest | None:
         # by a crash on a storage without atomic writes: the step was never committed.
         logger.warning("%s: unreadable commit marker (%s); the step is uncommitted", path, e)
         return None
+
+
+def marker_problem(storage: Storage, directory: str) -> str | None:
+    """Why the commit marker of ``directory`` does not parse (damaged, or torn by a crash),
+    for the commands that report it; None when it parses or there is none."""
+    path = storage.join(directory, COMMIT_MARKER)
+    if not storage.exists(path):
+        return None
+    with storage.open(path, "rb") as f:
+        data = f.read()
+    try:
+        Manifest.from_json(data)
+    except (ValueError, TypeError, AttributeError, RecursionError) as error:
+        lines = str(error).strip().splitlines()
+        return (lines[-1][:200] if lines else type(error).__name__) or type(error).__name__
+    return None
 
 
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:

@@ -23,7 +23,13 @@ from titan_ckpt.formats.base import (
     group_of,
 )
 from titan_ckpt.formats.source import detect, open_source
-from titan_ckpt.layout import read_manifest, scan_steps, step_dir
+from titan_ckpt.layout import (
+    UNREADABLE_MARKER_MEANS,
+    marker_problem,
+    read_manifest,
+    scan_steps,
+    step_dir,
+)
 from titan_ckpt.storage import LocalStorage
 
 __all__ = ["inspect_path", "render"]
@@ -74,6 +80,7 @@ def _inspect_folder(path: str) -> dict[str, Any]:
                 "world_size": manifest.world_size if manifest else None,
                 "states": manifest.states if manifest else None,
                 "model_only": manifest.model_only if manifest else None,
+                "marker_problem": None if manifest else marker_problem(storage, directory),
             }
         )
     return {"path": path, "format": "folder", "steps": steps}
@@ -83,6 +90,8 @@ def _inspect_source(source: Source, *, stats: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": source.path, "format": source.format}
     if source.format == "dcp":
         report["manifest"] = _manifest_summary(source.path)
+        if report["manifest"] is None:
+            report["marker_problem"] = marker_problem(LocalStorage(), source.path)
     if source.info:
         report["info"] = source.info
     files = source.files()
@@ -203,7 +212,12 @@ def render(report: dict[str, Any]) -> str:
     head = f"{report['format']} checkpoint {report['path']}"
     lines = [head]
     manifest = report.get("manifest", "absent")
-    if manifest is None:
+    if manifest is None and report.get("marker_problem"):
+        lines.append(
+            f"  titan commit marker UNREADABLE ({report['marker_problem']}): "
+            f"{UNREADABLE_MARKER_MEANS} (titan-ckpt verify checks the files)"
+        )
+    elif manifest is None:
         lines.append("  no titan commit marker (a plain DCP checkpoint, e.g. torchtitan's)")
     elif manifest != "absent":
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(manifest["created"]))
@@ -239,6 +253,8 @@ def _render_folder(report: dict[str, Any]) -> str:
     lines = [f"checkpoint folder {report['path']}: {len(report['steps'])} step(s)"]
     for s in report["steps"]:
         state = _KIND_LABELS[s.get("kind", "committed" if s["committed"] else "interrupted")]
+        if s.get("marker_problem"):
+            state = "UNCOMMITTED (commit marker unreadable: damaged, or torn by a crash)"
         extra = ""
         if s["committed"]:
             extra = f", world size {s['world_size']}, states {', '.join(s['states'])}"

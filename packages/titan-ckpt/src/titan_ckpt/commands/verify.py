@@ -20,7 +20,8 @@ from titan_ckpt.formats.dcp import DCP_METADATA, DcpSource
 from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import (
     COMMIT_MARKER,
-    Manifest,
+    UNREADABLE_MARKER_MEANS,
+    marker_problem,
     read_manifest,
     scan_steps,
     step_dir,
@@ -46,11 +47,7 @@ def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
         # An uncommitted step with a commit marker that does not parse is checked and
         # reported like a damaged one; one without a marker is an interrupted (or running)
         # save. torchtitan's steps get the DCP checks only.
-        torn = [
-            s
-            for s in scan.uncommitted
-            if storage.exists(storage.join(step_dir(storage, path, s), COMMIT_MARKER))
-        ]
+        torn = [s for s in scan.uncommitted if marker_problem(storage, step_dir(storage, path, s))]
         checked = sorted(scan.committed + scan.torchtitan + torn)
         steps = [_verify_one(step_dir(storage, path, s), "dcp", trust_pickles) for s in checked]
         notes = [f"{step_name(s)}: uncommitted (interrupted or in progress), not checked"
@@ -106,13 +103,11 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
         problems.append(f"{COMMIT_MARKER}: unreadable ({error})")
         return
     if manifest is None:
-        marker = storage.join(path, COMMIT_MARKER)
-        if storage.exists(marker):  # present but unparsable: damaged, or torn by a crash
+        problem = marker_problem(storage, path)
+        if problem is not None:  # present but unparsable: damaged, or torn by a crash
             problems.append(
-                f"{COMMIT_MARKER}: unreadable ({_marker_error(storage, marker)}); a titan run "
-                "takes this step as an interrupted save: it does not load it, and a save of "
-                "the same step replaces it. If the data files are intact, restore the marker "
-                "from a copy"
+                f"{COMMIT_MARKER}: unreadable ({problem}); {UNREADABLE_MARKER_MEANS}. If the "
+                "data files are intact, restore the marker from a copy"
             )
         else:
             notes.append(NO_MANIFEST)
@@ -125,17 +120,6 @@ def _check_manifest(path: str, problems: list[str], notes: list[str]) -> None:
     notes.append(
         f"titan manifest: {len(manifest.files)} files checked (size and {', '.join(algorithms)})"
     )
-
-
-def _marker_error(storage: LocalStorage, marker: str) -> str:
-    """Why the commit marker at ``marker`` does not parse (``read_manifest`` only logs it)."""
-    with storage.open(marker, "rb") as f:
-        data = f.read()
-    try:
-        Manifest.from_json(data)
-    except (ValueError, TypeError, AttributeError, RecursionError) as error:
-        return _short(error)
-    return "it changed while being read"
 
 
 def _check_coverage(source: DcpSource, problems: list[str]) -> None:
