@@ -5,14 +5,15 @@ Starts ``--nproc`` gloo ranks under torchrun, shards a stack of square Linear la
 
 - raw: every rank writes its shard bytes to one file and fsyncs (the storage's speed);
 - dcp.save alone: torch's DCP save of the same state, without the manager (the baseline);
-- sync: ``save()`` with async_mode=disabled (DCP write + commit: manifest with sha256);
+- sync: ``save()`` with async_mode=disabled (DCP write + commit: manifest with checksums,
+  ``--checksum``'s algorithm);
 - async: time ``save()`` blocks training with async_mode=async, and time until committed;
 - pinned: the same for async_mode=async_with_pinned_mem (writer process; the first save, which
   starts that process, is reported separately);
 - load: ``load()`` of the newest step, with size checks (and once with checksums);
 - side by side, ``--reps`` interleaved repetitions: a plain ``dcp.save`` (no hashing; what
-  torchtitan's save does) vs the manager's synchronous save (sha256 computed while writing,
-  commit marker), with the ratio; the read-back hash a commit used to add; load with
+  torchtitan's save does) vs the manager's synchronous save (checksums computed while
+  writing, commit marker), with the ratio; the read-back hash a commit used to add; load with
   ``verify_checksums`` off vs on, with the ratio; async blocking time vs a sync save.
 
     python tools/bench/ckpt_save_load.py                   # 1024 MiB at world size 2
@@ -200,7 +201,7 @@ class Bench:
 
     def side_by_side(self) -> dict[str, list[float]]:
         """``--reps`` interleaved pairs (the order alternating): a plain DCP save vs the
-        manager's synchronous save (sha256 while writing, commit marker); the read-back hash
+        manager's synchronous save (checksums while writing, commit marker); the read-back hash
         an earlier commit did on top; load with checksum verification off vs on."""
         from titan_ckpt import LocalStorage
         from titan_ckpt.layout import hash_files, step_dir
