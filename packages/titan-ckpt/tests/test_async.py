@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import types
 
 import pytest
 import torch
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, scan_steps, storage_for
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    OptimizerState,
+    scan_steps,
+    storage_for,
+)
 from titan_ckpt.asyncmode import check_main_guard
 
 # DCP's background writer warns that it runs without torch.distributed: in one process, it does.
@@ -45,6 +52,75 @@ def test_async_save_keeps_values_at_save_time(common, tmp_path, mode, caplog):
         )
         assert reader.load()
         assert all(torch.equal(v, snapshots[step][k]) for k, v in fresh.state_dict().items())
+
+
+def _late_staging(manager: CheckpointManager, start: threading.Event) -> None:
+    """Make the manager's background staging wait for ``start`` (a slow copy)."""
+    stage = manager._stager._stage
+
+    def late(*args, **kwargs):
+        assert start.wait(timeout=60)
+        return stage(*args, **kwargs)
+
+    manager._stager._stage = late
+
+
+def _saved_and_stepped(common, folder, *, guarded: bool):
+    """Save step 1 with async_with_pinned_mem, then step the optimizer at once, without
+    ``maybe_wait_for_staging``, while the staging has not begun. Returns the state at save
+    time, the state after the step, and what step 1 holds on disk."""
+    model = common.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    common.train_steps(model, opt, range(1, 3), rank=0)
+    optimizer = OptimizerState(model, opt)
+    config = CheckpointConfig(
+        enable=True, folder=str(folder), interval=1, async_mode="async_with_pinned_mem"
+    )
+    manager = CheckpointManager(config, model_parts=model, states={"optimizer": optimizer})
+    start = threading.Event()
+    if guarded:  # the staging starts 0.3 s late; the step must wait for it
+        threading.Timer(0.3, start.set).start()
+    else:  # the staging starts only once the step is done
+        for handle in manager._step_guards:
+            handle.remove()
+    _late_staging(manager, start)
+    before = {**model.state_dict(), **optimizer.state_dict()}
+    before = {k: v.clone() for k, v in before.items() if isinstance(v, torch.Tensor)}
+    assert manager.save(1)
+    common.train_steps(model, opt, range(3, 4), rank=0)  # no maybe_wait_for_staging
+    # The guard waited for the staging (and cleared it) inside opt.step().
+    assert (manager._staging is None) == guarded
+    start.set()
+    after = {**model.state_dict(), **optimizer.state_dict()}
+    after = {k: v.clone() for k, v in after.items() if isinstance(v, torch.Tensor)}
+    manager.close()
+    assert opt._optimizer_step_pre_hooks == {}  # close() removed the guard
+    fresh = common.make_model(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    common.train_steps(fresh, fresh_opt, range(7, 8), rank=0)  # its own state, replaced
+    fresh_state = OptimizerState(fresh, fresh_opt)
+    reader = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(folder)),
+        model_parts=fresh,
+        states={"optimizer": fresh_state},
+    )
+    assert reader.load()
+    loaded = {**fresh.state_dict(), **fresh_state.state_dict()}
+    return before, after, {k: loaded[k] for k in before}
+
+
+def test_optimizer_step_waits_for_background_staging(common, tmp_path):
+    # async_with_pinned_mem stages in the background; a loop that steps its optimizer
+    # without maybe_wait_for_staging still saves the values at save time, because the
+    # manager's step pre-hook on the optimizer waits for the staging.
+    before, after, saved = _saved_and_stepped(common, tmp_path / "guarded", guarded=True)
+    assert saved.keys() == before.keys()
+    assert any(k.startswith("state.") and k.endswith("exp_avg") for k in saved)
+    assert all(torch.equal(saved[k], before[k]) for k in before)
+    assert not all(torch.equal(after[k], before[k]) for k in before)  # the step changed them
+    # Without the hook the same loop saves the values after the step: the test can tell.
+    _, after, saved = _saved_and_stepped(common, tmp_path / "unguarded", guarded=False)
+    assert all(torch.equal(saved[k], after[k]) for k in after)
 
 
 def test_last_step_save_is_synchronous(common, tmp_path):

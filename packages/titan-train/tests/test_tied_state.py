@@ -64,3 +64,29 @@ def test_only_a_pipeline_with_tied_weights_is_wrapped():
     assert tied_optimizer_state(optimizers, SimpleNamespace(tied=None)) is optimizers
     wrapped = tied_optimizer_state(optimizers, SimpleNamespace(tied=SimpleNamespace(names=NAMES)))
     assert isinstance(wrapped, TiedOptimizerState)
+
+
+def test_background_staging_guards_the_container_it_saves(tmp_path):
+    # async_with_pinned_mem stages in the background; the checkpointer makes the optimizer
+    # container (wrapped or not) wait for the staging before it steps.
+    from titan_ckpt import CheckpointConfig, CheckpointManager
+
+    modules = parts(first=True, last=True)
+    optimizers = stepped(modules, seed=1)
+    for name, state in (("plain", optimizers), ("tied", TiedOptimizerState(optimizers, NAMES))):
+        config = CheckpointConfig(
+            enable=True,
+            folder=str(tmp_path / name),
+            interval=1,
+            async_mode="async_with_pinned_mem",
+        )
+        manager = CheckpointManager(config, model_parts=modules, states={"optimizer": state})
+        assert len(optimizers._pre_hooks) == 1
+        assert manager.save(1)
+        for module in modules:
+            for p in module.parameters():
+                p.grad = torch.ones_like(p)
+        optimizers.step()  # no maybe_wait_for_staging: the hook waited
+        assert manager._staging is None
+        manager.close()
+        assert len(optimizers._pre_hooks) == 0

@@ -3,7 +3,8 @@
 - ``async``: DCP writes from a background thread after a blocking copy of the state to CPU
   memory (the copy is the only time training waits).
 - ``async_with_pinned_mem``: staging itself runs in the background (``maybe_wait_for_staging``
-  waits for it before the next optimizer step) into pinned memory where an accelerator exists,
+  waits for it before the next optimizer step; the manager's optimizers call it themselves,
+  through a step pre-hook) into pinned memory where an accelerator exists,
   and a separate process writes, so the writer never holds the trainer's GIL. On a CPU-only
   machine there is nothing to pin: staging uses plain (shared) memory and this is logged once.
 

@@ -61,7 +61,7 @@ from titan_ckpt.load_plan import plan_load, states_to_load, verify_shared
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
-from titan_ckpt.states import ModelState
+from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import RecordingStorage, Storage
 
 __all__ = ["CheckpointManager"]
@@ -138,6 +138,7 @@ class CheckpointManager:
         self._ft_purger: Purger | None = None
         self._committer: ThreadPoolExecutor | None = None
         self._stager = None
+        self._step_guards: list[Any] = []  # handles of the optimizer-step pre-hooks
         self._inflight: tuple[str, int, int | None] | None = None  # async: directory, step, bytes
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = 0
@@ -173,6 +174,8 @@ class CheckpointManager:
             )
             if self._rank == 0:
                 self._committer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-commit")
+            if self.config.async_mode == "async_with_pinned_mem":
+                self._guard_optimizer_steps()
         self._watch = SaveWatch(
             self.storage, self.folder, rank=self._rank, distributed=self._distributed, group=self.pg
         )
@@ -480,11 +483,31 @@ class CheckpointManager:
         result = upload.result()
         self._commit(directory, manifest, self._purger, written=written_files(result))
 
+    def _guard_optimizer_steps(self) -> None:
+        """With background staging, make every optimizer among the states wait for the
+        staging before it steps (a pre-hook), so a loop that forgets
+        ``maybe_wait_for_staging`` cannot save a mix of two steps' values. An optimizer is a
+        state with ``register_step_pre_hook`` (torch's, titan-optim's container) or one
+        inside an ``OptimizerState``."""
+        for state in self.states.values():
+            targets = (
+                [opt for _, opt in state.pairs] if isinstance(state, OptimizerState) else [state]
+            )
+            for target in targets:
+                register = getattr(target, "register_step_pre_hook", None)
+                if callable(register):
+                    self._step_guards.append(register(self._wait_before_step))
+
+    def _wait_before_step(self, *_: Any) -> None:
+        self.maybe_wait_for_staging()
+
     def maybe_wait_for_staging(self) -> None:
         """Block until the last async save no longer reads the training tensors.
 
         Call before the optimizer step that follows a save: with background staging
-        (``async_with_pinned_mem``) the copy may still be running.
+        (``async_with_pinned_mem``) the copy may still be running. The optimizers among the
+        manager's states call it themselves before they step (a step pre-hook); anything
+        else that changes the saved tensors in place must call it first.
         """
         if self._staging is not None:
             self._staging.result()
@@ -521,6 +544,9 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+            for handle in self._step_guards:
+                handle.remove()
+            self._step_guards = []
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -57,6 +57,11 @@ class TiedOptimizerState:
             loaded[key] = state_dict[source] if source in state_dict else state_dict[key]
         self.optimizers.load_state_dict(loaded)
 
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """The container's: a checkpointer with background staging makes its steps wait for
+        the staging through it (``CheckpointManager``)."""
+        return self.optimizers.register_step_pre_hook(hook)
+
     def _rename(self, key: str) -> str:
         for copy_prefix, first_prefix in self._renames:
             if key.startswith(copy_prefix):
