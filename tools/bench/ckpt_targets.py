@@ -10,8 +10,9 @@ unrecorded warm-up round:
 - plain ``dcp.save``: torch's DCP save of the same state dict (model FQNs at the top level,
   the flattened optimizer state under ``optimizer``) to DCP's default ``FileSystemWriter``.
   That is what torchtitan's ``CheckpointManager`` (July 2025, 6204cdff9) does in a
-  synchronous save (``dcp.save(state, checkpoint_id=...)``), less its ``gc.collect``: the
-  torchtitan-equivalent baseline;
+  synchronous save (``dcp.save(state, checkpoint_id=...)``), less its ``gc.collect``, and
+  with Python's automatic garbage collection off, as torchtitan's trainer runs (the manager
+  pauses it around its own DCP calls): the torchtitan-equivalent baseline;
 - sync save, integrity off: ``CheckpointManager.save`` with async_mode=disabled through a
   writer that reports file sizes but hashes nothing (bench-only: the manager has no switch
   to turn integrity off); the manager's own costs (owner marker, commit, collectives) stay;
@@ -36,6 +37,7 @@ load that comes and goes. "met" judges the ratio of medians.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import shutil
@@ -170,7 +172,8 @@ class Targets:
 
     def plain_dcp(self, rep: int) -> None:
         state = {**self.on.model.state_dict(), "optimizer": self.optimizer}
-        dcp.save(state, checkpoint_id=os.path.join(self.dir, "plain", f"step-{rep}"))
+        with gc_paused():  # as torchtitan's trainer saves: its automatic collection is off
+            dcp.save(state, checkpoint_id=os.path.join(self.dir, "plain", f"step-{rep}"))
 
     def blocked(self, rep: int) -> dict[str, float]:
         """Seconds the slowest rank waited in an async save; the write finishes untimed."""
@@ -247,6 +250,19 @@ class Targets:
     def close(self) -> None:
         for manager in (self.on, self.off, self.async_, self.pinned):
             manager.close()
+
+
+@contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (the manager pauses it around
+    its DCP calls; torchtitan's trainer keeps it off between its periodic collections)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def timed(fn: Callable[[], Any]) -> float:
