@@ -13,9 +13,11 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import zipfile
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from titan_ckpt import (
     COMMIT_MARKER,
@@ -27,6 +29,8 @@ from titan_ckpt import (
     OptimizerState,
 )
 from titan_ckpt.formats.hashing import HashingStream
+from titan_ckpt.formats.pickles import stored_member
+from titan_ckpt.formats.torch_save import TorchSource
 from titan_ckpt.layout import Manifest, commit_step
 from titan_ckpt.load_plan import shares
 
@@ -245,3 +249,52 @@ def test_verification_shares_balance_bytes_and_cover_every_file_once():
     split = shares(files, 6)
     assert sorted(rel for share in split for rel in share) == sorted(files)
     assert [len(share) for share in split] == [1, 1, 1, 1, 0, 0]
+
+
+def test_records_carry_no_zip_crc32_and_load_as_ever(common, tmp_path):
+    # torch.save's per-record CRC-32s are never checked by torch.load; our writer skips
+    # computing them (the manifest's checksum is the check) and restores the option after.
+    model = common.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    common.train_steps(model, opt, range(1, 3), rank=0)
+    states = {"optimizer": OptimizerState(model, opt)}
+    config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1)
+    assert torch.serialization.get_crc32_options()
+    with CheckpointManager(config, model_parts=model, states=states) as manager:
+        manager.save(1)
+    assert torch.serialization.get_crc32_options()  # restored
+    step = tmp_path / "step-1"
+    metadata = dcp.FileSystemReader(str(step)).read_metadata()
+    crcs, payloads = [], 0
+    for info in metadata.storage_data.values():
+        with open(step / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = io.BytesIO(f.read(info.length))
+        for member in zipfile.ZipFile(raw).infolist():
+            crcs.append(member.CRC)
+            payloads += len(stored_member(raw, member))
+    assert payloads > 0
+    assert set(crcs) == {0}
+    # DCP's own reader (what torchtitan loads with) restores every value bit for bit.
+    expected = model.state_dict()
+    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+    dcp.load(loaded, checkpoint_id=str(step), no_dist=True)
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+    # torch.save elsewhere in the process still writes them.
+    plain = io.BytesIO()
+    torch.save(torch.ones(4), plain)
+    assert all(m.CRC != 0 for m in zipfile.ZipFile(plain).infolist() if m.file_size)
+
+
+def test_torch_save_files_without_crc32_are_read(tmp_path):
+    # A user's torch.save file written with the CRC-32s off reads like any other.
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": torch.tensor(7)}
+    path = tmp_path / "model.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(state, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    source = TorchSource(str(path))
+    values = source.read(list(source.entries))
+    assert all(torch.equal(values[k], v) for k, v in state.items())

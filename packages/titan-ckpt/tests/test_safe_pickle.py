@@ -26,7 +26,7 @@ from titan_ckpt import (
     OptimizerState,
     UnsafeCheckpointError,
 )
-from titan_ckpt.formats.pickles import ALLOWED_GLOBALS, RestrictedUnpickler
+from titan_ckpt.formats.pickles import ALLOWED_GLOBALS, RestrictedUnpickler, stored_member
 from titan_ckpt.layout import COMMIT_MARKER
 
 SYSTEM = f"{os.system.__module__}.system"  # how the poison's global is spelled: posix.system
@@ -285,9 +285,10 @@ def _globals_of(step_dir: Path) -> set[tuple[str, str]]:
     for info in metadata.storage_data.values():
         with open(step_dir / info.relative_path, "rb") as f:
             f.seek(info.offset)
-            record = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
-        (pkl,) = [n for n in record.namelist() if n.endswith("data.pkl")]
-        _Recorder(record.read(pkl), seen).load()
+            raw = io.BytesIO(f.read(info.length))
+        record = zipfile.ZipFile(raw)
+        (pkl,) = [i for i in record.infolist() if i.filename.endswith("data.pkl")]
+        _Recorder(stored_member(raw, pkl), seen).load()  # its CRC-32 is not computed
     return seen
 
 

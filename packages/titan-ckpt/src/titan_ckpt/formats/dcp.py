@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
-from titan_ckpt.formats.pickles import check_record, load_metadata
+from titan_ckpt.formats.pickles import check_record, load_metadata, stored_member
 
 __all__ = [
     "DCP_METADATA",
@@ -448,7 +448,7 @@ def _load_contiguous_record(record: _FileSlice, e: Entry) -> torch.Tensor | None
         infos = archive.infolist()
         data = [i for i in infos if re.search(r"/data/\d+$", i.filename)]
         order = [i for i in infos if i.filename.endswith("/byteorder")]
-        if order and archive.read(order[0]).strip() != b"little":
+        if order and stored_member(record, order[0]).strip() != b"little":
             return None
         if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
             return None

@@ -17,11 +17,21 @@ also from DCP's writer process (``written_files``). No extra collective, no seco
 A stream that was written out of order (a seek back, a truncate, a short write) gives no digest
 for its file; the commit then hashes that file by reading it, as it does for any file the
 writer did not report (a custom ``Storage``'s own DCP writer, say).
+
+No zip CRC32s. DCP writes every tensor with ``torch.save``, whose zip container computes a
+CRC32 of each record that ``torch.load`` never checks (a flipped byte loads silently; the
+manifest's checksum is what catches it). Computing them took 60% of a DCP save: 0.22 s
+against 0.089 s for 200 MiB on tmpfs, one process. Our writers turn the computation off
+(``torch.serialization.set_crc32_options``) while they write and restore it after; the
+records then carry a zero CRC, which ``torch.load`` reads as always (torch >= 2.6), while
+``unzip -t`` on a data file would complain. The option is process-wide: a ``torch.save`` of
+another thread during an async save's write also goes without CRC32s.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -189,6 +199,30 @@ class _HashingFileSystem:
         self.files.pop(os.fspath(path), None)
 
 
+_crc32_lock = threading.Lock()
+_crc32_writers = 0
+_crc32_before = True
+
+
+@contextmanager
+def records_without_crc32() -> Generator[None, None, None]:
+    """``torch.save`` computes no zip CRC32s inside (see the module docstring); writers in
+    several threads may overlap: the first in saves the option, the last out restores it."""
+    global _crc32_writers, _crc32_before
+    with _crc32_lock:
+        if _crc32_writers == 0:
+            _crc32_before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc32_writers += 1
+    try:
+        yield
+    finally:
+        with _crc32_lock:
+            _crc32_writers -= 1
+            if _crc32_writers == 0:
+                torch.serialization.set_crc32_options(_crc32_before)
+
+
 @dataclass(frozen=True)
 class _WrittenFiles:
     """One rank's written files, riding with its DCP write results to the coordinator."""
@@ -221,8 +255,9 @@ class _HashingWriterMixin:
         self.fs.files.clear()
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future:
-        results = super().write_data(plan, planner)  # type: ignore[misc]
-        results.wait()  # the filesystem writers write before returning; this says so
+        with records_without_crc32():
+            results = super().write_data(plan, planner)  # type: ignore[misc]
+            results.wait()  # the filesystem writers write before returning; this says so
         done: torch.futures.Future = torch.futures.Future()
         done.set_result([*results.value(), _WrittenFiles(self._written())])
         return done

@@ -33,6 +33,7 @@ import os
 import pickle
 import pickletools
 import re
+import struct
 import types
 import zipfile
 from typing import IO, Any
@@ -47,6 +48,7 @@ __all__ = [
     "check_record",
     "load_metadata",
     "refusal",
+    "stored_member",
 ]
 
 _DCP_METADATA_TYPES = (
@@ -254,6 +256,26 @@ def check_record(value: io.BytesIO, file: str) -> None:
         value.seek(start)
 
 
+def stored_member(f: IO[bytes], info: zipfile.ZipInfo) -> bytes:
+    """The bytes of ``info``, an uncompressed member of the zip in ``f`` (a ``torch.save``
+    file or record), read through its local header without checking its CRC-32:
+    ``torch.save`` may leave it zero (``torch.serialization.set_crc32_options``; titan's DCP
+    writers do, see ``titan_ckpt.formats.hashing``), where ``zipfile``'s own read refuses.
+    ``ValueError`` for a compressed member or a damaged header; ``f``'s position moves."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{info.filename} is compressed; torch.save stores its members")
+    f.seek(info.header_offset)
+    local = f.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"the zip header of {info.filename} is damaged")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    f.seek(info.header_offset + 30 + name_len + extra_len)
+    data = f.read(info.file_size)
+    if len(data) != info.file_size:
+        raise ValueError(f"{info.filename} ends early")
+    return data
+
+
 def prescan_record(value: io.BytesIO) -> None:
     """``prescan`` the pickle inside a ``torch.save`` zip record (a legacy, non-zip record
     is scanned whole: its pickles come first)."""
@@ -266,7 +288,7 @@ def prescan_record(value: io.BytesIO) -> None:
             info = archive.getinfo(names[0])
             if info.file_size > len(value.getbuffer()):
                 raise ValueError("data.pkl is larger than its record")
-            prescan(archive.read(names[0]))
+            prescan(stored_member(value, info))
     except zipfile.BadZipFile:
         value.seek(start)
         prescan(value.read())  # the legacy format: several pickles in a row, scan the first

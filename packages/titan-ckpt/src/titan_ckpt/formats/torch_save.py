@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
-from titan_ckpt.formats.pickles import refusal
+from titan_ckpt.formats.pickles import refusal, stored_member
 
 __all__ = ["TorchSource", "save_torch_streaming"]
 
@@ -73,9 +73,9 @@ class TorchSource(Source):
         """The state dict with meta tensors whose storages know their file offsets, or None
         when that does not describe the file's data (then the caller maps it)."""
         try:
-            with zipfile.ZipFile(path) as archive:
-                order = [n for n in archive.namelist() if n.endswith("/byteorder")]
-                if order and archive.read(order[0]).strip() != b"little":
+            with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+                order = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
+                if order and stored_member(f, order[0]).strip() != b"little":
                     return None
         except zipfile.BadZipFile:
             return None  # the legacy format
