@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
+from titan_ckpt.formats.hashing import records_without_crc32
 from titan_ckpt.formats.pickles import check_record, load_metadata, stored_member
 
 __all__ = [
@@ -485,7 +486,8 @@ def save_dcp_streaming(
         k: torch.empty((), dtype=dtype).expand(shape) for k, (shape, dtype) in specs.items()
     }
     writer = _StreamingFileSystemWriter(path, specs, iter(values))
-    with warnings.catch_warnings():
+    # Records without zip CRC-32s, as the manager's saves (see titan_ckpt.formats.hashing).
+    with warnings.catch_warnings(), records_without_crc32():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in one process"
         dcp.save({**standins, **objects}, storage_writer=writer, no_dist=True)
     return writer.written
