@@ -298,3 +298,14 @@ def test_torch_save_files_without_crc32_are_read(tmp_path):
     source = TorchSource(str(path))
     values = source.read(list(source.entries))
     assert all(torch.equal(values[k], v) for k, v in state.items())
+
+
+def test_stored_member_refuses_a_size_past_the_end_before_reading():
+    # A damaged zip directory may claim gigabytes: refused, without allocating them.
+    buffer = io.BytesIO()
+    torch.save(torch.ones(3), buffer)
+    member = next(m for m in zipfile.ZipFile(buffer).infolist() if m.filename.endswith("data.pkl"))
+    assert stored_member(buffer, member) == zipfile.ZipFile(buffer).read(member)
+    member.file_size = 4 << 30
+    with pytest.raises(ValueError, match="ends early"):
+        stored_member(buffer, member)

@@ -305,36 +305,39 @@ def commit_step(
     return manifest
 
 
-def read_manifest(storage: Storage, directory: str) -> Manifest | None:
-    """The commit marker of ``directory``, or None if it has none or a torn one (not committed)."""
+def _parse_marker(storage: Storage, directory: str) -> tuple[Manifest | None, str | None]:
+    """The commit marker of ``directory`` parsed: (manifest, None); (None, why it does not
+    parse); or (None, None) when there is none."""
     path = storage.join(directory, COMMIT_MARKER)
     if not storage.exists(path):
-        return None
+        return None, None
     with storage.open(path, "rb") as f:
         data = f.read()
     try:
-        return Manifest.from_json(data)
-    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        return Manifest.from_json(data), None
+    except (ValueError, TypeError, AttributeError, RecursionError) as error:
+        lines = str(error).strip().splitlines()
+        return None, (lines[-1][:200] if lines else "") or type(error).__name__
+
+
+def read_manifest(storage: Storage, directory: str) -> Manifest | None:
+    """The commit marker of ``directory``, or None if it has none or a torn one (not committed)."""
+    manifest, problem = _parse_marker(storage, directory)
+    if problem is not None:
         # The marker is written last and whole (rename), so one that does not parse was torn
         # by a crash on a storage without atomic writes: the step was never committed.
-        logger.warning("%s: unreadable commit marker (%s); the step is uncommitted", path, e)
-        return None
+        logger.warning(
+            "%s: unreadable commit marker (%s); the step is uncommitted",
+            storage.join(directory, COMMIT_MARKER),
+            problem,
+        )
+    return manifest
 
 
 def marker_problem(storage: Storage, directory: str) -> str | None:
     """Why the commit marker of ``directory`` does not parse (damaged, or torn by a crash),
     for the commands that report it; None when it parses or there is none."""
-    path = storage.join(directory, COMMIT_MARKER)
-    if not storage.exists(path):
-        return None
-    with storage.open(path, "rb") as f:
-        data = f.read()
-    try:
-        Manifest.from_json(data)
-    except (ValueError, TypeError, AttributeError, RecursionError) as error:
-        lines = str(error).strip().splitlines()
-        return (lines[-1][:200] if lines else type(error).__name__) or type(error).__name__
-    return None
+    return _parse_marker(storage, directory)[1]
 
 
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:

@@ -269,11 +269,13 @@ def stored_member(f: IO[bytes], info: zipfile.ZipInfo) -> bytes:
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise ValueError(f"the zip header of {info.filename} is damaged")
     name_len, extra_len = struct.unpack("<HH", local[26:30])
-    f.seek(info.header_offset + 30 + name_len + extra_len)
-    data = f.read(info.file_size)
-    if len(data) != info.file_size:
+    start = info.header_offset + 30 + name_len + extra_len
+    # A damaged directory may claim any size: check it against the bytes there before
+    # reading (a read allocates what it is asked for).
+    if start + info.file_size > f.seek(0, io.SEEK_END):
         raise ValueError(f"{info.filename} ends early")
-    return data
+    f.seek(start)
+    return f.read(info.file_size)
 
 
 def prescan_record(value: io.BytesIO) -> None:

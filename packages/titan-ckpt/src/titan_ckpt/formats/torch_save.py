@@ -77,8 +77,8 @@ class TorchSource(Source):
                 order = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
                 if order and stored_member(f, order[0]).strip() != b"little":
                     return None
-        except zipfile.BadZipFile:
-            return None  # the legacy format
+        except (zipfile.BadZipFile, ValueError):
+            return None  # the legacy format, or a damaged zip: the caller maps it
         obj = torch.load(path, map_location="meta", weights_only=True)
         if not isinstance(obj, dict):
             return obj  # refused by the caller
