@@ -55,28 +55,32 @@ def test_async_save_keeps_values_at_save_time(common, tmp_path, mode, caplog):
 
 
 def _late_staging(manager: CheckpointManager, start: threading.Event) -> None:
-    """Make the manager's background staging wait for ``start`` (a slow copy)."""
-    stage = manager._stager._stage
+    """Make the manager's background staging wait for ``start`` (a slow copy): the whole
+    staging (async_with_pinned_mem) or its deferred part (async)."""
+    name = "_finish" if manager.config.async_mode == "async" else "_stage"
+    stage = getattr(manager._stager, name)
 
     def late(*args, **kwargs):
         assert start.wait(timeout=60)
         return stage(*args, **kwargs)
 
-    manager._stager._stage = late
+    setattr(manager._stager, name, late)
 
 
-def _saved_and_stepped(common, folder, *, guarded: bool):
-    """Save step 1 with async_with_pinned_mem, then step the optimizer at once, without
-    ``maybe_wait_for_staging``, while the staging has not begun. Returns the state at save
-    time, the state after the step, and what step 1 holds on disk."""
+def _saved_and_stepped(common, folder, *, guarded: bool, mode: str):
+    """Save a step in ``mode``, then step the optimizer at once, without
+    ``maybe_wait_for_staging``, while the background copy has not begun. Returns the state at
+    save time, the state after the step, and what the step holds on disk."""
     model = common.make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     common.train_steps(model, opt, range(1, 3), rank=0)
     optimizer = OptimizerState(model, opt)
-    config = CheckpointConfig(
-        enable=True, folder=str(folder), interval=1, async_mode="async_with_pinned_mem"
-    )
+    config = CheckpointConfig(enable=True, folder=str(folder), interval=1, async_mode=mode)
     manager = CheckpointManager(config, model_parts=model, states={"optimizer": optimizer})
+    if mode == "async":  # the first save stages afresh, all before save() returns
+        assert manager.save(1)
+        assert manager._staging is None
+        manager.wait()
     start = threading.Event()
     if guarded:  # the staging starts 0.3 s late; the step must wait for it
         threading.Timer(0.3, start.set).start()
@@ -86,7 +90,7 @@ def _saved_and_stepped(common, folder, *, guarded: bool):
     _late_staging(manager, start)
     before = {**model.state_dict(), **optimizer.state_dict()}
     before = {k: v.clone() for k, v in before.items() if isinstance(v, torch.Tensor)}
-    assert manager.save(1)
+    assert manager.save(2)
     common.train_steps(model, opt, range(3, 4), rank=0)  # no maybe_wait_for_staging
     # The guard waited for the staging (and cleared it) inside opt.step().
     assert (manager._staging is None) == guarded
@@ -100,7 +104,7 @@ def _saved_and_stepped(common, folder, *, guarded: bool):
     common.train_steps(fresh, fresh_opt, range(7, 8), rank=0)  # its own state, replaced
     fresh_state = OptimizerState(fresh, fresh_opt)
     reader = CheckpointManager(
-        CheckpointConfig(enable=True, folder=str(folder)),
+        CheckpointConfig(enable=True, folder=str(folder), load_step=2),
         model_parts=fresh,
         states={"optimizer": fresh_state},
     )
@@ -109,18 +113,67 @@ def _saved_and_stepped(common, folder, *, guarded: bool):
     return before, after, {k: loaded[k] for k in before}
 
 
-def test_optimizer_step_waits_for_background_staging(common, tmp_path):
-    # async_with_pinned_mem stages in the background; a loop that steps its optimizer
-    # without maybe_wait_for_staging still saves the values at save time, because the
-    # manager's step pre-hook on the optimizer waits for the staging.
-    before, after, saved = _saved_and_stepped(common, tmp_path / "guarded", guarded=True)
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_optimizer_step_waits_for_background_staging(common, tmp_path, mode):
+    # async_with_pinned_mem stages in the background, async the optimizer's state (after the
+    # first save); a loop that steps its optimizer without maybe_wait_for_staging still
+    # saves the values at save time, because the manager's step pre-hook on the optimizer
+    # waits for the staging.
+    before, after, saved = _saved_and_stepped(common, tmp_path / "guarded", guarded=True, mode=mode)
     assert saved.keys() == before.keys()
     assert any(k.startswith("state.") and k.endswith("exp_avg") for k in saved)
     assert all(torch.equal(saved[k], before[k]) for k in before)
     assert not all(torch.equal(after[k], before[k]) for k in before)  # the step changed them
-    # Without the hook the same loop saves the values after the step: the test can tell.
-    _, after, saved = _saved_and_stepped(common, tmp_path / "unguarded", guarded=False)
-    assert all(torch.equal(saved[k], after[k]) for k in after)
+    # Without the hook the same loop saves the values after the step where the copy was
+    # deferred: the test can tell. async copies the model's tensors before save() returns.
+    _, after, saved = _saved_and_stepped(common, tmp_path / "unguarded", guarded=False, mode=mode)
+    background = [k for k in after if mode != "async" or k.startswith("state.")]
+    assert all(torch.equal(saved[k], after[k]) for k in background)
+    if mode == "async":
+        assert all(torch.equal(saved[k], before[k]) for k in after if k not in background)
+        assert not all(torch.equal(after[k], before[k]) for k in after if k not in background)
+
+
+class _Counting(torch.nn.Module):
+    """A layer with a persistent buffer its forward changes in place (as an MoE layer counts
+    the tokens per expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_buffers_changed_by_the_next_forward_are_saved_as_at_save_time(tmp_path, mode):
+    # The next step's forward runs while async_with_pinned_mem stages (and async its
+    # optimizer's part): a buffer the forward changes must be saved as it was at save().
+    torch.manual_seed(0)
+    model = _Counting()
+    model(torch.ones(2, 4))
+    config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1, async_mode=mode)
+    manager = CheckpointManager(config, model_parts=model)
+    assert manager.save(1)  # async: the first save copies it all; the next one is deferred
+    manager.wait()
+    start = threading.Event()
+    _late_staging(manager, start)
+    weights = model.lin.weight.detach().clone()
+    assert manager.save(2)
+    model(torch.ones(3, 4))  # the next step's forward, before the staging has begun
+    assert float(model.seen) == 5
+    start.set()
+    manager.close()
+    fresh = _Counting()
+    reader = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(tmp_path), load_step=2), model_parts=fresh
+    )
+    assert reader.load()
+    assert float(fresh.seen) == 2
+    assert torch.equal(fresh.lin.weight, weights)
 
 
 def test_last_step_save_is_synchronous(common, tmp_path):

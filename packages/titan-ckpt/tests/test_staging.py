@@ -5,6 +5,9 @@ back). The DTensor path (FSDP2, both async modes, 2 gloo ranks) is in test_distr
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import pytest
 import torch
 from torch.distributed.checkpoint.staging import StagingOptions
@@ -70,6 +73,38 @@ def test_another_layout_is_staged_afresh(change):
     assert second["w"] is not first["w"]
     assert torch.equal(second["w"], state["w"])
     stager.close()
+
+
+def test_deferred_entries_are_copied_after_stage_returns_the_rest_before():
+    stager = _stager()
+    stager.deferred = frozenset({"nested"})
+    stager.stage(_state(1.0, 1))  # the first staging copies everything at once
+    source = _state(3.0, 2)
+    release = threading.Event()
+    stager._deferrer = ThreadPoolExecutor(1)
+    stager._deferrer.submit(release.wait, 60)  # hold the background copy back
+    future = stager.stage(source)
+    assert isinstance(future, Future)
+    assert not future.done()
+    source["w"].add_(100.0)  # copied before stage returned: keeps its save-time values
+    source["nested"]["pair"][0].add_(100.0)  # deferred: the copy sees what is there then
+    release.set()
+    staged = future.result(timeout=60)
+    assert stager.reused == 1
+    assert torch.equal(staged["w"], torch.arange(6.0).reshape(2, 3) * 3)
+    assert torch.equal(staged["nested"]["pair"][0], torch.ones(4) * 103)
+    assert torch.equal(staged["nested"]["list"][0], torch.zeros(2) + 3)
+    assert staged["nested"]["pair"][1] == "tag"
+    assert staged["step"] == 2
+    # Another layout stages afresh, all before stage returns; so does a stager without
+    # deferred entries.
+    changed = _state(4.0, 3)
+    changed["nested"]["list"] = [torch.zeros(5)]
+    assert isinstance(stager.stage(changed), dict)
+    stager.deferred = frozenset()
+    assert isinstance(stager.stage(_state(5.0, 4)), dict)
+    stager.close()
+    assert stager._deferrer is None
 
 
 def test_async_manager_saves_with_optimizer_state_load_back_as_saved(common, tmp_path):

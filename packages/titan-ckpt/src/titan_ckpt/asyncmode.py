@@ -1,10 +1,13 @@
 """How each ``async_mode`` maps onto DCP's async save, and the checks it needs up front.
 
-- ``async``: DCP writes from a background thread after a blocking copy of the state to CPU
-  memory (the copy is the only time training waits).
+- ``async``: DCP writes from a background thread after a copy of the state to CPU memory.
+  The model's tensors (and every value but the optimizers' states) are copied before
+  ``save()`` returns; the states of the optimizers the manager hooks are copied in the
+  background (``ReusingStager.deferred``), and their next ``step()`` waits for that copy.
 - ``async_with_pinned_mem``: staging itself runs in the background (``maybe_wait_for_staging``
   waits for it before the next optimizer step; the manager's optimizers call it themselves,
-  through a step pre-hook) into pinned memory where an accelerator exists,
+  through a step pre-hook; the model's buffers, which a forward may change, are copied in
+  ``save()``) into pinned memory where an accelerator exists,
   and a separate process writes, so the writer never holds the trainer's GIL. On a CPU-only
   machine there is nothing to pin: staging uses plain (shared) memory and this is logged once.
 
@@ -44,8 +47,8 @@ def make_stager(
 ) -> tuple[AsyncCheckpointerType, DefaultStager | None]:
     """The DCP executor type and stager for an async mode (``disabled`` is not async)."""
     if async_mode == "async":
-        # Synchronous staging: the copy to CPU happens before async_save returns, so training
-        # may change its tensors as soon as save() returns.
+        # Synchronous staging, less the entries the manager defers (its hooked optimizers'
+        # states): training may change every other tensor as soon as save() returns.
         no_extras = StagingOptions(False, False, False, False)
         return AsyncCheckpointerType.THREAD, ReusingStager(no_extras)
     accelerator = torch.accelerator.is_available()

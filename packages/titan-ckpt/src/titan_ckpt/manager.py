@@ -36,9 +36,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_ckpt.adapter import StateDictAdapter
 from titan_ckpt.asyncmode import check_main_guard, make_stager
@@ -63,6 +65,7 @@ from titan_ckpt.load_plan import plan_load, states_to_load, verify_shared
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
+from titan_ckpt.staging import ReusingStager
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import RecordingStorage, Storage
 
@@ -196,8 +199,10 @@ class CheckpointManager:
             )
             if self._rank == 0:
                 self._committer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-commit")
-            if self.config.async_mode == "async_with_pinned_mem":
-                self._guard_optimizer_steps()
+            guarded = self._guard_optimizer_steps()
+            if self.config.async_mode == "async" and isinstance(self._stager, ReusingStager):
+                # Their tensors change only in step(), which now waits for the copy.
+                self._stager.deferred = frozenset(guarded)
         self._watch = SaveWatch(
             self.storage, self.folder, rank=self._rank, distributed=self._distributed, group=self.pg
         )
@@ -354,6 +359,8 @@ class CheckpointManager:
     ) -> None:
         """Stage ``state`` and start writing it; rank 0 commits once every rank wrote."""
         self._prepare_step(directory, manifest.step, needed)
+        if self.config.async_mode == "async_with_pinned_mem":
+            state = self._buffers_copied(state)
         with self._quiet_single_process():
             response = dcp.async_save(
                 state,
@@ -372,6 +379,20 @@ class CheckpointManager:
             self._pending = self._committer.submit(self._commit_after, upload, directory, manifest)
         else:
             self._pending = upload
+
+    def _buffers_copied(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the model's buffers replaced by copies taken now. Background staging
+        reads the state while the next step's forward runs, and a forward may change a
+        buffer in place (an MoE layer's token counts, a norm's running statistics); the
+        parameters change only in the optimizer's step, which waits for the staging. Buffers
+        are small: copying them here costs little."""
+        buffers = {_storage_address(b) for part in self.model.model_parts for b in part.buffers()}
+        return {
+            key: value.clone()
+            if isinstance(value, torch.Tensor) and _storage_address(value) in buffers
+            else value
+            for key, value in state.items()
+        }
 
     def _write_replica(self, step: int, directory: str, state: dict[str, Any]) -> None:
         """Write and commit this replica group's own state (its dataloader) for ``step``."""
@@ -506,20 +527,27 @@ class CheckpointManager:
         result = upload.result()
         self._commit(directory, manifest, self._purger, written=written_files(result))
 
-    def _guard_optimizer_steps(self) -> None:
-        """With background staging, make every optimizer among the states wait for the
-        staging before it steps (a pre-hook), so a loop that forgets
-        ``maybe_wait_for_staging`` cannot save a mix of two steps' values. An optimizer is a
-        state with ``register_step_pre_hook`` (torch's, titan-optim's container) or one
-        inside an ``OptimizerState``."""
-        for state in self.states.values():
+    def _guard_optimizer_steps(self) -> list[str]:
+        """Make every optimizer among the states wait for an async save's staging before it
+        steps (a pre-hook), so a loop that forgets ``maybe_wait_for_staging`` cannot save a
+        mix of two steps' values. An optimizer is a state with ``register_step_pre_hook``
+        (torch's, titan-optim's container) or one inside an ``OptimizerState``. Returns the
+        names of the states whose optimizers all carry the hook: their staging may run in
+        the background."""
+        guarded = []
+        for name, state in self.states.items():
             targets = (
                 [opt for _, opt in state.pairs] if isinstance(state, OptimizerState) else [state]
             )
+            hooked = 0
             for target in targets:
                 register = getattr(target, "register_step_pre_hook", None)
                 if callable(register):
                     self._step_guards.append(register(self._wait_before_step))
+                    hooked += 1
+            if targets and hooked == len(targets):
+                guarded.append(name)
+        return guarded
 
     def _wait_before_step(self, *_: Any) -> None:
         self.maybe_wait_for_staging()
@@ -527,10 +555,11 @@ class CheckpointManager:
     def maybe_wait_for_staging(self) -> None:
         """Block until the last async save no longer reads the training tensors.
 
-        Call before the optimizer step that follows a save: with background staging
-        (``async_with_pinned_mem``) the copy may still be running. The optimizers among the
-        manager's states call it themselves before they step (a step pre-hook); anything
-        else that changes the saved tensors in place must call it first.
+        Call before the optimizer step that follows a save: the copy may still be running,
+        of the whole state (``async_with_pinned_mem``) or of the optimizers' states
+        (``async``). The optimizers among the manager's states call it themselves before they
+        step (a step pre-hook); anything else that changes the saved tensors in place must
+        call it first.
         """
         if self._staging is not None:
             self._staging.result()
@@ -660,3 +689,10 @@ class CheckpointManager:
             dcp.load(
                 state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
             )
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s (local) values live: equal for a module's tensor and its entry in a
+    state dict."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
