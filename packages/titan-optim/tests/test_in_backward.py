@@ -50,6 +50,25 @@ def test_steps_in_backward_like_an_ordinary_step():
             assert torch.equal(p, q)
 
 
+def test_pre_hooks_run_before_the_first_update_in_backward_and_once_per_step():
+    model = make_model()
+    ours = build_optimizers(model, OptimizerConfig(lr=0.05, early_step_in_backward=True))
+    weights = list(model.parameters())
+    seen = []
+    ours.register_step_pre_hook(lambda o: seen.append(("pre", [w.clone() for w in weights])))
+    ours.register_step_post_hook(lambda o: seen.append(("post", [w.clone() for w in weights])))
+    for step in range(2):
+        before = [w.detach().clone() for w in weights]
+        loss_of(model, step).backward()  # every parameter steps in here
+        assert [tag for tag, _ in seen] == ["pre", "post"] * step + ["pre"]
+        assert all(torch.equal(a, b) for a, b in zip(seen[-1][1], before, strict=True))
+        ours.step()  # runs the post hooks, not the pre hooks again
+        assert [tag for tag, _ in seen] == ["pre", "post"] * (step + 1)
+        assert not any(torch.equal(a, b) for a, b in zip(seen[-1][1], before, strict=True))
+    ours.step()  # no backward in between: nothing stepped, so the pre hooks run here
+    assert [tag for tag, _ in seen] == ["pre", "post"] * 3
+
+
 def test_state_dict_round_trip_uses_fqn_keys():
     model = make_model()
     ours = build_optimizers(model, OptimizerConfig(early_step_in_backward=True))

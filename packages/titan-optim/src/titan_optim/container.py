@@ -100,10 +100,13 @@ class OptimizersContainer:
                 self.skipped_steps,
             )
             return
-        for hook in list(self._pre_hooks.values()):
-            hook(self)
+        self._run_pre_hooks()
         self._step_optimizers()
         for hook in list(self._post_hooks.values()):
+            hook(self)
+
+    def _run_pre_hooks(self) -> None:
+        for hook in list(self._pre_hooks.values()):
             hook(self)
 
     def _step_optimizers(self) -> None:

@@ -28,9 +28,12 @@ __all__ = ["OptimizerInBackwardError", "OptimizersInBackwardContainer"]
 class OptimizersInBackwardContainer(OptimizersContainer):
     """An ``OptimizersContainer`` whose optimizers step inside ``backward``.
 
-    ``step`` only runs the hooks and checks that backward did consume every gradient;
-    ``zero_grad`` has nothing left to clear. State dicts are the same flat FQN dicts as the
-    ordinary container's. Parameters must receive their gradients through autograd
+    ``step`` only runs the post hooks and checks that backward did consume every gradient;
+    ``zero_grad`` has nothing left to clear. The pre hooks run before the first parameter steps
+    in each backward, so they still come before any update (a checkpointer waiting for its
+    background copy of the state relies on that), and ``step`` does not run them again; after a
+    backward that stepped nothing, ``step`` runs them. State dicts are the same flat FQN dicts
+    as the ordinary container's. Parameters must receive their gradients through autograd
     accumulation (FSDP2 assigns sharded gradients after backward, which bypasses the hook:
     ``step`` then raises instead of silently not training).
     """
@@ -50,6 +53,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
                 "would step every parameter several times per batch. Set "
                 "early_step_in_backward=False or pipeline_parallel_degree=1."
             )
+        self._pre_hooks_ran = False  # in this backward, before its first update
         part_optimizers, reasons = [], []
         self._params: list[nn.Parameter] = []
         for part in model_parts:
@@ -59,12 +63,28 @@ class OptimizersInBackwardContainer(OptimizersContainer):
                 for param in group["params"]:
                     opt, reason = build_optimizer([{"params": [param], **overrides}], config)
                     reasons.append(reason)
-                    param.register_post_accumulate_grad_hook(_stepper(opt))
+                    param.register_post_accumulate_grad_hook(self._stepper(opt))
                     self._params.append(param)
                     opts.append(opt)
             part_optimizers.append(opts)
         warn_fallback(reasons)
         super().__init__(model_parts, part_optimizers)
+
+    def _stepper(self, opt: torch.optim.Optimizer) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if not self._pre_hooks_ran:
+                self._pre_hooks_ran = True
+                OptimizersContainer._run_pre_hooks(self)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return hook
+
+    def _run_pre_hooks(self) -> None:
+        if self._pre_hooks_ran:  # before this backward's first update
+            self._pre_hooks_ran = False
+            return
+        super()._run_pre_hooks()
 
     def _step_optimizers(self) -> None:
         if any(p.grad is not None for p in self._params):
@@ -93,11 +113,3 @@ class OptimizersInBackwardContainer(OptimizersContainer):
             "each parameter stepped during backward, so no global gradient norm exists. "
             "Turn off clipping (max_norm) or optimizer-in-backward."
         )
-
-
-def _stepper(opt: torch.optim.Optimizer) -> Any:
-    def hook(param: torch.Tensor) -> None:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return hook
