@@ -15,6 +15,10 @@
 #   resume     the same folder again: DCP load on CUDA, the run continues
 #   async      torchrun, async_with_pinned_mem: pinned staging after a device sync (F4b),
 #              the writer process, the commit with digests hashed while written (F7)
+#   asyncthr   async_mode=async: the model copied to the host in save(), the optimizer's
+#              state from a background thread (from the second save on) while the next
+#              forward runs, the optimizer step waiting for it; a second run resumes from
+#              that step (10)
 #   1b, 3b     Llama 3 1B and 3B in bf16 on one GPU (autocast, compile, per-op AC): tokens/s
 #              and MFU. 8B with AdamW needs more than one GPU's memory (weights, gradients
 #              and moments in fp32: 128 GB): it belongs to the 8-GPU plan, as does FSDP CPU
@@ -85,6 +89,9 @@ main() {
     --checkpoint.interval 5
   run async 90 "${TRAIN[@]}" --nproc-per-node 1 --job.dump_folder "$OUT/async" \
     --training.steps 12 --checkpoint.interval 5 --checkpoint.async_mode async_with_pinned_mem
+  run asyncthr 90 bash -c '"$@" --training.steps 12 && "$@" --training.steps 14 \
+    --checkpoint.load_step 10' asyncthr "${TRAIN[@]}" --job.dump_folder "$OUT/asyncthr" \
+    --checkpoint.interval 5 --checkpoint.async_mode async --checkpoint.no_last_save_model_only
   for flavor in 1B 3B; do
     run "${flavor,,}" 150 "${TRAIN[@]}" --job.dump_folder "$OUT/${flavor,,}" \
       --model.flavor "$flavor" --training.steps 8 --training.seq_len 2048 \
@@ -108,7 +115,7 @@ main() {
 summary() {
   echo
   echo "item      status    last loss  tokens/s/GPU  MFU %   reserved GiB  alloc GiB  retries"
-  for name in env plain resume async 1b 3b determ gputests oom moe tests; do
+  for name in env plain resume async asyncthr 1b 3b determ gputests oom moe tests; do
     local metrics="$OUT/$name/metrics.jsonl" numbers="-"
     if [[ -f "$metrics" ]]; then
       numbers=$(python - "$metrics" <<'EOF'
