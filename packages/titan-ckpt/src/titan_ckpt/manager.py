@@ -387,6 +387,7 @@ class CheckpointManager:
         parameters change only in the optimizer's step, which waits for the staging. Buffers
         are small: copying them here costs little."""
         buffers = {_storage_address(b) for part in self.model.model_parts for b in part.buffers()}
+        buffers.discard(None)
         return {
             key: value.clone()
             if isinstance(value, torch.Tensor) and _storage_address(value) in buffers
@@ -691,8 +692,11 @@ class CheckpointManager:
             )
 
 
-def _storage_address(tensor: torch.Tensor) -> int:
+def _storage_address(tensor: torch.Tensor) -> int | None:
     """Where ``tensor``'s (local) values live: equal for a module's tensor and its entry in a
-    state dict."""
+    state dict. None for a tensor without one storage (a wrapper subclass, say)."""
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    return local.untyped_storage().data_ptr()
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
