@@ -29,8 +29,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_async_save_keeps_values_at_save_time(common, tmp_path, mode, caplog):
     model = common.make_model()
     config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1, async_mode=mode)
-    with caplog.at_level(logging.INFO, logger="titan_ckpt"):
-        manager = CheckpointManager(config, model_parts=model)
+    caplog.set_level(logging.INFO, logger="titan_ckpt")
+    manager = CheckpointManager(config, model_parts=model)
     if mode == "async_with_pinned_mem":
         assert "nothing to pin" in caplog.text
     snapshots = {}
@@ -43,6 +43,10 @@ def test_async_save_keeps_values_at_save_time(common, tmp_path, mode, caplog):
                 p.mul_(2.0)  # training moves on while the write runs
     manager.close()
     assert scan_steps(storage_for(str(tmp_path)), str(tmp_path)).committed == [1, 2, 3]
+    # The log says what was still running when save() returned.
+    background = "staging and writing in the background"
+    assert (background in caplog.text) == (mode == "async_with_pinned_mem")
+    assert ("; writing in the background" in caplog.text) == (mode == "async")
 
     for step in (1, 3):
         fresh = common.make_model(seed=5)

@@ -344,7 +344,14 @@ class CheckpointManager:
         else:
             self._save_async(directory, state, manifest, needed)
             seconds = time.monotonic() - begin
-            logger.info("Staged %s in %.2f s; writing in the background", directory, seconds)
+            if self._staging is None:
+                logger.info("Staged %s in %.2f s; writing in the background", directory, seconds)
+            else:
+                logger.info(
+                    "Saving %s: %.2f s in save(); staging and writing in the background",
+                    directory,
+                    seconds,
+                )
         return True
 
     def _dcp_writer(self, directory: str) -> Any:
