@@ -6,7 +6,10 @@ restarts) and ``integration_tests/test_multinode.py`` (two launchers, c10d rende
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -171,3 +174,32 @@ def test_options_built_in_python_are_checked_too():
         LaunchOptions(max_restarts=-1)
     with pytest.raises(ConfigError, match="rdzv_timeout=0 is not allowed"):
         LaunchOptions(rdzv_timeout=0)
+
+
+def test_a_launched_rank_exits_with_its_status_and_everything_it_printed(capsys):
+    """A rank started by the launcher (WORLD_SIZE > 1) leaves through ``os._exit``, skipping
+    the interpreter's finalization (``titan_train.cli._exit_launched_rank``): what it printed
+    into a pipe, block-buffered, still arrives whole, and the exit status is the command's."""
+    rank = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    assert main(["config"]) == 0
+    expected = capsys.readouterr().out
+    printed = subprocess.run(
+        [sys.executable, "-m", "titan_train.cli", "config"],
+        env=rank,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (printed.returncode, printed.stdout) == (0, expected)
+    assert len(expected) > 1000  # more than a line: lost if the buffer were not flushed
+
+    missing = ["--prompt", "Hi", "--checkpoint.path", "/nonexistent"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "titan_train.cli", "generate", *missing],
+        env=rank,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "titan-train: error: --checkpoint.path /nonexistent does not exist" in refused.stderr

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from titan_train.config import JobConfig
+from titan_train.launch import destroy_group
 
 __all__ = ["measure_real_peak", "spawn_real_peaks"]
 
@@ -90,7 +91,7 @@ def _rank_main(rank: int, nproc: int, port: int, argvs: list[list[str]], out: An
                 )
                 out.put((index, rank, measure_real_peak(config)))
     finally:
-        dist.destroy_process_group()
+        destroy_group()
 
 
 def spawn_real_peaks(argvs: list[list[str]], nproc: int) -> list[list[int]]:

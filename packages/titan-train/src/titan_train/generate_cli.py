@@ -50,6 +50,7 @@ from titan_models import ModelSpec, ParallelizeConfig
 from titan_train.errors import ConfigError
 from titan_train.generate import SamplingConfig, generate
 from titan_train.generate_source import GenerateCheckpoint, GenerateModel, Source, resolve_source
+from titan_train.launch import destroy_group
 from titan_train.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -317,10 +318,8 @@ def run_generate(options: GenerateOptions) -> int:
     try:
         return _generate_and_print(prepared, device)
     finally:
-        import torch.distributed as dist
-
-        if world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        if world_size > 1:
+            destroy_group()
 
 
 def _generate_and_print(prepared: Prepared, device: torch.device) -> int:

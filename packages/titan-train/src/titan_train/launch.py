@@ -22,6 +22,7 @@ checkpoint in the run's folder (``titan_ckpt.CheckpointManager.load``).
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import socket
 import time
@@ -302,3 +303,16 @@ def _check_port_free(host: str, port: int, endpoint: str) -> None:
             "the rendezvous) is already in use, perhaps by another job's rendezvous. Pick "
             "a free port and give the same --rdzv-endpoint to every node."
         ) from None
+
+
+def destroy_group() -> None:
+    """End this rank's default process group, and every group made from it, after
+    collecting reference cycles: a model, optimizer or checkpointer left in one (FSDP and
+    DTensor state hold gloo work and meshes) would keep its group alive until the
+    interpreter's finalization, where freeing a gloo group can abort the rank (see
+    ``titan_train.cli._exit_launched_rank``, which launched ranks leave through)."""
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

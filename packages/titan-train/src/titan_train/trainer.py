@@ -32,6 +32,7 @@ from titan_dims import detect_device_type, init_distributed, set_collective_time
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
 from titan_train.host_memory import reuse_host_memory
+from titan_train.launch import destroy_group
 from titan_train.preflight import (
     World,
     check_checkpoint_folder,
@@ -77,18 +78,10 @@ def run(config: JobConfig) -> TrainState:
         # block until the watchdog fires, hiding the error: leave that to process exit (the
         # launcher tears the job down). gloo's shutdown does not block.
         if dist.get_backend() == "gloo":
-            _destroy_group()
+            destroy_group()
         raise
-    _destroy_group()
+    destroy_group()
     return state
-
-
-def _destroy_group() -> None:
-    # The model, optimizers and checkpointer went with _run_in_group's frame; collect them
-    # first: FSDP state holds gloo work, and a gloo group freed during interpreter shutdown
-    # can abort the process after a successful run.
-    gc.collect()
-    dist.destroy_process_group()
 
 
 def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
