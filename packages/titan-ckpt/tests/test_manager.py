@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -319,4 +320,52 @@ def test_garbage_collection_is_paused_inside_dcp_calls_and_restored(common, tmp_
         assert not gc.isenabled()
     finally:
         gc.enable()
+        manager.close()
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_dcp_events_are_made_only_for_a_handler_that_hears_them(common, tmp_path, mode):
+    # DCP logs two debug records per call and per state entry to a logger that torch gives
+    # a NullHandler and no propagation: the manager skips making them while nothing else
+    # listens (a few milliseconds of every save), and leaves them to a handler attached.
+    from torch.distributed.checkpoint.logger import _dcp_logger as events
+
+    made: list[logging.LogRecord] = []
+    factory = logging.getLogRecordFactory()
+
+    def counting(*args, **kwargs):
+        record = factory(*args, **kwargs)
+        if record.name == events.name:
+            made.append(record)
+        return record
+
+    config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1, async_mode=mode)
+    manager = CheckpointManager(config, model_parts=common.make_model(), states={"c": Counter()})
+    # As torch leaves it: pytest's log capture attaches handlers of its own.
+    attached = events.handlers
+    events.handlers = [h for h in attached if type(h) is logging.NullHandler]
+    logging.setLogRecordFactory(counting)
+    try:
+        manager.save(1)
+        manager.wait()
+        assert manager.load()
+        # None on this thread; an async save's upload thread logs on after save() returned.
+        assert [r for r in made if r.thread == threading.get_ident()] == []
+        assert not events.disabled  # restored
+        made.clear()
+
+        heard: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = heard.append  # type: ignore[method-assign]
+        events.addHandler(handler)
+        try:
+            manager.save(2)
+            manager.wait()
+        finally:
+            events.removeHandler(handler)
+        assert any("step-2" in r.getMessage() for r in heard if r.thread == threading.get_ident())
+        assert made == heard
+    finally:
+        logging.setLogRecordFactory(factory)
+        events.handlers = attached
         manager.close()

@@ -31,7 +31,7 @@ import gc
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.logger as dcp_logger
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -72,6 +73,35 @@ from titan_ckpt.storage import RecordingStorage, Storage
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("titan_ckpt")
+
+
+@contextlib.contextmanager
+def _unheard_dcp_events() -> Iterator[None]:
+    """Skip making DCP's debug events while nobody can receive them.
+
+    DCP logs a start and an end event for each of its calls and for every entry of the state
+    it saves (two records per model tensor, each with its caller looked up on the stack): a
+    few milliseconds of every save, inside an async save's ``save()`` too. torch gives that
+    logger a NullHandler and no propagation, so the records go nowhere unless someone
+    attached a handler of their own; only then are they made.
+    """
+    events = getattr(dcp_logger, "_dcp_logger", None)
+    unheard = (
+        isinstance(events, logging.Logger)
+        and not events.disabled
+        and not events.propagate
+        and all(type(handler) is logging.NullHandler for handler in events.handlers)
+    )
+    if not unheard:
+        yield
+        return
+    events.disabled = True
+    try:
+        yield
+    finally:
+        events.disabled = False
+
+
 T = TypeVar("T")
 
 HF_SUBDIR = "hf"
@@ -285,8 +315,9 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def _quiet_single_process(self):
-        """DCP warns on every call in a process without torch.distributed; that is our intent."""
-        with warnings.catch_warnings():
+        """DCP warns on every call in a process without torch.distributed; that is our intent.
+        Its debug events are not made while nothing can hear them (``_unheard_dcp_events``)."""
+        with warnings.catch_warnings(), _unheard_dcp_events():
             if not self._distributed:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             yield
