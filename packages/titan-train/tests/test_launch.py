@@ -176,22 +176,34 @@ def test_options_built_in_python_are_checked_too():
         LaunchOptions(rdzv_timeout=0)
 
 
-def test_a_launched_rank_exits_with_its_status_and_everything_it_printed(capsys):
+def test_a_launched_rank_exits_with_its_status_and_everything_it_printed(capsys, tmp_path):
     """A rank started by the launcher (WORLD_SIZE > 1) leaves through ``os._exit``, skipping
     the interpreter's finalization (``titan_train.cli._exit_launched_rank``): what it printed
     into a pipe, block-buffered, still arrives whole, and the exit status is the command's."""
-    rank = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    # A sitecustomize that registers an exit handler: it runs only on a finalizing exit.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, os, pathlib\natexit.register(pathlib.Path(os.environ['FINALIZED']).touch)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    single = {**os.environ, "PYTHONPATH": path, "FINALIZED": str(tmp_path / "single")}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        single.pop(key, None)
+    rank = {**single, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    rank["FINALIZED"] = str(tmp_path / "rank")
     assert main(["config"]) == 0
     expected = capsys.readouterr().out
-    printed = subprocess.run(
-        [sys.executable, "-m", "titan_train.cli", "config"],
-        env=rank,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert (printed.returncode, printed.stdout) == (0, expected)
+    for env in (single, rank):
+        printed = subprocess.run(
+            [sys.executable, "-m", "titan_train.cli", "config"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert (printed.returncode, printed.stdout) == (0, expected)
     assert len(expected) > 1000  # more than a line: lost if the buffer were not flushed
+    assert (tmp_path / "single").exists()  # the probe works: a lone process finalizes
+    assert not (tmp_path / "rank").exists()  # a launched rank does not
 
     missing = ["--prompt", "Hi", "--checkpoint.path", "/nonexistent"]
     refused = subprocess.run(
