@@ -178,7 +178,7 @@ def test_options_built_in_python_are_checked_too():
 
 def test_a_launched_rank_exits_with_its_status_and_everything_it_printed(capsys, tmp_path):
     """A rank started by the launcher (WORLD_SIZE > 1) leaves through ``os._exit``, skipping
-    the interpreter's finalization (``titan_train.cli._exit_launched_rank``): what it printed
+    the interpreter's finalization (``titan_train.launch.exit_rank``): what it printed
     into a pipe, block-buffered, still arrives whole, and the exit status is the command's."""
     # A sitecustomize that registers an exit handler: it runs only on a finalizing exit.
     (tmp_path / "sitecustomize.py").write_text(

@@ -33,18 +33,17 @@ status 1.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
 from titan_train.errors import ConfigError
-from titan_train.launch import LaunchOptions, check_restartable, pop_launch_options
+from titan_train.launch import LaunchOptions, check_restartable, exit_rank, pop_launch_options
 
 if TYPE_CHECKING:
     from titan_train.config import JobConfig
@@ -259,28 +258,8 @@ def _run_ranks(launch: LaunchOptions, argv: list[str]) -> int:
     return subprocess.call([*command, "-m", "titan_train.cli", *argv], env=env)
 
 
-def _exit_launched_rank(status: int) -> NoReturn:
-    """End a rank that ``titan-train --nproc-per-node`` (torchrun) started, once its command
-    returned ``status``: flush what it wrote, then leave without the interpreter's
-    finalization.
-
-    The command has closed its files, threads and checkpointer and destroyed its process
-    group, but torch's caches (DTensor's sharding propagation, device meshes) still hold the
-    gloo group. Freed during finalization, its worker threads cannot take the interpreter's
-    lock and now and then abort the rank ("terminate called without an active exception";
-    pytorch/pytorch#179291), after a run that succeeded: the launcher would report the job
-    as failed.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        # The reader may have gone away (a closed pipe), or the stream been closed.
-        with contextlib.suppress(BrokenPipeError, ValueError):
-            stream.flush()
-    os._exit(status)
-
-
 if __name__ == "__main__":
     status = main()
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        _exit_launched_rank(status)
+        exit_rank(status)
     sys.exit(status)

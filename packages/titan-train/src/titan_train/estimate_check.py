@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from titan_train.config import JobConfig
-from titan_train.launch import destroy_group
+from titan_train.launch import destroy_group, exit_rank
 
 __all__ = ["measure_real_peak", "spawn_real_peaks"]
 
@@ -92,6 +92,11 @@ def _rank_main(rank: int, nproc: int, port: int, argvs: list[list[str]], out: An
                 out.put((index, rank, measure_real_peak(config)))
     finally:
         destroy_group()
+    # A plain return would free the gloo group torch's caches still hold during the
+    # interpreter's finalization, which now and then aborts the process (see ``exit_rank``)
+    # and fails the spawn. The queue is a pipe written without a feeder thread: everything
+    # put has been written by now.
+    exit_rank(0)
 
 
 def spawn_real_peaks(argvs: list[list[str]], nproc: int) -> list[list[int]]:

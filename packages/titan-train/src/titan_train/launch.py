@@ -21,12 +21,16 @@ checkpoint in the run's folder (``titan_ckpt.CheckpointManager.load``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
+import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from titan_train.errors import ConfigError, check_int, check_number
 
@@ -310,9 +314,29 @@ def destroy_group() -> None:
     collecting reference cycles: a model, optimizer or checkpointer left in one (FSDP and
     DTensor state hold gloo work and meshes) would keep its group alive until the
     interpreter's finalization, where freeing a gloo group can abort the rank (see
-    ``titan_train.cli._exit_launched_rank``, which launched ranks leave through)."""
+    ``exit_rank``, which launched ranks leave through)."""
     import torch.distributed as dist
 
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(status: int) -> NoReturn:
+    """End a rank of a multi-process job (started by ``titan-train --nproc-per-node``, i.e.
+    torchrun, or spawned by torch's multiprocessing) once its work returned ``status``:
+    flush what it wrote, then leave without the interpreter's finalization.
+
+    By then the rank has closed its files, threads and checkpointer and destroyed its
+    process group (``destroy_group``), but torch's caches (DTensor's sharding propagation,
+    device meshes) still hold the gloo group. Freed during finalization, its worker threads
+    cannot take the interpreter's lock and now and then abort the rank ("terminate called
+    without an active exception"; pytorch/pytorch#179291) after work that succeeded: the
+    launcher would report the job as failed.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        # The reader may have gone away (a closed pipe), or the stream been closed.
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            stream.flush()
+    os._exit(status)
