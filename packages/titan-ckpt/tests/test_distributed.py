@@ -93,6 +93,7 @@ def test_fsdp2_round_trips_crash_and_reshard_4_2_1(common, torchrun, results, tm
             assert r[mode]["loaded"] == r[mode]["expected"]
             assert r[mode]["loaded_opt"] == r[mode]["expected_opt"]
             assert r[mode]["reused"] == 1
+            assert r[mode]["same_as_torch"]  # the FQN keys reused from the first save
     for mode in ("async", "async_with_pinned_mem"):
         async_folder = str(tmp_path / "async" / mode)
         assert scan_steps(storage_for(async_folder), async_folder).committed == [2, 4]

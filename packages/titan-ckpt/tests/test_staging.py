@@ -78,7 +78,7 @@ def test_another_layout_is_staged_afresh(change):
 def test_deferred_entries_are_copied_after_stage_returns_the_rest_before():
     stager = _stager()
     stager.deferred = frozenset({"nested"})
-    stager.stage(_state(1.0, 1))  # the first staging copies everything at once
+    first_w = stager.stage(_state(1.0, 1))["w"]  # the first staging copies everything at once
     source = _state(3.0, 2)
     release = threading.Event()
     stager._deferrer = ThreadPoolExecutor(1)
@@ -96,11 +96,30 @@ def test_deferred_entries_are_copied_after_stage_returns_the_rest_before():
     assert torch.equal(staged["nested"]["list"][0], torch.zeros(2) + 3)
     assert staged["nested"]["pair"][1] == "tag"
     assert staged["step"] == 2
-    # Another layout stages afresh, all before stage returns; so does a stager without
-    # deferred entries.
+    # A deferred entry of another layout is staged afresh in the background, the rest
+    # refilled before stage returns.
     changed = _state(4.0, 3)
-    changed["nested"]["list"] = [torch.zeros(5)]
-    assert isinstance(stager.stage(changed), dict)
+    changed["nested"]["list"] = [torch.zeros(5) + 4]
+    future = stager.stage(changed)
+    assert isinstance(future, Future)
+    staged = future.result(timeout=60)
+    assert stager.reused == 2
+    assert staged["w"] is first_w
+    assert torch.equal(staged["nested"]["list"][0], torch.zeros(5) + 4)
+    assert staged["nested"]["list"][0].data_ptr() != changed["nested"]["list"][0].data_ptr()
+    assert torch.equal(staged["nested"]["pair"][0], torch.ones(4) * 4)
+    # Then that layout is refilled in turn.
+    again = _state(6.0, 4)
+    again["nested"]["list"] = [torch.zeros(5) + 6]
+    staged = stager.stage(again).result(timeout=60)
+    assert stager.reused == 3
+    assert torch.equal(staged["nested"]["list"][0], torch.zeros(5) + 6)
+    # Another layout outside the deferred entries stages everything afresh, before stage
+    # returns; so does a stager without deferred entries.
+    outside = _state(7.0, 5)
+    outside["w"] = torch.zeros(3, 2)
+    assert isinstance(stager.stage(outside), dict)
+    assert stager.reused == 3
     stager.deferred = frozenset()
     assert isinstance(stager.stage(_state(5.0, 4)), dict)
     stager.close()

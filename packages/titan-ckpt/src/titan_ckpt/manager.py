@@ -525,13 +525,15 @@ class CheckpointManager:
     def _prepare_step(self, directory: str, step: int, needed: int | None = None) -> None:
         """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
         an earlier save of ours left there; refuse a directory someone else wrote. A write
-        that fails here (the owner marker on a full disk) is reported like any failed save."""
+        that fails here (the owner marker on a full disk) is reported like any failed save.
+
+        No barrier follows: a rank returns from ``_decide`` only once rank 0 sent its outcome,
+        i.e. after rank 0 claimed the directory."""
         try:
             self._decide(partial(self._claim_step, directory, step))
         except WRITE_ERRORS as error:  # the same on every rank: report it as a failed save
             self._watch.settle(error, directory=directory, step=step, needed=needed)
             raise
-        self._barrier()
 
     def _claim_step(self, directory: str, step: int) -> None:
         if self.storage.exists(directory):

@@ -16,9 +16,10 @@ Why it is safe to overwrite the previous copy: saves never overlap (``Checkpoint
 waits for the previous one to be written), and torch's stager already writes each save into
 the storages of the one before.
 
-Deferred entries (``deferred``, top-level keys, for ``async``): a refilling staging copies the
-tensors under those keys on a background thread, after ``stage`` returned (a ``Future`` of the
-staged state); everything else is copied before it returns. The manager defers only the
+Deferred entries (``deferred``, top-level keys, for ``async``): a refilling staging matches
+and copies the entries under those keys on a background thread, after ``stage`` returned (a
+``Future`` of the staged state), and stages such an entry afresh there when its layout
+changed; everything else is matched and copied before it returns. The manager defers only the
 states of optimizers it has hooked: their tensors change only inside ``step()``, and the hook
 waits for the copy first. In the state a trainer saves, the optimizer's moments are two thirds
 of the bytes, so training waits for a third of the copy.
@@ -69,8 +70,17 @@ class ReusingStager(DefaultStager):
                 return self._deferrer.submit(self._finish, refilled, later)
         return super().stage(state_dict, **kwargs)
 
-    def _finish(self, refilled: Any, pairs: _Pairs) -> Any:
-        self._copy(pairs)
+    def _finish(self, refilled: dict[str, Any], later: list[_Deferred]) -> Any:
+        """Refill (or, for another layout, stage afresh) each deferred entry, in place in
+        ``refilled``, which holds the previous staging's entry until then."""
+        for key, staged, new in later:
+            pairs: _Pairs = []
+            item = _rebuild(staged, new, pairs)
+            if item is _MISMATCH:
+                item = super()._stage(new)  # torch's deep copy of this entry alone
+            else:
+                self._copy(pairs)
+            refilled[key] = item
         return refilled
 
     def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
@@ -140,19 +150,27 @@ def _rebuild(staged: Any, new: Any, pairs: _Pairs) -> Any:
     return copy.deepcopy(new)  # any other value (a custom container too): a fresh copy
 
 
+_Deferred = tuple[str, Any, Any]
+"""(top-level key, its previous staged entry, its new entry), rebuilt in the background."""
+
+
 def _split_rebuild(
     staged: Any, new: Any, deferred: frozenset[str]
-) -> tuple[Any, _Pairs, _Pairs] | None:
-    """``_rebuild`` of a top-level dict, with the (staged, new) pairs under ``deferred`` keys
-    apart from the others: (refilled, pairs to copy now, pairs to copy later), or None when
-    the layouts differ."""
+) -> tuple[dict[str, Any], _Pairs, list[_Deferred]] | None:
+    """``_rebuild`` of a top-level dict but for its ``deferred`` keys, which are left for
+    the background (their previous staged entries stand in until then): (refilled, pairs
+    to copy now, deferred entries), or None when the layouts differ outside them."""
     if type(new) is not dict or type(staged) is not dict or list(staged) != list(new):
         return None
     now: _Pairs = []
-    later: _Pairs = []
+    later: list[_Deferred] = []
     out = {}
     for key, value in new.items():
-        item = _rebuild(staged[key], value, later if key in deferred else now)
+        if key in deferred:
+            later.append((key, staged[key], value))
+            out[key] = staged[key]
+            continue
+        item = _rebuild(staged[key], value, now)
         if item is _MISMATCH:
             return None
         out[key] = item

@@ -76,6 +76,33 @@ def build(seed: int, folder: str, async_mode: str = "disabled"):
     return model, opt, opt_state, train_state, manager
 
 
+def same_as_torch_state_dicts(model, opt, model_state, opt_state) -> bool:
+    """Whether the manager's model and optimizer states (their FQN keys learned in earlier
+    saves, titan_ckpt.states) hold what torch's functions give now: the same keys in the
+    same order, views of the same tensors (DTensor shards here), the same plain values."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from titan_ckpt.states import _same_tensor
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    pairs = [
+        (model_state.state_dict(), get_model_state_dict(model)),
+        (opt_state.state_dict(), get_optimizer_state_dict(model, opt, options=flat)),
+    ]
+    return all(
+        list(ours) == list(theirs)
+        and all(
+            _same_tensor(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(ours.values(), theirs.values(), strict=True)
+        )
+        for ours, theirs in pairs
+    )
+
+
 def main() -> None:
     rank = init()
     phase, folder = sys.argv[2], sys.argv[3]
@@ -140,6 +167,7 @@ def main() -> None:
             # step pre-hook makes step 5's optimizer step wait for it.
             expected, expected_opt = eval_loss(model), optimizer_sums(opt_state)
             reused = manager._stager.reused
+            same_as_torch = same_as_torch_state_dicts(model, opt, manager.model, opt_state)
             train_steps(model, opt, range(5, 6), rank)
             manager.close()
             reader = CheckpointManager(
@@ -155,6 +183,7 @@ def main() -> None:
                 "expected_opt": expected_opt,
                 "loaded_opt": optimizer_sums(opt_state),
                 "reused": reused,
+                "same_as_torch": same_as_torch,
             }
         write_result("load", result)
 
