@@ -6,8 +6,9 @@ order), to fp32 rounding with the padded fallback. With FSDP2 as the DeepSeek-V3
 (experts over dp_shard_mod_ep with the job-wide gradient divide factor, the rest over
 dp_shard_cp): the same, gradients averaged over all ranks. The
 router's and shared expert's gradients are per-rank partial sums, added over ranks: equal
-to fp32 rounding. Also: DCP checkpoints saved at ep = world load at ep 1 (and ep 2 of 4),
-and uneven experts or a dense model are refused with ModelConfigError."""
+to fp32 rounding (under FSDP the output too: see the test). Also: DCP checkpoints saved at
+ep = world load at ep 1 (and ep 2 of 4), and uneven experts or a dense model are refused
+with ModelConfigError."""
 
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ def test_expert_parallel_equals_one_process(case, results):
 
 
 def test_expert_parallel_with_fsdp_equals_one_process(results):
+    # To fp32 rounding, output included: FSDP's all-gathered weights sit in other buffers,
+    # for which a CPU's matmul library may take another kernel path (bit for bit on the
+    # Intel Xeons this was first run on; 4e-9 off on an AMD EPYC with 4 ranks).
     errors = dict(zip(NAMES[True][:-1], results["fsdp"], strict=True))
-    assert errors.pop("output") == 0.0
     for name, error in errors.items():
         assert error < 2e-6, name
 

@@ -23,6 +23,15 @@ from titan_models.moe import (
 DIM, HIDDEN = 16, 32
 
 
+def assert_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal to fp32 rounding whichever kernels the CPU's matmul library picks for each
+    shape (they differ between CPUs: an AMD EPYC's differ from an Intel Xeon's): within
+    1e-5 relative, or 1e-6 of the tensor's largest magnitude (an element that is a nearly
+    cancelling sum is small, but carries the rounding of its large terms)."""
+    scale = float(expected.abs().max()) or 1.0
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * scale)
+
+
 def make_moe(seed: int = 0, **fields) -> MoE:
     fields = {"num_experts": 8, "top_k": 2, "score_func": "sigmoid", **fields}
     moe = MoE(MoEArgs(**fields), dim=DIM, hidden_dim=HIDDEN)
@@ -89,13 +98,13 @@ def test_grouped_mm_fallback_and_per_token_loop_agree(shared):
     (grouped, g_grads), (loop, l_grads), (naive, n_grads) = results
     # Grouped mm and the fallback: the same per-expert products; the fallback's padded
     # batched matmul may pick another kernel for its shapes, so equal to fp32 rounding.
-    torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-8)
+    assert_rounding(grouped, loop)
     for a, b in zip(g_grads, l_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        assert_rounding(a, b)
     # The per-token loop adds in another order: equal to rounding.
-    torch.testing.assert_close(grouped, naive, rtol=1e-5, atol=1e-6)
+    assert_rounding(grouped, naive)
     for a, b in zip(g_grads, n_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert_rounding(a, b)
 
 
 def test_expert_kernels_agree_with_empty_and_full_experts():
@@ -117,7 +126,10 @@ def test_expert_kernels_agree_with_empty_and_full_experts():
     # each group's plain matmul), the padded batch to rounding (its own matmul kernel).
     for other, exact in zip(grads[1:], (True, False), strict=True):
         for a, b in zip(grads[0], other, strict=True):
-            torch.testing.assert_close(a, b, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+            if exact:
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            else:
+                assert_rounding(a, b)
     # No tokens at all (an expert-parallel rank may receive none): an empty result whose
     # backward still reaches every weight.
     weights = [w.clone().requires_grad_() for w in (w1, w2, w3)]
