@@ -143,6 +143,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         infinite=True,
         num_shards=config.training.data_shards,
         prefetch=config.training.data_prefetch,
+        shard_layout=config.training.data_shard_layout,
     )
     dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
     loss_fn = build_loss_fn(config.parallelize, loss_parallel=plan.step_context.loss_parallel)
@@ -187,7 +188,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
     try:
         checkpointer.load()
     except Exception as e:  # a dataloader state of another shard layout: say how to resume
-        explained = explain_load_error(e, dataloader.num_shards)
+        explained = explain_load_error(e, dataloader.num_shards, dataloader.shard_layout)
         if explained is None:
             raise
         raise explained from None

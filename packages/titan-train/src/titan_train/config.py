@@ -27,6 +27,7 @@ from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train import compat
 from titan_train.config_loader import load_config, to_dict
 from titan_train.data import DataSource
+from titan_train.data.config import SHARD_LAYOUTS
 from titan_train.errors import ConfigError, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
@@ -113,6 +114,14 @@ class TrainingConfig(DataSource):
     data_shards) of the documents, and a checkpoint resumes at any dp. 1 is one stream
     every rank reads whole (the stream before data shards; resumes checkpoints written then). Not a
     torchtitan key."""
+    data_shard_layout: Literal["interleaved", "contiguous"] = "interleaved"
+    """How documents are dealt to the data shards: "interleaved" (document i to shard i mod
+    data_shards: every file holds every rank's documents, so each rank reads all of the
+    files' bytes) or "contiguous" (shard s is the s-th of data_shards contiguous runs of
+    the corpus, by bytes for JSON lines and by rows for parquet: each rank reads only its
+    shards' part of the files). Another stream: a checkpoint resumes only with the layout
+    it was saved with. "contiguous" reads local .jsonl and parquet files and the embedded
+    corpus. Not a torchtitan key."""
     data_prefetch: int = 2
     """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
     key."""
@@ -132,6 +141,11 @@ class TrainingConfig(DataSource):
         for key in ("local_batch_size", "seq_len", "steps", "gc_freq", "data_shards"):
             check_int(f"training.{key}", getattr(self, key), minimum=1)
         check_int("training.data_prefetch", self.data_prefetch, minimum=0, hint="0: no prefetch")
+        if self.data_shard_layout not in SHARD_LAYOUTS:
+            raise ConfigError(
+                f"training.data_shard_layout={self.data_shard_layout!r} is not allowed; use "
+                f"one of {', '.join(map(repr, SHARD_LAYOUTS))} (see --help)."
+            )
         check_int(
             "training.global_batch_size",
             self.global_batch_size,

@@ -258,3 +258,219 @@ def test_each_rank_resumes_from_its_own_state_alone(tmp_path):
         loader.load_state_dict(state)
         resumed.append(list(itertools.islice(loader, 3)))
     assert seen + _global(resumed, 2, states[0]["windows"]) == reference
+
+
+# The contiguous layout: shard s is the s-th contiguous run of the corpus.
+
+CONTIGUOUS = {"shard_layout": "contiguous"}
+
+
+def _regions(source, shards):
+    return [[text for _, text in source.iter_region(s, shards, 0)] for s in range(shards)]
+
+
+def _two_files(tmp_path, n=48):
+    """``_corpus``'s documents over two jsonl files (a BOM, CRLF and blank lines in them)."""
+    texts, _ = _corpus(tmp_path, n)
+    folder = tmp_path / "two"
+    folder.mkdir()
+    rows = [json.dumps({"text": t}) for t in texts]
+    (folder / "a.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + "\r\n".join(rows[:20]).encode() + b"\r\n\n  \n"
+    )
+    (folder / "b.jsonl").write_text("\n\n".join(rows[20:]))  # no newline at the end
+    return texts, open_documents(DataConfig(dataset=str(folder)))
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 8, 13])
+def test_regions_split_the_files_exactly_at_any_count(tmp_path, shards):
+    texts, source = _two_files(tmp_path)
+    regions = _regions(source, shards)
+    assert [t for region in regions for t in region] == texts  # each row once, in order
+    # Row k of a region from the k-th on (a resume inside the region) without the earlier.
+    for s, region in enumerate(regions):
+        for first in (0, 1, len(region) // 2, len(region), len(region) + 3):
+            rows = list(source.iter_region(s, shards, first))
+            assert rows == list(enumerate(region))[first:]
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8, 16])
+def test_region_edges_on_line_starts_give_each_row_once(tmp_path, shards):
+    """Eight rows of 16 bytes each, so that region edges fall on line starts (and, with 16
+    regions of 8 bytes, every other region holds no row start at all)."""
+    texts = [f"r{i}a" for i in range(8)]
+    rows = [json.dumps({"text": t}) + "\n" for t in texts]
+    assert {len(r) for r in rows} == {16}
+    path = tmp_path / "even.jsonl"
+    path.write_text("".join(rows))
+    source = open_documents(DataConfig(dataset=str(path)))
+    regions = _regions(source, shards)
+    assert [t for region in regions for t in region] == texts
+    if shards <= 8:
+        assert regions == [texts[k : k + 8 // shards] for k in range(0, 8, 8 // shards)]
+        assert source.bytes_read == 16 * 8  # no row read twice
+    else:  # a region starting mid-row reads that row's end to find the next start
+        assert regions[1::2] == [[]] * 8
+        assert source.bytes_read == 16 * 8 + 8 * 8
+
+
+def test_regions_are_by_bytes_and_a_rank_reads_only_its_own(tmp_path):
+    texts, _ = _corpus(tmp_path)
+    path = tmp_path / "corpus.jsonl"
+    total, longest = path.stat().st_size, max(len(line) for line in path.read_bytes().split(b"\n"))
+    dp = 4
+    recorders = [Recording() for _ in range(dp)]
+    sources = [open_documents(DataConfig(dataset=str(path))) for _ in range(dp)]
+    loaders = [_loader(sources[r], recorders[r], rank=r, dp=dp, **CONTIGUOUS) for r in range(dp)]
+    for loader in loaders:  # every shard into its second epoch
+        list(itertools.islice(loader, 40))
+    assert all(min(p["epoch"] for p in ld.state_dict()["regions"].values()) >= 1 for ld in loaders)
+    tokenized = [set(r.texts) for r in recorders]
+    assert set().union(*tokenized) == set(texts)
+    assert sum(map(len, tokenized)) == len(texts)  # disjoint
+    # Rank r reads shards r and r + 4: two runs of 1/8 of the bytes (each pass once per
+    # epoch), plus the ends of the rows crossing their edges.
+    epochs = [1 + max(p["epoch"] for p in ld.state_dict()["regions"].values()) for ld in loaders]
+    for source, passes in zip(sources, epochs, strict=True):
+        assert source.bytes_read <= passes * (total / dp + 2 * 2 * longest)
+        assert source.bytes_read >= (passes - 1) * (total / dp - 2 * 2 * longest)
+    # The documents of shard s are the s-th run of the rows.
+    for s, region in enumerate(_regions(sources[0], S)):
+        assert set(region) <= tokenized[s % dp]
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_contiguous_ranks_together_are_one_ranks_stream(tmp_path, dp):
+    _, source = _two_files(tmp_path)
+    reference, _ = _run(source, 1, 24, local=LOCAL * dp, **CONTIGUOUS)
+    union, _ = _run(source, dp, 24, **CONTIGUOUS)
+    assert union == reference
+    interleaved, _ = _run(source, 1, 24, local=LOCAL * dp)
+    assert union != interleaved  # another stream
+
+
+def test_contiguous_shards_pack_their_own_run(tmp_path):
+    _, source = _corpus(tmp_path)
+    windows, _ = _run(source, 1, 4, local=S, **CONTIGUOUS)
+    for s, region in enumerate(_regions(source, S)):
+        flat = [t for d in region for t in TOKENIZER.encode(d, bos=True, eos=True)]
+        mine = [windows[g] for g in range(s, len(windows), S)]
+        assert mine == [tuple(flat[i : i + SEQ + 1]) for i in range(0, len(mine) * (SEQ + 1),
+                                                                   SEQ + 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("after", [2, 3, 1])
+def test_contiguous_resume_at_another_dp_continues_exactly(tmp_path, after):
+    _, source = _two_files(tmp_path)
+    reference, _ = _run(source, 1, 4 * 5 + after * 6, **CONTIGUOUS)
+    seen, loaders = _run(source, 4, 5, **CONTIGUOUS)
+    states = [loader.state_dict() for loader in loaders]
+    state = {**states[0], "regions": {k: v for s in states for k, v in s["regions"].items()}}
+    assert "shards" not in state
+    assert any(p["token_offset"] > 0 for p in state["regions"].values())  # mid-document
+    recorders = [Recording() for _ in range(after)]
+    resumed, _ = _run(source, after, 6, tokenizers=recorders, states=state, **CONTIGUOUS)
+    assert seen + resumed == reference
+    # No replay: a resumed shard starts at its saved document (k S + s: row k of shard s).
+    regions = _regions(source, S)
+    for recorder in recorders:
+        for text in recorder.texts:
+            s = next(s for s, region in enumerate(regions) if text in region)
+            saved = state["regions"][str(s)]
+            assert saved["epoch"] > 0 or regions[s].index(text) >= saved["document"] // S
+
+
+def test_a_state_of_the_other_layout_is_refused_with_how_to_resume(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    _, source = _corpus(tmp_path)
+    for saver, loader, saved in (({}, CONTIGUOUS, "interleaved"), (CONTIGUOUS, {}, "contiguous")):
+        old = _loader(source, **saver)
+        next(iter(old))
+        with pytest.raises(DataError, match=rf"data_shard_layout='{saved}'.*"
+                                            rf"--training.data_shard_layout {saved}"):  # fmt: skip
+            _loader(source, **loader).load_state_dict(old.state_dict())
+        # Through a distributed checkpoint: DCP misses the other layout's keys.
+        folder = tmp_path / f"ckpt-{saved}"
+        dcp.save({"dataloader": old}, checkpoint_id=folder, no_dist=True)
+        fresh = _loader(source, **loader)
+        with pytest.raises(BaseException) as raised:
+            dcp.load({"dataloader": fresh}, checkpoint_id=folder, no_dist=True)
+        error = explain_load_error(raised.value, S, fresh.shard_layout)
+        assert error is not None
+        assert f"training.data_shard_layout = '{saved}'" in str(error)
+
+
+def test_contiguous_needs_a_source_read_by_regions(tmp_path):
+    from titan_train.data import build_dataloader
+
+    (tmp_path / "notes.txt").write_text("one paragraph\n\nanother one\n")
+    config = DataConfig(dataset=str(tmp_path / "notes.txt"), num_shards=S, **CONTIGUOUS)
+    with pytest.raises(DataError, match=r"cannot be split into contiguous shards.*"
+                                        r"data_shard_layout = 'interleaved'"):  # fmt: skip
+        build_dataloader(config, TOKENIZER)
+    with pytest.raises(DataError, match="data_shard_layout='rows' is not allowed"):
+        DataConfig(shard_layout="rows")
+    # The embedded corpus is read by regions (by documents), one shard as one stream.
+    embedded = build_dataloader(DataConfig(num_shards=S, seq_len=SEQ, **CONTIGUOUS), TOKENIZER)
+    assert "regions" in embedded.state_dict()
+    one = build_dataloader(DataConfig(num_shards=1, seq_len=SEQ, **CONTIGUOUS), TOKENIZER)
+    plain = build_dataloader(DataConfig(num_shards=1, seq_len=SEQ), TOKENIZER)
+    assert torch.equal(next(iter(one))[0], next(iter(plain))[0])
+    assert one.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_a_contiguous_shard_without_a_document_is_one_clear_error(tmp_path):
+    _, source = _corpus(tmp_path, n=5)
+    with pytest.raises(DataError, match=r"no document in data shard \d of 8.*"
+                                        r"Lower training.data_shards"):  # fmt: skip
+        list(itertools.islice(_loader(source, local=S, **CONTIGUOUS), 20))
+
+
+def test_parquet_regions_are_by_rows_over_files_and_row_groups(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts, _ = _corpus(tmp_path, n=50)
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    for name, part in (("a", texts[:23]), ("b", texts[23:])):
+        table = pa.table({"id": list(range(len(part))), "text": part})
+        pq.write_table(table, folder / f"{name}.parquet", row_group_size=4)
+    source = open_documents(DataConfig(dataset=str(folder)))
+    for shards in (1, 3, 8):
+        regions = _regions(source, shards)
+        assert [t for r in regions for t in r] == texts
+        assert max(map(len, regions)) - min(map(len, regions)) <= 1  # by rows
+        last = shards - 1
+        assert list(source.iter_region(last, shards, 2)) == list(enumerate(regions[last]))[2:]
+    union, _ = _run(source, 4, 6, **CONTIGUOUS)
+    reference, _ = _run(source, 1, 6, local=LOCAL * 4, **CONTIGUOUS)
+    assert union == reference
+
+
+def test_the_trainer_saves_the_contiguous_layout_and_refuses_the_other_on_resume(tmp_path, capsys):
+    """``training.data_shard_layout`` through ``titan-train``: the checkpoint holds the
+    dataloader's ``regions``; resuming it with the other layout exits 2 before training,
+    naming the key and value to resume with."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from titan_train.cli import main
+
+    args = ["train", "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--checkpoint.interval", "1",
+            "--metrics.log_freq", "1"]  # fmt: skip
+    assert main([*args, "--training.steps", "2", "--training.data_shard_layout", "contiguous"]) == 0
+    keys = (
+        FileSystemReader(str(tmp_path / "checkpoint" / "step-2"))
+        .read_metadata()
+        .state_dict_metadata
+    )
+    assert any(k.startswith("dataloader.regions.") for k in keys)
+    assert not any(k.startswith("dataloader.shards.") for k in keys)
+    capsys.readouterr()
+    assert main([*args, "--training.steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "training.data_shard_layout = 'contiguous'" in err
+    assert "exclude_from_loading" in err
+    assert main([*args, "--training.steps", "3", "--training.data_shard_layout", "contiguous"]) == 0

@@ -18,6 +18,11 @@ from titan_train.errors import DataError, check_int
 
 __all__ = ["DataConfig", "DataError", "DataSource"]
 
+SHARD_LAYOUTS = ("interleaved", "contiguous")
+"""How documents are dealt to the virtual shards (``titan_train.data.shards``): document
+``i`` to shard ``i mod S``, or shard ``s`` the ``s``-th of ``S`` contiguous runs of the
+corpus."""
+
 
 @dataclass(kw_only=True)
 class DataSource:
@@ -56,6 +61,7 @@ class DataSource:
         infinite: bool,
         num_shards: int = 1,
         prefetch: int = 0,
+        shard_layout: str = "interleaved",
     ) -> DataConfig:
         """These documents cut into batches of ``local_batch_size x seq_len``."""
         return DataConfig(
@@ -67,6 +73,7 @@ class DataSource:
             infinite=infinite,
             num_shards=num_shards,
             prefetch=prefetch,
+            shard_layout=shard_layout,
             source_section=self.section,
         )
 
@@ -88,6 +95,11 @@ class DataConfig(DataSource):
     1/gcd(dp, num_shards) of the documents. 1: one stream every rank reads whole."""
     prefetch: int = 0
     """Batches a background thread tokenizes and packs ahead; 0: none, made when asked."""
+    shard_layout: str = "interleaved"
+    """How documents are dealt to the shards: ``interleaved`` (document i to shard i mod
+    num_shards) or ``contiguous`` (shard s is the s-th of num_shards contiguous runs of the
+    corpus, so a rank reads only its part of the files; local JSON-lines and parquet files
+    and the embedded corpus)."""
     source_section: str = "training"
     """The config section a user sets these keys in, named by errors (``training`` or
     ``validation`` for the trainer's)."""
@@ -101,4 +113,9 @@ class DataConfig(DataSource):
             check_int(f"{self.section}.{key}", getattr(self, key), minimum=1, error=DataError)
         check_int(f"{self.section}.data_shards", self.num_shards, minimum=1, error=DataError)
         check_int(f"{self.section}.data_prefetch", self.prefetch, minimum=0, error=DataError)
+        if self.shard_layout not in SHARD_LAYOUTS:
+            raise DataError(
+                f"{self.section}.data_shard_layout={self.shard_layout!r} is not allowed; use "
+                f"one of {', '.join(map(repr, SHARD_LAYOUTS))}."
+            )
         super().__post_init__()

@@ -18,6 +18,11 @@ every rank reads whole, with the state keys of titan-train before virtual shards
 
 With ``prefetch > 0`` a background thread (``Prefetcher``) tokenizes and packs that many
 batches ahead of the step.
+
+``shard_layout="contiguous"`` makes shard ``s`` the ``s``-th contiguous run of the corpus
+instead (``titan_train.data.shards``): a rank then reads only its shards' part of the files.
+Its state keeps the positions under ``regions`` instead of ``shards``, so a checkpoint of
+one layout is never read as the other.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 import torch
 
-from titan_train.data.config import DataConfig, DataError
+from titan_train.data.config import SHARD_LAYOUTS, DataConfig, DataError
 from titan_train.data.prefetch import Prefetcher
 from titan_train.data.shards import Position, ShardReader, owned_shards
 from titan_train.data.sources import DocumentSource, open_documents
@@ -44,6 +49,8 @@ _STATE_KEYS = ("epoch", "document", "token_offset", "windows")
 """The state of one stream (``num_shards = 1``), as titan-train wrote it before shards."""
 
 _Item = tuple[torch.Tensor, torch.Tensor, int, dict[int, Position]]
+
+_POSITIONS_KEY = {"interleaved": "shards", "contiguous": "regions"}
 
 
 class TextDataLoader:
@@ -69,6 +76,10 @@ class TextDataLoader:
             ``dp_degree``.
         prefetch: batches made ahead in a background thread; 0 makes them on the caller's
             thread when asked for.
+        shard_layout: ``interleaved`` (document ``i`` to shard ``i mod num_shards``) or
+            ``contiguous`` (shard ``s`` the ``s``-th contiguous run of the corpus, read by
+            its owners alone; needs a source with ``iter_region``). No effect with one
+            shard.
     """
 
     supports_resharding = True
@@ -86,6 +97,7 @@ class TextDataLoader:
         infinite: bool = True,
         num_shards: int = 1,
         prefetch: int = 0,
+        shard_layout: str = "interleaved",
     ) -> None:
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise DataError(
@@ -97,6 +109,12 @@ class TextDataLoader:
                 f"num_shards={num_shards} is not allowed here; it must be >= 1, and 1 for "
                 "finite data (every rank must know where the stream ends)."
             )
+        if shard_layout not in SHARD_LAYOUTS:
+            raise DataError(
+                f"shard_layout={shard_layout!r} is not allowed; use one of {SHARD_LAYOUTS}."
+            )
+        if shard_layout == "contiguous" and num_shards > 1:
+            _check_regions(documents)
         self.documents = documents
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -106,6 +124,7 @@ class TextDataLoader:
         self.infinite = infinite
         self.num_shards = num_shards
         self.prefetch = prefetch
+        self.shard_layout = shard_layout
         self._windows = 0
         # Every shard's position; this rank advances, saves and loads only its own.
         self._positions = {s: Position() for s in range(num_shards)}
@@ -119,22 +138,36 @@ class TextDataLoader:
         return {
             "num_shards": self.num_shards,
             "windows": self._windows,
-            "shards": {str(s): self._positions[s].as_dict() for s in self._own},
+            self._positions_key: {str(s): self._positions[s].as_dict() for s in self._own},
         }
+
+    @property
+    def _positions_key(self) -> str:
+        return _POSITIONS_KEY[self.shard_layout]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a state saved at any ``dp_degree`` (merged over its ranks); iterate
         afresh after this."""
         self.close()
-        if "shards" not in state_dict and "num_shards" not in state_dict:
+        keys = set(_POSITIONS_KEY.values())
+        if not keys & set(state_dict) and "num_shards" not in state_dict:
             self._load_one_stream(state_dict)
             return
         saved = int(state_dict.get("num_shards", -1))
         if saved != self.num_shards:
             raise DataError(_shards_mismatch(saved, self.num_shards))
+        if self._positions_key not in state_dict:
+            layout = next((k for k, v in _POSITIONS_KEY.items() if v in state_dict), None)
+            if layout is None:
+                raise DataError(
+                    f"dataloader state lacks the shards' positions ('shards' or 'regions'; has "
+                    f"{sorted(state_dict)}); was it saved by another dataloader? Exclude "
+                    "'dataloader' from loading to start the data over."
+                )
+            raise DataError(_layout_mismatch(layout, self.shard_layout))
         windows = int(state_dict["windows"])
         shards = {int(s): Position(**{k: int(v) for k, v in p.items()}) for s, p in
-                  state_dict["shards"].items()}  # fmt: skip
+                  state_dict[self._positions_key].items()}  # fmt: skip
         missing = [s for s in self._own if s not in shards]
         if missing:
             raise DataError(
@@ -201,6 +234,7 @@ class TextDataLoader:
             stride=math.gcd(self.dp_degree, self.num_shards),
             infinite=self.infinite,
             size=self.seq_len + 1,
+            contiguous=self.shard_layout == "contiguous" and self.num_shards > 1,
         )
         per_step, window = self.local_batch_size * self.dp_degree, first
         while True:
@@ -228,26 +262,55 @@ def _shards_mismatch(saved: int, now: int) -> str:
     )
 
 
-def explain_load_error(error: BaseException, num_shards: int) -> DataError | None:
+def _check_regions(documents: DocumentSource) -> None:
+    if not callable(getattr(documents, "iter_region", None)):
+        raise DataError(
+            f"dataset {documents.name!r} cannot be split into contiguous shards: the "
+            "contiguous shard layout reads local JSON-lines (.jsonl) and parquet files, and "
+            "the embedded corpus, by region; this source is read as one stream (datasets' "
+            "reader: a hub dataset, compressed files, text, csv or JSON arrays). Set "
+            "training.data_shard_layout = 'interleaved'."
+        )
+
+
+def _layout_mismatch(saved: str, now: str) -> str:
+    return (
+        f"the dataloader state was saved with training.data_shard_layout={saved!r}, this run "
+        f"has {now!r}: the two deal documents to shards differently. Resume with "
+        f"--training.data_shard_layout {saved} to continue that data stream exactly, or add "
+        "'dataloader' to checkpoint.exclude_from_loading to start the data over."
+    )
+
+
+def explain_load_error(
+    error: BaseException, num_shards: int, shard_layout: str = "interleaved"
+) -> DataError | None:
     """A ``DataError`` saying how to resume, for a checkpoint load that failed because the
-    dataloader state has another shard layout (DCP names a key it lacks); else ``None``."""
+    dataloader state has another shard count or layout (DCP names a key it lacks); else
+    ``None``."""
     text = str(error)
     marker = "Missing key in checkpoint state_dict: dataloader."
     if marker not in text:
         return None
     key = text.split(marker, 1)[1].split()[0].rstrip(".;)")
     if key in _STATE_KEYS:  # a sharded state, asked for as one stream
-        saved = "a value > 1 (see that run's config)"
+        saved = "training.data_shards = a value > 1 (see that run's config)"
     elif key == "num_shards":
-        saved = "1"
+        saved = "training.data_shards = 1"
+    elif key.split(".")[0] == _POSITIONS_KEY.get(shard_layout):
+        other = next(k for k in SHARD_LAYOUTS if k != shard_layout)
+        saved = (
+            f"training.data_shards other than {num_shards}, or training.data_shard_layout = "
+            f"{other!r} (see that run's config)"
+        )
     else:
-        saved = f"a value other than {num_shards} (see that run's config)"
+        saved = f"training.data_shards = a value other than {num_shards} (see that run's config)"
     return DataError(
         f"the checkpoint's dataloader state has another data shard layout (no "
-        f"'dataloader.{key}'): it was saved with training.data_shards = {saved}, this run "
-        f"has {num_shards}. Resume with that training.data_shards to continue its data "
-        "stream exactly, or add 'dataloader' to checkpoint.exclude_from_loading to start the "
-        "data over."
+        f"'dataloader.{key}'): it was saved with {saved}; this run has data_shards = "
+        f"{num_shards}, data_shard_layout = {shard_layout!r}. Resume with that run's "
+        "values to continue its data stream exactly, or add 'dataloader' to "
+        "checkpoint.exclude_from_loading to start the data over."
     )
 
 
@@ -283,8 +346,11 @@ def build_dataloader(
             stride,
             dp_degree,
         )
+    documents = open_documents(config)
+    if config.shard_layout == "contiguous" and shards > 1:
+        _check_regions(documents)  # before any work: one clear error
     return TextDataLoader(
-        open_documents(config),
+        documents,
         tokenizer,
         seq_len=config.seq_len,
         local_batch_size=config.local_batch_size,
@@ -293,4 +359,5 @@ def build_dataloader(
         infinite=config.infinite,
         num_shards=shards,
         prefetch=config.prefetch,
+        shard_layout=config.shard_layout,
     )

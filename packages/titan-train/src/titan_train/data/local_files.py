@@ -23,7 +23,14 @@ them. A local copy of a hub dataset's repository is read so too when ``datasets`
 resolves its ``train`` split to such files (``open_hub_copy``). Compressed files, JSON
 files whose first line is not one object (an array, or an object over several lines) and
 csv files (whose quoted values may hold newlines) keep ``datasets``' reader
-(``open_local_files`` returns ``None``)."""
+(``open_local_files`` returns ``None``).
+
+Regions (``iter_region``, the ``contiguous`` shard layout, ``titan_train.data.shards``):
+region ``s`` of ``S`` is the rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of
+the files' ``B`` bytes taken in order (JSON lines), or the rows ``[s N / S, (s + 1) N / S)``
+of the files' ``N`` rows (parquet, whose row counts are in the metadata). A region is read
+from its own bytes (or row groups) alone: a rank reading ``1/dp`` of the regions reads
+``1/dp`` of the corpus from storage."""
 
 from __future__ import annotations
 
@@ -44,6 +51,9 @@ __all__ = [
 
 _CHUNK = 8 << 20
 """Bytes read at a time (then to the end of the line)."""
+_REGION_CHUNK = 1 << 20
+"""Bytes a region reads at a time: each of a rank's shards keeps its own region's chunk
+while the others are read (64 shards at dp 1: 64 MiB)."""
 _SCHEMA_CHUNK = 10 << 20
 """``datasets`` infers a JSON file's columns from its first 10 MB (then to the line end)."""
 _BATCH = 8192
@@ -130,6 +140,8 @@ class _RowSource:
         self.section = section
         self.rows_parsed = 0
         """Rows turned into text so far (all iterators together): what this rank parsed."""
+        self.bytes_read = 0
+        """Bytes of the files read so far by ``iter_region`` (JSON lines only)."""
 
     def iter_from(self, index: int) -> Iterator[str]:
         """The documents from ``index`` on (earlier rows counted, not parsed)."""
@@ -197,6 +209,53 @@ class JsonLinesSource(_RowSource):
             ]
             yield count, texts
             first, want = first + count, want + stride * len(texts)
+
+    def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
+        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
+        ``regions``: the rows whose first byte is in the region's share of the bytes (see
+        the module docstring); the region's earlier rows are counted, not parsed, and no
+        byte of another region is read but the ends of the rows that cross its edges."""
+        sizes = [os.path.getsize(path) for path in self.files]
+        total = sum(sizes)
+        low, high = region * total // regions, (region + 1) * total // regions
+        row, base = 0, 0  # the region's next row; the first byte of the file
+        for path, size in zip(self.files, sizes, strict=True):
+            begin, end = max(low - base, 0), min(high - base, size)
+            base += size
+            if begin >= end:
+                continue
+            for chunk in self._region_chunks(path, begin, end):
+                starts, ends = _row_bounds(chunk)
+                count = len(starts)
+                if row + count <= first:  # before the resume point: counted, not parsed
+                    row += count
+                    continue
+                for k in range(max(first - row, 0), count):
+                    text = self._parse(chunk[starts[k] : ends[k]], path, row + k)
+                    self.rows_parsed += 1
+                    yield row + k, text
+                row += count
+
+    def _region_chunks(self, path: str, begin: int, end: int) -> Iterator[bytes]:
+        """The lines of ``path`` that start in ``[begin, end)``, in pieces of about
+        ``_REGION_CHUNK`` bytes of whole lines (the last one read to its end)."""
+        with open(path, "rb") as f:
+            if begin > 0:
+                f.seek(begin - 1)
+                if f.read(1) != b"\n":
+                    self.bytes_read += len(f.readline())  # a row that started before begin
+            position = f.tell()
+            while position < end:
+                chunk = f.read(min(_REGION_CHUNK, end - position))
+                if not chunk:
+                    break
+                if not chunk.endswith(b"\n"):
+                    chunk += f.readline()  # the last row started before end: read it whole
+                self.bytes_read += len(chunk)
+                if position == 0:
+                    chunk = chunk.removeprefix(_BOM)
+                position = f.tell()
+                yield chunk
 
     def _parse(self, line: bytes, path: str, index: int) -> str:
         try:
@@ -292,11 +351,8 @@ class ParquetSource(_RowSource):
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"cannot read {self.name!r} as parquet: {path}: {e}") from e
 
-    def _file_rows(
-        self, path: str, first: int, want: int, stride: int
-    ) -> Iterator[tuple[int, list[str]]]:
-        import pyarrow as pa
-
+    def _with_text(self, path: str) -> Any:
+        """``path`` opened, checked to hold the text column."""
         parquet = self._open(path)
         columns = parquet.schema_arrow.names
         if self.text_column not in columns:
@@ -306,6 +362,14 @@ class ParquetSource(_RowSource):
                 f"{path} of {self.name!r} has no column {self.text_column!r} (its columns are "
                 f"{sorted(columns)}), unlike {self.files[0]}; give files of one schema."
             )
+        return parquet
+
+    def _file_rows(
+        self, path: str, first: int, want: int, stride: int
+    ) -> Iterator[tuple[int, list[str]]]:
+        import pyarrow as pa
+
+        parquet = self._with_text(path)
         for group in range(parquet.num_row_groups):
             count = parquet.metadata.row_group(group).num_rows
             if want >= first + count:  # no row of this rank: not read
@@ -321,6 +385,38 @@ class ParquetSource(_RowSource):
                 values = batch.column(0).take(pa.array(own, pa.int64())).to_pylist() if own else []
                 yield rows, [self._text(v) for v in values]
                 first, want = first + rows, want + stride * len(own)
+
+    def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
+        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
+        ``regions``: its share of the rows by the files' row counts; only the row groups
+        holding its rows are read, only its rows become strings."""
+        import pyarrow as pa
+
+        counts = [self._open(path).metadata.num_rows for path in self.files]
+        total = sum(counts)
+        low, high = region * total // regions, (region + 1) * total // regions
+        want, base = low + first, 0  # the next row wanted, over all files; the file's first
+        for path, count in zip(self.files, counts, strict=True):
+            if want >= high:
+                return
+            if want >= base + count:
+                base += count
+                continue
+            parquet = self._with_text(path)
+            group_first = base
+            for group in range(parquet.num_row_groups):
+                rows = parquet.metadata.row_group(group).num_rows
+                group_end = group_first + rows
+                if want < group_end and group_first < high:  # rows of the region in it
+                    table = parquet.read_row_group(group, columns=[self.text_column])
+                    take = range(want - group_first, min(high, group_end) - group_first)
+                    values = table.column(0).take(pa.array(take, pa.int64())).to_pylist()
+                    for value in values:
+                        self.rows_parsed += 1
+                        yield want - low, self._text(value)
+                        want += 1
+                group_first = group_end
+            base += count
 
 
 class TextSource(_RowSource):

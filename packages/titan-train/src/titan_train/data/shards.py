@@ -27,6 +27,16 @@ Why this shape (the invariants the dataloader relies on):
 - ``S = 1`` is one packed stream that every rank reads whole: titan-train's stream before
   virtual shards, with its checkpoint state (``epoch``, ``document``, ``token_offset``,
   ``windows``).
+
+The *contiguous* layout (``training.data_shard_layout = "contiguous"``) deals the documents
+otherwise: shard ``s`` is the ``s``-th of ``S`` contiguous runs of the corpus (by bytes for
+JSON lines, by rows for parquet and the embedded corpus; the source's ``iter_region``), so
+a rank reads only its shards' part of the files from storage, where the interleaved layout's
+``i mod S`` puts every rank's documents in every megabyte of every file. The ``k``-th
+document of shard ``s`` has the index ``k S + s`` (so the index still names its shard, and
+the one after it in the shard is ``S`` further on, as in the interleaved layout), and each
+shard reads its run on its own, epoch after epoch. Everything above holds for it, with
+another stream: which layout a checkpoint was written with is part of its state.
 """
 
 from __future__ import annotations
@@ -92,6 +102,8 @@ class ShardReader:
         stride: ``gcd(dp, S)``: this rank reads documents ``i = c (mod stride)``.
         infinite: loop over the documents forever (else end when a needed shard runs out).
         size: tokens per window (``seq_len + 1``).
+        contiguous: the contiguous layout (module docstring): each shard reads its own run
+            of the documents through the source's ``iter_region``.
     """
 
     def __init__(
@@ -104,6 +116,7 @@ class ShardReader:
         stride: int,
         infinite: bool,
         size: int,
+        contiguous: bool = False,
     ) -> None:
         self.documents = documents
         self.tokenizer = tokenizer
@@ -112,6 +125,10 @@ class ShardReader:
         self.infinite = infinite
         self.size = size
         self.stride = stride
+        self._regions: dict[int, Iterator[tuple[int, int, str]]] | None = None
+        if contiguous:
+            self._regions = {s: self._read_region(s, p) for s, p in shards.items()}
+            return
         start = min(shards.values())
         residue = next(iter(shards)) % stride
         # The first document at or after the earliest position that is this rank's.
@@ -145,7 +162,7 @@ class ShardReader:
     def _next_document(self, s: int, shard: _Shard) -> bool:
         """Make shard ``s``'s next document current; False when finite data ran out."""
         while not shard.texts:
-            if not self._pull():
+            if not (self._pull() if self._regions is None else self._pull_region(s, shard)):
                 return False
         epoch, index, text = shard.texts.popleft()
         ids = self.tokenizer.encode(text, bos=True, eos=True)
@@ -169,6 +186,39 @@ class ShardReader:
                 continue  # a saved position passed it: drop it untokenized
             shard.texts.append(item)
             return True
+
+    def _pull_region(self, s: int, shard: _Shard) -> bool:
+        """Queue shard ``s``'s next document (contiguous layout); False at the end."""
+        assert self._regions is not None
+        item = next(self._regions[s], None)
+        if item is None:
+            return False
+        shard.texts.append(item)
+        return True
+
+    def _read_region(self, s: int, start: Position) -> Iterator[tuple[int, int, str]]:
+        """``(epoch, index, text)`` of shard ``s``'s documents from ``start`` on, its run of
+        the corpus read again each epoch (contiguous layout)."""
+        region = getattr(self.documents, "iter_region", None)
+        if region is None:
+            raise DataError(f"dataset {self.documents.name!r} cannot be read by regions.")
+        epoch, first = start.epoch, start.document // self.num_shards
+        while True:
+            seen = False
+            for k, text in region(s, self.num_shards, first):
+                seen = True
+                yield epoch, k * self.num_shards + s, text
+            if not self.infinite:
+                return
+            if not seen and first == 0:
+                raise DataError(
+                    f"dataset {self.documents.name!r} has no document in data shard {s} of "
+                    f"{self.num_shards} (the contiguous layout gives each shard 1/"
+                    f"{self.num_shards} of the corpus, and a document to the shard its first "
+                    "byte is in): it has fewer documents than shards, or documents longer "
+                    "than a shard. Lower training.data_shards."
+                )
+            epoch, first = epoch + 1, 0
 
     def _read(self, epoch: int, first: int, stride: int) -> Iterator[tuple[int, int, str]]:
         """``(epoch, index, text)`` of this rank's documents from ``first`` on."""

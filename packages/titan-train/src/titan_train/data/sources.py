@@ -40,7 +40,12 @@ _HUB_ALIASES = {"c4": ("allenai/c4", "en"), "c4_test": ("allenai/c4", "en")}
 
 
 class DocumentSource(Protocol):
-    """Documents in a fixed order."""
+    """Documents in a fixed order.
+
+    A source may also have ``iter_region(region, regions, first)``: ``(k, text)`` of rows
+    ``k = first, first + 1, ...`` of the ``region``-th of ``regions`` contiguous runs of
+    its documents, read without touching the others (the ``contiguous`` shard layout needs
+    it: local JSON-lines and parquet files, the embedded corpus)."""
 
     name: str
 
@@ -73,6 +78,12 @@ class _ListSource:
     def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
         indices = range(start, len(self.documents), stride)
         return zip(indices, self.documents[start::stride], strict=True)
+
+    def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
+        """Documents ``[region N / regions, (region + 1) N / regions)`` from the ``first``-th."""
+        count = len(self.documents)
+        low, high = region * count // regions, (region + 1) * count // regions
+        return enumerate(self.documents[low + first : high], start=first)
 
 
 class _HFSource:
