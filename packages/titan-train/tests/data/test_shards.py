@@ -83,6 +83,13 @@ def _run(source, dp, steps, tokenizers=None, states=None, **kwargs):
     return _global(batches, dp, 0 if states is None else states["windows"]), loaders
 
 
+CONTIGUOUS = {"shard_layout": "contiguous"}
+
+
+def _regions(source, shards):
+    return [[text for _, text in source.iter_region(s, shards, 0)] for s in range(shards)]
+
+
 def _merged(loaders):
     """What a distributed checkpoint holds: every rank's shard keys, one copy each."""
     states = [loader.state_dict() for loader in loaders]
@@ -131,11 +138,15 @@ def test_one_stream_is_the_stream_before_shards(tmp_path):
     assert windows == [tuple(flat[i : i + SEQ + 1]) for i in range(0, 20 * (SEQ + 1), SEQ + 1)]
 
 
-def test_shard_windows_are_packed_per_shard(tmp_path):
+@pytest.mark.parametrize("layout", ["interleaved", "contiguous"])
+def test_shard_windows_are_packed_per_shard(tmp_path, layout):
     texts, source = _corpus(tmp_path)
-    windows, _ = _run(source, 1, 4, local=S)  # one window of each shard per step
+    # One window of each shard per step.
+    windows, _ = _run(source, 1, 4, local=S, shard_layout=layout)
     for s in range(S):
-        flat = [t for d in texts[s::S] for t in TOKENIZER.encode(d, bos=True, eos=True)]
+        # A shard's documents: every S-th, or the s-th run (the contiguous layout).
+        mine_docs = texts[s::S] if layout == "interleaved" else _regions(source, S)[s]
+        flat = [t for d in mine_docs for t in TOKENIZER.encode(d, bos=True, eos=True)]
         mine = [windows[g] for g in range(s, len(windows), S)]
         assert mine == [tuple(flat[i : i + SEQ + 1]) for i in range(0, len(mine) * (SEQ + 1),
                                                                    SEQ + 1)]  # fmt: skip
@@ -262,12 +273,6 @@ def test_each_rank_resumes_from_its_own_state_alone(tmp_path):
 
 # The contiguous layout: shard s is the s-th contiguous run of the corpus.
 
-CONTIGUOUS = {"shard_layout": "contiguous"}
-
-
-def _regions(source, shards):
-    return [[text for _, text in source.iter_region(s, shards, 0)] for s in range(shards)]
-
 
 def _two_files(tmp_path, n=48):
     """``_corpus``'s documents over two jsonl files (a BOM, CRLF and blank lines in them)."""
@@ -347,16 +352,6 @@ def test_contiguous_ranks_together_are_one_ranks_stream(tmp_path, dp):
     assert union == reference
     interleaved, _ = _run(source, 1, 24, local=LOCAL * dp)
     assert union != interleaved  # another stream
-
-
-def test_contiguous_shards_pack_their_own_run(tmp_path):
-    _, source = _corpus(tmp_path)
-    windows, _ = _run(source, 1, 4, local=S, **CONTIGUOUS)
-    for s, region in enumerate(_regions(source, S)):
-        flat = [t for d in region for t in TOKENIZER.encode(d, bos=True, eos=True)]
-        mine = [windows[g] for g in range(s, len(windows), S)]
-        assert mine == [tuple(flat[i : i + SEQ + 1]) for i in range(0, len(mine) * (SEQ + 1),
-                                                                   SEQ + 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("after", [2, 3, 1])

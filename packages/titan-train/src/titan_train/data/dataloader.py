@@ -253,12 +253,19 @@ class TextDataLoader:
             yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), window, reader.positions()
 
 
-def _shards_mismatch(saved: int, now: int) -> str:
+def _resume_with(key: str, saved: object, now: object, why: str) -> str:
+    """The error for a dataloader state saved with another ``training.<key>``."""
     return (
-        f"the dataloader state was saved with training.data_shards={saved} (1: one stream, "
-        f"as titan-train wrote before data shards), this run has {now}. Resume with "
-        f"--training.data_shards {saved} to continue that data stream exactly, or add "
-        "'dataloader' to checkpoint.exclude_from_loading to start the data over."
+        f"the dataloader state was saved with training.{key}={saved!r}{why}, this run has "
+        f"{now!r}. Resume with --training.{key} {saved} to continue that data stream "
+        "exactly, or add 'dataloader' to checkpoint.exclude_from_loading to start the data "
+        "over."
+    )
+
+
+def _shards_mismatch(saved: int, now: int) -> str:
+    return _resume_with(
+        "data_shards", saved, now, " (1: one stream, as titan-train wrote before data shards)"
     )
 
 
@@ -274,11 +281,8 @@ def _check_regions(documents: DocumentSource) -> None:
 
 
 def _layout_mismatch(saved: str, now: str) -> str:
-    return (
-        f"the dataloader state was saved with training.data_shard_layout={saved!r}, this run "
-        f"has {now!r}: the two deal documents to shards differently. Resume with "
-        f"--training.data_shard_layout {saved} to continue that data stream exactly, or add "
-        "'dataloader' to checkpoint.exclude_from_loading to start the data over."
+    return _resume_with(
+        "data_shard_layout", saved, now, " (the layouts deal documents to shards differently)"
     )
 
 
@@ -346,11 +350,8 @@ def build_dataloader(
             stride,
             dp_degree,
         )
-    documents = open_documents(config)
-    if config.shard_layout == "contiguous" and shards > 1:
-        _check_regions(documents)  # before any work: one clear error
     return TextDataLoader(
-        documents,
+        open_documents(config),
         tokenizer,
         seq_len=config.seq_len,
         local_batch_size=config.local_batch_size,
