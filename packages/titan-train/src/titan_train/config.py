@@ -118,10 +118,10 @@ class TrainingConfig(DataSource):
     """How documents are dealt to the data shards: "interleaved" (document i to shard i mod
     data_shards: every file holds every rank's documents, so each rank reads all of the
     files' bytes) or "contiguous" (shard s is the s-th of data_shards contiguous runs of
-    the corpus, by bytes for JSON lines and by rows for parquet: each rank reads only its
-    shards' part of the files). Another stream: a checkpoint resumes only with the layout
-    it was saved with. "contiguous" reads local .jsonl and parquet files and the embedded
-    corpus. Not a torchtitan key."""
+    the corpus, by bytes for JSON lines and text, by rows for parquet, by whole files for
+    what datasets streams: each rank reads only its shards' part of the files). Another
+    stream: a checkpoint resumes only with the layout it was saved with. Not a torchtitan
+    key."""
     data_prefetch: int = 2
     """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
     key."""

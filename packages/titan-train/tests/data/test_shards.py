@@ -51,9 +51,9 @@ def _corpus(tmp_path, n=48):
     return texts, open_documents(DataConfig(dataset=str(path)))
 
 
-def _loader(source, tokenizer=TOKENIZER, *, rank=0, dp=1, local=LOCAL, **kwargs):
+def _loader(source, tokenizer=TOKENIZER, *, rank=0, dp=1, local=LOCAL, num_shards=S, **kwargs):
     return TextDataLoader(source, tokenizer, seq_len=SEQ, local_batch_size=local, dp_rank=rank,
-                          dp_degree=dp, num_shards=S, **kwargs)  # fmt: skip
+                          dp_degree=dp, num_shards=num_shards, **kwargs)  # fmt: skip
 
 
 def _rows(batch):
@@ -399,11 +399,15 @@ def test_a_state_of_the_other_layout_is_refused_with_how_to_resume(tmp_path):
 def test_contiguous_needs_a_source_read_by_regions(tmp_path):
     from titan_train.data import build_dataloader
 
-    (tmp_path / "notes.txt").write_text("one paragraph\n\nanother one\n")
-    config = DataConfig(dataset=str(tmp_path / "notes.txt"), num_shards=S, **CONTIGUOUS)
-    with pytest.raises(DataError, match=r"cannot be split into contiguous shards.*"
+    class Stream:  # a source of the protocol's minimum: no regions
+        name = "stream"
+
+        def iter_from(self, index):
+            return iter(["one", "two"][index:])
+
+    with pytest.raises(DataError, match=r"cannot be split into contiguous shards.*Stream.*"
                                         r"data_shard_layout = 'interleaved'"):  # fmt: skip
-        build_dataloader(config, TOKENIZER)
+        _loader(Stream(), **CONTIGUOUS)
     with pytest.raises(DataError, match="data_shard_layout='rows' is not allowed"):
         DataConfig(shard_layout="rows")
     # The embedded corpus is read by regions (by documents), one shard as one stream.
@@ -415,11 +419,114 @@ def test_contiguous_needs_a_source_read_by_regions(tmp_path):
     assert one.state_dict().keys() == plain.state_dict().keys()
 
 
-def test_a_contiguous_shard_without_a_document_is_one_clear_error(tmp_path):
-    _, source = _corpus(tmp_path, n=5)
-    with pytest.raises(DataError, match=r"no document in data shard \d of 8.*"
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt", "embedded"])
+def test_a_contiguous_shard_without_a_document_is_refused_before_any_batch(tmp_path, kind):
+    texts = [f"document {i}" for i in range(5)]
+    if kind == "embedded":
+        from titan_train.data.sources import _ListSource
+
+        source = _ListSource("five", texts)
+    else:
+        path = tmp_path / f"five.{kind}"
+        if kind == "jsonl":
+            path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        elif kind == "txt":
+            path.write_text("\n\n".join(texts))
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": texts}), path)
+        source = open_documents(DataConfig(dataset=str(path)))
+    recorder = Recording()
+    # 8 shards over 5 documents: some shard has none; the loader refuses at construction.
+    with pytest.raises(DataError, match=r"no document in data shard\(s\) \[\d.*of 8.*"
                                         r"Lower training.data_shards"):  # fmt: skip
-        list(itertools.islice(_loader(source, local=S, **CONTIGUOUS), 20))
+        _loader(source, recorder, **CONTIGUOUS)
+    assert recorder.texts == []  # before any tokenizing
+    # A rank whose own shards all hold documents is not refused (rank 1 of 8 owns shard 1
+    # alone, and with 5 documents shard 1 of 8 holds one by rows and by bytes).
+    regions = _regions(source, S)
+    assert regions[1]
+    assert not all(regions)
+    assert list(itertools.islice(_loader(source, rank=1, dp=8, local=1, **CONTIGUOUS), 2))
+    assert [t for r in regions for t in r] == texts
+
+
+def _paragraph_files(folder, seed, files=3):
+    """Text files of random paragraphs, with every kind of line end and blank-line run."""
+    import random
+
+    rnd = random.Random(seed)
+    atoms = [b"a", b"bc", b"\n", b"\r", b"\r\n", b" ", "\u00e9".encode(), b"xyz"]
+    folder.mkdir()
+    for f in range(files):
+        data = b"".join(rnd.choice(atoms) for _ in range(rnd.randint(0, 120)))
+        (folder / f"part{f}.txt").write_bytes(data)
+    return open_documents(DataConfig(dataset=str(folder)))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_text_regions_split_paragraphs_exactly_at_any_count(tmp_path, seed, monkeypatch):
+    from titan_train.data import local_files
+
+    source = _paragraph_files(tmp_path / "txt", seed)
+    assert isinstance(source, local_files.TextSource)
+    whole = list(source.iter_from(0))  # the sequential split (what the interleaved layout reads)
+    # Small reads put chunk edges inside line-end runs and "\r\n" pairs.
+    monkeypatch.setattr(local_files, "_REGION_CHUNK", [1, 3, 7, 1 << 20][seed % 4])
+    for shards in (1, 2, 3, 5, 8, 17, 64):
+        regions = _regions(source, shards)
+        assert [t for region in regions for t in region] == whole
+        for s, region in enumerate(regions):
+            assert source.region_has_rows(s, shards) == bool(region)
+            for first in (1, len(region)):
+                assert list(source.iter_region(s, shards, first)) == list(enumerate(region))[first:]
+
+
+def test_text_regions_read_only_their_bytes(tmp_path):
+    paragraphs = [f"paragraph {i} " + "word " * (5 + i % 9) for i in range(64)]
+    path = tmp_path / "notes.txt"
+    path.write_text("\n\n".join(paragraphs))
+    total, longest = path.stat().st_size, max(map(len, paragraphs)) + 2
+    for shards in (2, 8):
+        sources = [open_documents(DataConfig(dataset=str(path))) for _ in range(shards)]
+        regions = [[t for _, t in src.iter_region(s, shards, 0)] for s, src in enumerate(sources)]
+        assert [t for r in regions for t in r] == paragraphs
+        for src in sources:  # its share, the paragraph crossing its end, the one before it
+            assert total / shards - longest <= src.bytes_read <= total / shards + 2 * longest + 256
+
+
+def test_datasets_streams_are_split_into_regions_by_whole_files(tmp_path):
+    """Compressed JSON lines keep datasets' streaming reader; their regions are whole files
+    (datasets' own contiguous shard), and a region never opens another's files: the last
+    file is corrupt, and the regions before it read fine."""
+    import gzip
+
+    texts, _ = _corpus(tmp_path, n=40)
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for f in range(4):
+        rows = "".join(json.dumps({"text": t}) + "\n" for t in texts[f * 10 : (f + 1) * 10])
+        (folder / f"part{f}.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    source = open_documents(DataConfig(dataset=str(folder)))
+    assert not hasattr(source, "region_has_rows")  # datasets' reader, not ours
+    assert _regions(source, 2) == [texts[:20], texts[20:]]
+    assert _regions(source, 4) == [texts[k : k + 10] for k in range(0, 40, 10)]
+    assert list(source.iter_region(1, 2, 15)) == list(enumerate(texts[20:]))[15:]
+    union, _ = _run(source, 2, 4, num_shards=4, **CONTIGUOUS)
+    reference, _ = _run(source, 1, 4, local=LOCAL * 2, num_shards=4, **CONTIGUOUS)
+    assert union == reference
+    # More shards than files: refused before any batch, saying how many files there are.
+    with pytest.raises(DataError, match=r"in 4 file\(s\).*whole files.*data_shards to at most "
+                                        r"4.*'interleaved'"):  # fmt: skip
+        _loader(source, **CONTIGUOUS)
+    (folder / "part3.jsonl.gz").write_bytes(b"not gzip at all")
+    broken = open_documents(DataConfig(dataset=str(folder)))
+    for s in range(3):
+        assert [t for _, t in broken.iter_region(s, 4, 0)] == texts[s * 10 : (s + 1) * 10]
+    with pytest.raises(Exception):  # noqa: B017 - datasets' own error for a corrupt file
+        list(broken.iter_region(3, 4, 0))
 
 
 def test_parquet_regions_are_by_rows_over_files_and_row_groups(tmp_path):

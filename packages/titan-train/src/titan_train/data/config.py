@@ -98,8 +98,9 @@ class DataConfig(DataSource):
     shard_layout: str = "interleaved"
     """How documents are dealt to the shards: ``interleaved`` (document i to shard i mod
     num_shards) or ``contiguous`` (shard s is the s-th of num_shards contiguous runs of the
-    corpus, so a rank reads only its part of the files; local JSON-lines and parquet files
-    and the embedded corpus)."""
+    corpus, so a rank reads only its part of the files: by bytes for local JSON lines and
+    text, by rows for parquet and the embedded corpus, by whole files for what ``datasets``
+    streams)."""
     source_section: str = "training"
     """The config section a user sets these keys in, named by errors (``training`` or
     ``validation`` for the trainer's)."""

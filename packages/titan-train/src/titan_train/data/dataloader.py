@@ -37,7 +37,7 @@ import torch
 
 from titan_train.data.config import SHARD_LAYOUTS, DataConfig, DataError
 from titan_train.data.prefetch import Prefetcher
-from titan_train.data.shards import Position, ShardReader, owned_shards
+from titan_train.data.shards import Position, ShardReader, empty_region_message, owned_shards
 from titan_train.data.sources import DocumentSource, open_documents
 from titan_train.tokenizer.base import Tokenizer
 
@@ -113,8 +113,6 @@ class TextDataLoader:
             raise DataError(
                 f"shard_layout={shard_layout!r} is not allowed; use one of {SHARD_LAYOUTS}."
             )
-        if shard_layout == "contiguous" and num_shards > 1:
-            _check_regions(documents)
         self.documents = documents
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -129,6 +127,8 @@ class TextDataLoader:
         # Every shard's position; this rank advances, saves and loads only its own.
         self._positions = {s: Position() for s in range(num_shards)}
         self._own = owned_shards(num_shards, dp_rank, dp_degree)
+        if shard_layout == "contiguous" and num_shards > 1:
+            _check_regions(documents, num_shards, self._own)
         self._prefetcher: Prefetcher[_Item] | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -269,15 +269,24 @@ def _shards_mismatch(saved: int, now: int) -> str:
     )
 
 
-def _check_regions(documents: DocumentSource) -> None:
+def _check_regions(documents: DocumentSource, num_shards: int, own: list[int]) -> None:
+    """Before any training: the source can be read by regions, into ``num_shards`` of them,
+    and each of this rank's shards holds a document (where the source can say so cheaply)."""
     if not callable(getattr(documents, "iter_region", None)):
         raise DataError(
             f"dataset {documents.name!r} cannot be split into contiguous shards: the "
-            "contiguous shard layout reads local JSON-lines (.jsonl) and parquet files, and "
-            "the embedded corpus, by region; this source is read as one stream (datasets' "
-            "reader: a hub dataset, compressed files, text, csv or JSON arrays). Set "
+            "contiguous shard layout reads a source by regions (iter_region), which this "
+            f"one ({type(documents).__name__}) does not have. Set "
             "training.data_shard_layout = 'interleaved'."
         )
+    check = getattr(documents, "check_regions", None)
+    if callable(check):
+        check(num_shards)
+    has_rows = getattr(documents, "region_has_rows", None)
+    if callable(has_rows):
+        empty = [s for s in own if not has_rows(s, num_shards)]
+        if empty:
+            raise DataError(empty_region_message(documents.name, empty, num_shards))
 
 
 def _layout_mismatch(saved: str, now: str) -> str:

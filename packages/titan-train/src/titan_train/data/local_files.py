@@ -27,15 +27,18 @@ csv files (whose quoted values may hold newlines) keep ``datasets``' reader
 
 Regions (``iter_region``, the ``contiguous`` shard layout, ``titan_train.data.shards``):
 region ``s`` of ``S`` is the rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of
-the files' ``B`` bytes taken in order (JSON lines), or the rows ``[s N / S, (s + 1) N / S)``
-of the files' ``N`` rows (parquet, whose row counts are in the metadata). A region is read
-from its own bytes (or row groups) alone: a rank reading ``1/dp`` of the regions reads
-``1/dp`` of the corpus from storage."""
+the files' ``B`` bytes taken in order (JSON lines, and text, whose rows are paragraphs), or
+the rows ``[s N / S, (s + 1) N / S)`` of the files' ``N`` rows (parquet, whose row counts
+are in the metadata). A region is read from its own bytes (or row groups) alone: a rank
+reading ``1/dp`` of the regions reads ``1/dp`` of the corpus from storage.
+``region_has_rows`` finds out whether a region holds a row by reading a line at a time
+from its start."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,6 +65,15 @@ _BOM = b"\xef\xbb\xbf"
 _WS = (32, 9, 13)
 """Space, tab, CR: the bytes a blank line (which pyarrow skips) may hold."""
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+_PARAGRAPH_BREAK = re.compile(rb"(?:\r\n?+|\n)(?:\r\n?+|\n)")
+"""Two line ends: what ends a paragraph of a text file, on its raw bytes. ``\n?+`` is
+possessive so that a ``\r\n`` is one line end, never a ``\r`` and a ``\n`` (and the
+pattern starts with a set of two bytes, which the scan looks for fast)."""
+
+
+def _one_line_end(text: bytes) -> bytes:
+    """``text`` with ``\r\n`` and ``\r`` read as ``\n``."""
+    return text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
 
 def open_local_files(
@@ -168,6 +180,48 @@ class _RowSource:
         and the texts of rows ``want, want + stride, ...`` in it."""
         raise NotImplementedError
 
+    def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
+        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
+        ``regions``: the rows whose first byte is in the region's share of the files' bytes
+        (the module docstring). The region's earlier rows are counted, not parsed, and no
+        byte of another region is read but the ends of the rows crossing its edges."""
+        row = 0  # the region's next row
+        for path, begin, end in self._byte_spans(region, regions):
+            for rows in self._region_rows(path, begin, end, _REGION_CHUNK):
+                if row + len(rows) > first:  # else before the resume point: only counted
+                    for k in range(max(first - row, 0), len(rows)):
+                        self.rows_parsed += 1
+                        yield row + k, self._row_text(rows[k], path, row + k)
+                row += len(rows)
+
+    def region_has_rows(self, region: int, regions: int) -> bool:
+        """Whether region ``region`` of ``regions`` holds a row: found reading a line at a
+        time from its start, so an empty region is known before any training."""
+        spans = self._byte_spans(region, regions)
+        return any(rows for path, a, b in spans for rows in self._region_rows(path, a, b, 1))
+
+    def _byte_spans(self, region: int, regions: int) -> list[tuple[str, int, int]]:
+        """``(path, begin, end)``: the bytes of each file inside the region's share of all."""
+        sizes = [os.path.getsize(path) for path in self.files]
+        total = sum(sizes)
+        low, high = region * total // regions, (region + 1) * total // regions
+        spans, base = [], 0  # base: the file's first byte among all
+        for path, size in zip(self.files, sizes, strict=True):
+            begin, end = max(low - base, 0), min(high - base, size)
+            if begin < end:
+                spans.append((path, begin, end))
+            base += size
+        return spans
+
+    def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
+        """The raw rows of ``path`` that start in ``[begin, end)``, reading about ``size``
+        bytes at a time (the formats read by bytes)."""
+        raise NotImplementedError
+
+    def _row_text(self, raw: bytes, path: str, index: int) -> str:
+        """The document of the raw row ``raw`` (document ``index`` of its region)."""
+        raise NotImplementedError
+
     def _text(self, value: Any) -> str:
         return value if isinstance(value, str) else str(value)
 
@@ -210,35 +264,9 @@ class JsonLinesSource(_RowSource):
             yield count, texts
             first, want = first + count, want + stride * len(texts)
 
-    def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
-        ``regions``: the rows whose first byte is in the region's share of the bytes (see
-        the module docstring); the region's earlier rows are counted, not parsed, and no
-        byte of another region is read but the ends of the rows that cross its edges."""
-        sizes = [os.path.getsize(path) for path in self.files]
-        total = sum(sizes)
-        low, high = region * total // regions, (region + 1) * total // regions
-        row, base = 0, 0  # the region's next row; the first byte of the file
-        for path, size in zip(self.files, sizes, strict=True):
-            begin, end = max(low - base, 0), min(high - base, size)
-            base += size
-            if begin >= end:
-                continue
-            for chunk in self._region_chunks(path, begin, end):
-                starts, ends = _row_bounds(chunk)
-                count = len(starts)
-                if row + count <= first:  # before the resume point: counted, not parsed
-                    row += count
-                    continue
-                for k in range(max(first - row, 0), count):
-                    text = self._parse(chunk[starts[k] : ends[k]], path, row + k)
-                    self.rows_parsed += 1
-                    yield row + k, text
-                row += count
-
-    def _region_chunks(self, path: str, begin: int, end: int) -> Iterator[bytes]:
-        """The lines of ``path`` that start in ``[begin, end)``, in pieces of about
-        ``_REGION_CHUNK`` bytes of whole lines (the last one read to its end)."""
+    def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
+        """The lines of ``path`` that start in ``[begin, end)`` and are rows, a list per
+        piece of about ``size`` bytes of whole lines (the last line read to its end)."""
         with open(path, "rb") as f:
             if begin > 0:
                 f.seek(begin - 1)
@@ -246,7 +274,7 @@ class JsonLinesSource(_RowSource):
                     self.bytes_read += len(f.readline())  # a row that started before begin
             position = f.tell()
             while position < end:
-                chunk = f.read(min(_REGION_CHUNK, end - position))
+                chunk = f.read(min(size, end - position))
                 if not chunk:
                     break
                 if not chunk.endswith(b"\n"):
@@ -255,7 +283,11 @@ class JsonLinesSource(_RowSource):
                 if position == 0:
                     chunk = chunk.removeprefix(_BOM)
                 position = f.tell()
-                yield chunk
+                starts, ends = _row_bounds(chunk)
+                yield [chunk[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+    def _row_text(self, raw: bytes, path: str, index: int) -> str:
+        return self._parse(raw, path, index)
 
     def _parse(self, line: bytes, path: str, index: int) -> str:
         try:
@@ -392,9 +424,7 @@ class ParquetSource(_RowSource):
         holding its rows are read, only its rows become strings."""
         import pyarrow as pa
 
-        counts = [self._open(path).metadata.num_rows for path in self.files]
-        total = sum(counts)
-        low, high = region * total // regions, (region + 1) * total // regions
+        counts, (low, high) = self._row_span(region, regions)
         want, base = low + first, 0  # the next row wanted, over all files; the file's first
         for path, count in zip(self.files, counts, strict=True):
             if want >= high:
@@ -417,6 +447,16 @@ class ParquetSource(_RowSource):
                         want += 1
                 group_first = group_end
             base += count
+
+    def region_has_rows(self, region: int, regions: int) -> bool:
+        low, high = self._row_span(region, regions)[1]
+        return high > low
+
+    def _row_span(self, region: int, regions: int) -> tuple[list[int], tuple[int, int]]:
+        """Each file's row count (from its metadata), and the region's rows among all."""
+        counts = [self._open(path).metadata.num_rows for path in self.files]
+        total = sum(counts)
+        return counts, (region * total // regions, (region + 1) * total // regions)
 
 
 class TextSource(_RowSource):
@@ -442,6 +482,66 @@ class TextSource(_RowSource):
                 first, want = first + len(rows), want + stride * len(own)
         if rest:
             yield 1, [self._decode(rest, path)] if want == first else []
+
+    def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
+        """The raw bytes of the paragraphs of ``path`` that start in ``[begin, end)``, a list
+        per piece of about ``size`` bytes read.
+
+        Paragraphs are split on the raw bytes by ``_PARAGRAPH_BREAK`` (two line ends, each
+        ``\\r\\n``, ``\\r`` or ``\\n``), which cuts where ``_file_rows``' split of the text
+        with ``\\n`` line ends cuts. Scanning left to right, where a break is depends on the
+        line ends before it only back to the last byte that is no line end: so the scan
+        starts there (at ``begin`` itself when the byte before it is one), and the piece it
+        starts in began before it unless it is the file's first."""
+        with open(path, "rb") as f:
+            scan = self._after_text(f, begin)
+            f.seek(scan)
+            first_is_tail = scan > 0
+            offset, rest = scan, b""  # the file offset of rest's first byte
+            searched = 0  # no break starts in rest before this (its trailing line ends)
+            while True:
+                position = f.tell()
+                # Whole lines (a chunk ends at "\n"), so no "\r\n" is cut in two; past the
+                # region a line at a time, which only finishes its last paragraph.
+                chunk = f.read(min(size, end - position)) if position < end else b""
+                chunk += f.readline()
+                self.bytes_read += len(chunk)
+                rest += chunk
+                pieces: list[tuple[int, bytes]] = []
+                cut = 0
+                for match in _PARAGRAPH_BREAK.finditer(rest, searched):
+                    pieces.append((offset + cut, rest[cut : match.start()]))
+                    cut = match.end()
+                if not chunk:  # the file's end ends its last paragraph
+                    pieces.append((offset + cut, rest[cut:]))
+                rest, offset = rest[cut:], offset + cut
+                # A break not found yet can only start in rest's trailing line ends.
+                searched = len(rest.rstrip(b"\r\n"))
+                if first_is_tail and pieces:
+                    first_is_tail = False
+                    del pieces[0]
+                rows = [piece for start, piece in pieces if piece and begin <= start < end]
+                if rows:
+                    yield rows
+                if not chunk or offset >= end or any(start >= end for start, _ in pieces):
+                    return
+
+    def _row_text(self, raw: bytes, path: str, index: int) -> str:
+        return self._decode(_one_line_end(raw), path)
+
+    def _after_text(self, f: Any, begin: int) -> int:
+        """The offset after the last byte before ``begin`` that is no line end (0 if none)."""
+        position = begin
+        while position > 0:
+            step = min(256, position)
+            f.seek(position - step)
+            window = f.read(step)
+            self.bytes_read += len(window)
+            text = window.rstrip(b"\r\n")
+            if text:
+                return position - step + len(text)
+            position -= step
+        return 0
 
     def _decode(self, row: bytes, path: str) -> str:
         try:

@@ -30,9 +30,10 @@ Why this shape (the invariants the dataloader relies on):
 
 The *contiguous* layout (``training.data_shard_layout = "contiguous"``) deals the documents
 otherwise: shard ``s`` is the ``s``-th of ``S`` contiguous runs of the corpus (by bytes for
-JSON lines, by rows for parquet and the embedded corpus; the source's ``iter_region``), so
-a rank reads only its shards' part of the files from storage, where the interleaved layout's
-``i mod S`` puts every rank's documents in every megabyte of every file. The ``k``-th
+JSON lines and text, by rows for parquet and the embedded corpus, by whole files for what
+``datasets`` streams; the source's ``iter_region``), so a rank reads only its shards' part
+of the files from storage, where the interleaved layout's ``i mod S`` puts every rank's
+documents in every megabyte of every file. The ``k``-th
 document of shard ``s`` has the index ``k S + s`` (so the index still names its shard, and
 the one after it in the shard is ``S`` further on, as in the interleaved layout), and each
 shard reads its run on its own, epoch after epoch. Everything above holds for it, with
@@ -50,7 +51,7 @@ from titan_train.data.config import DataError
 from titan_train.data.sources import DocumentSource, iter_strided
 from titan_train.tokenizer.base import Tokenizer
 
-__all__ = ["Position", "ShardReader", "owned_shards"]
+__all__ = ["Position", "ShardReader", "empty_region_message", "owned_shards"]
 
 
 @dataclass(frozen=True, order=True)
@@ -211,13 +212,7 @@ class ShardReader:
             if not self.infinite:
                 return
             if not seen and first == 0:
-                raise DataError(
-                    f"dataset {self.documents.name!r} has no document in data shard {s} of "
-                    f"{self.num_shards} (the contiguous layout gives each shard 1/"
-                    f"{self.num_shards} of the corpus, and a document to the shard its first "
-                    "byte is in): it has fewer documents than shards, or documents longer "
-                    "than a shard. Lower training.data_shards."
-                )
+                raise DataError(empty_region_message(self.documents.name, [s], self.num_shards))
             epoch, first = epoch + 1, 0
 
     def _read(self, epoch: int, first: int, stride: int) -> Iterator[tuple[int, int, str]]:
@@ -239,6 +234,16 @@ class ShardReader:
             if full_pass and empty:
                 raise DataError(_empty_shards_message(self.documents.name, empty, count, self))
             epoch, index = epoch + 1, first % stride
+
+
+def empty_region_message(name: str, empty: list[int], num_shards: int) -> str:
+    """The error for contiguous shards ``empty`` that hold no document."""
+    return (
+        f"dataset {name!r} has no document in data shard(s) {empty[:5]} of {num_shards} (the "
+        f"contiguous layout gives each shard 1/{num_shards} of the corpus, and a document to "
+        "the shard its first byte, or row, is in): it has fewer documents than shards, or "
+        "documents longer than a shard. Lower training.data_shards."
+    )
 
 
 def _empty_shards_message(name: str, empty: list[int], count: int, reader: ShardReader) -> str:

@@ -45,7 +45,10 @@ class DocumentSource(Protocol):
     A source may also have ``iter_region(region, regions, first)``: ``(k, text)`` of rows
     ``k = first, first + 1, ...`` of the ``region``-th of ``regions`` contiguous runs of
     its documents, read without touching the others (the ``contiguous`` shard layout needs
-    it: local JSON-lines and parquet files, the embedded corpus)."""
+    it; every source here has it: local JSON-lines and text files by bytes, parquet files
+    and the embedded corpus by rows, what ``datasets`` streams by whole files). Then
+    ``region_has_rows(region, regions)`` says cheaply whether a region holds a document,
+    or ``check_regions(regions)`` refuses a count the source cannot be split into."""
 
     name: str
 
@@ -81,9 +84,16 @@ class _ListSource:
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
         """Documents ``[region N / regions, (region + 1) N / regions)`` from the ``first``-th."""
-        count = len(self.documents)
-        low, high = region * count // regions, (region + 1) * count // regions
+        low, high = self._bounds(region, regions)
         return enumerate(self.documents[low + first : high], start=first)
+
+    def region_has_rows(self, region: int, regions: int) -> bool:
+        low, high = self._bounds(region, regions)
+        return high > low
+
+    def _bounds(self, region: int, regions: int) -> tuple[int, int]:
+        count = len(self.documents)
+        return region * count // regions, (region + 1) * count // regions
 
 
 class _HFSource:
@@ -111,6 +121,28 @@ class _HFSource:
             return itertools.islice(zip(itertools.count(start), self._texts(rows)), 0, None, stride)
         return zip(itertools.count(start, stride), self._texts(split))
 
+    def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
+        """``(k, text)`` of rows ``k = first, first + 1, ...`` of the ``region``-th of
+        ``regions`` contiguous runs of the dataset's files (``datasets``' ``shard`` with
+        ``contiguous=True``): a rank opens only its shards' files. A resume inside a region
+        reads past the region's earlier rows (``skip``), untokenized."""
+        part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
+        rows = part.skip(first) if first else part
+        return zip(itertools.count(first), self._texts(rows))
+
+    def check_regions(self, regions: int) -> None:
+        """Refuse ``regions`` contiguous runs where the dataset has fewer files: its rows are
+        dealt to regions by whole files."""
+        files = _num_files(self.dataset)
+        if files < regions:
+            raise DataError(
+                f"dataset {self.name!r} is read by datasets' streaming reader in {files} "
+                f"file(s), and the contiguous shard layout gives each of the {regions} data "
+                f"shards whole files of it, so it needs at least as many files as shards. "
+                f"Set training.data_shards to at most {files}, or training.data_shard_layout "
+                "= 'interleaved' (every shard gets every data_shards-th row)."
+            )
+
     def _texts(self, rows: Any) -> Iterator[str]:
         for row in rows:
             try:
@@ -121,6 +153,12 @@ class _HFSource:
                     f"{sorted(row)}. Set {self.section}.text_column to one of them."
                 ) from None
             yield text if isinstance(text, str) else str(text)
+
+
+def _num_files(dataset: Any) -> int:
+    """The data sources (files) of a streaming dataset, as ``datasets`` shards it."""
+    count = getattr(dataset, "num_shards", None)
+    return int(count if count is not None else dataset.n_shards)
 
 
 def _split_by_examples(rows: Any, stride: int) -> Any:
