@@ -309,23 +309,26 @@ def report(
         ("async save: in save() / sync save", "async in save()",
          "sync save, integrity on", 0.1, "< 10%"),
         ("async save: delayed / sync save", "async delayed",
-         "sync save, integrity on", 0.1, "< 10%"),
+         "sync save, integrity on", None, "(a measure)"),
         ("async_with_pinned_mem: blocked / sync save", "pinned blocked",
          "sync save, integrity on", 0.1, "< 10%"),
         ("async_with_pinned_mem: in save() / sync save", "pinned in save()",
          "sync save, integrity on", 0.1, "< 10%"),
         ("async_with_pinned_mem: delayed / sync save", "pinned delayed",
-         "sync save, integrity on", 0.1, "< 10%"),
+         "sync save, integrity on", None, "(a measure)"),
         ("load: verify on / off", "load, verify on", "load, verify off", 1.2, "<= 1.2x"),
     ]  # fmt: skip
     print("\n| target | ratio of medians | per repetition: median (min-max) | goal | met |")
     print("|---|---|---|---|---|")
     for name, a, b, limit, goal in rows:
         ratio = med[a] / med[b]
-        pct = "%" in goal
-        met = ratio < limit if pct else ratio <= limit
+        pct = "%" in goal or limit is None
         shown = f"{ratio:.1%}" if pct else f"{ratio:.2f}x"
-        print(f"| {name} | {shown} | {pair(a, b, pct)} | {goal} | {'yes' if met else 'NO'} |")
+        if limit is None:  # not a target of the issue's: how much the save slowed the step
+            met = "-"
+        else:
+            met = "yes" if (ratio < limit if pct else ratio <= limit) else "NO"
+        print(f"| {name} | {shown} | {pair(a, b, pct)} | {goal} | {met} |")
 
 
 def run_targets(args: argparse.Namespace) -> None:

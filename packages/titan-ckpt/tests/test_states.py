@@ -179,3 +179,61 @@ def test_flatten_by_position_follows_torchs_order_and_nesting():
         "param_groups.1.betas": (0.9, 0.95),
     }
     assert states._flatten_by_position({"state": []}) is None
+
+
+class WithExtraState(nn.Module):
+    """A module whose extra state (not a tensor) keeps the FQN renaming from being learned;
+    counts its own ``state_dict()`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        self.calls = 0
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"version": 1}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().state_dict(*args, **kwargs)
+
+
+def test_a_failed_learning_is_not_tried_again_on_every_save(monkeypatch):
+    model = WithExtraState()
+    get_model_state_dict(model)
+    torchs_calls, model.calls = model.calls, 0  # what torch's function costs alone
+    calls = _counted(monkeypatch, "get_model_state_dict")
+    state = ModelState(model)
+    _same(state.state_dict(), get_model_state_dict(model))  # tried once: not learnable
+    model.calls = 0
+    for _ in range(3):
+        assert state.state_dict()["_extra_state"] == {"version": 1}
+    assert calls[0] == 1 + 3  # torch's function on every call
+    assert model.calls == 3 * torchs_calls  # and no second state_dict() per call
+
+    # The optimizer's state: learning fails when its flattening is not torch's (here an
+    # extra top-level entry torch's function keeps out); not tried again either.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.proj(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt_calls = [0]
+    real = opt.state_dict
+
+    def counting() -> dict[str, Any]:
+        opt_calls[0] += 1
+        osd = real()
+        osd["state"][0]["note"] = {"nested": torch.zeros(1)}
+        return osd
+
+    monkeypatch.setattr(opt, "state_dict", counting)
+    torchs = _counted(monkeypatch, "get_optimizer_state_dict")
+    ostate = OptimizerState(model, opt)
+    ostate.state_dict()
+    tried = opt_calls[0]
+    for _ in range(3):
+        ostate.state_dict()
+    assert torchs[0] == 4  # not learned: torch's function on every call
+    assert opt_calls[0] - tried == 3 * (tried - 1)  # torch's own calls only, per save

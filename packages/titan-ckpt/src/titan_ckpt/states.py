@@ -39,8 +39,9 @@ class ModelState:
                 "model_parts is empty: pass the model, or its pipeline stages."
             )
         # Per part, once learned: the part's own state_dict() keys, those keys in the order
-        # of torch's state dict, and their FQNs (``_learned_names``).
-        self._names: list[_Names | None] = [None] * len(self.model_parts)
+        # of torch's state dict, and their FQNs (``_learned_names``); None before the first
+        # call, False once learning failed (not tried again: each try costs a state_dict()).
+        self._names: list[_Names | None | bool] = [None] * len(self.model_parts)
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -69,13 +70,14 @@ class ModelState:
         learned for.
         """
         learned = self._names[index]
-        if learned is not None and not _has_fsdp1(part):
+        if isinstance(learned, tuple) and not _has_fsdp1(part):
             own = part.state_dict()
             keys, order, fqns = learned
             if tuple(own) == keys:
                 return {fqn: own[key] for fqn, key in zip(fqns, order, strict=True)}
         sd = get_model_state_dict(part)
-        self._names[index] = _learned_names(part, sd)
+        if learned is not False:
+            self._names[index] = _learned_names(part, sd) or False
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -220,8 +222,9 @@ class OptimizerState:
             )
         self.pairs = list(zip(parts, opts, strict=True))
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
-        # Per (part, optimizer): what the FQN keys were learned for, and the keys.
-        self._names: dict[tuple[int, int], tuple[tuple[Any, ...], tuple[str, ...]]] = {}
+        # Per (part, optimizer): what the FQN keys were learned for, and the keys; None
+        # once learning failed with the optimizer's state there (not tried again).
+        self._names: dict[tuple[int, int], tuple[tuple[Any, ...], tuple[str, ...]] | None] = {}
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -247,11 +250,14 @@ class OptimizerState:
             if flat is not None and learned[0] == (_parameters_of(part, opt), tuple(flat)):
                 return dict(zip(learned[1], flat.values(), strict=True))
         sd = get_optimizer_state_dict(part, opt, options=self._options)
-        self._names.pop(key, None)
-        if opt.state and not _has_fsdp1(part):
+        if opt.state and not _has_fsdp1(part) and (key not in self._names or learned):
+            # Learned when there is no try yet, or to relearn keys that changed; a failed
+            # try is not repeated (each costs the optimizer's state_dict()).
             flat = _flatten_by_position(opt.state_dict())
             if flat is not None and _same_values(flat, sd):
                 self._names[key] = ((_parameters_of(part, opt), tuple(flat)), tuple(sd))
+            else:
+                self._names[key] = None
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
