@@ -129,13 +129,11 @@ def test_optimizer_step_waits_for_background_staging(common, tmp_path, mode):
     assert all(torch.equal(saved[k], before[k]) for k in before)
     assert not all(torch.equal(after[k], before[k]) for k in before)  # the step changed them
     # Without the hook the same loop saves the values after the step where the copy was
-    # deferred: the test can tell. async copies the model's tensors before save() returns.
+    # deferred: the test can tell. Both modes copy the model's parameters and the
+    # optimizer's state in the background (this model has no buffers).
     _, after, saved = _saved_and_stepped(common, tmp_path / "unguarded", guarded=False, mode=mode)
-    background = [k for k in after if mode != "async" or k.startswith("state.")]
-    assert all(torch.equal(saved[k], after[k]) for k in background)
-    if mode == "async":
-        assert all(torch.equal(saved[k], before[k]) for k in after if k not in background)
-        assert not all(torch.equal(after[k], before[k]) for k in after if k not in background)
+    assert any(not k.startswith("state.") for k in after)  # the model's parameters too
+    assert all(torch.equal(saved[k], after[k]) for k in after)
 
 
 class _Counting(torch.nn.Module):
@@ -153,30 +151,48 @@ class _Counting(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
-def test_buffers_changed_by_the_next_forward_are_saved_as_at_save_time(tmp_path, mode):
-    # The next step's forward runs while async_with_pinned_mem stages (and async its
-    # optimizer's part): a buffer the forward changes must be saved as it was at save().
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_buffers_changed_by_the_next_forward_are_saved_as_at_save_time(
+    tmp_path, mode, with_optimizer
+):
+    # The next step's forward runs while async_with_pinned_mem stages (and async copies the
+    # guarded optimizer's state and the model's parameters): a buffer the forward changes
+    # must be saved as it was at save(), and the parameters as they were then too.
     torch.manual_seed(0)
     model = _Counting()
     model(torch.ones(2, 4))
+    states = {}
+    if with_optimizer:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        states = {"optimizer": OptimizerState(model, opt)}
     config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1, async_mode=mode)
-    manager = CheckpointManager(config, model_parts=model)
+    manager = CheckpointManager(config, model_parts=model, states=states)
     assert manager.save(1)  # async: the first save copies it all; the next one is deferred
     manager.wait()
     start = threading.Event()
     _late_staging(manager, start)
     weights = model.lin.weight.detach().clone()
+    seen = float(model.seen)
     assert manager.save(2)
-    model(torch.ones(3, 4))  # the next step's forward, before the staging has begun
-    assert float(model.seen) == 5
-    start.set()
+    if with_optimizer:  # the next step: its optimizer step waits for the copy
+        threading.Timer(0.3, start.set).start()
+        model(torch.ones(3, 4)).sum().backward()
+        assert float(model.seen) == seen + 3
+        opt.step()
+        assert not torch.equal(model.lin.weight, weights)
+    else:
+        model(torch.ones(3, 4))  # the next step's forward, before the staging has begun
+        assert float(model.seen) == seen + 3
+        start.set()
     manager.close()
     fresh = _Counting()
     reader = CheckpointManager(
         CheckpointConfig(enable=True, folder=str(tmp_path), load_step=2), model_parts=fresh
     )
     assert reader.load()
-    assert float(fresh.seen) == 2
+    assert float(fresh.seen) == seen
     assert torch.equal(fresh.lin.weight, weights)
 
 

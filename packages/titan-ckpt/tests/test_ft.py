@@ -308,3 +308,47 @@ def test_a_non_manager_is_refused(common, tmp_path):
             model_parts=common.make_model(),
             ft_manager=object(),
         )
+
+
+def test_a_heal_waits_for_an_async_saves_background_copy(manager, common, tmp_path):
+    """torchft heals a group by loading a peer's state into its tensors in place. An async
+    save's background copy (the model's parameters and the optimizer's state) may still be
+    reading them: the heal waits for it, so the step saved holds the values at save()."""
+    import threading
+
+    model = common.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    common.train_steps(model, opt, range(1, 3), rank=0)
+    config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1, async_mode="async")
+    ckpt = CheckpointManager(
+        config,
+        model_parts=model,
+        states={"optimizer": OptimizerState(model, opt)},
+        ft_manager=manager,
+        ft_replica_id=0,
+    )
+    manager.start_quorum()  # a quorum of this one group: participating rank 0, the writer
+    assert ckpt.save(1)  # the first save copies everything in save()
+    ckpt.wait()
+    start = threading.Event()
+    finish = ckpt._stager._finish
+
+    def late(*args, **kwargs):  # the background copy starts 0.3 s late
+        assert start.wait(timeout=60)
+        return finish(*args, **kwargs)
+
+    ckpt._stager._finish = late
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    peer = common.make_model(seed=7)
+    peer_state = {"model": peer.state_dict(), "optimizer": ckpt.states["optimizer"].state_dict()}
+    assert ckpt.save(2)
+    threading.Timer(0.3, start.set).start()
+    ckpt.ft.load_state_dict(peer_state)  # the heal, before the copy began
+    assert all(torch.equal(v, peer.state_dict()[k]) for k, v in model.state_dict().items())
+    ckpt.close()
+    fresh = common.make_model(seed=5)
+    reader = CheckpointManager(
+        CheckpointConfig(enable=True, folder=str(tmp_path), load_step=2), model_parts=fresh
+    )
+    assert reader.load()
+    assert all(torch.equal(v, at_save[k]) for k, v in fresh.state_dict().items())

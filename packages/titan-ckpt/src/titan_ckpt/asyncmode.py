@@ -1,9 +1,11 @@
 """How each ``async_mode`` maps onto DCP's async save, and the checks it needs up front.
 
 - ``async``: DCP writes from a background thread after a copy of the state to CPU memory.
-  The model's tensors (and every value but the optimizers' states) are copied before
-  ``save()`` returns; the states of the optimizers the manager hooks are copied in the
-  background (``ReusingStager.deferred``), and their next ``step()`` waits for that copy.
+  The model's buffers (and every value but the optimizers' states and the model's
+  parameters) are copied before ``save()`` returns; the states of the optimizers the manager
+  hooks, and while there are any the model's parameters, which only their ``step()``
+  changes, are copied in the background (``ReusingStager.deferred``), and the next
+  ``step()`` waits for that copy.
 - ``async_with_pinned_mem``: staging itself runs in the background (``maybe_wait_for_staging``
   waits for it before the next optimizer step; the manager's optimizers call it themselves,
   through a step pre-hook; the model's buffers, which a forward may change, are copied in

@@ -51,6 +51,7 @@ class FaultTolerance:
         model: ModelState,
         states: dict[str, Any],
         dataloader_checkpoints: bool,
+        before_heal: Callable[[], None] | None = None,
     ) -> None:
         register = getattr(ft_manager, "register_state_dict_fn", None)
         legacy = getattr(ft_manager, "set_state_dict_fns", None)
@@ -76,6 +77,9 @@ class FaultTolerance:
             )
         self.manager = ft_manager
         self.replica_id = replica_id
+        # Run before a heal overwrites the tensors in place: an async save's background copy
+        # may still read them (CheckpointManager.maybe_wait_for_staging).
+        self._before_heal = before_heal
         self.model = model
         self.states = states
         if callable(register):  # torchft >= 0.2; set_state_dict_fns is deprecated there
@@ -208,6 +212,10 @@ class FaultTolerance:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Heal from a peer's state: the model and every state but the dataloader, in place
+        (after an async save's background copy of them, if one is running, ended)."""
+        if self._before_heal is not None:
+            self._before_heal()
         self.model.load_state_dict(state_dict[MODEL])
         for name, value in state_dict.items():
             if name != MODEL:

@@ -194,6 +194,7 @@ class CheckpointManager:
         self._committer: ThreadPoolExecutor | None = None
         self._stager = None
         self._step_guards: list[Any] = []  # handles of the optimizer-step pre-hooks
+        self._guarded: frozenset[str] = frozenset()  # states whose optimizers all wait
         self._inflight: tuple[str, int, int | None] | None = None  # async: directory, step, bytes
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = 0
@@ -207,6 +208,7 @@ class CheckpointManager:
                 model=self.model,
                 states=self.states,
                 dataloader_checkpoints=config.enable_ft_dataloader_checkpoints,
+                before_heal=self.maybe_wait_for_staging,
             )
         if not config.enable:
             return
@@ -232,7 +234,8 @@ class CheckpointManager:
             guarded = self._guard_optimizer_steps()
             if self.config.async_mode == "async" and isinstance(self._stager, ReusingStager):
                 # Their tensors change only in step(), which now waits for the copy.
-                self._stager.deferred = frozenset(guarded)
+                self._guarded = frozenset(guarded)
+                self._stager.deferred = self._guarded
         self._watch = SaveWatch(
             self.storage, self.folder, rank=self._rank, distributed=self._distributed, group=self.pg
         )
@@ -399,6 +402,8 @@ class CheckpointManager:
         self._prepare_step(directory, manifest.step, needed)
         if self.config.async_mode == "async_with_pinned_mem":
             state = self._buffers_copied(state)
+        elif self._guarded and isinstance(self._stager, ReusingStager):
+            self._stager.deferred = self._guarded | self._parameter_keys(state)
         with self._quiet_single_process():
             response = dcp.async_save(
                 state,
@@ -432,6 +437,23 @@ class CheckpointManager:
             else value
             for key, value in state.items()
         }
+
+    def _parameter_keys(self, state: dict[str, Any]) -> frozenset[str]:
+        """The keys of ``state`` holding the model's parameters (and no buffer's values),
+        which ``async`` copies in the background like the guarded optimizers' states: a
+        parameter changes only in an optimizer's ``step()``, which waits for the copy (the
+        same premise as torch's background staging of ``async_with_pinned_mem``). A forward
+        may change a buffer in place, so buffers are copied before ``save()`` returns."""
+        parts = self.model.model_parts
+        params = {_storage_address(p) for part in parts for p in part.parameters()}
+        buffers = {_storage_address(b) for part in parts for b in part.buffers()}
+        params -= buffers
+        params.discard(None)
+        return frozenset(
+            key
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor) and _storage_address(value) in params
+        )
 
     def _write_replica(self, step: int, directory: str, state: dict[str, Any]) -> None:
         """Write and commit this replica group's own state (its dataloader) for ``step``."""
@@ -597,10 +619,11 @@ class CheckpointManager:
         """Block until the last async save no longer reads the training tensors.
 
         Call before the optimizer step that follows a save: the copy may still be running,
-        of the whole state (``async_with_pinned_mem``) or of the optimizers' states
-        (``async``). The optimizers among the manager's states call it themselves before they
-        step (a step pre-hook); anything else that changes the saved tensors in place must
-        call it first.
+        of the whole state (``async_with_pinned_mem``) or of the optimizers' states and the
+        model's parameters (``async``). The optimizers among the manager's states call it
+        themselves before they step (a step pre-hook), and so does a torchft heal before it
+        loads a peer's state; anything else that changes the saved tensors in place must call
+        it first.
         """
         if self._staging is not None:
             self._staging.result()

@@ -19,10 +19,10 @@ the storages of the one before.
 Deferred entries (``deferred``, top-level keys, for ``async``): a refilling staging matches
 and copies the entries under those keys on a background thread, after ``stage`` returned (a
 ``Future`` of the staged state), and stages such an entry afresh there when its layout
-changed; everything else is matched and copied before it returns. The manager defers only the
-states of optimizers it has hooked: their tensors change only inside ``step()``, and the hook
-waits for the copy first. In the state a trainer saves, the optimizer's moments are two thirds
-of the bytes, so training waits for a third of the copy.
+changed; everything else is matched and copied before it returns. The manager defers the
+states of optimizers it has hooked, and then the model's parameters: those tensors change only
+inside an optimizer's ``step()``, and the hook waits for the copy first. What training waits
+for is then the model's buffers and the small values (a step count, the dataloader's state).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class ModelState:
         # Per part, once learned: the part's own state_dict() keys, those keys in the order
         # of torch's state dict, and their FQNs (``_learned_names``); None before the first
         # call, False once learning failed (not tried again: each try costs a state_dict()).
-        self._names: list[_Names | None | bool] = [None] * len(self.model_parts)
+        self._names: list[_Names | bool | None] = [None] * len(self.model_parts)
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
