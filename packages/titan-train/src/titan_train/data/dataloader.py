@@ -48,7 +48,7 @@ logger = logging.getLogger("titan_train")
 _STATE_KEYS = ("epoch", "document", "token_offset", "windows")
 """The state of one stream (``num_shards = 1``), as titan-train wrote it before shards."""
 
-_Item = tuple[torch.Tensor, torch.Tensor, int, dict[int, Position]]
+_Item = tuple[torch.Tensor, torch.Tensor, int, dict[int, Position], dict[int, str]]
 
 _POSITIONS_KEY = {"interleaved": "shards", "contiguous": "regions"}
 
@@ -126,6 +126,9 @@ class TextDataLoader:
         self._windows = 0
         # Every shard's position; this rank advances, saves and loads only its own.
         self._positions = {s: Position() for s in range(num_shards)}
+        # Contiguous layout: each shard's source iteration state at its position ("" for
+        # none), saved with it so that a datasets stream resumes without reading past.
+        self._sources: dict[int, str] = {}
         self._own = owned_shards(num_shards, dp_rank, dp_degree)
         if shard_layout == "contiguous" and num_shards > 1:
             _check_regions(documents, num_shards, self._own)
@@ -135,10 +138,14 @@ class TextDataLoader:
         """Windows consumed, and the position of each shard this rank reads."""
         if self.num_shards == 1:
             return {**self._positions[0].as_dict(), "windows": self._windows}
+        positions = {str(s): self._positions[s].as_dict() for s in self._own}
+        if self.shard_layout == "contiguous":
+            for s in self._own:
+                positions[str(s)]["source"] = self._sources.get(s, "")
         return {
             "num_shards": self.num_shards,
             "windows": self._windows,
-            self._positions_key: {str(s): self._positions[s].as_dict() for s in self._own},
+            self._positions_key: positions,
         }
 
     @property
@@ -166,8 +173,10 @@ class TextDataLoader:
                 )
             raise DataError(_layout_mismatch(layout, self.shard_layout))
         windows = int(state_dict["windows"])
-        shards = {int(s): Position(**{k: int(v) for k, v in p.items()}) for s, p in
-                  state_dict[self._positions_key].items()}  # fmt: skip
+        saved_positions = state_dict[self._positions_key]
+        shards = {int(s): Position(**{k: int(v) for k, v in p.items() if k != "source"})
+                  for s, p in saved_positions.items()}  # fmt: skip
+        sources = {int(s): str(p.get("source", "")) for s, p in saved_positions.items()}
         missing = [s for s in self._own if s not in shards]
         if missing:
             raise DataError(
@@ -177,6 +186,7 @@ class TextDataLoader:
             )
         self._windows = windows
         self._positions.update(shards)
+        self._sources.update(sources)
 
     def _load_one_stream(self, state_dict: dict[str, Any]) -> None:
         missing = [k for k in _STATE_KEYS if k not in state_dict]
@@ -201,7 +211,7 @@ class TextDataLoader:
         now, so the first batch is being made while the caller gets ready (builds the
         model); it ends when the returned iterator is exhausted, dropped or replaced."""
         self.close()  # one producer at a time
-        batches = self._batches(self._windows, dict(self._positions))
+        batches = self._batches(self._windows, dict(self._positions), dict(self._sources))
         if self.prefetch == 0:
             return self._hand_out(batches)
         prefetcher = self._prefetcher = Prefetcher(
@@ -214,18 +224,22 @@ class TextDataLoader:
 
     def _hand_out(self, source: Iterator[_Item]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         try:
-            for inputs, labels, windows, positions in source:
+            for inputs, labels, windows, positions, sources in source:
                 # The state moves with the batch handed out, not with the producer: a
                 # checkpoint taken after this batch was used resumes with the next one.
                 self._windows = windows
                 self._positions.update(positions)
+                self._sources.update(sources)
                 yield inputs, labels
         finally:
             if isinstance(source, Prefetcher):
                 source.close()
 
-    def _batches(self, first: int, positions: dict[int, Position]) -> Iterator[_Item]:
+    def _batches(
+        self, first: int, positions: dict[int, Position], sources: dict[int, str]
+    ) -> Iterator[_Item]:
         """Batches from global window ``first``, with the state after each."""
+        contiguous = self.shard_layout == "contiguous" and self.num_shards > 1
         reader = ShardReader(
             self.documents,
             self.tokenizer,
@@ -234,7 +248,8 @@ class TextDataLoader:
             stride=math.gcd(self.dp_degree, self.num_shards),
             infinite=self.infinite,
             size=self.seq_len + 1,
-            contiguous=self.shard_layout == "contiguous" and self.num_shards > 1,
+            contiguous=contiguous,
+            sources={s: sources[s] for s in self._own if s in sources},
         )
         per_step, window = self.local_batch_size * self.dp_degree, first
         while True:
@@ -250,7 +265,14 @@ class TextDataLoader:
                     mine.append(cut)
             window += per_step
             batch = torch.tensor(mine, dtype=torch.long)
-            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), window, reader.positions()
+            states = reader.source_states() if contiguous else {}
+            yield (
+                batch[:, :-1].contiguous(),
+                batch[:, 1:].contiguous(),
+                window,
+                reader.positions(),
+                states,
+            )
 
 
 def _resume_with(key: str, saved: object, now: object, why: str) -> str:
@@ -306,6 +328,13 @@ def explain_load_error(
     if marker not in text:
         return None
     key = text.split(marker, 1)[1].split()[0].rstrip(".;)")
+    if key.endswith(".source"):  # only the stream state is missing: not a layout mismatch
+        return DataError(
+            f"the checkpoint's dataloader state lacks 'dataloader.{key}': it was written by "
+            "titan-train before the contiguous layout saved each shard's stream state "
+            "(unreleased). Add 'dataloader' to checkpoint.exclude_from_loading to start the "
+            "data over."
+        )
     if key in _STATE_KEYS:  # a sharded state, asked for as one stream
         saved = "training.data_shards = a value > 1 (see that run's config)"
     elif key == "num_shards":

@@ -37,7 +37,11 @@ documents in every megabyte of every file. The ``k``-th
 document of shard ``s`` has the index ``k S + s`` (so the index still names its shard, and
 the one after it in the shard is ``S`` further on, as in the interleaved layout), and each
 shard reads its run on its own, epoch after epoch. Everything above holds for it, with
-another stream: which layout a checkpoint was written with is part of its state.
+another stream: which layout a checkpoint was written with is part of its state. A source
+with ``iter_region_states`` (what ``datasets`` streams) also gives its iteration state
+before and after each document; the reader keeps, per shard, the one that goes with the
+shard's position (``source_states``), and a resume hands it back, so the region continues
+there instead of reading past its earlier documents.
 """
 
 from __future__ import annotations
@@ -75,15 +79,22 @@ def owned_shards(num_shards: int, dp_rank: int, dp_degree: int) -> list[int]:
     return [s for s in range(num_shards) if (s - dp_rank) % stride == 0]
 
 
+_States = tuple[str, str] | None
+"""A source's iteration state (JSON) before and after a document (``iter_region_states``)."""
+
+
 class _Shard:
     """One virtual shard's packer: queued documents (text) and the tokens not yet cut."""
 
     def __init__(self, position: Position) -> None:
         self.position = position
-        self.texts: deque[tuple[int, int, str]] = deque()  # (epoch, document, text)
+        # (epoch, document, text, the source's iteration state before and after it)
+        self.texts: deque[tuple[int, int, str, _States]] = deque()
         # The document being cut: its epoch, index, tokens, and the next unread token.
         self.current: tuple[int, int, list[int]] | None = None
         self.offset = 0
+        self.states: _States = None  # the current document's, where the source has them
+        self.source = ""  # the source state that goes with ``position`` before any read
         self.seen = False  # got a document during a full pass of the source
 
 
@@ -105,6 +116,9 @@ class ShardReader:
         size: tokens per window (``seq_len + 1``).
         contiguous: the contiguous layout (module docstring): each shard reads its own run
             of the documents through the source's ``iter_region``.
+        sources: per shard, the source's iteration state saved with its position
+            (``source_states``; contiguous layout, sources with ``iter_region_states``):
+            a region resumes there instead of reading past its earlier documents.
     """
 
     def __init__(
@@ -118,15 +132,19 @@ class ShardReader:
         infinite: bool,
         size: int,
         contiguous: bool = False,
+        sources: dict[int, str] | None = None,
     ) -> None:
         self.documents = documents
         self.tokenizer = tokenizer
         self.num_shards = num_shards
         self.shards = {s: _Shard(p) for s, p in shards.items()}
+        for s, state in (sources or {}).items():
+            if s in self.shards:
+                self.shards[s].source = state
         self.infinite = infinite
         self.size = size
         self.stride = stride
-        self._regions: dict[int, Iterator[tuple[int, int, str]]] | None = None
+        self._regions: dict[int, Iterator[tuple[int, int, str, _States]]] | None = None
         if contiguous:
             self._regions = {s: self._read_region(s, p) for s, p in shards.items()}
             return
@@ -139,6 +157,21 @@ class ShardReader:
     def positions(self) -> dict[int, Position]:
         """Every owned shard's position now."""
         return {s: shard.position for s, shard in self.shards.items()}
+
+    def source_states(self) -> dict[int, str]:
+        """Every owned shard's source iteration state at its position ("" where the source
+        has none): the state before the current document while the position is inside it,
+        after it once the position moved past it."""
+        out = {}
+        for s, shard in self.shards.items():
+            if shard.current is None or shard.states is None:
+                out[s] = shard.source
+                continue
+            epoch, index, _ = shard.current
+            before, after = shard.states
+            inside = (shard.position.epoch, shard.position.document) == (epoch, index)
+            out[s] = before if inside else after
+        return out
 
     def next_window(self, s: int) -> list[int] | None:
         """The next window of shard ``s``; ``None`` when finite data ran out."""
@@ -165,7 +198,7 @@ class ShardReader:
         while not shard.texts:
             if not (self._pull() if self._regions is None else self._pull_region(s, shard)):
                 return False
-        epoch, index, text = shard.texts.popleft()
+        epoch, index, text, shard.states = shard.texts.popleft()
         ids = self.tokenizer.encode(text, bos=True, eos=True)
         start = shard.position
         skip = start.token_offset if (epoch, index) == (start.epoch, start.document) else 0
@@ -178,7 +211,7 @@ class ShardReader:
             item = next(self._source, None)
             if item is None:
                 return False
-            epoch, index, _ = item
+            epoch, index, _, _ = item
             shard = self.shards.get(index % self.num_shards)
             if shard is None:
                 continue
@@ -197,26 +230,33 @@ class ShardReader:
         shard.texts.append(item)
         return True
 
-    def _read_region(self, s: int, start: Position) -> Iterator[tuple[int, int, str]]:
-        """``(epoch, index, text)`` of shard ``s``'s documents from ``start`` on, its run of
-        the corpus read again each epoch (contiguous layout)."""
+    def _read_region(self, s: int, start: Position) -> Iterator[tuple[int, int, str, _States]]:
+        """``(epoch, index, text, states)`` of shard ``s``'s documents from ``start`` on,
+        its run of the corpus read again each epoch (contiguous layout)."""
         region = getattr(self.documents, "iter_region", None)
+        with_states = getattr(self.documents, "iter_region_states", None)
         if region is None:
             raise DataError(f"dataset {self.documents.name!r} cannot be read by regions.")
         epoch, first = start.epoch, start.document // self.num_shards
+        state = self.shards[s].source
         while True:
             seen = False
-            for k, text in region(s, self.num_shards, first):
+            if with_states is not None:
+                items = with_states(s, self.num_shards, first, state)
+            else:
+                items = ((k, text, None, None) for k, text in region(s, self.num_shards, first))
+            for k, text, before, after in items:
                 seen = True
-                yield epoch, k * self.num_shards + s, text
+                states = None if before is None or after is None else (before, after)
+                yield epoch, k * self.num_shards + s, text, states
             if not self.infinite:
                 return
             if not seen and first == 0:
                 raise DataError(empty_region_message(self.documents.name, [s], self.num_shards))
-            epoch, first = epoch + 1, 0
+            epoch, first, state = epoch + 1, 0, ""
 
-    def _read(self, epoch: int, first: int, stride: int) -> Iterator[tuple[int, int, str]]:
-        """``(epoch, index, text)`` of this rank's documents from ``first`` on."""
+    def _read(self, epoch: int, first: int, stride: int) -> Iterator[tuple[int, int, str, _States]]:
+        """``(epoch, index, text, None)`` of this rank's documents from ``first`` on."""
         index = first
         while True:
             full_pass, count = index < stride, 0
@@ -227,7 +267,7 @@ class ShardReader:
                 if shard is not None:
                     shard.seen = True
                 count += 1
-                yield epoch, i, text
+                yield epoch, i, text, None
             if not self.infinite:
                 return
             empty = [s for s, shard in self.shards.items() if not shard.seen]

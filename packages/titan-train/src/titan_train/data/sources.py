@@ -12,6 +12,7 @@ restart at document ``i`` skips ``i`` rows without tokenizing them.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -129,6 +130,28 @@ class _HFSource:
         part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
         rows = part.skip(first) if first else part
         return zip(itertools.count(first), self._texts(rows))
+
+    def iter_region_states(
+        self, region: int, regions: int, first: int, state: str = ""
+    ) -> Iterator[tuple[int, str, str, str]]:
+        """``(k, text, before, after)``: ``iter_region``'s rows with ``datasets``' iteration
+        state (``IterableDataset.state_dict``, as JSON) before and after each. Given the
+        ``state`` saved with row ``first`` (its ``before``, or the previous row's
+        ``after``), the region resumes there (``load_state_dict``): ``datasets`` reopens
+        the Arrow table its state points at (read a little before the position, at most a
+        file or two back) and skips to the position; the files before are not opened.
+        Without one, the first ``first`` rows are read past."""
+        part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
+        if state:
+            part.load_state_dict(json.loads(state))
+        rows = iter(part)
+        k = first if state else 0
+        before = state
+        for text in self._texts(rows):
+            after = json.dumps(part.state_dict())
+            if k >= first:
+                yield k, text, before, after
+            before, k = after, k + 1
 
     def check_regions(self, regions: int) -> None:
         """Refuse ``regions`` contiguous runs where the dataset has fewer files: its rows are
