@@ -31,7 +31,7 @@ import gc
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -429,8 +429,7 @@ class CheckpointManager:
         buffer in place (an MoE layer's token counts, a norm's running statistics); the
         parameters change only in the optimizer's step, which waits for the staging. Buffers
         are small: copying them here costs little."""
-        buffers = {_storage_address(b) for part in self.model.model_parts for b in part.buffers()}
-        buffers.discard(None)
+        buffers = _addresses(b for part in self.model.model_parts for b in part.buffers())
         return {
             key: value.clone()
             if isinstance(value, torch.Tensor) and _storage_address(value) in buffers
@@ -445,10 +444,8 @@ class CheckpointManager:
         same premise as torch's background staging of ``async_with_pinned_mem``). A forward
         may change a buffer in place, so buffers are copied before ``save()`` returns."""
         parts = self.model.model_parts
-        params = {_storage_address(p) for part in parts for p in part.parameters()}
-        buffers = {_storage_address(b) for part in parts for b in part.buffers()}
-        params -= buffers
-        params.discard(None)
+        params = _addresses(p for part in parts for p in part.parameters())
+        params -= _addresses(b for part in parts for b in part.buffers())
         return frozenset(
             key
             for key, value in state.items()
@@ -753,6 +750,11 @@ class CheckpointManager:
             dcp.load(
                 state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
             )
+
+
+def _addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The storage addresses of ``tensors`` (``_storage_address``), those without one left out."""
+    return {address for t in tensors if (address := _storage_address(t)) is not None}
 
 
 def _storage_address(tensor: torch.Tensor) -> int | None:

@@ -625,3 +625,13 @@ def test_a_datasets_stream_resumes_from_its_state_without_reading_earlier_files(
     _, local = _corpus(tmp_path, n=20)
     _, ran = _run(local, 1, 2, **kwargs)
     assert {p["source"] for p in ran[0].state_dict()["regions"].values()} == {""}
+
+
+def test_a_damaged_stream_state_is_refused_when_loaded(tmp_path):
+    _, source = _corpus(tmp_path)
+    loader = _loader(source, **CONTIGUOUS)
+    next(iter(loader))
+    state = loader.state_dict()
+    state["regions"]["3"]["source"] = "__import__('os')"  # not titan-train's JSON object
+    with pytest.raises(DataError, match=r"data shard 3: its stream state .* not the JSON object"):
+        _loader(source, **CONTIGUOUS).load_state_dict(state)

@@ -27,6 +27,7 @@ one layout is never read as the other.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import weakref
@@ -177,6 +178,14 @@ class TextDataLoader:
         shards = {int(s): Position(**{k: int(v) for k, v in p.items() if k != "source"})
                   for s, p in saved_positions.items()}  # fmt: skip
         sources = {int(s): str(p.get("source", "")) for s, p in saved_positions.items()}
+        for s, source in sources.items():
+            if source and not _is_json_object(source):
+                raise DataError(
+                    f"dataloader state of data shard {s}: its stream state ('source') is not "
+                    f"the JSON object titan-train saves ({source[:60]!r}); the checkpoint is "
+                    "damaged or not titan-train's. Add 'dataloader' to "
+                    "checkpoint.exclude_from_loading to start the data over."
+                )
         missing = [s for s in self._own if s not in shards]
         if missing:
             raise DataError(
@@ -275,6 +284,13 @@ class TextDataLoader:
             )
 
 
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def _resume_with(key: str, saved: object, now: object, why: str) -> str:
     """The error for a dataloader state saved with another ``training.<key>``."""
     return (
@@ -330,10 +346,9 @@ def explain_load_error(
     key = text.split(marker, 1)[1].split()[0].rstrip(".;)")
     if key.endswith(".source"):  # only the stream state is missing: not a layout mismatch
         return DataError(
-            f"the checkpoint's dataloader state lacks 'dataloader.{key}': it was written by "
-            "titan-train before the contiguous layout saved each shard's stream state "
-            "(unreleased). Add 'dataloader' to checkpoint.exclude_from_loading to start the "
-            "data over."
+            f"the checkpoint's dataloader state lacks 'dataloader.{key}': it was written by a "
+            "titan-train from before the contiguous layout saved each shard's stream state. "
+            "Add 'dataloader' to checkpoint.exclude_from_loading to start the data over."
         )
     if key in _STATE_KEYS:  # a sharded state, asked for as one stream
         saved = "training.data_shards = a value > 1 (see that run's config)"

@@ -125,11 +125,9 @@ class _HFSource:
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
         """``(k, text)`` of rows ``k = first, first + 1, ...`` of the ``region``-th of
         ``regions`` contiguous runs of the dataset's files (``datasets``' ``shard`` with
-        ``contiguous=True``): a rank opens only its shards' files. A resume inside a region
-        reads past the region's earlier rows (``skip``), untokenized."""
-        part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
-        rows = part.skip(first) if first else part
-        return zip(itertools.count(first), self._texts(rows))
+        ``contiguous=True``): a rank opens only its shards' files. Without a saved state
+        (``iter_region_states``) the region's earlier rows are read past, untokenized."""
+        return ((k, text) for k, text, _, _ in self.iter_region_states(region, regions, first))
 
     def iter_region_states(
         self, region: int, regions: int, first: int, state: str = ""
