@@ -26,7 +26,12 @@ from titan_ckpt import (
     OptimizerState,
     UnsafeCheckpointError,
 )
-from titan_ckpt.formats.pickles import ALLOWED_GLOBALS, RestrictedUnpickler, stored_member
+from titan_ckpt.formats.pickles import (
+    ALLOWED_GLOBALS,
+    RECORD_GLOBALS,
+    RestrictedUnpickler,
+    stored_member,
+)
 from titan_ckpt.layout import COMMIT_MARKER
 
 SYSTEM = f"{os.system.__module__}.system"  # how the poison's global is spelled: posix.system
@@ -276,28 +281,37 @@ class _Recorder(pickle.Unpickler):
         return None
 
 
-def _globals_of(step_dir: Path) -> set[tuple[str, str]]:
-    """Every global that the .metadata and every record (tensor or not) of a DCP step
+def _globals_of(step_dir: Path) -> tuple[set, set]:
+    """Every global that the .metadata and that the records (tensor or not) of a DCP step
     refer to; records are located by the metadata's own offsets."""
-    seen: set = set()
+    in_metadata: set = set()
+    in_records: set = set()
     metadata = pickle.loads((step_dir / ".metadata").read_bytes())  # ours: trusted
-    _Recorder((step_dir / ".metadata").read_bytes(), seen).load()
+    _Recorder((step_dir / ".metadata").read_bytes(), in_metadata).load()
     for info in metadata.storage_data.values():
         with open(step_dir / info.relative_path, "rb") as f:
             f.seek(info.offset)
             raw = io.BytesIO(f.read(info.length))
         record = zipfile.ZipFile(raw)
         (pkl,) = [i for i in record.infolist() if i.filename.endswith("data.pkl")]
-        _Recorder(stored_member(raw, pkl), seen).load()  # its CRC-32 is not computed
-    return seen
+        _Recorder(stored_member(raw, pkl), in_records).load()  # its CRC-32 is not computed
+    return in_metadata, in_records
 
 
-def _allowed(module: str, name: str) -> bool:
+def _allowed_in_metadata(module: str, name: str) -> bool:
     try:
         RestrictedUnpickler(io.BytesIO(b"")).find_class(module, name)
     except Exception:
         return False
     return True
+
+
+def _allowed_in_records(module: str, name: str) -> bool:
+    """torch's weights-only list, or one of ours (protocol 2 names builtins __builtin__)."""
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    full = f"{'builtins' if module == '__builtin__' else module}.{name}"
+    return full in _get_allowed_globals() or full in {n for _, n in RECORD_GLOBALS}
 
 
 def test_every_kind_of_titan_checkpoint_needs_only_allowed_globals(tmp_path, common, titan_ckpt):
@@ -325,23 +339,24 @@ def test_every_kind_of_titan_checkpoint_needs_only_allowed_globals(tmp_path, com
     assert code == 0, err
     kinds = {"full": full, "model-only": model_only, "converted": converted}
 
-    seen: set = set()
+    in_metadata: set = set()
+    in_records: set = set()
     for name, step in kinds.items():
-        found = _globals_of(step)
-        assert found, name
-        seen |= found
+        metadata_globals, record_globals = _globals_of(step)
+        assert metadata_globals, name
+        assert record_globals, name
+        in_metadata |= metadata_globals
+        in_records |= record_globals
         code, out, err = titan_ckpt("verify", step)  # under the allowlist: every record loads
         assert code == 0, (name, out, err)
-    refused = sorted(g for g in seen if not _allowed(*g))
-    assert refused == []
-    assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen
-    assert {
-        ("_io", "BytesIO"),
-        ("_codecs", "encode"),
-        ("torch._utils", "_rebuild_tensor_v2"),
-    } <= seen
+    assert sorted(g for g in in_metadata if not _allowed_in_metadata(*g)) == []
+    assert sorted(g for g in in_records if not _allowed_in_records(*g)) == []
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in in_metadata
+    assert {("_io", "BytesIO"), ("_codecs", "encode"), ("torch._utils", "_rebuild_tensor_v2")} <= (
+        in_records
+    )
     # Beyond the named list, only torch's constants (dtypes, layouts, memory formats).
-    assert {m for m, _ in seen - ALLOWED_GLOBALS} <= {"torch"}
+    assert {m for m, _ in in_metadata - ALLOWED_GLOBALS} <= {"torch"}
 
 
 def test_fsspec_memory_checkpoint_loads_and_refuses_poison(tmp_path, common):
@@ -362,7 +377,7 @@ def test_fsspec_memory_checkpoint_loads_and_refuses_poison(tmp_path, common):
     metadata = fs.cat(f"{folder}/step-1/.metadata")
     seen: set = set()
     _Recorder(metadata, seen).load()
-    assert [g for g in seen if not _allowed(*g)] == []
+    assert [g for g in seen if not _allowed_in_metadata(*g)] == []
 
     def load() -> bool:
         loader = CheckpointManager(

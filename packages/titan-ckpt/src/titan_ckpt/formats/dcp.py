@@ -7,9 +7,10 @@ reader with two changes, both skipped with ``trust_pickles=True``:
   DCP's types) and checks the result's structure: every field the readers use has the type
   DCP gives it, so a damaged file ends in ``CheckpointReadError`` rather than an
   ``AttributeError`` somewhere later.
-- ``read_data`` hands DCP's planner a wrapper whose ``load_bytes`` first proves each
-  non-tensor record (a ``torch.save`` the default planner loads with ``weights_only=False``)
-  unpickles under the same allowlist. This works for any load planner.
+- ``read_data`` hands DCP's planner a wrapper whose ``load_bytes`` unpickles each non-tensor
+  record (a ``torch.save`` the default planner would load with ``weights_only=False``) once,
+  through ``pickles.load_record``, and stores that object as the default planner would. A
+  planner with a ``load_bytes`` of its own is refused (it would unpickle the bytes itself).
 
 ``unwrap_read_errors`` turns DCP's ``CheckpointException`` (a ``BaseException`` that wraps
 whatever a reader raised) back into the titan error inside it, or into one that names the
@@ -40,7 +41,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -56,7 +59,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
 from titan_ckpt.formats.hashing import records_without_crc32
-from titan_ckpt.formats.pickles import check_record, load_metadata, stored_member
+from titan_ckpt.formats.pickles import load_metadata, load_record, stored_member
 
 __all__ = [
     "DCP_METADATA",
@@ -133,17 +136,31 @@ def safe_fsspec_reader(url: str, *, trust_pickles: bool = False) -> Any:
 
 
 class _CheckedRecords:
-    """A load planner whose ``load_bytes`` checks each record before the real one loads it."""
+    """A load planner whose ``load_bytes`` unpickles each record once, under the record
+    allowlist (``pickles.load_record``), and stores that object where DCP's default planner
+    would: the bytes never reach the planner's own ``torch.load(weights_only=False)``."""
 
     def __init__(self, planner: Any, reader: _SafeReading) -> None:
+        if type(planner).load_bytes is not DefaultLoadPlanner.load_bytes:
+            raise CheckpointReadError(
+                f"{type(planner).__name__} unpickles records its own way, which titan-ckpt "
+                "cannot restrict: load with DCP's DefaultLoadPlanner, or pass "
+                "trust_pickles=True for a checkpoint you made yourself."
+            )
         self._planner = planner
         self._reader = reader
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         info = self._reader.storage_data[read_item.storage_index]
-        where = f"{os.path.join(str(self._reader.path), info.relative_path)} (the record of "
-        check_record(value, f"{where}{read_item.dest_index.fqn!r})")
-        self._planner.load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        path = os.path.join(str(self._reader.path), info.relative_path)
+        obj = load_record(value, f"{path} (the record of {fqn!r})")
+        planner = self._planner
+        # What DefaultLoadPlanner.load_bytes does with the object it unpickles.
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[fqn], obj)
+        else:
+            planner.state_dict[fqn] = obj
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
