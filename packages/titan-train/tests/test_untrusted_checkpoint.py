@@ -1,7 +1,9 @@
 """titan-train resuming from a checkpoint whose ``.metadata`` was poisoned (a pickle that would
 create a marker file when unpickled): the run stops before any work with one message naming
-the class, exit status 2, and the marker never appears. Checked against the real CLI in one
-process and real DCP files written by an earlier run."""
+the class, exit status 2, and the marker never appears; the same for a gadget that changes
+an allowlisted function (a BUILD on ``torch.serialization._get_layout``), which stays
+unchanged. Checked against the real CLI in one process and real DCP files written by an
+earlier run."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import hashlib
 import json
 import os
 import pickle
+import struct
 
+import torch
 import torch.distributed as dist
 
 from titan_train.cli import main
@@ -43,14 +47,10 @@ def test_resume_from_a_poisoned_checkpoint_exits_2_and_runs_nothing(tmp_path, ca
     assert logged == [1, 2, 3]  # the second run resumed at step 2: it trained step 3 alone
     step = dump / "checkpoint" / "step-3"
     marker = tmp_path / "pwned"
-    metadata = pickle.loads((step / ".metadata").read_bytes())  # our own file: trusted here
+    clean = (step / ".metadata").read_bytes()
+    metadata = pickle.loads(clean)  # our own file: trusted here
     metadata.planner_data = {"note": Poison(str(marker))}
-    (step / ".metadata").write_bytes(pickle.dumps(metadata))
-    # The attacker also fixes the commit marker's manifest, so only the pickle check remains.
-    commit = json.loads((step / "titan-commit.json").read_text())
-    data = (step / ".metadata").read_bytes()
-    commit["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (step / "titan-commit.json").write_text(json.dumps(commit))
+    _replace_metadata(step, pickle.dumps(metadata))
     capsys.readouterr()
 
     code = main(["train", *TINY, "--training.steps", "4", "--job.dump_folder", str(dump)])
@@ -63,3 +63,34 @@ def test_resume_from_a_poisoned_checkpoint_exits_2_and_runs_nothing(tmp_path, ca
     assert "Traceback" not in err
     assert not (dump / "checkpoint" / "step-4").exists()  # no training happened
     assert not dist.is_initialized()
+
+    # A gadget that runs no global of its own: a BUILD on the allowlisted function
+    # torch.serialization._get_layout, which a second unpickling of the same bytes would
+    # have used to resolve os.system (titan-ckpt's test_pickle_gadgets has the whole pair).
+    gadget = _global("torch.serialization", "_get_layout") + pickle.EMPTY_DICT + pickle.MARK
+    gadget += _str("cache") + pickle.EMPTY_DICT + pickle.MARK + _str("m") + _str("posix")
+    gadget += pickle.SETITEMS + pickle.SETITEMS + pickle.BUILD + pickle.POP
+    _replace_metadata(step, clean[:2] + gadget + clean[2:])
+    code = main(["train", *TINY, "--training.steps", "4", "--job.dump_folder", str(dump)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "a change to the state of function _get_layout" in err
+    assert "m" not in torch.serialization._get_layout.cache
+    assert not (dump / "checkpoint" / "step-4").exists()
+
+
+def _replace_metadata(step, data: bytes) -> None:
+    """Write ``data`` as the step's .metadata and fix the commit marker's manifest, as an
+    attacker would, so that only the pickle check remains."""
+    (step / ".metadata").write_bytes(data)
+    commit = json.loads((step / "titan-commit.json").read_text())
+    commit["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "titan-commit.json").write_text(json.dumps(commit))
+
+
+def _str(text: str) -> bytes:
+    return pickle.BINUNICODE + struct.pack("<I", len(text)) + text.encode()
+
+
+def _global(module: str, name: str) -> bytes:
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
