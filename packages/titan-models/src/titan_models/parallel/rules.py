@@ -58,6 +58,8 @@ def check_layout(
         # Raises for torch's context parallel on a device it has no kernels for.
         device_type = parallel_dims.device_type or detect_device_type()
         implementation = resolve_cp_attention(config.cp_attention, device_type)
+        # Dense blocks compile whole (fullgraph), where dynamo refuses the ring's P2P ops at
+        # the first forward (seen for Llama 3 and Qwen3 on 2 gloo ranks, torch 2.13).
         if implementation == "titan_ring" and config.compile:
             raise ModelConfigError(
                 "parallelize.compile with cp_attention='titan_ring' cannot work: the ring's "
