@@ -46,10 +46,11 @@ class ModelSpec:
     """``check_fn(args, parallel_dims, parallelize_config, *, seq_len=None,
     pipeline_config=None, local_batch_size=None)``: raise ``ModelConfigError`` when ``args``
     cannot be trained with this layout (heads per tensor-parallel rank, the pipeline split,
-    experts per expert-parallel rank). It needs no process group and no model, so a trainer
-    calls it before any work; ``pipeline_config`` and ``local_batch_size`` (the batch one
-    data-parallel rank steps with) come with pipeline parallelism. ``None``: the family's
-    plans check as they build."""
+    experts per expert-parallel rank: ``titan_models.parallel.check_layout`` and
+    ``check_pipeline`` hold the rules every family shares). It needs no process group and
+    no model, so a trainer calls it before any work; ``pipeline_config`` and
+    ``local_batch_size`` (the batch one data-parallel rank steps with) come with pipeline
+    parallelism. ``None``: the family's plans check as they build."""
     post_step_fn: (
         Callable[[Sequence[nn.Module], ParallelDims], Callable[[], None] | None] | None
     ) = None

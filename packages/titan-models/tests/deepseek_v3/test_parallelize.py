@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from titan_dims import ParallelDims
-from titan_models import DeepSeekV3Args, ModelConfigError, ParallelizeConfig, PipelineConfig
-from titan_models.deepseek_v3 import DEEPSEEK_V3, check_deepseek_v3
+from titan_models import DeepSeekV3Args, ModelConfigError, ParallelizeConfig
+from titan_models.deepseek_v3 import check_deepseek_v3
 
 TWO_RANKS = ("fsdp", "ep", "ep_ac", "ep_compile", "tp", "cp", "pp")
 FOUR_RANKS = ("ep_fsdp", "ep_tp", "ep_pp", "hsdp_ep")
@@ -36,54 +36,21 @@ def small(**overrides) -> DeepSeekV3Args:
 @pytest.mark.parametrize(
     ("degrees", "args", "config", "match"),
     [
-        ({"world_size": 8, "tp": 8}, {}, {}, "tp=8 must divide n_heads=4"),
-        ({"world_size": 8, "dp_shard": 8, "ep": 8}, {}, {}, r"expert_parallel_degree=8 .* 1, 2, 4"),
-        (
-            {"world_size": 2, "dp_shard": 2, "ep": 2},
-            {"n_layers": 1},
-            {},
-            "no MoE block",
-        ),
+        ({"world_size": 2, "dp_shard": 2, "ep": 2}, {"n_layers": 1}, {}, "no MoE block"),
         (
             {"world_size": 2, "cp": 2, "dp_shard": 1},
             {},
             {"cp_attention": "titan_ring"},
             r"different head sizes \(24 and 16\); set parallelize.cp_attention='titan'",
         ),
-        (
-            {"world_size": 4, "tp": 2, "dp_replicate": 2, "dp_shard": 1},
-            {},
-            {},
-            "use HSDP instead",
-        ),
     ],
 )
 def test_impossible_layouts_fail_before_any_work(degrees, args, config, match):
-    dims = ParallelDims(device_type="cpu", **{"world_size": 1, **degrees})
+    """DeepSeek-V3's own rules beside the shared ones (tests/parallel/test_rules.py): dense
+    blocks only have no experts, and MLA runs titan's all-gather attention only."""
+    dims = ParallelDims(device_type="cpu", **degrees)
     with pytest.raises(ModelConfigError, match=match):
         check_deepseek_v3(small(**args), dims, ParallelizeConfig(**config), seq_len=32)
-
-
-def test_the_pipeline_split_is_checked_without_a_process_group():
-    assert DEEPSEEK_V3.check_fn is check_deepseek_v3
-    dims = ParallelDims(world_size=2, pp=2, device_type="cpu")
-    with pytest.raises(ModelConfigError, match="layers_per_stage=2 does not divide n_layers=3"):
-        check_deepseek_v3(
-            small(),
-            dims,
-            ParallelizeConfig(),
-            seq_len=32,
-            pipeline_config=PipelineConfig(layers_per_stage=2),
-            local_batch_size=4,
-        )
-    check_deepseek_v3(
-        small(n_layers=4),
-        dims,
-        ParallelizeConfig(),
-        seq_len=32,
-        pipeline_config=PipelineConfig(),
-        local_batch_size=4,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -15,79 +15,35 @@ import torch
 
 from titan_dims import ParallelDims
 from titan_models import (
-    LLAMA3,
     ActivationCheckpointConfig,
     Llama3,
     ModelConfigError,
     ParallelizeConfig,
-    PipelineConfig,
     check_llama,
-    check_parallelism,
     parallelize_llama,
 )
 
 
 @pytest.mark.parametrize(
-    ("degrees", "seq_len", "match"),
+    ("degrees", "match"),
     [
-        ({"world_size": 8, "tp": 4}, 32, "tp=4 must divide n_kv_heads=2"),
-        ({"world_size": 8, "tp": 8}, 32, "tp=8 must divide n_heads=4"),
-        (
-            {"world_size": 8, "tp": 2},
-            30,
-            r"seq_len=30 must be divisible by 4 = tensor_parallel_degree \(2\) x "
-            r"context_parallel_degree \(1\)",
-        ),
-        ({"world_size": 4, "dp_replicate": 2, "dp_shard": 1, "tp": 2}, 32, "use HSDP instead"),
-        ({"world_size": 8, "cp": 2, "tp": 2}, 36, r"seq_len=36 must be divisible by 8"),
-        ({"world_size": 8, "ep": 2}, 32, "dense model without experts"),
+        ({"world_size": 8, "tp": 4}, "tp=4 must divide n_kv_heads=2"),
+        ({"world_size": 8, "ep": 2}, "ep=2: Llama 3 is a dense model without experts; set ep=1"),
     ],
 )
-def test_impossible_layouts_fail_before_any_work(tiny, degrees, seq_len, match):
+def test_impossible_layouts_fail_before_any_work(tiny, degrees, match):
+    """Llama 3's facts for the shared rules (tests/parallel/test_rules.py): its key/value
+    heads split too, it has no experts; parallelize_llama refuses before touching the model."""
     dims = ParallelDims(**degrees)
     with torch.device("meta"):
         model = Llama3(tiny.tiny_args())
     before = dict(model.named_parameters())
     # No process group exists here: reaching for a mesh would raise a different error.
     with pytest.raises(ModelConfigError, match=match):
-        parallelize_llama(model, dims, ParallelizeConfig(), seq_len=seq_len)
+        parallelize_llama(model, dims, ParallelizeConfig(), seq_len=32)
     assert dict(model.named_parameters()).keys() == before.keys()
     with pytest.raises(ModelConfigError, match=match):
-        check_parallelism(tiny.tiny_args(), dims, ParallelizeConfig(), seq_len=seq_len)
-
-
-@pytest.mark.parametrize(
-    ("pipeline", "local_batch_size", "match"),
-    [
-        (PipelineConfig(layers_per_stage=3), 8, "layers_per_stage=3 does not divide n_layers=2"),
-        (PipelineConfig(microbatch_size=3), 8, "local_batch_size=8 is not a multiple"),
-        (PipelineConfig(schedule="Interleaved1F1B"), 8, "at least as many blocks"),
-        (None, None, "needs pipeline_config and local_batch_size"),
-    ],
-)
-def test_check_llama_refuses_a_pipeline_without_a_process_group(
-    tiny, pipeline, local_batch_size, match
-):
-    """The spec's check_fn: what pipeline_llama would refuse, decided from the args alone."""
-    assert LLAMA3.check_fn is check_llama
-    dims = ParallelDims(world_size=2, pp=2)
-    with pytest.raises(ModelConfigError, match=match):
-        check_llama(
-            tiny.tiny_args(),
-            dims,
-            ParallelizeConfig(),
-            seq_len=32,
-            pipeline_config=pipeline,
-            local_batch_size=local_batch_size,
-        )
-    check_llama(
-        tiny.tiny_args(),
-        dims,
-        ParallelizeConfig(),
-        seq_len=32,
-        pipeline_config=PipelineConfig(microbatch_size=2),
-        local_batch_size=8,
-    )
+        check_llama(tiny.tiny_args(), dims, ParallelizeConfig(), seq_len=32)
 
 
 def test_torch_context_parallel_on_cpu_fails_before_any_work(tiny):
@@ -101,7 +57,7 @@ def test_torch_context_parallel_on_cpu_fails_before_any_work(tiny):
         parallelize_llama(model, dims, config)
     assert [type(b.attention.inner_attention) for b in model.layers.values()] == attentions
     # Without context parallel the choice is irrelevant and accepted.
-    check_parallelism(tiny.tiny_args(), ParallelDims(world_size=1, device_type="cpu"), config)
+    check_llama(tiny.tiny_args(), ParallelDims(world_size=1, device_type="cpu"), config)
 
 
 def _grads(tiny, ac: ActivationCheckpointConfig) -> tuple[float, dict[str, torch.Tensor]]:
@@ -117,25 +73,6 @@ def _grads(tiny, ac: ActivationCheckpointConfig) -> tuple[float, dict[str, torch
         n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
     }
     return loss.item(), grads
-
-
-def test_compile_with_the_ring_attention_is_refused_before_any_work(tiny):
-    """Reproduced on 2 gloo ranks: torch.compile(fullgraph) of the ring fails on its P2P ops."""
-    dims = ParallelDims(world_size=2, cp=2, dp_shard=1, device_type="cpu")
-    config = ParallelizeConfig(cp_attention="titan_ring", compile=True)
-    with pytest.raises(ModelConfigError, match="P2P compilation disabled"):
-        check_parallelism(tiny.tiny_args(), dims, config, seq_len=32)
-    config = ParallelizeConfig(cp_attention="titan", compile=True)
-    assert check_parallelism(tiny.tiny_args(), dims, config, seq_len=32) == "titan"
-
-
-def test_cpu_offload_without_fsdp_is_rejected(tiny):
-    with pytest.raises(ModelConfigError, match="cpu_offload=True offloads FSDP"):
-        check_parallelism(
-            tiny.tiny_args(),
-            ParallelDims(world_size=2, tp=2),
-            ParallelizeConfig(cpu_offload=True),
-        )
 
 
 @pytest.mark.parametrize(

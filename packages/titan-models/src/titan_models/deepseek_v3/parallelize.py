@@ -34,22 +34,21 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_dims import ParallelDims, detect_device_type
+from titan_dims import ParallelDims
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.model import DeepSeekV3
 from titan_models.errors import ModelConfigError
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
-from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
+from titan_models.parallel.context_parallel import apply_context_parallel
 from titan_models.parallel.data_parallel import apply_ddp
-from titan_models.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel
+from titan_models.parallel.expert_parallel import apply_expert_parallel
 from titan_models.parallel.moe_parallel import (
     SumGradOverGroup,
     apply_fsdp_with_experts,
     apply_moe_tp,
 )
-from titan_models.parallel.pipeline import split_blocks
-from titan_models.parallel.step import check_seq_len
+from titan_models.parallel.rules import check_layout, check_pipeline
 from titan_models.parallel.tensor_parallel import apply_tp_ends
 
 __all__ = ["apply_tp_deepseek_v3", "check_deepseek_v3", "parallelize_deepseek_v3"]
@@ -65,12 +64,12 @@ def check_deepseek_v3(
     local_batch_size: int | None = None,
 ) -> None:
     """Raise ``ModelConfigError`` if a DeepSeek-V3 of ``args`` cannot be trained with this
-    layout: whole heads per tp rank, experts shared equally by the ep ranks (and experts to
-    share at all), titan's context-parallel attention, and under pipeline parallelism the
-    microbatches and the stage split. No process group or model needed."""
+    layout: the rules every family shares (``titan_models.parallel.rules``) for ``n_heads``
+    heads, expert parallel only with MoE blocks, the pipeline's included; and titan's
+    context-parallel attention only. No process group or model needed
+    (``DEEPSEEK_V3.check_fn``)."""
     _check_layout(args, parallel_dims, parallelize_config, seq_len)
-    if parallel_dims.pp_enabled:
-        _check_pipeline(args, parallel_dims, pipeline_config, local_batch_size)
+    check_pipeline(parallel_dims, args.n_layers, pipeline_config, local_batch_size)
 
 
 def _check_layout(
@@ -80,61 +79,24 @@ def _check_layout(
     seq_len: int | None,
 ) -> None:
     """What one model (or one pipeline stage) is checked against."""
-    tp = parallel_dims.tp
-    if args.n_heads % tp:
+    has_experts = args.n_layers > args.n_dense_layers
+    implementation = check_layout(
+        parallel_dims,
+        parallelize_config,
+        # Keys and values come per head from the one latent (wkv_b): n_heads of each too.
+        heads={"n_heads": args.n_heads},
+        seq_len=args.max_seq_len if seq_len is None else seq_len,
+        experts=args.moe_args() if has_experts else None,
+        no_experts=f"this DeepSeek-V3 has no MoE block (n_layers={args.n_layers} <= "
+        f"n_dense_layers={args.n_dense_layers})",
+    )
+    if implementation not in (None, "titan"):
         raise ModelConfigError(
-            f"Tensor parallel degree tp={tp} must divide n_heads={args.n_heads}: each TP rank "
-            f"holds whole attention heads. Choose tp among "
-            f"{[d for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]}."
+            f"cp_attention={parallelize_config.cp_attention!r} ({implementation}) cannot run "
+            "DeepSeek-V3's attention, whose keys and values have different head sizes "
+            f"({args.qk_nope_head_dim + args.qk_rope_head_dim} and {args.v_head_dim}); "
+            "set parallelize.cp_attention='titan' (the all-gather attention)."
         )
-    check_seq_len(args.max_seq_len if seq_len is None else seq_len, parallel_dims)
-    if parallel_dims.ep_enabled:
-        if args.n_layers <= args.n_dense_layers:
-            raise ModelConfigError(
-                f"ep={parallel_dims.ep}: this DeepSeek-V3 has no MoE block (n_layers="
-                f"{args.n_layers} <= n_dense_layers={args.n_dense_layers}); set ep=1."
-            )
-        check_expert_parallel(args.moe_args(), parallel_dims.ep)
-    if parallel_dims.cp_enabled:
-        device_type = parallel_dims.device_type or detect_device_type()
-        chosen = resolve_cp_attention(parallelize_config.cp_attention, device_type)
-        if chosen != "titan":
-            raise ModelConfigError(
-                f"cp_attention={parallelize_config.cp_attention!r} ({chosen}) cannot run "
-                "DeepSeek-V3's attention, whose keys and values have different head sizes "
-                f"({args.qk_nope_head_dim + args.qk_rope_head_dim} and {args.v_head_dim}); "
-                "set parallelize.cp_attention='titan' (the all-gather attention)."
-            )
-    if parallelize_config.cpu_offload and not parallel_dims.fsdp_enabled:
-        raise ModelConfigError(
-            "cpu_offload=True offloads FSDP's sharded parameters, but FSDP is off here "
-            f"(dp_shard={parallel_dims.dp_shard}, cp={parallel_dims.cp}); set dp_shard > 1 or "
-            "cpu_offload=False."
-        )
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and tp > 1:
-        raise ModelConfigError(
-            f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
-            f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
-        )
-
-
-def _check_pipeline(
-    args: DeepSeekV3Args,
-    parallel_dims: ParallelDims,
-    pipeline_config: PipelineConfig | None,
-    local_batch_size: int | None,
-) -> None:
-    if pipeline_config is None or local_batch_size is None:
-        raise ModelConfigError(
-            f"pp={parallel_dims.pp}: checking a pipeline needs pipeline_config and "
-            "local_batch_size."
-        )
-    if local_batch_size % pipeline_config.microbatch_size:
-        raise ModelConfigError(
-            f"local_batch_size={local_batch_size} is not a multiple of "
-            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
-        )
-    split_blocks(args.n_layers, parallel_dims.pp, pipeline_config)
 
 
 def _shared_rope_key_hook(kv_lora_rank: int, tp_mesh: DeviceMesh):

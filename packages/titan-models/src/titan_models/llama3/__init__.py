@@ -13,7 +13,6 @@ from titan_models.llama3.model import Llama3
 from titan_models.llama3.parallelize import (
     apply_tp,
     check_llama,
-    check_parallelism,
     parallelize_llama,
 )
 from titan_models.llama3.pipeline import pipeline_llama
@@ -30,7 +29,6 @@ __all__ = [
     "apply_tp",
     "args_from_hf_config",
     "check_llama",
-    "check_parallelism",
     "llama3_args",
     "make_adapter",
     "parallelize_llama",

@@ -5,8 +5,8 @@ DTensors on the ``tp`` mesh), then context parallel (its attention input hook mu
 after TP's, on the gathered sequence), then activation checkpointing and ``torch.compile``
 around each block, then FSDP2/HSDP over ``dp_shard_cp`` (which shards the TP DTensors once
 more) or DDP.
-Every impossible combination is rejected by :func:`check_parallelism` before anything is
-touched.
+Every impossible combination is rejected by :func:`check_llama` (but the pipeline's rules)
+before anything is touched.
 """
 
 from __future__ import annotations
@@ -21,66 +21,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_dims import ParallelDims, detect_device_type
-from titan_models.errors import ModelConfigError
 from titan_models.llama3.args import Llama3Args
 from titan_models.llama3.model import Llama3
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
-from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
+from titan_models.parallel.context_parallel import apply_context_parallel
 from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
-from titan_models.parallel.pipeline import split_blocks
-from titan_models.parallel.step import check_seq_len
+from titan_models.parallel.rules import check_layout, check_pipeline
 from titan_models.parallel.tensor_parallel import apply_tp_ends
 
-__all__ = ["apply_tp", "check_llama", "check_parallelism", "parallelize_llama"]
-
-
-def check_parallelism(
-    args: Llama3Args,
-    parallel_dims: ParallelDims,
-    config: ParallelizeConfig,
-    *,
-    seq_len: int | None = None,
-) -> str | None:
-    """Raise ``ModelConfigError`` if ``args`` cannot be parallelized as asked; return the
-    context-parallel implementation ``config.cp_attention`` resolves to on this device
-    (``None`` without context parallel)."""
-    tp = parallel_dims.tp
-    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
-        if heads % tp:
-            raise ModelConfigError(
-                f"Tensor parallel degree tp={tp} must divide {name}={heads}: each TP rank "
-                f"holds whole attention heads. Choose tp among "
-                f"{[d for d in range(1, heads + 1) if heads % d == 0]}."
-            )
-    check_seq_len(args.max_seq_len if seq_len is None else seq_len, parallel_dims)
-    implementation = None
-    if parallel_dims.cp_enabled:
-        # Raises for torch's context parallel on a device it has no kernels for.
-        device_type = parallel_dims.device_type or detect_device_type()
-        implementation = resolve_cp_attention(config.cp_attention, device_type)
-        if implementation == "titan_ring" and config.compile:
-            raise ModelConfigError(
-                "parallelize.compile with cp_attention='titan_ring' cannot work: the ring's "
-                "point-to-point sends do not compile (torch: P2P compilation disabled). Use "
-                "cp_attention='titan' (it compiles) or turn compile off."
-            )
-    if parallel_dims.ep_enabled:
-        raise ModelConfigError(
-            f"ep={parallel_dims.ep}: Llama 3 is a dense model without experts; set ep=1."
-        )
-    if config.cpu_offload and not parallel_dims.fsdp_enabled:
-        raise ModelConfigError(
-            "cpu_offload=True offloads FSDP's sharded parameters, but FSDP is off here "
-            f"(dp_shard={parallel_dims.dp_shard}, cp={parallel_dims.cp}); set dp_shard > 1 or "
-            "cpu_offload=False."
-        )
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and tp > 1:
-        raise ModelConfigError(
-            f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
-            f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
-        )
-    return implementation
+__all__ = ["apply_tp", "check_llama", "parallelize_llama"]
 
 
 def check_llama(
@@ -93,22 +43,24 @@ def check_llama(
     local_batch_size: int | None = None,
 ) -> None:
     """Raise ``ModelConfigError`` if a Llama 3 of ``args`` cannot be trained with this layout:
-    :func:`check_parallelism`, and under pipeline parallelism the microbatches and the stage
-    split. No process group or model needed (``LLAMA3.check_fn``)."""
-    check_parallelism(args, parallel_dims, parallelize_config, seq_len=seq_len)
-    if not parallel_dims.pp_enabled:
-        return
-    if pipeline_config is None or local_batch_size is None:
-        raise ModelConfigError(
-            f"pp={parallel_dims.pp}: checking a pipeline needs pipeline_config and "
-            "local_batch_size."
-        )
-    if local_batch_size % pipeline_config.microbatch_size:
-        raise ModelConfigError(
-            f"local_batch_size={local_batch_size} is not a multiple of "
-            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
-        )
-    split_blocks(args.n_layers, parallel_dims.pp, pipeline_config)
+    the rules every family shares (``titan_models.parallel.rules``) for a dense model of
+    ``n_heads`` query and ``n_kv_heads`` key/value heads, the pipeline's included. No process
+    group or model needed (``LLAMA3.check_fn``)."""
+    _check_layout(args, parallel_dims, parallelize_config, seq_len)
+    check_pipeline(parallel_dims, args.n_layers, pipeline_config, local_batch_size)
+
+
+def _check_layout(
+    args: Llama3Args, parallel_dims: ParallelDims, config: ParallelizeConfig, seq_len: int | None
+) -> str | None:
+    return check_layout(
+        parallel_dims,
+        config,
+        heads={"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        seq_len=args.max_seq_len if seq_len is None else seq_len,
+        experts=None,
+        no_experts="Llama 3 is a dense model without experts",
+    )
 
 
 def apply_tp(model: Llama3, tp_mesh, *, loss_parallel: bool) -> None:
@@ -162,7 +114,7 @@ def parallelize_llama(
     inside ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
     config = config or ParallelizeConfig()
-    cp_implementation = check_parallelism(model.args, parallel_dims, config, seq_len=seq_len)
+    cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
     device_type = parallel_dims.device_type or detect_device_type()
 
     if parallel_dims.tp_enabled:

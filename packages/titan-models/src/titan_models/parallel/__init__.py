@@ -1,5 +1,6 @@
 """Model-independent parallelize building blocks: configs, activation checkpointing, context
-parallel (all-gather, ring, torch's), expert parallel, FSDP/DDP, pipelines."""
+parallel (all-gather, ring, torch's), expert parallel, FSDP/DDP, pipelines, and the layout
+rules every family shares (``check_layout``, ``check_pipeline``)."""
 
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import (
@@ -38,6 +39,7 @@ from titan_models.parallel.pipeline import (
     stages_of_rank,
 )
 from titan_models.parallel.ring_attention import RingContextParallelAttention
+from titan_models.parallel.rules import check_layout, check_pipeline
 from titan_models.parallel.step import (
     StepContext,
     check_seq_len,
@@ -67,6 +69,8 @@ __all__ = [
     "build_pipeline",
     "build_schedule",
     "check_expert_parallel",
+    "check_layout",
+    "check_pipeline",
     "check_seq_len",
     "context_parallel_batch",
     "context_parallel_positions",

@@ -35,83 +35,19 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_dims import ParallelDims, detect_device_type
-from titan_models.errors import ModelConfigError
+from titan_dims import ParallelDims
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
-from titan_models.parallel.context_parallel import apply_context_parallel, resolve_cp_attention
+from titan_models.parallel.context_parallel import apply_context_parallel
 from titan_models.parallel.data_parallel import apply_ddp
-from titan_models.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel
+from titan_models.parallel.expert_parallel import apply_expert_parallel
 from titan_models.parallel.moe_parallel import apply_fsdp_with_experts, apply_moe_tp
-from titan_models.parallel.pipeline import split_blocks
-from titan_models.parallel.step import check_seq_len
+from titan_models.parallel.rules import check_layout, check_pipeline
 from titan_models.parallel.tensor_parallel import apply_tp_ends
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.model import Qwen3
 
 __all__ = ["apply_tp_qwen3", "check_qwen3", "parallelize_qwen3"]
-
-
-def _check_layout(
-    args: Qwen3Args,
-    parallel_dims: ParallelDims,
-    config: ParallelizeConfig,
-    seq_len: int | None,
-) -> str | None:
-    """What one model (or one pipeline stage) is checked against; returns the context
-    parallel implementation (``None`` without cp)."""
-    tp = parallel_dims.tp
-    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
-        if heads % tp:
-            raise ModelConfigError(
-                f"Tensor parallel degree tp={tp} must divide {name}={heads}: each TP rank "
-                f"holds whole attention heads. Choose tp among "
-                f"{[d for d in range(1, heads + 1) if heads % d == 0]}."
-            )
-    check_seq_len(args.max_seq_len if seq_len is None else seq_len, parallel_dims)
-    if parallel_dims.ep_enabled:
-        if args.n_moe_layers == 0:
-            raise ModelConfigError(
-                f"ep={parallel_dims.ep}: this Qwen3 has no MoE block (moe_enabled="
-                f"{args.moe_enabled}); set ep=1, or choose an MoE flavor."
-            )
-        check_expert_parallel(args.moe_args(), parallel_dims.ep)
-    implementation = None
-    if parallel_dims.cp_enabled:
-        # Raises for torch's context parallel on a device it has no kernels for.
-        device_type = parallel_dims.device_type or detect_device_type()
-        implementation = resolve_cp_attention(config.cp_attention, device_type)
-    if config.cpu_offload and not parallel_dims.fsdp_enabled:
-        raise ModelConfigError(
-            "cpu_offload=True offloads FSDP's sharded parameters, but FSDP is off here "
-            f"(dp_shard={parallel_dims.dp_shard}, cp={parallel_dims.cp}); set dp_shard > 1 or "
-            "cpu_offload=False."
-        )
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and tp > 1:
-        raise ModelConfigError(
-            f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
-            f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
-        )
-    return implementation
-
-
-def _check_pipeline(
-    args: Qwen3Args,
-    parallel_dims: ParallelDims,
-    pipeline_config: PipelineConfig | None,
-    local_batch_size: int | None,
-) -> None:
-    if pipeline_config is None or local_batch_size is None:
-        raise ModelConfigError(
-            f"pp={parallel_dims.pp}: checking a pipeline needs pipeline_config and "
-            "local_batch_size."
-        )
-    if local_batch_size % pipeline_config.microbatch_size:
-        raise ModelConfigError(
-            f"local_batch_size={local_batch_size} is not a multiple of "
-            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
-        )
-    split_blocks(args.n_layers, parallel_dims.pp, pipeline_config)
 
 
 def check_qwen3(
@@ -124,13 +60,25 @@ def check_qwen3(
     local_batch_size: int | None = None,
 ) -> None:
     """Raise ``ModelConfigError`` if a Qwen3 of ``args`` cannot be trained with this layout:
-    whole query and key-value heads per tp rank, expert parallel only for an MoE flavor and
-    with the experts shared equally, the sequence length against tp and cp, and under
-    pipeline parallelism the microbatches and the stage split. No process
-    group or model needed (``QWEN3.check_fn``)."""
+    the rules every family shares (``titan_models.parallel.rules``) for ``n_heads`` query
+    and ``n_kv_heads`` key/value heads, expert parallel for an MoE flavor only, the
+    pipeline's included. No process group or model needed (``QWEN3.check_fn``)."""
     _check_layout(args, parallel_dims, parallelize_config, seq_len)
-    if parallel_dims.pp_enabled:
-        _check_pipeline(args, parallel_dims, pipeline_config, local_batch_size)
+    check_pipeline(parallel_dims, args.n_layers, pipeline_config, local_batch_size)
+
+
+def _check_layout(
+    args: Qwen3Args, parallel_dims: ParallelDims, config: ParallelizeConfig, seq_len: int | None
+) -> str | None:
+    return check_layout(
+        parallel_dims,
+        config,
+        heads={"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
+        seq_len=args.max_seq_len if seq_len is None else seq_len,
+        experts=args.moe_args() if args.n_moe_layers else None,
+        no_experts=f"this Qwen3 has no MoE block (moe_enabled={args.moe_enabled}: choose an "
+        "MoE flavor for experts)",
+    )
 
 
 def _block_plan(block: nn.Module) -> dict[str, object]:

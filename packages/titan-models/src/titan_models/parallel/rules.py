@@ -1,0 +1,104 @@
+"""The layout rules every model family shares, in one place so that the families cannot drift
+apart: a family's check (``check_llama``, ``check_qwen3``, ``check_deepseek_v3``, a spec's
+``check_fn``) states its facts (head counts, experts, blocks) and adds only the rules of its
+own architecture.
+
+:func:`check_layout` is what one model, or one pipeline stage, is parallelized against;
+:func:`check_pipeline` what a pipeline adds. Neither needs a process group or a model, so a
+trainer calls them before any work; each raises one ``ModelConfigError``.
+"""
+
+from __future__ import annotations
+
+from titan_dims import ParallelDims, detect_device_type
+from titan_models.errors import ModelConfigError
+from titan_models.moe.args import MoEArgs
+from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
+from titan_models.parallel.context_parallel import resolve_cp_attention
+from titan_models.parallel.expert_parallel import check_expert_parallel
+from titan_models.parallel.pipeline import split_blocks
+from titan_models.parallel.step import check_seq_len
+
+__all__ = ["check_layout", "check_pipeline"]
+
+
+def check_layout(
+    parallel_dims: ParallelDims,
+    config: ParallelizeConfig,
+    *,
+    heads: dict[str, int],
+    seq_len: int,
+    experts: MoEArgs | None,
+    no_experts: str = "the model has no experts",
+) -> str | None:
+    """Raise ``ModelConfigError`` unless a model can be parallelized as ``parallel_dims`` and
+    ``config`` say; return the context-parallel implementation ``config.cp_attention``
+    resolves to on this device (``None`` without context parallel).
+
+    The model's facts: ``heads``, every head count a tensor-parallel rank splits, by its
+    argument's name (``{"n_heads": 32, "n_kv_heads": 8}``); ``seq_len``, the sequence length
+    it runs with; ``experts``, its MoE blocks' args, or ``None`` without MoE blocks, and then
+    ``no_experts`` says why (``"Llama 3 is a dense model without experts"``) when ``ep > 1``.
+    """
+    tp = parallel_dims.tp
+    for name, count in heads.items():
+        if count % tp:
+            raise ModelConfigError(
+                f"Tensor parallel degree tp={tp} must divide {name}={count}: each TP rank "
+                f"holds whole attention heads. Choose tp among "
+                f"{[d for d in range(1, count + 1) if count % d == 0]}."
+            )
+    check_seq_len(seq_len, parallel_dims)
+    if parallel_dims.ep_enabled:
+        if experts is None:
+            raise ModelConfigError(f"ep={parallel_dims.ep}: {no_experts}; set ep=1.")
+        check_expert_parallel(experts, parallel_dims.ep)
+    implementation = None
+    if parallel_dims.cp_enabled:
+        # Raises for torch's context parallel on a device it has no kernels for.
+        device_type = parallel_dims.device_type or detect_device_type()
+        implementation = resolve_cp_attention(config.cp_attention, device_type)
+        # Dense blocks compile whole (fullgraph), where dynamo refuses the ring's P2P ops at
+        # the first forward (seen for Llama 3 and Qwen3 on 2 gloo ranks, torch 2.13).
+        if implementation == "titan_ring" and config.compile:
+            raise ModelConfigError(
+                "parallelize.compile with cp_attention='titan_ring' cannot work: the ring's "
+                "point-to-point sends do not compile (torch: P2P compilation disabled). Use "
+                "cp_attention='titan' (it compiles) or turn compile off."
+            )
+    if config.cpu_offload and not parallel_dims.fsdp_enabled:
+        raise ModelConfigError(
+            "cpu_offload=True offloads FSDP's sharded parameters, but FSDP is off here "
+            f"(dp_shard={parallel_dims.dp_shard}, cp={parallel_dims.cp}); set dp_shard > 1 or "
+            "cpu_offload=False."
+        )
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled and tp > 1:
+        raise ModelConfigError(
+            f"DDP (dp_replicate={parallel_dims.dp_replicate}, dp_shard=1) cannot be combined "
+            f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
+        )
+    return implementation
+
+
+def check_pipeline(
+    parallel_dims: ParallelDims,
+    n_layers: int,
+    pipeline_config: PipelineConfig | None,
+    local_batch_size: int | None,
+) -> None:
+    """Under pipeline parallel (nothing to check without), raise ``ModelConfigError`` unless
+    ``local_batch_size`` splits into whole microbatches and the ``n_layers`` blocks into
+    stages as ``pipeline_config`` says (:func:`titan_models.parallel.split_blocks`)."""
+    if not parallel_dims.pp_enabled:
+        return
+    if pipeline_config is None or local_batch_size is None:
+        raise ModelConfigError(
+            f"pp={parallel_dims.pp}: checking a pipeline needs pipeline_config and "
+            "local_batch_size."
+        )
+    if local_batch_size % pipeline_config.microbatch_size:
+        raise ModelConfigError(
+            f"local_batch_size={local_batch_size} is not a multiple of "
+            f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
+        )
+    split_blocks(n_layers, parallel_dims.pp, pipeline_config)

@@ -1,0 +1,115 @@
+"""The layout rules every family shares (titan_models.parallel.rules): each family's spec
+``check_fn`` (what titan-train's preflight calls) refuses every rule's breach with the rule's
+message, and accepts a layout that uses every feature. No process group: ``ParallelDims``
+builds no mesh until asked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from titan_dims import ParallelDims
+from titan_models import (
+    DEEPSEEK_V3,
+    LLAMA3,
+    QWEN3,
+    DeepSeekV3Args,
+    Llama3Args,
+    ModelConfigError,
+    ParallelizeConfig,
+    PipelineConfig,
+    Qwen3Args,
+)
+
+_QWEN3 = dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96)
+_DEEPSEEK_V3 = dict(
+    dim=64, inter_dim=128, moe_inter_dim=32, n_layers=2, n_heads=4, n_routed_experts=4,
+    n_activated_experts=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16,
+)  # fmt: skip
+_MOE = {"moe_enabled": True, "num_experts": 4, "top_k": 2, "moe_inter_dim": 32}
+_COMMON = {"vocab_size": 256, "max_seq_len": 32}
+# Each family: its spec, a dense model and one with 4 experts (None: it has none); 4 query
+# heads and at most 3 blocks in each.
+FAMILIES = {
+    "llama3": (LLAMA3, Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **_COMMON), None),
+    "qwen3": (QWEN3, Qwen3Args(**_QWEN3, **_COMMON), Qwen3Args(**_QWEN3, **_MOE, **_COMMON)),
+    "deepseek_v3": (
+        DEEPSEEK_V3,
+        DeepSeekV3Args(**_DEEPSEEK_V3, n_dense_layers=2, **_COMMON),
+        DeepSeekV3Args(**_DEEPSEEK_V3, n_dense_layers=1, **_COMMON),
+    ),
+}
+# Each rule: the degrees, ParallelizeConfig fields, check_fn keywords, and the message.
+RULES = {
+    "whole heads per tp rank": ({"tp": 8}, {}, {}, "tp=8 must divide n_heads=4: each TP rank"),
+    "seq_len splits over tp and cp": (
+        {"tp": 2, "cp": 2}, {}, {"seq_len": 36}, r"seq_len=36 must be divisible by 8",
+    ),
+    "torch's cp needs its kernels": (
+        {"cp": 2}, {"cp_attention": "torch"}, {}, "cp_attention='torch' cannot run on device",
+    ),
+    "the ring does not compile": (
+        {"cp": 2}, {"cp_attention": "titan_ring", "compile": True}, {}, "P2P compilation disabled",
+    ),
+    "ep needs experts": ({"dp_shard": 2, "ep": 2}, {}, {}, r"^ep=2: .*; set ep=1\.$"),
+    "ep shares the experts equally": (
+        {"dp_shard": 8, "ep": 8}, {}, {}, "expert_parallel_degree=8 is not allowed with num_",
+    ),
+    "cpu_offload needs FSDP": ({"tp": 2}, {"cpu_offload": True}, {}, "but FSDP is off here"),
+    "no DDP with tp": ({"dp_replicate": 2, "tp": 2}, {}, {}, "use HSDP instead: dp_shard > 1"),
+    "a pipeline needs its settings": (
+        {"pp": 2}, {}, {"local_batch_size": None}, "needs pipeline_config and local_batch_size",
+    ),
+    "whole microbatches": (
+        {"pp": 2}, {},
+        {"pipeline_config": PipelineConfig(microbatch_size=2), "local_batch_size": 3},
+        "local_batch_size=3 is not a multiple",
+    ),
+    "the stage split": (
+        {"pp": 2}, {}, {"pipeline_config": PipelineConfig(layers_per_stage=5)},
+        "layers_per_stage=5 does not divide",
+    ),
+}  # fmt: skip
+# Rules that need a model with experts.
+WITH_EXPERTS = {"ep shares the experts equally"}
+
+
+def _check(family: str, degrees: dict, config: dict, keywords: dict, *, experts: bool) -> None:
+    spec, dense, moe = FAMILIES[family]
+    dims = ParallelDims(
+        world_size=math.prod(n for name, n in degrees.items() if name != "ep"),
+        device_type="cpu",
+        **degrees,
+    )
+    keywords = {"seq_len": 32, "pipeline_config": PipelineConfig(), "local_batch_size": 4} | (
+        keywords
+    )
+    spec.check_fn(moe if experts else dense, dims, ParallelizeConfig(**config), **keywords)
+
+
+@pytest.mark.parametrize(
+    ("family", "rule"),
+    [
+        (family, rule)
+        for family, (_, _, moe) in FAMILIES.items()
+        for rule in RULES
+        if moe is not None or rule not in WITH_EXPERTS
+    ],
+)
+def test_every_family_refuses_every_shared_rule(family, rule):
+    degrees, config, keywords, match = RULES[rule]
+    with pytest.raises(ModelConfigError, match=match):
+        _check(family, degrees, config, keywords, experts=rule in WITH_EXPERTS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_accepts_a_layout_within_the_rules(family):
+    """The fixes the messages name pass: HSDP x tp x cp (titan's attention, compiled) with
+    cpu offload; a pipeline, with expert parallel where the family has experts."""
+    hsdp_tp_cp = {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "cp": 2}
+    config = {"cp_attention": "titan", "compile": True, "cpu_offload": True}
+    _check(family, hsdp_tp_cp, config, {}, experts=False)
+    experts = FAMILIES[family][2] is not None
+    _check(family, {"pp": 2, "dp_shard": 2, "ep": 2 if experts else 1}, {}, {}, experts=experts)
