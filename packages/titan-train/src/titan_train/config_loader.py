@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from titan_train.errors import ConfigError
 
-__all__ = ["ConfigError", "load_config", "read_toml", "to_dict"]
+__all__ = ["ConfigError", "check_int_ranges", "load_config", "read_toml", "to_dict"]
 
 T = TypeVar("T")
 EXTENDS_KEY = "extends"
@@ -95,7 +95,7 @@ def load_config(
         )
     # tyro reads any whole number; the file's were checked in from_dict, so what is out of
     # range here came from the command line.
-    _check_int_ranges(config, source="command line")
+    check_int_ranges(config, source="command line")
     return config
 
 
@@ -114,7 +114,7 @@ def _check_int_range(value: Any, *, source: str, where: str) -> None:
             )
 
 
-def _check_int_ranges(config: Any, *, source: str, prefix: str = "") -> None:
+def check_int_ranges(config: Any, *, source: str, prefix: str = "") -> None:
     """Check every whole number in the dataclass tree ``config`` (lists included) against
     ``INT64``: one rule for every int field, whichever package's section declares it."""
     for f in dataclasses.fields(config):
@@ -122,7 +122,7 @@ def _check_int_ranges(config: Any, *, source: str, prefix: str = "") -> None:
         where = f"{prefix}{f.name}"
         for item in value if isinstance(value, list | tuple) else (value,):
             if dataclasses.is_dataclass(item):
-                _check_int_ranges(item, source=source, prefix=f"{where}.")
+                check_int_ranges(item, source=source, prefix=f"{where}.")
             else:
                 _check_int_range(item, source=source, where=where)
 
