@@ -131,8 +131,11 @@ _LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "lit
 def _starts_as_torch_save(path: str) -> bool:
     """Whether ``path`` begins as ``torch.save`` writes: a zip whose first member is
     ``<name>/data.pkl``, or the legacy format's magic number."""
-    with open(path, "rb") as f:
-        head = f.read(256)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:  # unreadable: the caller's format error says so
+        return False
     if head.startswith(_LEGACY_MAGIC):
         return True
     if not head.startswith(b"PK\x03\x04") or len(head) < 30:
