@@ -133,6 +133,49 @@ def test_failed_conversion_leaves_nothing(saved_folder, tmp_path, titan_ckpt):
     assert os.listdir(out_parent) == []
 
 
+def _truncated(path, name=None):
+    """``path`` (or its member ``name``) cut to half its size."""
+    target = path / name if name else path
+    os.truncate(target, target.stat().st_size // 2)
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "dcp data",  # found while the tensors stream into the DCP writer
+        "dcp metadata",
+        "torch.save",  # was "not a torch.save file", a usage error (2)
+        "safetensors",
+    ],
+)
+def test_damaged_source_to_dcp_is_one_line_and_leaves_nothing(
+    saved_folder, tmp_path, titan_ckpt, damage
+):
+    import shutil
+
+    step = tmp_path / "src" / "step-2"
+    shutil.copytree(saved_folder / "step-2", step)
+    if damage.startswith("dcp"):
+        src = _truncated(step, "__0_0.distcp" if damage == "dcp data" else ".metadata")
+    else:
+        to, name = ("torch", "c.pt") if damage == "torch.save" else ("safetensors", "c.safetensors")
+        assert titan_ckpt("convert", step, tmp_path / name, "--to", to)[0] == 0
+        src = _truncated(tmp_path / name)
+    out_parent = tmp_path / "out"  # not ours: kept, as is what it holds
+    out_parent.mkdir()
+    (out_parent / "keep.txt").write_text("mine")
+    # --model-only: tensors alone, so that no object is read before DCP's writer streams them.
+    dst = out_parent / "made" / "dst"
+    code, _, err = titan_ckpt("convert", src, dst, "--to", "dcp", "--model-only")
+    assert code == 1
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("titan-ckpt: error: ")
+    assert "titan-ckpt verify" in err
+    assert os.listdir(out_parent) == ["keep.txt"]  # made/, which convert created, is gone
+
+
 def test_console_script_module_and_help(tmp_path):
     # One real process: the entry point as installed (python -m: same function).
     proc = subprocess.run([sys.executable, "-m", "titan_ckpt.cli", "convert", "--help"],

@@ -1,6 +1,7 @@
 """``titan-ckpt verify`` on intact and damaged copies of a CheckpointManager step: a truncated
 data file, a flipped byte, a missing shard file and a missing ``.metadata``, each with and
-without the titan commit marker; the verdict names the file (and keys) and sets the exit code."""
+without the titan markers; the verdict names the file (and keys) and sets the exit code. A step
+of ours whose save never committed is not OK."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_ckpt import COMMIT_MARKER
+from titan_ckpt import COMMIT_MARKER, OWNER_MARKER
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -22,11 +23,12 @@ DATA = "__0_0.distcp"
 
 @pytest.fixture(params=["titan", "plain"])
 def step(request, saved_folder, tmp_path):
-    """A fresh copy of step-2; "plain" drops the commit marker (a torchtitan-style DCP dir)."""
+    """A fresh copy of step-2; "plain" drops titan's markers (a torchtitan-style DCP dir)."""
     copy = tmp_path / "step-2"
     shutil.copytree(saved_folder / "step-2", copy)
     if request.param == "plain":
         (copy / COMMIT_MARKER).unlink()
+        (copy / OWNER_MARKER).unlink()
     return copy
 
 
@@ -121,6 +123,31 @@ def test_unparsable_commit_marker_is_reported(saved_folder, tmp_path, titan_ckpt
     assert report["problems"][0].startswith(f"step-2: {COMMIT_MARKER}: unreadable")
     # step-3 holds only the owner marker: an interrupted save, a note and not a problem.
     assert report["notes"] == ["step-3: uncommitted (interrupted or in progress), not checked"]
+
+
+def test_a_step_whose_save_never_committed_is_not_ok(saved_folder, tmp_path, titan_ckpt):
+    # Every file of the save written (.metadata included), then killed before the commit.
+    step = tmp_path / "step-2"
+    shutil.copytree(saved_folder / "step-2", step)
+    (step / COMMIT_MARKER).unlink()
+    code, out, _ = titan_ckpt("verify", step)
+    assert code == 1
+    assert out.splitlines()[:2] == [
+        f"UNCOMMITTED: {step}",
+        f"  not loadable: no commit marker ({COMMIT_MARKER}) beside titan's {OWNER_MARKER}: the "
+        "save of this step was interrupted or is still in progress, so a run will not load it",
+    ]
+    code, out, _ = titan_ckpt("verify", step, "--json")
+    report = json.loads(out)
+    assert code == 1
+    assert (report["ok"], report["uncommitted"]) == (False, True)
+    # Only the owner marker (the save killed before DCP wrote anything): the same.
+    only_owner = tmp_path / "step-4"
+    only_owner.mkdir()
+    shutil.copy(step / OWNER_MARKER, only_owner)
+    code, out, _ = titan_ckpt("verify", only_owner)
+    assert code == 1
+    assert out.startswith("UNCOMMITTED: ")
 
 
 def test_shards_must_cover_each_tensor_once(tmp_path, titan_ckpt):

@@ -5,6 +5,7 @@ import tomllib
 
 import pytest
 
+from titan_train.cli import main
 from titan_train.compat import translate
 from titan_train.config import JobConfig, parse_job_config
 from titan_train.config_loader import ConfigError, read_toml
@@ -81,6 +82,16 @@ def test_translation_leaves_titan_keys_alone():
         ("[parallelism]\ntensor_parallel_degree = 0\n", "parallelism.tensor_parallel_degree=0"),
         ("[optimizer]\nname = 'Adamw'\n", "optimizer.name"),
         ("[training\n", "is not valid TOML"),
+        (  # past int64: it would reach torch.manual_seed and overflow there
+            "[training]\nseed = 12345678901234567890123\n",
+            "training.seed=12345678901234567890123 is not allowed; a whole number here must be "
+            "in [-9223372036854775808, 9223372036854775807]",
+        ),
+        (  # past the longest timedelta, which torch takes
+            "[comm]\ninit_timeout_seconds = 9223372036854775807\n",
+            "comm.init_timeout_seconds=9223372036854775807 is not allowed; it must be a whole "
+            "number in [1, 86399999913600] (seconds)",
+        ),
     ],
 )
 def test_bad_toml_is_one_clear_error(tmp_path, toml, message):
@@ -109,6 +120,22 @@ def test_bad_cli_values_exit_2(capsys):
         parse_job_config(["--training.local_batch_size", "-4"])
     assert exit_info.value.code == 2
     assert "training.local_batch_size=-4 is not allowed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--training.steps", "--training.seed", "--checkpoint.hf_max_shard_size"]
+)
+def test_whole_numbers_past_64_bits_stop_before_anything_is_written(tmp_path, capsys, flag):
+    out = tmp_path / "out"
+    huge = str(10**30)
+    assert main(["train", "--job.dump_folder", str(out), flag, huge]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"titan-train: error: command line: {flag[2:]}={huge} is not allowed; a whole number "
+        "here must be in [-9223372036854775808, 9223372036854775807] (a 64-bit integer: "
+        "-2**63 .. 2**63 - 1)."
+    )
+    assert not out.exists()
 
 
 def test_merged_config_round_trips_through_toml(tmp_path):

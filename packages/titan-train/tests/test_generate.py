@@ -185,6 +185,7 @@ BAD = [
     (["--top_p", "0"], "top_p=0.0 is not allowed"),
     (["--top_p", "1.5"], "top_p=1.5 is not allowed"),
     (["--max_new_tokens", "0"], "max_new_tokens=0 is not allowed"),
+    (["--seed", str(10**30)], f"seed={10**30} is not allowed; a whole number here must be in"),
     (["--dtype", "int8"], "--dtype"),
     (["--parallelism.context_parallel_degree", "2"], "generate runs tensor parallel only"),
     (["--parallelism.tensor_parallel_degree", "2"], "must equal the number of ranks (1)"),

@@ -84,6 +84,37 @@ def test_a_url_without_its_filesystem_exits_2(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (
+            "latin1.txt",
+            "caf\xe9 au lait\n\nsecond paragraph\n".encode("latin-1"),
+            "is not UTF-8 text",
+        ),
+        ("one.jsonl", b'{"text": "the only document"}\n', "has no document for data shard(s) [1,"),
+    ],
+    ids=["not-utf8", "fewer-documents-than-shards"],
+)
+def test_an_unusable_dataset_stops_before_anything_is_written(
+    tmp_path, capsys, name, content, message
+):
+    # Found when the data opens (the first document of each data shard is read), before the
+    # model, metrics, TensorBoard or checkpoint folder: the dump folder is never created.
+    data = tmp_path / name
+    data.write_bytes(content)
+    out = tmp_path / "out"
+    code, err = run_in_process(
+        ["--job.dump_folder", str(out), "--training.dataset", str(data)], capsys
+    )
+    assert code == 2
+    errors = [line for line in err.splitlines() if "titan-train: error:" in line]
+    assert len(errors) == 1
+    assert message in errors[0]
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
 def test_a_read_only_dump_folder_exits_2(tmpfs, capsys):
     read_only = tmpfs("ro", "ro", "size=64k")
     code, err = run_in_process(["--job.dump_folder", str(read_only / "out")], capsys)

@@ -28,7 +28,7 @@ from titan_train import compat
 from titan_train.config_loader import load_config, to_dict
 from titan_train.data import DataSource
 from titan_train.data.config import SHARD_LAYOUTS
-from titan_train.errors import ConfigError, check_int, check_number
+from titan_train.errors import ConfigError, check_duration, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
 from titan_train.profiling import ProfilingConfig
@@ -179,7 +179,7 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         for key in ("init_timeout_seconds", "train_timeout_seconds"):
-            check_int(f"comm.{key}", getattr(self, key), minimum=1)
+            check_duration(f"comm.{key}", getattr(self, key), unit_s=1, hint="seconds")
         check_int("comm.trace_buf_size", self.trace_buf_size, minimum=0, hint="0 turns it off")
 
 

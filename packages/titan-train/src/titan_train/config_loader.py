@@ -3,8 +3,9 @@
 Precedence: ``--section.key value`` on the command line > the TOML file (which may name a
 base file it extends, recursively) > the dataclasses' defaults. TOML is checked strictly
 against the dataclasses before anything runs: an unknown section or key, a value of the
-wrong type, or a value a section's own validation refuses is one ``ConfigError`` naming the
-file, the section, the key, the value and what is allowed. The command line goes through
+wrong type, a whole number outside 64 bits, or a value a section's own validation refuses is
+one ``ConfigError`` naming the file, the section, the key, the value and what is allowed. The
+command line goes through
 ``tyro``, which gives ``--help`` with every option and its default (docstrings shown as
 plain text); list options also take one comma-separated value (``--x.names a,b``).
 """
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 from titan_train.errors import ConfigError
 
-__all__ = ["ConfigError", "load_config", "read_toml", "to_dict"]
+__all__ = ["ConfigError", "check_int_ranges", "load_config", "read_toml", "to_dict"]
 
 T = TypeVar("T")
 EXTENDS_KEY = "extends"
@@ -84,7 +85,7 @@ def load_config(
     argv = split_commas(argv, list_options(cls))
 
     with _plain_docstrings():
-        return tyro.cli(
+        config = tyro.cli(
             cls,
             default=default,
             args=argv,
@@ -92,6 +93,38 @@ def load_config(
             description=description and _RST_LITERAL.sub("", description),
             use_underscores=True,
         )
+    # tyro reads any whole number; the file's were checked in from_dict, so what is out of
+    # range here came from the command line.
+    check_int_ranges(config, source="command line")
+    return config
+
+
+INT64 = (-(2**63), 2**63 - 1)
+"""The whole numbers a config field may hold: a C/torch int64 (and a TOML integer). A value
+past it would pass every section's check and fail deep in a run, in torch or in C code."""
+
+
+def _check_int_range(value: Any, *, source: str, where: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        low, high = INT64
+        if not low <= value <= high:
+            raise ConfigError(
+                f"{source}: {where}={value} is not allowed; a whole number here must be in "
+                f"[{low}, {high}] (a 64-bit integer: -2**63 .. 2**63 - 1)."
+            )
+
+
+def check_int_ranges(config: Any, *, source: str, prefix: str = "") -> None:
+    """Check every whole number in the dataclass tree ``config`` (lists included) against
+    ``INT64``: one rule for every int field, whichever package's section declares it."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        where = f"{prefix}{f.name}"
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if dataclasses.is_dataclass(item):
+                check_int_ranges(item, source=source, prefix=f"{where}.")
+            else:
+                _check_int_range(item, source=source, where=where)
 
 
 def list_options(cls: type, prefix: str = "--") -> set[str]:
@@ -256,6 +289,7 @@ def _check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
         return tuple(checked) if origin is tuple or hint is tuple else checked
     if hint is Any:
         return value
+    _check_int_range(value, source=source, where=where)
     if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
         return from_dict(hint, value, source=source, prefix=f"{where}.")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

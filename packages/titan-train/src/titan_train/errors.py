@@ -5,13 +5,15 @@ Every titan package has an ``errors.py`` of this shape: a root error, one config
 error that is also a ``ValueError``, and ``check_int``, ``check_number``, ``check_choice``
 and ``check_bool`` with the same signatures and messages (``"<name>=<value> is not allowed;
 it must be ..."``). The packages share the shape, not the code, so each stays installable
-alone. A module of its own, imported by every other module here and importing none of them.
+alone (titan-train adds ``check_duration`` for its timeouts). A module of its own, imported
+by every other module here and importing none of them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import TypeVar
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "UnknownModelError",
     "check_bool",
     "check_choice",
+    "check_duration",
     "check_int",
     "check_number",
 ]
@@ -81,6 +84,19 @@ def check_int(
     if sentinel is not None:
         allowed = f"{sentinel[0]} ({sentinel[1]}) or {allowed}"
     raise error(_message(name, value, f"it must be {allowed}", hint))
+
+
+def check_duration(
+    name: str, value: object, *, unit_s: float, hint: str = "", error: type[Exception] = ConfigError
+) -> int:
+    """``check_int(minimum=1)``, and at most the longest ``datetime.timedelta`` in units of
+    ``unit_s`` seconds: torch takes its timeouts as one, and a longer one overflows there.
+    titan-train's own check (a timeout is a setting of the run, not of the other packages)."""
+    check_int(name, value, minimum=1, hint=hint, error=error)
+    longest = int(timedelta.max.days * 86400 / unit_s)
+    if value > longest:  # type: ignore[operator]
+        raise error(_message(name, value, f"it must be a whole number in [1, {longest}]", hint))
+    return value  # type: ignore[return-value]
 
 
 def check_number(

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 
 from titan_dims import ParallelDims
-from titan_train.errors import ConfigError, check_int, check_number
+from titan_train.errors import ConfigError, check_duration, check_number
 from titan_train.semi_sync import check_semi_sync_fields
 
 __all__ = [
@@ -105,10 +105,10 @@ class FaultToleranceConfig:
     def __post_init__(self) -> None:
         if self.semi_sync_method == "":
             self.semi_sync_method = None
-        check_int(
+        check_duration(
             "fault_tolerance.process_group_timeout_ms",
             self.process_group_timeout_ms,
-            minimum=1,
+            unit_s=1e-3,
             hint="milliseconds",
         )
         check_number(

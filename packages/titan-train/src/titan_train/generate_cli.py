@@ -112,16 +112,18 @@ def parse_generate_options(argv: list[str]) -> GenerateOptions:
     (tyro exits with status 2 after one message on a malformed flag)."""
     import tyro
 
-    from titan_train.config_loader import _plain_docstrings
+    from titan_train.config_loader import _plain_docstrings, check_int_ranges
 
     with _plain_docstrings():
-        return tyro.cli(
+        options = tyro.cli(
             GenerateOptions,
             args=argv,
             prog="titan-train generate",
             description=_help_text(),
             use_underscores=True,
         )
+    check_int_ranges(options, source="command line")  # e.g. a --seed torch cannot take
+    return options
 
 
 def _help_text() -> str:

@@ -212,11 +212,18 @@ def test_a_single_stream_checkpoint_names_how_to_resume(tmp_path):
     assert torch.equal(next(iter(again))[0], next(iter(old))[0])
 
 
-def test_fewer_documents_than_shards_is_one_clear_error(tmp_path):
+def test_fewer_documents_than_shards_is_one_clear_error_before_any_batch(tmp_path):
     _, source = _corpus(tmp_path, n=5)
+    recorder = Recording()
+    # Refused at construction: the first document of each of the rank's shards is read.
     with pytest.raises(DataError, match=r"no document for data shard\(s\) \[5, 6, 7\] of 8.*"
                                         r"Lower training.data_shards"):  # fmt: skip
-        list(itertools.islice(_loader(source, local=S), 20))
+        _loader(source, recorder)
+    assert recorder.texts == []  # before any tokenizing
+    # Rank 1 of 2 owns the odd shards, two of them empty; rank 0 of 8 owns shard 0 alone.
+    with pytest.raises(DataError, match=r"no document for data shard\(s\) \[5, 7\] of 8"):
+        _loader(source, rank=1, dp=2)
+    assert next(iter(_loader(source, rank=0, dp=8, local=1)))[0].shape == (1, SEQ)
 
 
 @pytest.mark.slow  # 6 processes: ~20 s alone on 2 cores

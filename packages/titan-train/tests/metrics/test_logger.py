@@ -88,6 +88,15 @@ def test_console_line(tmp_path, caplog):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_console_eta_of_a_run_longer_than_a_timedelta(tmp_path, caplog):
+    config = MetricsConfig(log_freq=1, disable_color_printing=True, enable_tensorboard=False,
+                           enable_jsonl=False)  # fmt: skip
+    long_run = MetricsLogger(config, dump_folder=tmp_path, total_steps=2**63 - 1)
+    with caplog.at_level(logging.INFO, logger="titan_train.metrics"), long_run as metrics:
+        metrics.log(step=1, loss=1.0, tokens=8, step_seconds=0.5, data_seconds=0.0)
+    assert caplog.records[0].getMessage().endswith("eta 5.34e+13 days")
+
+
 def test_colored_console_on_a_terminal(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(logger_module, "_COLOR_TERMINAL", True)
     with caplog.at_level(logging.INFO, logger="titan_train.metrics"):

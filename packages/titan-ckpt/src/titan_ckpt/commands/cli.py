@@ -2,7 +2,7 @@
 
     titan-ckpt inspect outputs/checkpoint              # every step: committed?, size, age
     titan-ckpt inspect outputs/checkpoint/step-1000 --json
-    titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged
+    titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged/uncommitted
     titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
     titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
     titan-ckpt convert step-1000 hf-out --to hf        # a titan-train step records its model
@@ -97,7 +97,8 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser(
         "verify",
         help="check the commit marker, manifest, shard coverage and readability",
-        description="Exit 0 if intact, 1 if damaged (naming files and keys), 2 on bad usage "
+        description="Exit 0 if intact, 1 if damaged (naming files and keys) or a step whose "
+        "save never committed (a run will not load it), 2 on bad usage "
         "or a manifest whose checksums cannot be computed here (xxh3_128 without the xxhash "
         "package: the message names the pip install). "
         "A DCP step without a titan commit marker (e.g. torchtitan's) gets every check but the "
@@ -255,9 +256,11 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{'OK' if report['ok'] else 'DAMAGED'}: {args.path}")
+        uncommitted = report.get("uncommitted", False)
+        verdict = "OK" if report["ok"] else "UNCOMMITTED" if uncommitted else "DAMAGED"
+        print(f"{verdict}: {args.path}")
         for problem in report["problems"]:
-            print(f"  damaged: {problem}")
+            print(f"  {'not loadable' if uncommitted else 'damaged'}: {problem}")
         for note in report["notes"]:
             print(f"  note: {note}")
     return 0 if report["ok"] else 1

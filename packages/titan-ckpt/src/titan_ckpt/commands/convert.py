@@ -19,7 +19,8 @@ stream through it into the writer. An adapter without them converts the whole st
 once, and the conversion then holds the model's weights once.
 
 The output is written into a temporary sibling of the destination and renamed into place at
-the end: a failed conversion leaves nothing behind.
+the end: a failed conversion leaves nothing behind (the destination's parent directories are
+removed again when this conversion made them and they are still empty).
 
 Errors (``CheckpointConfigError``) name the ``ConvertOptions`` fields as ``options.<field>``
 (``options.to='hf' needs options.model``); the ``titan-ckpt`` command shows them as its flags
@@ -28,6 +29,7 @@ Errors (``CheckpointConfigError``) name the ``ConvertOptions`` fields as ``optio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -50,7 +52,7 @@ from titan_ckpt.adapter import (
 )
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, TensorSpec, batches, dtype_name, group_of, select_keys
-from titan_ckpt.formats.dcp import save_dcp_streaming
+from titan_ckpt.formats.dcp import save_dcp_streaming, unwrap_read_errors
 from titan_ckpt.formats.safetensors import encode_object, write_safetensors_shards
 from titan_ckpt.formats.source import open_source
 from titan_ckpt.formats.torch_save import save_torch_streaming
@@ -143,20 +145,14 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
                 "options.model_only/options.include/options.exclude."
             )
         parent = os.path.dirname(os.path.abspath(dst))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.tmp-")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would carry over to DST
+        made = _make_dirs(parent)
         try:
-            single_file = options.to == "torch" or (
-                options.to == "safetensors" and dst.endswith(".safetensors")
-            )
-            out = os.path.join(tmp, os.path.basename(dst)) if single_file else tmp
-            written = _WRITERS[options.to](source, keys, out, options, adapter)
-            _replace(out, dst, options.overwrite)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            written = _write_beside(source, keys, dst, parent, options, adapter)
+        except BaseException:
+            for directory in reversed(made):  # ours, innermost first; left if not empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise
     finally:
         source.close()
     return {
@@ -167,6 +163,37 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
         "bytes": written,
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def _make_dirs(directory: str) -> list[str]:
+    """Create ``directory`` and its missing parents; returns those created, outermost first."""
+    missing = []
+    while not os.path.isdir(directory) and directory != os.path.dirname(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for directory in reversed(missing):
+        os.makedirs(directory, exist_ok=True)
+    return missing[::-1]
+
+
+def _write_beside(
+    source: Source, keys: list[str], dst: str, parent: str, options: ConvertOptions, adapter: Any
+) -> int:
+    """Write into a temporary sibling of ``dst`` in ``parent``, then rename it into place."""
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.tmp-")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would carry over to DST
+    try:
+        single_file = options.to == "torch" or (
+            options.to == "safetensors" and dst.endswith(".safetensors")
+        )
+        out = os.path.join(tmp, os.path.basename(dst)) if single_file else tmp
+        written = _WRITERS[options.to](source, keys, out, options, adapter)
+        _replace(out, dst, options.overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
 
 
 def _check_destination(dst: str, overwrite: bool) -> None:
@@ -478,7 +505,11 @@ def _write_dcp(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
     specs, objects, values = _planned(source, keys, options, adapter)
-    written = save_dcp_streaming(out, specs, objects, values)
+    # The tensors stream from SRC inside dcp.save, which wraps what a read raises (a damaged
+    # SRC's CheckpointReadError) in its CheckpointException: raise the error itself, as the
+    # other writers do.
+    with unwrap_read_errors():
+        written = save_dcp_streaming(out, specs, objects, values)
     step, metadata = 0, {}
     if source.format == "dcp":
         previous = read_manifest(LocalStorage(), source.path)

@@ -4,7 +4,9 @@ For a DCP step: the titan commit marker and its manifest (every file's size and 
 ``layout.verify_step``); DCP's ``.metadata`` itself; that every tensor's chunks cover it exactly
 once (no gap, no overlap, none out of bounds); that every chunk's bytes lie inside an existing
 file; and that every entry loads. A plain DCP directory without a marker (torchtitan's) gets
-all but the manifest check. Safetensors and torch.save files are checked for readability.
+all but the manifest check. A step of ours whose save never committed (titan's owner marker,
+no commit marker) is not checked further: a run will not load it, so it is not OK (exit 1).
+Safetensors and torch.save files are checked for readability.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from titan_ckpt.formats.dcp import DCP_METADATA, DcpSource
 from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import (
     COMMIT_MARKER,
+    OWNER_MARKER,
     UNREADABLE_MARKER_MEANS,
     marker_problem,
     read_manifest,
@@ -33,13 +36,23 @@ from titan_ckpt.storage import LocalStorage
 __all__ = ["verify_path"]
 
 NO_MANIFEST = "no titan manifest: checked metadata and readability only"
+NEVER_COMMITTED = (
+    f"no commit marker ({COMMIT_MARKER}) beside titan's {OWNER_MARKER}: the save of this step "
+    "was interrupted or is still in progress, so a run will not load it"
+)
 
 
 def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
     """``{"path", "ok", "problems": [...], "notes": [...]}`` (a folder: one per step).
 
     A pickle outside the allowlist is not damage but a refusal: ``UnsafeCheckpointError``
-    (unless ``trust_pickles``; see ``open_source``)."""
+    (unless ``trust_pickles``; see ``open_source``). A step whose save never committed is
+    not OK, with ``"uncommitted": True``."""
+    if os.path.isdir(path) and _never_committed(path):
+        return {
+            **_result(path, [NEVER_COMMITTED], ["its files were not checked"]),
+            "uncommitted": True,
+        }
     kind = detect(path)
     if kind == "folder":
         storage = LocalStorage()
@@ -63,6 +76,16 @@ def verify_path(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
             "steps": steps,
         }
     return _verify_one(path, kind, trust_pickles)
+
+
+def _never_committed(path: str) -> bool:
+    """Ours and never committed: ``classify_step``'s "interrupted" by its owner marker. (A
+    commit marker that does not parse is interrupted too, but reported as damage, by
+    ``_check_manifest``; a plain DCP directory has neither marker.)"""
+    storage = LocalStorage()
+    return storage.exists(storage.join(path, OWNER_MARKER)) and not storage.exists(
+        storage.join(path, COMMIT_MARKER)
+    )
 
 
 def _verify_one(path: str, kind: str, trust_pickles: bool) -> dict[str, Any]:

@@ -51,7 +51,14 @@ class TorchSource(Source):
                 except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
                     obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:
-            raise refusal(path, error) or CheckpointFormatError(
+            if (refused := refusal(path, error)) is not None:
+                raise refused from None
+            if _starts_as_torch_save(path):  # damage (a truncated copy), not another format
+                raise CheckpointReadError(
+                    f"{path} is a damaged torch.save file (truncated?): it does not load "
+                    f"({type(error).__name__}: {str(error)[:200]})."
+                ) from None
+            raise CheckpointFormatError(
                 f"{path} is not a readable torch.save file of tensors and plain values: {error}"
             ) from None
         if not isinstance(obj, dict):
@@ -115,6 +122,26 @@ class TorchSource(Source):
                         f"{str(error)[:200]}"
                     ) from None
         return out
+
+
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+"""The first bytes of the legacy (pre-zip) format: its magic number, pickled."""
+
+
+def _starts_as_torch_save(path: str) -> bool:
+    """Whether ``path`` begins as ``torch.save`` writes: a zip whose first member is
+    ``<name>/data.pkl``, or the legacy format's magic number."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:  # unreadable: the caller's format error says so
+        return False
+    if head.startswith(_LEGACY_MAGIC):
+        return True
+    if not head.startswith(b"PK\x03\x04") or len(head) < 30:
+        return False
+    name_length = struct.unpack_from("<H", head, 26)[0]
+    return head[30 : 30 + name_length].endswith(b"data.pkl")
 
 
 def _holds_tensor(value: Any) -> bool:

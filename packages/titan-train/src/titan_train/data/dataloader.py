@@ -38,7 +38,13 @@ import torch
 
 from titan_train.data.config import SHARD_LAYOUTS, DataConfig, DataError
 from titan_train.data.prefetch import Prefetcher
-from titan_train.data.shards import Position, ShardReader, empty_region_message, owned_shards
+from titan_train.data.shards import (
+    Position,
+    ShardReader,
+    check_first_documents,
+    empty_region_message,
+    owned_shards,
+)
 from titan_train.data.sources import DocumentSource, open_documents
 from titan_train.tokenizer.base import Tokenizer
 
@@ -131,8 +137,11 @@ class TextDataLoader:
         # none), saved with it so that a datasets stream resumes without reading past.
         self._sources: dict[int, str] = {}
         self._own = owned_shards(num_shards, dp_rank, dp_degree)
+        # Before any training: a bad corpus stops the run before anything is written.
         if shard_layout == "contiguous" and num_shards > 1:
             _check_regions(documents, num_shards, self._own)
+        elif infinite:  # finite data (validation) is checked by its first batch
+            check_first_documents(documents, num_shards, self._own)
         self._prefetcher: Prefetcher[_Item] | None = None
 
     def state_dict(self) -> dict[str, Any]:

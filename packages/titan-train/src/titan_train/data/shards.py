@@ -46,6 +46,7 @@ there instead of reading past its earlier documents.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterator
@@ -55,7 +56,13 @@ from titan_train.data.config import DataError
 from titan_train.data.sources import DocumentSource, iter_strided
 from titan_train.tokenizer.base import Tokenizer
 
-__all__ = ["Position", "ShardReader", "empty_region_message", "owned_shards"]
+__all__ = [
+    "Position",
+    "ShardReader",
+    "check_first_documents",
+    "empty_region_message",
+    "owned_shards",
+]
 
 
 @dataclass(frozen=True, order=True)
@@ -272,8 +279,26 @@ class ShardReader:
                 return
             empty = [s for s, shard in self.shards.items() if not shard.seen]
             if full_pass and empty:
-                raise DataError(_empty_shards_message(self.documents.name, empty, count, self))
+                raise DataError(
+                    _empty_shards_message(
+                        self.documents.name, empty, count, self.num_shards, stride
+                    )
+                )
             epoch, index = epoch + 1, first % stride
+
+
+def check_first_documents(documents: DocumentSource, num_shards: int, own: list[int]) -> None:
+    """Before any training (the interleaved layout): read the first document of each of the
+    shards ``own`` (``owned_shards``; document ``s`` is shard ``s``'s first), untokenized.
+    A corpus with fewer documents than shards, or whose first documents do not decode (a
+    file that is not UTF-8), then stops the run before anything is written, not at the first
+    batch that reaches them. Reads at most ``len(own)`` documents."""
+    stride = own[1] - own[0] if len(own) > 1 else num_shards
+    firsts = itertools.islice(iter_strided(documents, own[0], stride), len(own))
+    count = sum(1 for _ in firsts)
+    if count < len(own):
+        message = _empty_shards_message(documents.name, own[count:], count, num_shards, stride)
+        raise DataError(message)
 
 
 def empty_region_message(name: str, empty: list[int], num_shards: int) -> str:
@@ -286,12 +311,14 @@ def empty_region_message(name: str, empty: list[int], num_shards: int) -> str:
     )
 
 
-def _empty_shards_message(name: str, empty: list[int], count: int, reader: ShardReader) -> str:
-    if count == 0 and reader.stride == 1:
+def _empty_shards_message(
+    name: str, empty: list[int], count: int, num_shards: int, stride: int
+) -> str:
+    if count == 0 and stride == 1:
         return f"dataset {name!r} has no documents."
     return (
         f"dataset {name!r} has no document for data shard(s) {empty[:5]} of "
-        f"{reader.num_shards} (document i goes to shard i mod {reader.num_shards}): it has "
+        f"{num_shards} (document i goes to shard i mod {num_shards}): it has "
         "fewer documents than shards. Lower training.data_shards to at most the number of "
         "documents (1 reads one stream on every rank)."
     )

@@ -43,6 +43,14 @@ def memory_gib(device: torch.device | str | None = None) -> tuple[float, str]:
     return numbers["memory_gib"], kind
 
 
+def _eta_text(seconds: float) -> str:
+    """``seconds`` as ``timedelta`` prints it, or in days past the longest one (a run of
+    2**63 steps): the console line never overflows."""
+    if seconds < timedelta.max.days * 86400:
+        return str(timedelta(seconds=round(seconds)))
+    return f"{seconds / 86400:.3g} days"
+
+
 def _empty_window() -> dict[str, float]:
     """Sums over the steps since the last report."""
     return {
@@ -248,7 +256,7 @@ class MetricsLogger:
         if r.get("skipped_steps"):
             parts.append(f"skipped {int(r['skipped_steps'])}")
         if "eta_s" in r:
-            parts.append(f"eta {timedelta(seconds=round(r['eta_s']))}")
+            parts.append(f"eta {_eta_text(r['eta_s'])}")
         return "  ".join(parts)
 
     def close(self) -> None:
