@@ -15,6 +15,10 @@ The first five trials are fixed (``TITAN_RESTART_TRIALS``, default 1: the one CI
 with the reference run); later ones are drawn from a seeded generator, so
 ``TITAN_RESTART_TRIALS=8 pytest integration_tests/test_restarts.py`` is the same 8 trials
 every time (~20 s each; all but the first are marked ``slow``).
+
+Preemption, the clean stop: SIGTERM to the ``titan-train`` launcher once step 3 is logged;
+the run saves the step both ranks stopped after, exits with status 143, and the same command
+resumes from it to the reference's losses (two launches, marked ``slow``).
 """
 
 from __future__ import annotations
@@ -212,7 +216,7 @@ def test_sigterm_saves_the_agreed_step_exits_143_and_resumes_to_the_same_losses(
 ):
     """Preemption as a scheduler does it: SIGTERM to the launcher alone (Kubernetes signals a
     container's first process) once step 3 is logged. One line, the step both ranks stopped
-    after saved and committed, status 143; the same command resumes from it (~25 s)."""
+    after saved and committed, status 143; the same command resumes from it."""
     folder = tmp_path / "out"
     command = [sys.executable, "-m", "titan_train.cli", "--nproc-per-node", "2"]
     command += ["--job.dump_folder", str(folder), *TINY]
