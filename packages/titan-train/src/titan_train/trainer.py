@@ -137,7 +137,7 @@ def train(run: TrainingRun) -> None:
                 run.checkpointer.save(result.step, last_step=last)
                 run.profiler.step()
                 if result.step == fast_from and not last:
-                    _start_fail_fast(run)
+                    _start_fail_fast(run, sigterm.group)
     except torch.OutOfMemoryError:
         # Where the memory went, while the allocator still holds it (profiling's
         # memory_snapshot_on_oom); the error then ends the run as before.
@@ -215,21 +215,23 @@ def fail_fast_step(config: JobConfig) -> int:
     return max(1, min(config.validation.freq, config.training.steps))
 
 
-def _start_fail_fast(run: TrainingRun) -> None:
+def _start_fail_fast(run: TrainingRun, sigterm_group: dist.ProcessGroup | None) -> None:
     # Start-up is over: from now on a hung rank should fail fast. Every rank must be past
     # start-up first (a rank still finishing its first step would otherwise make its peers'
     # next collective time out): a barrier, and the device's queued work done.
     dist.barrier()
     if run.plan.world.device.type != "cpu":
         torch.accelerator.synchronize()
-    _set_timeout(run, run.config.comm.train_timeout_seconds)
+    # The ranks' SIGTERM agreement after each step too: a peer hung between steps is met there.
+    _set_timeout(run, run.config.comm.train_timeout_seconds, sigterm_group)
 
 
-def _set_timeout(run: TrainingRun, seconds: int) -> None:
+def _set_timeout(run: TrainingRun, seconds: int, group: dist.ProcessGroup | None = None) -> None:
     dims = run.plan.parallel_dims
-    set_collective_timeout(
-        timedelta(seconds=seconds), [dims.world_mesh] if dims.layout.names else None
-    )
+    groups: list = [dims.world_mesh] if dims.layout.names else []
+    if group is not None:
+        groups.append(group)
+    set_collective_timeout(timedelta(seconds=seconds), groups)
 
 
 def _setup_logging(rank: int) -> None:
