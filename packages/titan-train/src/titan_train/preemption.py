@@ -22,9 +22,11 @@ at once: no step has been trained that a save would keep.
 
 Why 143: it is 128 + 15, what a shell, SLURM and Kubernetes report for a process that
 SIGTERM ended; the run is stopped, not finished, and a retry resumes it from the saved step.
-Status 0 would tell a scheduler the work is done; Kubeflow's ``restartPolicy: ExitCode``
-retries 128-255 and fails 1-127; a Kubernetes ``podFailurePolicy`` or a requeue script can
-match 143 (``sbatch --requeue`` requeues a preempted job whatever its status).
+Status 0 would tell a scheduler the work is done, and 1 is an error that a retry would not
+fix: Kubeflow's ``restartPolicy: ExitCode`` restarts a container that exits with 143 (or
+130, 137, 138) and fails the job on any other status. A Kubernetes ``podFailurePolicy`` or a
+requeue script can match 143 too (``sbatch --requeue`` requeues a preempted job whatever
+its status).
 
 The second SIGTERM is watched by a thread: Python runs a signal handler only when the main
 thread is back in the interpreter, which a hung collective or a long backward may not be for

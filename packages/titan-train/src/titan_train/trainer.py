@@ -152,7 +152,10 @@ def _stop_after(run: TrainingRun, step: int, fast_from: int) -> NoReturn:
     ``checkpoint.save_on_sigterm`` (and checkpointing saves at all), raise
     ``PreemptedError``."""
     cfg = run.config.checkpoint
-    saving = cfg.enable and cfg.save_on_sigterm and not cfg.load_only
+    # A plain titan_ckpt.CheckpointConfig (a JobConfig built in code) has no trainer policy:
+    # the default, saving, holds; this is no moment to fail on an attribute.
+    on_sigterm = getattr(cfg, "save_on_sigterm", True)
+    saving = cfg.enable and on_sigterm and not cfg.load_only
     logger.info(
         "SIGTERM: stopping after step %d, %s; exit status %d",
         step,
