@@ -28,14 +28,14 @@ work; titan_train.launch):
 Configuration errors (launcher flags and an unreachable rendezvous included) print one
 message and exit with status 2 before anything is written; a run stopped on its way (the disk
 full, training diverged past training.skip_nonfinite_steps) prints one message and exits with
-status 1.
+status 1. On SIGTERM (a scheduler's stop) the ranks finish the step, save it
+(checkpoint.save_on_sigterm) and exit with status 143; a second SIGTERM exits at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
 from titan_train.errors import ConfigError
-from titan_train.launch import LaunchOptions, check_restartable, exit_rank, pop_launch_options
+from titan_train.launch import (
+    LaunchOptions,
+    check_restartable,
+    exit_rank,
+    pop_launch_options,
+    run_agent,
+)
+from titan_train.preemption import PREEMPTED_EXIT, PreemptedError
 
 if TYPE_CHECKING:
     from titan_train.config import JobConfig
@@ -85,6 +92,8 @@ def _main(argv: list[str]) -> int:
     except _usage_errors() as error:
         print(f"titan-train: error: {error}", file=sys.stderr)
         return 2
+    except PreemptedError:
+        return PREEMPTED_EXIT  # the run logged why; the save, if any, is committed
     except _run_stops() as error:
         # Every rank raises the same agreed error: one copy is enough.
         if os.environ.get("RANK", "0") == "0":
@@ -255,7 +264,7 @@ def _run_ranks(launch: LaunchOptions, argv: list[str]) -> int:
     (torch's elastic agent: it starts, watches and restarts them)."""
     command = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args()]
     env = {**launch.torchrun_env(), **os.environ}  # what the user set wins
-    return subprocess.call([*command, "-m", "titan_train.cli", *argv], env=env)
+    return run_agent([*command, "-m", "titan_train.cli", *argv], env)
 
 
 if __name__ == "__main__":
