@@ -102,6 +102,11 @@ def test_a_lock_taken_first_is_handed_to_the_manager(common, tmp_path):
     manager.close()
     assert not lock.held
     assert not (tmp_path / LOCK_FILE).exists()
+    # Folders made only for the lock go with it: a run refused later leaves nothing behind.
+    fresh = lock_checkpoint_folder(CheckpointConfig(enable=True, folder=str(tmp_path / "a/b")))
+    assert (tmp_path / "a" / "b" / LOCK_FILE).is_file()
+    fresh.release()
+    assert not (tmp_path / "a").exists()
 
 
 def test_heartbeat_lock_on_fsspec_storage(common, caplog):

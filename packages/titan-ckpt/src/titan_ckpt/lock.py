@@ -140,6 +140,7 @@ class FolderLock:
         holder: Holder | None = None,
         file: BinaryIO | None = None,
         storage: Storage | None = None,
+        created: tuple[str, ...] = (),
     ) -> None:
         self.folder = folder
         self.path = path
@@ -150,6 +151,7 @@ class FolderLock:
         # garbage); else a heartbeat lock on ``storage``.
         self._file = file
         self._storage = storage
+        self._created = created  # folders made for the lock, deepest first
         self._lost: Holder | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -174,6 +176,11 @@ class FolderLock:
                     os.unlink(self.path)
             finally:
                 file.close()  # drops the flock
+            for folder in self._created:  # a run refused later leaves nothing behind
+                try:
+                    os.rmdir(folder)  # only while empty
+                except OSError:
+                    break
             return
         self._stop.set()
         if self._beat is not None:
@@ -243,17 +250,29 @@ def _busy_error(folder: str, holder: Holder | None) -> CheckpointLockError:
 def acquire(storage: Storage, folder: str) -> FolderLock:
     """Take ``folder``'s writer lock for this process (creating the folder); raise
     ``CheckpointLockError`` naming the holder if another process holds it."""
-    storage.makedirs(folder)
     local = _local_path(storage, folder)  # LocalStorage, or fsspec's file://
     if local is not None:
-        lock = _flock(folder, os.path.join(local, LOCK_FILE))
+        created = _missing_folders(local)
+        storage.makedirs(folder)
+        lock = _flock(folder, os.path.join(local, LOCK_FILE), created)
         if lock is not None:
             return lock
         logger.info("%s refuses flock: locking checkpoint folder by heartbeat", folder)
+    storage.makedirs(folder)
     return _heartbeat_lock(storage, folder)
 
 
-def _flock(folder: str, path: str) -> FolderLock | None:
+def _missing_folders(path: str) -> tuple[str, ...]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return tuple(missing)
+
+
+def _flock(folder: str, path: str, created: tuple[str, ...]) -> FolderLock | None:
     import fcntl
 
     while True:
@@ -283,7 +302,7 @@ def _flock(folder: str, path: str) -> FolderLock | None:
             folder,
             previous,
         )
-    return FolderLock(folder, path=path, holder=me, file=os.fdopen(fd, "r+b"))
+    return FolderLock(folder, path=path, holder=me, file=os.fdopen(fd, "r+b"), created=created)
 
 
 def _heartbeat_lock(storage: Storage, folder: str) -> FolderLock:
