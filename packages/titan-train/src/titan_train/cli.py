@@ -26,10 +26,11 @@ work; titan_train.launch):
   --rdzv-timeout SECONDS   how long a node waits for the endpoint to answer (default 60)
 
 Configuration errors (launcher flags and an unreachable rendezvous included) print one
-message and exit with status 2 before anything is written; a run stopped on its way (the disk
-full, training diverged past training.skip_nonfinite_steps) prints one message and exits with
-status 1. On SIGTERM (a scheduler's stop) the ranks finish the step, save it
-(checkpoint.save_on_sigterm) and exit with status 143; a second SIGTERM exits at once.
+message and exit with status 2 before anything is written; a run that cannot go on (another
+run holds its checkpoint folder, refused before any work; the disk full, training diverged
+past training.skip_nonfinite_steps) prints one message and exits with status 1. On SIGTERM (a
+scheduler's stop) the ranks finish the step, save it (checkpoint.save_on_sigterm) and exit
+with status 143; a second SIGTERM exits at once.
 """
 
 from __future__ import annotations
@@ -176,12 +177,13 @@ def _usage_errors() -> tuple[type[Exception], ...]:
 
 
 def _run_stops() -> tuple[type[Exception], ...]:
-    """Errors that stop a run that started well, each with its whole story in the message
-    (a full disk, a lost folder, training that diverged): no traceback needed."""
-    from titan_ckpt import CheckpointWriteError
+    """Errors that stop a run, each with its whole story in the message (a checkpoint folder
+    another run holds, a full disk, a lost folder, training that diverged): no traceback
+    needed."""
+    from titan_ckpt import CheckpointLockError, CheckpointWriteError
     from titan_train.nonfinite import NonFiniteStepsError
 
-    return (CheckpointWriteError, NonFiniteStepsError)
+    return (CheckpointLockError, CheckpointWriteError, NonFiniteStepsError)
 
 
 def _train(argv: list[str]) -> int:
