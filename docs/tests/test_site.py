@@ -16,7 +16,8 @@ from urllib.parse import unquote, urlsplit
 import gen_reference
 import pytest
 
-ROLE = re.compile(r":(?:py:)?(?:attr|meth|func|class|mod|data|exc|obj|const|ref):`")
+# as written, or as markdown renders it (the role name, then the name as code)
+ROLE = re.compile(r":(?:py:)?(?:attr|meth|func|class|mod|data|exc|obj|const|ref):(?:`|<code>)")
 
 
 class _Page(HTMLParser):
