@@ -147,10 +147,11 @@ def check_resume(config: JobConfig, plan: Plan) -> int | None:
     record = manifest.metadata.get(MODEL_RECORD) if manifest is not None else None
     if isinstance(record, dict) and "model" not in cfg.exclude_from_loading:
         written = (record.get("name"), record.get("flavor"))
-        if written != (config.model.name, config.model.flavor):
+        now = (plan.spec.name, config.model.flavor)  # as the run records it (model_metadata)
+        if written != now:
             raise ConfigError(
                 f"The checkpoint {directory} was written by {written[0]} {written[1]}; this run "
-                f"is {config.model.name} {config.model.flavor}. Resume with --model.name "
+                f"is {now[0]} {now[1]}. Resume with --model.name "
                 f"{written[0]} --model.flavor {written[1]}, or give this run another "
                 "--job.dump_folder (or --checkpoint.folder)."
             )
