@@ -6,7 +6,14 @@
     titan-train config --print [--job.config_file run.toml ...]   # the merged config as TOML
     titan-train list-models
     titan-train generate --checkpoint.path outputs/checkpoint/step-30 --prompt "Once upon"
-    titan-train estimate --world_size 64 --parallelism.tensor_parallel_degree 8 [--json]
+    titan-train estimate --world-size 64 --parallelism.tensor_parallel_degree 8 [--json]
+
+Commands (``titan-train COMMAND --help`` documents each; no command means ``train``):
+  train          train a model (the default)
+  config         print the merged configuration as TOML (``--print``)
+  list-models    list the model families and their flavors
+  generate       sample text from a checkpoint, a Hugging Face folder or a random model
+  estimate       one rank's memory for a run of any layout and world size
 
 The options of ``train`` (below) take torchtitan's spellings too: ``--training.compile``,
 ``--checkpoint.no-enable-checkpoint``, ``--activation_checkpoint.mode full``, lists as
@@ -60,6 +67,23 @@ __all__ = ["main"]
 
 COMMANDS = ("train", "config", "list-models", "generate", "estimate")
 
+_CONFIG_HELP = """titan-train config: print the merged configuration of a run as TOML
+(defaults, then the TOML file, then the command line), in the form --job.config_file reads.
+
+    titan-train config --print
+    titan-train config --print --job.config_file run.toml --training.steps 100 > merged.toml
+
+  --print        print the configuration (what config does; accepted for clarity)
+Every other option is train's (below), checked as a run checks it (exit status 2).
+"""
+
+_LIST_MODELS_HELP = """titan-train list-models: the model families titan-train can train
+(built in, or installed through an entry point) and each one's flavors.
+
+    titan-train list-models
+    titan-train --model.name qwen3 --model.flavor debugmodel   # train one of them
+"""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``titan-train``; returns the exit status."""
@@ -74,10 +98,23 @@ def _main(argv: list[str]) -> int:
         return 0
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         return _help()
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(
+            f"titan-train: error: unknown command {argv[0]!r}; the commands are "
+            f"{', '.join(COMMANDS)} (titan-train COMMAND --help).",
+            file=sys.stderr,
+        )
+        return 2
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    asks_help = bool({"-h", "--help"} & set(argv))
     try:
         if command == "list-models":
+            if asks_help:
+                print(_LIST_MODELS_HELP)
+                return 0
             return _list_models()
+        if command == "train" and asks_help:
+            return _help()
         launch, argv = pop_launch_options(argv)
         if command == "config":
             return _print_config(argv)
@@ -142,13 +179,14 @@ def _log_warning(
     logging.getLogger("titan_train").warning("%s", text)
 
 
-def _help() -> int:
-    """The commands, then every option of ``train``."""
+def _help(text: str | None = None, prog: str = "titan-train") -> int:
+    """``text`` (default: this module's docstring: the commands, examples and launcher flags),
+    then every option of ``train``."""
     from titan_train.config import parse_job_config
 
-    print(__doc__.replace("``", ""))
+    print((text or __doc__ or "").replace("``", ""))
     try:
-        parse_job_config(["--help"])
+        parse_job_config(["--help"], prog=prog)
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else 0
     return 0
@@ -220,6 +258,8 @@ def _print_config(argv: list[str]) -> int:
     from titan_train.config import parse_job_config
     from titan_train.toml_writer import dumps
 
+    if {"-h", "--help"} & set(argv):
+        return _help(_CONFIG_HELP, prog="titan-train config")
     # `--print` is accepted for clarity; printing the merged config is what `config` does.
     config = parse_job_config([a for a in argv if a != "--print"], prog="titan-train config")
     print(dumps(config.to_dict()), end="")

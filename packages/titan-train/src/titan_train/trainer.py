@@ -30,13 +30,16 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from titan_ckpt import MODEL_RECORD, read_manifest, scan_steps, storage_for
 from titan_dims import detect_device_type, init_distributed, set_collective_timeout
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
 from titan_train.host_memory import reuse_host_memory
 from titan_train.launch import destroy_group
 from titan_train.preemption import PREEMPTED_EXIT, PreemptedError, stop_on_sigterm
 from titan_train.preflight import (
+    Plan,
     World,
     check_checkpoint_folder,
     check_seq_lens,
@@ -51,11 +54,13 @@ from titan_train.step import cross_entropy_loss, next_batches, report_step, trai
 __all__ = [
     "TrainState",
     "check_checkpoint_folder",
+    "check_resume",
     "check_seq_lens",
     "checkpoint_settings",
     "cross_entropy_loss",
     "plan_batches",
     "run",
+    "summary",
     "train",
     "write_seed_checkpoint",
 ]
@@ -93,7 +98,20 @@ def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
     if device.type == "cpu" and config.training.reuse_host_memory:
         reuse_host_memory()
     plan = preflight(config, world)
+    finished = check_resume(config, plan)
+    if finished is not None:
+        # Nothing to do: no lock, no model, no metrics files (an empty TensorBoard file per
+        # restart would pile up).
+        logger.info(
+            "Already finished at step %d (training.steps %d): nothing to do; raise "
+            "--training.steps to continue.",
+            finished,
+            config.training.steps,
+        )
+        return TrainState(step=finished)
+    started = time.monotonic()
     training_run = build(config, plan)
+    first_step = training_run.train_state.step
     try:
         if config.checkpoint.create_seed_checkpoint:
             write_seed_checkpoint(training_run)
@@ -102,7 +120,63 @@ def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
     finally:
         close(training_run)
     dist.barrier()
+    if not config.checkpoint.create_seed_checkpoint:
+        logger.info("%s", summary(training_run, first_step, time.monotonic() - started))
     return training_run.train_state
+
+
+def check_resume(config: JobConfig, plan: Plan) -> int | None:
+    """Before building anything, look at the step the run would resume from (the newest
+    committed step of its folder, or ``checkpoint.load_step``): raise ``ConfigError`` when
+    its model record names another model or flavor than this run's (loading would fail on a
+    list of missing keys), and return its number when it is ``training.steps`` or past it
+    (the run has nothing to do), else ``None``."""
+    cfg = plan.checkpoint
+    if not cfg.enable or cfg.create_seed_checkpoint or config.fault_tolerance.enable:
+        return None
+    storage = storage_for(cfg.folder)
+    if cfg.load_step >= 0:
+        step = cfg.load_step
+    else:
+        committed = scan_steps(storage, cfg.folder, log=False).committed
+        if not committed:
+            return None
+        step = max(committed)
+    directory = storage.join(cfg.folder, f"step-{step}")
+    manifest = read_manifest(storage, directory) if storage.exists(directory) else None
+    record = manifest.metadata.get(MODEL_RECORD) if manifest is not None else None
+    if isinstance(record, dict) and "model" not in cfg.exclude_from_loading:
+        written = (record.get("name"), record.get("flavor"))
+        now = (plan.spec.name, config.model.flavor)  # as the run records it (model_metadata)
+        if written != now:
+            raise ConfigError(
+                f"The checkpoint {directory} was written by {written[0]} {written[1]}; this run "
+                f"is {now[0]} {now[1]}. Resume with --model.name "
+                f"{written[0]} --model.flavor {written[1]}, or give this run another "
+                "--job.dump_folder (or --checkpoint.folder)."
+            )
+    return step if step >= config.training.steps else None
+
+
+def summary(run: TrainingRun, first_step: int, seconds: float) -> str:
+    """The end-of-run line: steps done, final loss, wall time, where the outputs are."""
+    step = run.train_state.step
+    parts = [f"Done: steps {first_step + 1}-{step} of {run.config.training.steps}"]
+    if step <= first_step:
+        parts = [f"Done: no step trained (at step {step})"]
+    record = run.metrics.last_record if run.metrics is not None else None
+    if record is not None and record.get("step") == step:
+        parts.append(f"final loss {record['loss']:.4f}")
+    parts.append(f"in {timedelta(seconds=round(seconds))}")
+    metrics = run.config.metrics
+    where = []
+    if run.config.checkpoint.enable:
+        where.append(f"checkpoints {run.plan.checkpoint.folder}")
+    if metrics.enable_jsonl:
+        where.append(f"metrics {os.path.join(run.output_folder, metrics.save_jsonl_file)}")
+    if metrics.enable_tensorboard:
+        where.append(f"TensorBoard {os.path.join(run.output_folder, metrics.save_tb_folder)}")
+    return "; ".join([", ".join(parts), *where])
 
 
 def train(run: TrainingRun) -> None:
