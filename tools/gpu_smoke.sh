@@ -36,7 +36,8 @@
 #             from a background thread while the next forward runs; a second run resumes
 #             from that step (10)
 #   determ    training.deterministic: cuBLAS workspace set (F8)
-#   resume    plain's folder again: DCP load on CUDA, the run continues (needs plain's run)
+#   resume    plain's folder again: its step 15 loaded on CUDA (DCP: model, optimizer, data),
+#             the run continues to step 19 (needs plain's run)
 #   gputests  the device-gated tests on the GPU: memory metrics and a real OOM's snapshot
 #             (F24), the HF import's per-rank host cut on a CUDA mesh (F19), compiled loss =
 #             eager loss (F15)
@@ -89,7 +90,7 @@ unset TITAN_DEVICE       # let detection pick the GPU (the tests item's conftest
 export PIP_NO_INDEX=1 PIP_ROOT_USER_ACTION=ignore  # nothing here may reach an index
 export PY WORK ROOT
 
-# The import path: titan's sources, then the carried wheels and the generated .dist-info.
+# The import path: the carried wheels and the generated .dist-info, then titan's sources.
 SITE="$WORK/site"
 rm -rf "$SITE" && mkdir -p "$SITE"
 shopt -s nullglob
@@ -177,7 +178,9 @@ item_determ() {
 }
 item_resume() {
   [[ -d "$WORK/plain" ]] || { echo "no run in $WORK/plain to resume: ONLY=plain,resume"; return 1; }
-  train --job.dump_folder "$WORK/plain" --training.steps 25 --checkpoint.interval 5
+  # step 20 is plain's model-only HF export: resume the full state of step 15
+  train --job.dump_folder "$WORK/plain" --checkpoint.load_step 15 --training.steps 19 \
+    --checkpoint.interval 5
 }
 item_gputests() {
   TITAN_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -rs \
