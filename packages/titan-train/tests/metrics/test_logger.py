@@ -76,7 +76,7 @@ def test_console_line(tmp_path, caplog):
                            enable_tensorboard=False, enable_jsonl=False)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="titan_train.metrics"):
         _run(tmp_path, config)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert len(lines) == 4
     assert lines[2].startswith(
         "step     4  loss   6.0000  grad_norm  8.0000  lr 1.00e-03  tps 4,096  tflops 0.0246  "
@@ -101,14 +101,14 @@ def test_colored_console_on_a_terminal(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(logger_module, "_COLOR_TERMINAL", True)
     with caplog.at_level(logging.INFO, logger="titan_train.metrics"):
         _run(tmp_path, steps=1)
-    assert "\033[32mloss   9.0000\033[0m" in caplog.records[0].getMessage()
+    assert "\033[32mloss   9.0000\033[0m" in caplog.records[-1].getMessage()
 
 
 def test_plain_console_when_piped(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(logger_module, "_COLOR_TERMINAL", False)
     with caplog.at_level(logging.INFO, logger="titan_train.metrics"):
         _run(tmp_path, steps=1)
-    assert "\033[" not in caplog.records[0].getMessage()
+    assert "\033[" not in caplog.records[-1].getMessage()
 
 
 def test_only_rank0_writes_unless_all_ranks(tmp_path):
@@ -162,3 +162,35 @@ def test_memory_of_a_cpu_process():
 def test_config_errors(kwargs, match):
     with pytest.raises(MetricsError, match=match):
         MetricsConfig(**kwargs)
+
+
+def test_mfu_never_exceeds_100_percent(tmp_path, caplog):
+    """A peak below what training reaches (a CPU probe slowed by other work, a wrong
+    metrics.peak_flops) is raised to the reached rate, with one warning per raise."""
+    low = FLOPS_PER_TOKEN * 4096 / 2  # the rate of a 4,096-token step taking 2 s
+    config = MetricsConfig(log_freq=1, peak_flops=low, enable_tensorboard=False)
+    with (
+        caplog.at_level(logging.INFO, logger=logger_module.__name__),
+        MetricsLogger(config, dump_folder=tmp_path, flops_per_token=FLOPS_PER_TOKEN) as m,
+    ):
+        slow = m.log(step=1, loss=1.0, tokens=4096, step_seconds=4.0)
+        fast = m.log(step=2, loss=1.0, tokens=4096, step_seconds=1.0)  # twice the peak
+        again = m.log(step=3, loss=1.0, tokens=4096, step_seconds=2.0)
+    assert slow["mfu_pct"] == pytest.approx(50.0)
+    assert fast["mfu_pct"] == pytest.approx(100.0)
+    assert again["mfu_pct"] == pytest.approx(50.0)  # against the raised peak
+    assert m.peak_flops == pytest.approx(2 * low)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "metrics.peak_flops" in warnings[0].getMessage()
+    assert "(metrics.peak_flops)" in caplog.records[0].getMessage()  # the peak's source
+
+
+def test_the_cpu_peak_is_measured_and_said_so(tmp_path, caplog):
+    with (
+        caplog.at_level(logging.INFO, logger=logger_module.__name__),
+        MetricsLogger(MetricsConfig(enable_tensorboard=False), dump_folder=tmp_path,
+                      flops_per_token=FLOPS_PER_TOKEN),
+    ):  # fmt: skip
+        pass
+    assert "measured" in caplog.text

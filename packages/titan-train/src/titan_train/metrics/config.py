@@ -36,7 +36,8 @@ class MetricsConfig:
     """Print the console line without ANSI colors."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device, for MFU; 0 looks the GPU up in a table of bf16 dense peaks
-    or, on CPU, measures fp32 matmul once (~0.5 s)."""
+    or, on CPU, measures fp32 matmul once (~0.5 s). The log states which; a peak below what
+    training reaches is raised to it (with a warning), so MFU never exceeds 100%."""
 
     def __post_init__(self) -> None:
         check_int("metrics.log_freq", self.log_freq, minimum=1, error=MetricsError)

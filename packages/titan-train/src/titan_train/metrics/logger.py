@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from titan_train.metrics.config import MetricsConfig, MetricsError
-from titan_train.metrics.flops import peak_flops
+from titan_train.metrics.flops import peak_flops, peak_source
 from titan_train.metrics.memory import device_memory
 
 __all__ = ["MetricsLogger", "memory_gib"]
@@ -93,8 +93,18 @@ class MetricsLogger:
         self.device = torch.device(device if device is not None else "cpu")
         self.total_steps = total_steps
         self.peak_flops = None
+        self._peak_source = ""
         if flops_per_token > 0:
             self.peak_flops = self.config.peak_flops or peak_flops(self.device)
+            self._peak_source = (
+                "metrics.peak_flops" if self.config.peak_flops else peak_source(self.device)
+            )
+            if self.peak_flops:
+                logger.info(
+                    "MFU is against a peak of %.4g TFLOP/s per device (%s)",
+                    self.peak_flops / 1e12,
+                    self._peak_source,
+                )
         self._window = _empty_window()
         writes = rank == 0 or self.config.save_for_all_ranks
         suffix = "" if rank == 0 else f"_rank{rank}"
@@ -203,6 +213,7 @@ class MetricsLogger:
         if self.flops_per_token > 0:
             record["tflops"] = self.flops_per_token * tps / 1e12
             if self.peak_flops:
+                self._raise_peak(self.flops_per_token * tps)
                 record["mfu_pct"] = 100 * self.flops_per_token * tps / self.peak_flops
         record.update(memory)  # memory_gib; on accelerators allocated, active, retries, OOMs
         record["data_pct"] = 100 * window["data_seconds"] / seconds
@@ -213,6 +224,24 @@ class MetricsLogger:
             record["eta_s"] = max(self.total_steps - step, 0) * record["step_s"]
         record.update({k: float(v) for k, v in (extra or {}).items()})
         return record, memory_kind
+
+    def _raise_peak(self, achieved: float) -> None:
+        """Make the peak at least ``achieved`` FLOP/s: a device that reached it can reach it,
+        so a peak below is wrong (a probe slowed by other work on a shared host, a table row
+        of another variant, a low ``metrics.peak_flops``), and MFU above 100% would be
+        false. Said once per raise, with the numbers."""
+        if self.peak_flops is None or achieved <= self.peak_flops:
+            return
+        logger.warning(
+            "training reached %.4g TFLOP/s per device, above the %.4g TFLOP/s peak MFU was "
+            "against (%s): MFU now uses the reached rate as the peak. Set metrics.peak_flops "
+            "to the device's real peak for a true MFU.",
+            achieved / 1e12,
+            self.peak_flops / 1e12,
+            self._peak_source,
+        )
+        self.peak_flops = achieved
+        self._peak_source = "the highest rate training reached"
 
     def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write scalars outside the training step (e.g. validation) to every backend."""
