@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 
 import pytest
@@ -194,3 +195,30 @@ def test_the_cpu_peak_is_measured_and_said_so(tmp_path, caplog):
     ):  # fmt: skip
         pass
     assert "measured" in caplog.text
+
+
+# torchtitan 6204cdff9's tags (components/metrics.py) that titan has values for.
+TORCHTITAN_TAGS = {
+    "loss_metrics/global_avg_loss", "grad_norm", "throughput(tps)", "tflops", "mfu(%)",
+    "time_metrics/end_to_end(s)", "time_metrics/data_loading(s)",
+    "time_metrics/data_loading(%)", "memory/max_reserved(GiB)",
+}  # fmt: skip
+
+
+def test_torchtitan_tensorboard_names_and_layout(tmp_path):
+    config = MetricsConfig(log_freq=2, peak_flops=PEAK, tensorboard_names="torchtitan")
+    _run(tmp_path, config)
+    (run,) = (tmp_path / "tb").iterdir()  # torchtitan's one folder per run: its start minute
+    assert re.fullmatch(r"\d{8}-\d{4}", run.name)
+    scalars = _scalars(run)
+    assert set(scalars) >= TORCHTITAN_TAGS
+    assert not {"loss", "tps", "mfu_pct", "step_s", "data_pct", "memory_gib"} & set(scalars)
+    assert scalars["loss_metrics/global_avg_loss"] == [(1, 9.0), (2, 8.0), (4, 6.0), (5, 5.0)]
+    assert scalars["throughput(tps)"][2] == (4, 4096.0)
+    assert scalars["time_metrics/data_loading(s)"][2] == (4, pytest.approx(0.1))  # per step
+    assert "lr" in scalars  # no torchtitan name: titan's
+
+
+def test_tensorboard_names_are_checked():
+    with pytest.raises(MetricsError, match=r"metrics.tensorboard_names='tt'.*'torchtitan'"):
+        MetricsConfig(tensorboard_names="tt")

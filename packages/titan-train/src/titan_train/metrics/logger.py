@@ -25,6 +25,7 @@ import torch
 from titan_train.metrics.config import MetricsConfig, MetricsError
 from titan_train.metrics.flops import peak_flops, peak_source
 from titan_train.metrics.memory import device_memory
+from titan_train.metrics.torchtitan_tags import torchtitan_run_folder, torchtitan_scalars
 
 __all__ = ["MetricsLogger", "memory_gib"]
 
@@ -115,6 +116,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             folder = os.path.join(dump_folder, self.config.save_tb_folder)
+            if self.config.tensorboard_names == "torchtitan":
+                folder = os.path.join(folder, torchtitan_run_folder())
             if self.config.save_for_all_ranks:
                 folder = os.path.join(folder, f"rank_{rank}")
             self._tensorboard = SummaryWriter(log_dir=folder)
@@ -252,6 +255,8 @@ class MetricsLogger:
     def _write(self, step: int, record: Mapping[str, Any]) -> None:
         scalars = {k: v for k, v in record.items() if k != "step"}
         if self._tensorboard is not None:
+            if self.config.tensorboard_names == "torchtitan":
+                scalars = torchtitan_scalars(scalars)
             for key, value in scalars.items():
                 self._tensorboard.add_scalar(key, value, step)
             self._tensorboard.flush()
