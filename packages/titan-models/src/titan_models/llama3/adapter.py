@@ -194,22 +194,22 @@ class Llama3StateDictAdapter:
 
 
 _LLAMA31_CONTEXT = 131072
-"""Llama 3.1's published ``max_position_embeddings``: the context its RoPE scaling serves."""
+"""The ``max_position_embeddings`` Meta publishes for Llama 3.1 and 3.2 (factor 8 and 32
+alike): the context their RoPE scaling serves."""
 
 
 def _context(args: Llama3Args) -> int:
     """``max_position_embeddings`` of the HF config: the context the model's RoPE serves.
 
     ``args.max_seq_len`` is the run's sequence length (how far the RoPE table was built),
-    not the model's context: with Llama 3.1 scaling, the scaling serves a context beyond
-    ``original_max_position_embeddings`` (Llama 3.1's 128K, or the stretched original
-    where that is longer), and transformers warns of a config whose context is shorter
-    than the original. Plain RoPE serves what the model was trained on."""
+    not the model's context: with Llama 3.1 scaling the model serves Llama 3.1's 131072
+    (or the run's length, or the scaling's original, where longer), and transformers warns
+    of a config whose context is not above ``original_max_position_embeddings``. Plain RoPE
+    serves what the model was trained on."""
     s = args.rope_scaling
     if s is None:
         return args.max_seq_len
-    stretched = int(s.original_max_position_embeddings * s.factor)
-    return max(args.max_seq_len, _LLAMA31_CONTEXT, stretched)
+    return max(args.max_seq_len, _LLAMA31_CONTEXT, s.original_max_position_embeddings)
 
 
 def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:

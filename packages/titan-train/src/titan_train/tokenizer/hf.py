@@ -45,14 +45,13 @@ def _added_token(content: str, entry: object) -> AddedToken:
     """A special token as the config describes it (its flags where it gives them)."""
     if not isinstance(entry, dict):  # a bare name
         return AddedToken(content, special=True, normalized=False)
-    flags = entry
     return AddedToken(
         content,
-        single_word=bool(flags.get("single_word", False)),
-        lstrip=bool(flags.get("lstrip", False)),
-        rstrip=bool(flags.get("rstrip", False)),
-        normalized=bool(flags.get("normalized", True)),
-        special=bool(flags.get("special", True)),
+        single_word=bool(entry.get("single_word", False)),
+        lstrip=bool(entry.get("lstrip", False)),
+        rstrip=bool(entry.get("rstrip", False)),
+        normalized=bool(entry.get("normalized", True)),
+        special=bool(entry.get("special", True)),
     )
 
 
@@ -97,8 +96,11 @@ class HuggingFaceTokenizer:
         config: dict = {}
         self._config_path = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
         if os.path.isfile(self._config_path):
-            with open(self._config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            try:
+                with open(self._config_path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise TokenizerError(f"{self._config_path} is not valid JSON: {e}") from e
             if not isinstance(config, dict):
                 raise TokenizerError(f"{self._config_path} is not a JSON object.")
             special = _config_special_tokens(config)
