@@ -2,12 +2,16 @@
 
     python docs/gen_reference.py [--out DIR]
 
-- one page per package: its README, its public API (mkdocstrings renders each module's
-  ``__all__`` from the docstrings) and its changelog;
+- per package, ``packages/<name>/index.md`` (its README, the list of its API pages, its
+  changelog) and a page per group of its public objects (the names of a module's
+  ``__all__`` imported from one submodule; mkdocstrings renders them from the docstrings);
 - ``config.md``: every key of titan-train's ``JobConfig``, read from the dataclasses
   (section, key, type, default as ``titan-train`` starts with, help from the field's
   docstring, the torchtitan spelling where it differs);
-- ``cli.md``: the ``--help`` of every command and subcommand, as the commands print it.
+- ``cli.md``: every command and subcommand, its usage and a table of its options, read
+  from the argparse parsers and titan-train's own (titan-train's configuration keys are
+  on ``config.md``);
+- ``.nav.json``: the navigation, which docs/hooks.py hands to mkdocs.
 Needs the five packages importable (the dev environment) for the config and the commands.
 """
 
@@ -15,15 +19,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
+import html
 import inspect
+import io
+import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +38,18 @@ ROOT = DOCS.parent
 SOURCE_URL = "https://github.com/titan-pretraining/titan/tree/main/"
 PACKAGES = ("titan-dims", "titan-ckpt", "titan-optim", "titan-models", "titan-train")
 
-# Each command and subcommand whose --help the CLI reference shows.
-COMMANDS: dict[str, list[list[str]]] = {
-    "titan-dims": [[], ["plan"]],
-    "titan-ckpt": [[], ["inspect"], ["verify"], ["diff"], ["convert"]],
-    "titan-train": [[], ["train"], ["config"], ["list-models"], ["generate"]],
-}
-
 
 def _link(match: re.Match[str], base: str) -> str:
-    """A README's relative link, made absolute (the README's folders are not in the site)."""
+    """A README's relative link: to a package's README, its page here (the pages lie as the
+    READMEs do: packages/<name>/index.md); to anything else, the file on GitHub."""
     text, target = match.group(1), match.group(2)
     if re.match(r"^[a-z]+:|^#", target):
         return match.group(0)
     url = os.path.normpath(os.path.join(base, target)).replace(os.sep, "/")
+    package = re.fullmatch(r"packages/([a-z-]+)(?:/README\.md)?/?(#.*)?", url)
+    if package and package.group(1) in PACKAGES:
+        page = os.path.relpath(f"packages/{package.group(1)}/index.md", base)
+        return f"[{text}]({page}{package.group(2) or ''})"
     return f"[{text}]({SOURCE_URL}{url})"
 
 
@@ -72,16 +76,49 @@ def api_modules(name: str) -> list[str]:
     return found
 
 
-def package_page(name: str) -> str:
-    """README, then the public API, then the changelog of one package."""
+def api_groups(module: str) -> dict[str, list[str]]:
+    """The names of ``module.__all__`` grouped by the submodule each is imported from (its
+    own module for names defined there): a reference page per group. Read from the source."""
+    name = module.split(".")[0].replace("_", "-")
+    src = ROOT / "packages" / name / "src" / Path(*module.split("."))
+    file = src / "__init__.py" if src.is_dir() else src.with_suffix(".py")
+    tree = ast.parse(file.read_text())
+    public = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__"
+    )
+    origin = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            parts = (node.module or "").split(".")
+            parts = parts[1:] if not node.level else parts  # the package's own name
+            for alias in node.names:
+                private = parts[0].startswith("_")  # __about__: the package's own
+                origin[alias.asname or alias.name] = "" if private or not src.is_dir() else parts[0]
+    groups: dict[str, list[str]] = {}
+    for item in (n for n in public if not n.startswith("__")):  # not __version__
+        group = origin.get(item, "")
+        groups.setdefault(f"{module}.{group}" if group else module, []).append(item)
+    return groups
+
+
+def package_pages(name: str) -> dict[str, str]:
+    """The pages of one package, by file name: ``index.md`` (its README, the list of its API
+    pages, its changelog) and a page per group of its public objects."""
     folder = ROOT / "packages" / name
-    parts = [_markdown(folder / "README.md"), "\n## API reference\n"]
+    pages, links = {}, []
     for module in api_modules(name):
-        parts.append(f"::: {module}\n")
-    parts.append("\n## Changelog\n")
-    changelog = _markdown(folder / "CHANGELOG.md", shift=1)
-    parts.append(changelog.split("\n", 1)[1])  # without its own title
-    return "\n".join(parts)
+        for group, names in api_groups(module).items():
+            file = f"{group}.md"
+            links.append(f"- [`{group}`]({file}): " + ", ".join(f"`{n}`" for n in names))
+            objects = "\n".join(f"::: {module}.{n}\n" for n in names)
+            pages[file] = f"# `{group}`\n\nImported as `from {module} import ...`.\n\n{objects}"
+    changelog = _markdown(folder / "CHANGELOG.md", shift=1).split("\n", 1)[1]
+    readme = _markdown(folder / "README.md")
+    pages["index.md"] = "\n".join([readme, "\n## API reference\n", *links, "\n## Changelog"])
+    pages["index.md"] += changelog
+    return pages
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -121,7 +158,23 @@ def config_rows(config: Any, prefix: str = "") -> list[tuple[str, str, str, str]
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    return " ".join(text.split()).replace("|", "&#124;")
+
+
+def _code(text: str) -> str:
+    """Inline code for a table cell: HTML, since a ``|`` inside backticks would end the cell
+    (and ``\\|`` shows its backslash)."""
+    return f"<code>{_cell(html.escape(text, quote=False))}</code>"
+
+
+def train_help() -> str:
+    """``titan-train train --help``, run in this process (torch is imported once)."""
+    from titan_train.config import parse_job_config
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        parse_job_config(["--help"])
+    return out.getvalue()
 
 
 def config_page(train_help: str) -> str:
@@ -159,48 +212,128 @@ def config_page(train_help: str) -> str:
                 help_ += f" (torchtitan: `{torchtitan[key]}`)"
             if not re.search(rf"--{re.escape(key)}\b", train_help):
                 help_ += " **TOML only**: no command-line flag."
-            lines.append(f"| `{key}` | `{_cell(kind)}` | `{_cell(default)}` | {_cell(help_)} |")
+            lines.append(f"| `{key}` | {_code(kind)} | {_code(default)} | {_cell(help_)} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def _help(command: str, sub: list[str]) -> str:
-    exe = shutil.which(command)
-    if exe is None:
-        raise SystemExit(f"error: {command} is not on PATH; run in the dev environment")
-    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", "TERM": "dumb"}
-    done = subprocess.run(
-        [exe, *sub, "--help"], capture_output=True, text=True, env=env, timeout=120
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"error: `{command} {' '.join(sub)} --help` exited {done.returncode}")
-    return done.stdout
+def _row(flag: str, default: str, help_: str) -> str:
+    return f"| {_code(flag)} | {_code(default) if default else ''} | {_cell(help_)} |"
 
 
-def all_helps() -> dict[tuple[str, ...], str]:
-    """The --help of every command, keyed by (command, *subcommand); run side by side, since
-    each one imports torch."""
-    calls = [(command, sub) for command, subs in COMMANDS.items() for sub in subs]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        texts = pool.map(lambda call: _help(*call), calls)
-    return {(command, *sub): text for (command, sub), text in zip(calls, texts, strict=True)}
+OPTIONS_HEAD = ["| option | default | help |", "| --- | --- | --- |"]
+_DEFAULT = re.compile(r"\s*\(default:? ([^()]*(?:\([^()]*\))?[^()]*)\)\s*$")
 
 
-def cli_page(helps: dict[tuple[str, ...], str]) -> str:
-    """The --help of every command, verbatim."""
-    lines = ["# Command reference", "", "Each command's `--help`, as it prints it.", ""]
-    for command, subs in COMMANDS.items():
-        lines += [f"## `{command}`", ""]
-        for sub in subs:
-            if sub:
-                lines += [f"### `{command} {' '.join(sub)}`", ""]
-            lines += ["```text", helps[(command, *sub)].rstrip(), "```", ""]
+def _split_default(help_: str) -> tuple[str, str]:
+    """``help (default X)`` -> (help, X), as the commands write their defaults."""
+    found = _DEFAULT.search(help_)
+    return (help_[: found.start()], found.group(1)) if found else (help_, "")
+
+
+def argparse_section(parser: argparse.ArgumentParser, title: str) -> list[str]:
+    """A heading, the usage, the description and a table of options of an argparse parser;
+    then the same for each of its subcommands."""
+    usage = " ".join(parser.format_usage().split()).removeprefix("usage: ")
+    lines = [title, "", "```text", usage, "```", "", parser.description or "", ""]
+    formatter = parser._get_formatter()
+    rows, subs = [], []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            subs = list(action.choices.items())
+            continue
+        if isinstance(action, argparse._HelpAction):  # said once, at the top of the page
+            continue
+        metavar = formatter._format_args(action, action.dest.upper()) if action.nargs != 0 else ""
+        flag = ", ".join(action.option_strings) + (" " if action.option_strings else "") + metavar
+        help_, default = _split_default(formatter._expand_help(action) if action.help else "")
+        if not default and action.default not in (None, False, argparse.SUPPRESS):
+            default = str(action.default)
+        rows.append(_row(flag.strip(), default, help_ + (" (required)" if action.required else "")))
+    if rows:
+        lines += [*OPTIONS_HEAD, *rows, ""]
+    for name, sub in subs:
+        lines += argparse_section(sub, f"### `{parser.prog} {name}`")
+    return lines
+
+
+def docstring_section(doc: str) -> list[str]:
+    """A command's docstring as markdown: the indented examples as a console block, each
+    two-column list of options (``  --flag ARG   help``, help lines indented) as a table."""
+    lines: list[str] = []
+    block: list[str] = []  # the example lines being collected
+    option: list[str] | None = None  # the option row being collected: [flag, help]
+    rows: list[list[str]] = []
+    for line in [*inspect.cleandoc(doc).replace("``", "`").splitlines(), ""]:
+        starts = re.match(r"^  (--\S+(?: [A-Z:]+)?)\s{2,}(.*)", line)
+        if option and line.startswith(" " * 6) and line.strip():
+            option[1] += " " + line.strip()
+            continue
+        if starts:
+            option = [starts.group(1), starts.group(2)]
+            rows.append(option)
+            continue
+        option = None
+        if rows:
+            lines += ["", *OPTIONS_HEAD]
+            lines += [_row(flag, *reversed(_split_default(help_))) for flag, help_ in rows]
+            lines.append("")
+            rows = []
+        if line.startswith("    "):
+            block.append(line[4:])
+            continue
+        if block:
+            lines += ["", "```bash", *block, "```", ""]
+            block = []
+        lines.append(line)
+    return lines
+
+
+def titan_train_section() -> list[str]:
+    """titan-train's commands: ``train`` and ``config`` take the configuration's keys (the
+    Configuration page), ``estimate`` and ``generate`` have options of their own."""
+    from titan_train import cli, estimate_cli, generate_cli
+    from titan_train.registry import list_models, load_model_spec
+
+    keys = "[Configuration](config.md): a key `section.key` is the flag `--section.key VALUE`"
+    lines = ["## `titan-train`", "", *docstring_section(cli.__doc__ or ""), ""]
+    lines += ["Its commands: " + ", ".join(f"`{c}`" for c in cli.COMMANDS) + ".", ""]
+    lines += ["### `titan-train train`", "", "Train (also what `titan-train` alone does).", ""]
+    lines += [f"Options: every key of the {keys}, and the launcher flags above.", ""]
+    lines += ["### `titan-train config`", "", "Print the merged configuration as TOML", ""]
+    lines += [f"Options: `--print` (accepted, changes nothing) and every key of the {keys}.", ""]
+    lines += ["### `titan-train estimate`", "", *docstring_section(estimate_cli.__doc__ or "")]
+    lines += ["### `titan-train list-models`", "", "The model families and their flavors:", ""]
+    lines += [f"- `{name}`: {', '.join(load_model_spec(name).flavors)}" for name in list_models()]
+    lines += ["", "### `titan-train generate`", "", *docstring_section(generate_cli.__doc__ or "")]
+    lines += ["", *OPTIONS_HEAD]
+    for key, kind, default, help_ in config_rows(generate_cli.GenerateOptions()):
+        flag = f"--{key}, --no_{key}" if kind == "bool" else f"--{key} {_kind(kind)}"
+        lines.append(_row(flag, default, help_))
+    return [*lines, ""]
+
+
+def _kind(kind: str) -> str:
+    inner = re.fullmatch(r"\w+\[list\[(\w+)\]\]", kind)  # tyro's UseAppendAction[list[str]]
+    return f"{inner.group(1).upper()} (repeatable)" if inner else kind.upper()
+
+
+def cli_page() -> str:
+    """Every command and subcommand: its usage, what it does and a table of its options."""
+    from titan_ckpt.commands.cli import _parser as ckpt_parser
+    from titan_dims.cli import _parser as dims_parser
+
+    lines = ["# Command reference", "", "`titan-dims`, `titan-ckpt` and `titan-train`: each"]
+    lines += ["command and its options. Every command also takes `-h`, `--help`.", ""]
+    lines += argparse_section(dims_parser(), "## `titan-dims`")
+    lines += argparse_section(ckpt_parser(), "## `titan-ckpt`")
+    lines += titan_train_section()
     return "\n".join(lines)
 
 
 def index_page() -> str:
     readme = _markdown(ROOT / "README.md")
-    pages = "\n".join(f"- [{name}](packages/{name}.md)" for name in PACKAGES)
+    pages = "\n".join(f"- [{name}](packages/{name}/index.md)" for name in PACKAGES)
     return (
         f"{readme}\n\n## This reference\n\n{pages}\n"
         "- [Configuration](config.md): every key of `titan-train`'s TOML and command line\n"
@@ -210,13 +343,22 @@ def index_page() -> str:
 
 def generate(out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
-    (out / "packages").mkdir(parents=True)
+    out.mkdir(parents=True)
     (out / "index.md").write_text(index_page())
+    nav: list[Any] = [{"Overview": "index.md"}]
     for name in PACKAGES:
-        (out / "packages" / f"{name}.md").write_text(package_page(name))
-    helps = all_helps()
-    (out / "config.md").write_text(config_page(helps[("titan-train", "train")]))
-    (out / "cli.md").write_text(cli_page(helps))
+        (out / "packages" / name).mkdir(parents=True)
+        section = []
+        for file, text in package_pages(name).items():
+            (out / "packages" / name / file).write_text(text)
+            title = name if file == "index.md" else file.removesuffix(".md")
+            section.append({title: f"packages/{name}/{file}"})
+        nav.append({name: sorted(section, key=lambda entry: "index.md" not in str(entry))})
+    (out / "config.md").write_text(config_page(train_help()))
+    (out / "cli.md").write_text(cli_page())
+    nav += [{"Configuration": "config.md"}, {"Commands": "cli.md"}]
+    shutil.copytree(DOCS / "assets", out / "assets")  # the file:// search shim
+    (out / ".nav.json").write_text(json.dumps(nav, indent=1))  # read by docs/hooks.py
     print(f"wrote the reference pages to {out}")
 
 

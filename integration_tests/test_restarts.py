@@ -15,21 +15,31 @@ The first five trials are fixed (``TITAN_RESTART_TRIALS``, default 1: the one CI
 with the reference run); later ones are drawn from a seeded generator, so
 ``TITAN_RESTART_TRIALS=8 pytest integration_tests/test_restarts.py`` is the same 8 trials
 every time (~20 s each; all but the first are marked ``slow``).
+
+Preemption, the clean stop: SIGTERM to the ``titan-train`` launcher once step 3 is logged;
+the run saves the step both ranks stopped after, exits with status 143, and the same command
+resumes from it to the reference's losses (two launches, marked ``slow``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from titan_ckpt.layout import scan_steps
+from titan_ckpt.storage import LocalStorage
 from titan_train.launch import SHARED_STORE_VARIABLE
+from titan_train.preemption import PREEMPTED_EXIT
 
 FAULTS = Path(__file__).parent / "faults"
 STEPS = 8
@@ -195,3 +205,47 @@ def test_a_killed_worker_restarts_from_the_newest_commit_with_the_same_losses(
     assert [(s, loss) for s, loss in records] == [(s, reference[s]) for s, _ in records]
     finals = sorted(p.name for p in (folder / "checkpoint").iterdir())
     assert finals == [f"step-{STEPS - 2}", f"step-{STEPS}"], finals
+
+
+STOP_LINE = re.compile(r"SIGTERM: stopping after step (\d+), saving it; exit status 143")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_agreed_step_exits_143_and_resumes_to_the_same_losses(
+    tmp_path, reference
+):
+    """Preemption as a scheduler does it: SIGTERM to the launcher alone (Kubernetes signals a
+    container's first process) once step 3 is logged. One line, the step both ranks stopped
+    after saved and committed, status 143; the same command resumes from it."""
+    folder = tmp_path / "out"
+    command = [sys.executable, "-m", "titan_train.cli", "--nproc-per-node", "2"]
+    command += ["--job.dump_folder", str(folder), *TINY]
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        metrics = folder / "metrics.jsonl"
+        while process.poll() is None and not (metrics.exists() and len(loss_records(folder)) > 2):
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        # A launcher that dies at the signal leaves the agent training: end the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    stops = STOP_LINE.findall(stderr)
+    assert process.returncode == PREEMPTED_EXIT == 143, stderr[-8000:]
+    assert len(stops) == 1, stderr[-8000:]
+    stopped = int(stops[0])
+    assert 3 <= stopped < STEPS
+    assert loss_records(folder)[-1][0] == stopped  # the last step trained is the one saved
+    scan = scan_steps(LocalStorage(), str(folder / "checkpoint"), log=False)
+    assert scan.committed[-1] == stopped, scan
+    assert not scan.uncommitted, scan
+
+    stderr = launch("titan-train", folder, restarts=0)
+    assert f"Loaded {folder / 'checkpoint' / f'step-{stopped}'}" in stderr
+    records = loss_records(folder)
+    assert [s for s, _ in records] == list(range(1, STEPS + 1))
+    assert records == [(s, reference[s]) for s, _ in records]

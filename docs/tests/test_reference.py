@@ -1,9 +1,11 @@
-"""The API reference is complete (every config key, every CLI option) and built strictly."""
+"""The API reference is complete (every config key, every command and option, every public
+object) and built strictly."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import re
 import subprocess
@@ -71,21 +73,44 @@ def test_every_config_key_is_in_the_reference(config_page: str) -> None:
     missing = [key for key in keys if f"| `{key}` |" not in page]
     assert not missing, missing
     # a key's row carries its default as titan-train starts with it
-    assert "| `training.steps` | `int` | `30` |" in page
+    assert "| `training.steps` | <code>int</code> | <code>30</code> |" in page
     assert "(torchtitan: `model.hf_assets_path`)" in page
 
 
-def test_every_titan_train_option_is_in_the_command_reference(
-    cli_page: str, config_page: str
-) -> None:
+def test_every_titan_train_option_is_in_the_reference(cli_page: str, config_page: str) -> None:
+    """train's and config's options are the configuration's keys (config.md, each with its
+    flag or marked TOML only); estimate's, generate's and the launcher's are on cli.md."""
+    from titan_train.generate_cli import GenerateOptions
+
+    help_ = gen_reference.train_help()
     rows = {line.split("`")[1]: line for line in config_page.splitlines() if line.startswith("| `")}
     missing = [
         key
         for key in config_keys(JobConfig())
-        if f"--{key}" not in cli_page and "**TOML only**" not in rows[key]
+        if f"--{key}" not in help_ and "**TOML only**" not in rows[key]
     ]
     assert not missing, missing  # a key is a flag, or the reference says it is TOML only
-    assert "--nproc-per-node" in cli_page
+    assert "[Configuration](config.md)" in cli_page.split("### `titan-train train`")[1]
+    generate = cli_page.split("### `titan-train generate`")[1]
+    missing = [key for key in config_keys(GenerateOptions()) if f"<code>--{key}" not in generate]
+    assert not missing, missing
+    for option in ("--nproc-per-node N", "--rdzv-endpoint HOST:PORT", "--world_size N"):
+        assert f"| <code>{option}</code> |" in cli_page, option
+    # a table row, not a --help box: the default in its own column
+    assert "| <code>--max_new_tokens INT</code> | <code>64</code> | Tokens to add" in generate
+
+
+def test_every_command_has_its_section(cli_page: str) -> None:
+    from titan_train.cli import COMMANDS
+
+    commands = [f"titan-train {name}" for name in COMMANDS]
+    for command, parser in (("titan-ckpt", ckpt_parser()), ("titan-dims", dims_parser())):
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands += [f"{command} {name}" for name in subparsers.choices]
+    assert "titan-train estimate" in commands
+    assert "titan-ckpt convert" in commands
+    missing = [command for command in commands if f"\n### `{command}`\n" not in cli_page]
+    assert not missing, missing
 
 
 @pytest.mark.parametrize(
@@ -97,19 +122,28 @@ def test_every_option_of_the_argparse_commands_is_in_the_reference(
     section = cli_page.split(f"## `{command}`", 1)[1].split("\n## ", 1)[0]
     options = parser_options(parser())
     assert "--json" in options
-    missing = sorted(o for o in options if not re.search(rf"{re.escape(o)}\b", section))
+    options.remove("--help")  # the page says once that every command takes it
+    missing = sorted(o for o in options if not re.search(rf"<code>[^<]*{re.escape(o)}\b", section))
     assert not missing, missing
 
 
-def test_each_package_page_has_its_readme_api_and_changelog(pages: Path) -> None:
+def test_each_package_has_its_readme_api_pages_and_changelog(pages: Path) -> None:
     for name in gen_reference.PACKAGES:
-        page = (pages / "packages" / f"{name}.md").read_text()
-        assert page.startswith(f"# {name}\n")
-        modules = gen_reference.api_modules(name)
-        assert modules, name
-        for module in modules:
-            assert f"\n::: {module}\n" in page
-        assert "\n### [Unreleased]" in page  # the changelog, one heading level down
+        folder = pages / "packages" / name
+        index = (folder / "index.md").read_text()
+        assert index.startswith(f"# {name}\n")
+        assert "\n### [Unreleased]" in index  # the changelog, one heading level down
+        for module in gen_reference.api_modules(name):
+            public = importlib.import_module(module).__all__
+            shown = []
+            for group, names in gen_reference.api_groups(module).items():
+                assert f"]({group}.md)" in index  # the package page links each API page
+                page = (folder / f"{group}.md").read_text()
+                shown += [n for n in names if f"\n::: {module}.{n}\n" in page]
+            assert sorted(shown) == sorted(n for n in public if not n.startswith("__"))
+    # titan-models' objects are split into pages (a page per model family and so on)
+    groups = gen_reference.api_groups("titan_models")
+    assert {"titan_models.llama3", "titan_models.qwen3", "titan_models.parallel"} <= set(groups)
 
 
 def test_a_broken_cross_reference_fails_the_build(tmp_path: Path) -> None:
@@ -124,6 +158,8 @@ def test_a_broken_cross_reference_fails_the_build(tmp_path: Path) -> None:
     config = config.replace("docs_dir: _build/src", f"docs_dir: {src}")
     config = config.replace("site_dir: _build/site", f"site_dir: {tmp_path / 'site'}")
     config = config.replace("- ../packages/", f"- {gen_reference.ROOT}/packages/")
+    for local in ("hooks.py", "griffe_roles.py"):
+        config = config.replace(f"- {local}", f"- {gen_reference.DOCS / local}")
     (tmp_path / "mkdocs.yml").write_text(config)
     cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(tmp_path / "mkdocs.yml")]
     done = subprocess.run(cmd, capture_output=True, text=True)

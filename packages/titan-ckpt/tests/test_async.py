@@ -51,7 +51,7 @@ def test_async_save_keeps_values_at_save_time(common, tmp_path, mode, caplog):
     for step in (1, 3):
         fresh = common.make_model(seed=5)
         reader = CheckpointManager(
-            CheckpointConfig(enable=True, folder=str(tmp_path), load_step=step),
+            CheckpointConfig(enable=True, folder=str(tmp_path), load_step=step, load_only=True),
             model_parts=fresh,
         )
         assert reader.load()

@@ -11,6 +11,10 @@ def test_help(command, titan_ckpt):
     code, out, _ = titan_ckpt(command, "--help")
     assert code == 0
     assert out.startswith(f"usage: titan-ckpt {command}")
+    # At least one example of the command itself, as a line of its own.
+    examples = out.split("examples:\n", 1)[1].splitlines()
+    assert examples
+    assert all(line.startswith(f"  titan-ckpt {command} ") for line in examples)
 
 
 def test_bad_usage_exits_2(saved_folder, tmp_path, titan_ckpt):

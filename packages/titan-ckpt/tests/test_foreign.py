@@ -229,6 +229,24 @@ def test_retention_never_deletes_what_is_not_ours(common, tmp_path):
     assert {k: v for k, v in after.items() if k.startswith(("step-1/", "step-2/"))} == before
 
 
+def test_saving_over_a_step_that_is_a_symlink_leaves_its_target(common, tmp_path):
+    folder = tmp_path / "ckpt"
+    run, _ = manager(common, folder)
+    run.save(3)
+    run.close()
+    archive = tmp_path / "archive"  # step-3 moved elsewhere and linked back: committed
+    archive.mkdir()
+    (folder / "step-3").rename(archive / "step-3")
+    (folder / "step-3").symlink_to(archive / "step-3", target_is_directory=True)
+    before = snapshot(archive)
+    run, _ = manager(common, folder)
+    with pytest.raises(CheckpointConfigError, match=r"Cannot save step 3: .*step-3"):
+        run.save(3)
+    run.close()
+    assert snapshot(archive) == before
+    assert (folder / "step-3").is_symlink()
+
+
 def test_seed_checkpoint_refuses_a_foreign_step_0(common, tmp_path):
     write_plain_dcp(tmp_path / "step-0")
     before = snapshot(tmp_path)

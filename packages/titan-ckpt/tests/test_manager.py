@@ -210,6 +210,7 @@ def test_initial_load_path_that_is_not_a_checkpoint(common, tmp_path):
     run = Run(common, tmp_path / "run", initial_load_path=str(tmp_path / "empty"))
     with pytest.raises(CheckpointConfigError, match="neither a DCP checkpoint"):
         run.manager.load()
+    run.manager.close()
     run = Run(common, tmp_path / "run", initial_load_path=str(tmp_path / "nope"))
     with pytest.raises(CheckpointConfigError, match="does not exist"):
         run.manager.load()

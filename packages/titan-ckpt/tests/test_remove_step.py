@@ -6,12 +6,26 @@ save reclaims. A foreign directory would stop the restarted run before any work.
 
 Crashes are simulated by a local storage that stops (raises) after N removals, for every N a
 real deletion takes, on a real committed step with a Hugging Face export beside it.
+
+A deletion removes only what titan wrote and never follows a symbolic link, on local
+storage and through fsspec's ``file://``: checked with real links to files outside.
 """
 
 from __future__ import annotations
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage
-from titan_ckpt.layout import OWNER_MARKER, classify_step, remove_step, scan_steps
+import logging
+
+import pytest
+
+from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage, storage_for
+from titan_ckpt.layout import (
+    OWNER_MARKER,
+    classify_step,
+    commit_step,
+    read_manifest,
+    remove_step,
+    scan_steps,
+)
 
 
 class Crash(BaseException):
@@ -38,6 +52,8 @@ def committed_step(common, folder):
     directory = folder / "step-1"
     (directory / "hf").mkdir()  # a subfolder, as an HF export leaves one
     (directory / "hf" / "model.safetensors").write_bytes(b"weights")
+    storage = LocalStorage()  # committed again: the export is in the manifest, as a save's is
+    commit_step(storage, str(directory), read_manifest(storage, str(directory)))
     return directory
 
 
@@ -82,3 +98,27 @@ def test_a_file_that_is_not_ours_still_makes_the_directory_foreign(tmp_path):
     (directory / ".tmp-x").write_bytes(b"")
     (directory / "notes.txt").write_text("someone else's")
     assert classify_step(LocalStorage(), str(directory)) == "foreign"
+
+
+@pytest.mark.parametrize("scheme", ["", "file://"])
+def test_a_deletion_never_follows_a_link(common, tmp_path, scheme, caplog):
+    target = tmp_path / "outside"
+    (target / "sub").mkdir(parents=True)
+    (target / "a.bin").write_bytes(b"file outside")
+    (target / "sub" / "b.bin").write_bytes(b"folder outside")
+    directory = committed_step(common, tmp_path / "ckpt")
+    (directory / "to-file").symlink_to(target / "a.bin")
+    (directory / "hf" / "to-dir").symlink_to(target / "sub", target_is_directory=True)
+    linked = tmp_path / "ckpt" / "step-2"  # a step that is itself a link to a committed step
+    linked.symlink_to(committed_step(common, tmp_path / "other"), target_is_directory=True)
+    storage = storage_for(f"{scheme}{tmp_path}")
+    caplog.set_level(logging.WARNING, logger="titan_ckpt")
+    assert remove_step(storage, f"{scheme}{directory}") is False
+    assert remove_step(storage, f"{scheme}{linked}") is False
+    assert (target / "a.bin").read_bytes() == b"file outside"
+    assert (target / "sub" / "b.bin").read_bytes() == b"folder outside"
+    left = sorted(p.name for p in directory.rglob("*"))
+    assert left == ["hf", OWNER_MARKER, "to-dir", "to-file"]
+    assert classify_step(LocalStorage(), str(linked)) == "committed"  # untouched
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, caplog.text

@@ -1,11 +1,19 @@
-"""The storage seam: an fsspec URL works end to end like a local path."""
+"""The storage seam: an fsspec URL works end to end like a local path; a removal never
+follows a symbolic link."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, FsspecStorage, scan_steps, storage_for
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    FsspecStorage,
+    LocalStorage,
+    scan_steps,
+    storage_for,
+)
 
 pytest.importorskip("fsspec")
 
@@ -28,3 +36,21 @@ def test_fsspec_url_round_trip_with_retention(common, tmp_path):
     )
     assert reader.load()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_local_remove_unlinks_a_link_and_never_empties_its_target(tmp_path):
+    target = tmp_path / "target"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "a.bin").write_bytes(b"kept")
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    tree = tmp_path / "tree"  # a real directory holding a link to the target
+    tree.mkdir()
+    (tree / "inner").symlink_to(target, target_is_directory=True)
+    storage = LocalStorage()
+    assert storage.is_link(str(link))
+    storage.remove(str(link))
+    storage.remove(str(tree))
+    assert not link.is_symlink()
+    assert not tree.exists()
+    assert (target / "sub" / "a.bin").read_bytes() == b"kept"

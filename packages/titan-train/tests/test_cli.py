@@ -144,9 +144,44 @@ def test_help(capsys):
     assert "titan-train --nproc-per-node 2" in out
     assert "--training.local_batch_size" in out  # bare --help shows train's options too
     assert "``" not in out  # docstrings as plain text, not reST
-    with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--help"])
-    assert exit_info.value.code == 0
+    assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--training.local_batch_size" in out
     assert "``" not in out
+
+
+# (command, a line of its own description, an example of its own, one of its own options)
+COMMAND_HELP = [
+    ("train", "Launcher flags", "titan-train --nproc-per-node 2", "--training.steps"),
+    ("config", "merged configuration", "titan-train config --print", "--print"),
+    ("list-models", "each one's flavors", "titan-train list-models", None),
+    ("generate", "sample text", "titan-train generate --checkpoint.path", "--max-new-tokens"),
+    ("estimate", "one rank's memory", "titan-train estimate --world-size 8", "--world-size"),
+]
+
+
+@pytest.mark.parametrize(("command", "description", "example", "option"), COMMAND_HELP)
+def test_each_command_documents_itself(command, description, example, option, capsys):
+    try:
+        code = main([command, "--help"])
+    except SystemExit as done:  # tyro's --help
+        code = done.code
+    assert code == 0
+    out = capsys.readouterr().out
+    assert description in out
+    assert example in out
+    if option is not None:
+        assert option in out
+    assert "``" not in out  # no reST or markdown leftovers
+    assert "\n- titan-train" not in out
+    if command != "train":
+        assert "Launcher flags" not in out  # train's description is train's alone
+
+
+def test_an_unknown_command_lists_the_commands(capsys):
+    assert main(["bogus", "--training.steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "titan-train: error: unknown command 'bogus'; the commands are train, config, "
+        "list-models, generate, estimate (titan-train COMMAND --help)."
+    ]

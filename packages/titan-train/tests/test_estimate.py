@@ -106,7 +106,15 @@ def test_table_names_the_stage(capsys):
     assert main(["estimate", *SMALL, "--world_size", "2",
                  "--parallelism.pipeline_parallel_degree", "2", "--rank", "1",
                  "--parallelism.data_parallel_shard_degree", "1"]) == 0  # fmt: skip
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # Progress, a line per phase, on stderr: the first before torch and the models load.
+    phases = [line for line in err.splitlines() if line.startswith("titan-train estimate:")]
+    assert phases == [
+        "titan-train estimate: loading torch and the model code ...",
+        "titan-train estimate: checking the configuration for rank 1 of 2 ...",
+        "titan-train estimate: building llama3 debugmodel on the meta device ...",
+        "titan-train estimate: simulating one training step on fake tensors ...",
+    ]
     assert "rank 1 runs stage(s) [1] of 2" in out
     assert "peak (one step)" in out
     assert "MiB" in out
@@ -116,9 +124,9 @@ BAD = [
         # the model's own check (check_fn), as a real run gives it
         (["--world_size", "3", "--parallelism.tensor_parallel_degree", "3",
           "--training.seq_len", "384"], "must divide n_heads=16"),
-        (["--world_size", "0"], "--world_size=0"),
+        (["--world_size", "0"], "--world-size=0"),
         (["--rank", "2", "--world_size", "2"], "--rank=2 is outside"),
-        (["--world_size", "x"], "--world_size needs a whole number"),
+        (["--world-size", "x"], "--world-size needs a whole number"),
         (["--model.flavor", "huge"], "model.flavor='huge'"),
         (["--parallelize.cpu_offload"], "cannot simulate parallelize.cpu_offload"),
         # preflight's layout check (titan-dims)
@@ -141,7 +149,7 @@ def test_help_documents_the_command(capsys):
         main(["estimate", "--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--world_size", "--rank", "--json", "--parallelism.tensor_parallel_degree"):
+    for option in ("--world-size", "--rank", "--json", "--parallelism.tensor_parallel_degree"):
         assert option in out
 
 

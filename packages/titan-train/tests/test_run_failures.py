@@ -1,6 +1,7 @@
 """``titan-train`` when its environment fails: an unusable checkpoint folder is refused
-before any work (exit 2); a disk that fills up mid-run, or training that diverges, stops the
-run with one message and exit 1, no traceback, committed steps intact and resumable.
+before any work (exit 2), and so is one another run holds (exit 1, nothing written); a disk
+that fills up mid-run, or training that diverges, stops the run with one message and exit 1,
+no traceback, committed steps intact and resumable.
 
 The disk-full run writes its dump folder onto a real small filesystem (a tmpfs; skipped
 where this process may not mount one); the diverging run gets a learning rate of 1e30.
@@ -17,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titan_ckpt import LocalStorage, scan_steps
+from titan_ckpt import CheckpointConfig, LocalStorage, lock_checkpoint_folder, scan_steps
 from titan_ckpt.commands.cli import main as titan_ckpt_main
 from titan_train.cli import main
 
@@ -113,6 +114,27 @@ def test_an_unusable_dataset_stops_before_anything_is_written(
     assert message in errors[0]
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_checkpoint_folder_another_run_holds_stops_the_run_before_any_work(tmp_path, capsys):
+    dump = tmp_path / "out"
+    # The first run's lock, as it holds it (from this process: flock locks are per open).
+    held = lock_checkpoint_folder(CheckpointConfig(enable=True, folder=str(dump / "checkpoint")))
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    try:
+        code, err = run_in_process(
+            ["--job.dump_folder", str(dump), "--training.steps", "2"], capsys
+        )
+        after = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    finally:
+        held.release()
+    assert code == 1
+    errors = [line for line in err.splitlines() if "titan-train: error:" in line]
+    assert len(errors) == 1, err
+    assert f"is in use by another run: process {os.getpid()} on host" in errors[0]
+    assert "checkpoint.load_only=true" in errors[0]
+    assert "Traceback" not in err
+    assert after == before  # nothing written: no metrics, no step, no folder
 
 
 def test_a_read_only_dump_folder_exits_2(tmpfs, capsys):

@@ -10,7 +10,8 @@ packages provide Hugging Face conversion.
 A step directory titan did not create is never deleted, overwritten or written into:
 ``classify_step`` tells ours from torchtitan's and foreign ones,
 ``check_folder_contents`` stops a run early on a folder it cannot use safely, and
-torchtitan checkpoints resume through ``TorchtitanCompat``.
+torchtitan checkpoints resume through ``TorchtitanCompat``. One run writes a folder at a
+time: ``lock_checkpoint_folder`` (``titan_ckpt.lock``), which a saving manager takes itself.
 
 The package has three layers: the runtime at the top level (``manager``, ``layout``,
 ``storage``, ``hf``, ...), ``titan_ckpt.formats`` (DCP, safetensors, torch.save: readers and
@@ -34,6 +35,7 @@ from titan_ckpt.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
+    CheckpointLockError,
     CheckpointReadError,
     CheckpointWriteError,
     DiskFullError,
@@ -49,6 +51,7 @@ from titan_ckpt.layout import (
     scan_steps,
     verify_step,
 )
+from titan_ckpt.lock import lock_checkpoint_folder
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.model_record import MODEL_RECORD
 from titan_ckpt.preflight import check_folder_contents, check_folder_writable
@@ -66,6 +69,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointIntegrityError",
+    "CheckpointLockError",
     "CheckpointManager",
     "CheckpointReadError",
     "CheckpointWriteError",
@@ -87,6 +91,7 @@ __all__ = [
     "classify_step",
     "is_torchtitan_checkpoint",
     "load_state_dict_adapter",
+    "lock_checkpoint_folder",
     "read_manifest",
     "scan_steps",
     "storage_for",

@@ -12,6 +12,8 @@
   from its manifest; ``problems`` lists each damaged file.
 - ``CheckpointWriteError`` (also a ``RuntimeError``): a save failed, its partial step removed;
   ``DiskFullError`` when space ran out.
+- ``CheckpointLockError`` (also a ``RuntimeError``): another writer holds the checkpoint
+  folder (``titan_ckpt.lock``); refused before any work.
 
 The second bases keep ``except ValueError`` / ``except RuntimeError`` callers working.
 
@@ -32,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointIntegrityError",
+    "CheckpointLockError",
     "CheckpointReadError",
     "CheckpointWriteError",
     "ConvertError",
@@ -139,6 +142,19 @@ class DiskFullError(CheckpointWriteError):
         """Bytes the step needs (estimated from the state saved), if known."""
         self.free = free
         """Bytes that were free for it (free now plus its removed partial files), if known."""
+
+
+class CheckpointLockError(CheckpointError, RuntimeError):
+    """Another process holds the checkpoint folder for writing (``titan_ckpt.lock``).
+
+    Raised when a saving manager is built, before any work; ``holder`` describes the
+    process that holds the folder (host, pid, since when), as the message names it.
+    """
+
+    def __init__(self, message: str, *, holder: str = "") -> None:
+        super().__init__(message)
+        self.holder = holder
+        """The holding process, in words ("" when its lock file could not be read)."""
 
 
 def check_int(

@@ -423,21 +423,60 @@ def _holds_no_data(storage: Storage, directory: str) -> bool:
     return all(rel.rsplit("/", 1)[-1].startswith(".tmp-") for rel in storage.walk_files(directory))
 
 
-def remove_step(storage: Storage, directory: str) -> None:
+def remove_step(storage: Storage, directory: str) -> bool:
     """Delete a step directory of ours (committed or interrupted) in an order that a crash
     at any moment cannot turn into a foreign directory, which would stop the next run: the
     commit marker first (the step is no longer loadable), then the data, then the owner
-    marker, then the directory."""
-    commit = storage.join(directory, COMMIT_MARKER)
-    if storage.exists(commit):
-        storage.remove(commit)
-    for rel in storage.walk_files(directory):
-        if rel != OWNER_MARKER:
+    marker, then the directory. Returns whether the directory is gone.
+
+    Only what titan wrote goes, and no symbolic link is followed. A directory that is itself
+    a link, or that does not carry our owner marker (unless it holds nothing but our
+    temporaries), is left whole. Inside one, a link is left, and so is a file that a
+    committed step's manifest does not list (an interrupted step has no list: each of its
+    files is the save's); then the owner marker and the directory stay too, an
+    interrupted step. Either way one warning names what was left."""
+    if storage.is_link(directory):
+        _leave(
+            f"Not deleting {directory}: it is a symbolic link, and titan-ckpt never deletes "
+            "through one"
+        )
+        return False
+    entries = storage.walk_files(directory)
+    if OWNER_MARKER not in entries and not _holds_no_data(storage, directory):
+        _leave(f"Not deleting {directory}: it has no {OWNER_MARKER}, so it is not provably titan's")
+        return False
+    manifest, _ = _parse_marker(storage, directory)
+    links = {rel for rel in entries if storage.is_link(storage.join(directory, rel))}
+
+    def ours(rel: str) -> bool:
+        if rel in links:
+            return False
+        if rel in _MARKERS or rel.rsplit("/", 1)[-1].startswith(".tmp-"):
+            return True
+        return manifest is None or rel in manifest.files
+
+    if COMMIT_MARKER in entries:
+        storage.remove(storage.join(directory, COMMIT_MARKER))
+    for rel in entries:
+        if rel not in _MARKERS and ours(rel):
             storage.remove(storage.join(directory, rel))
+    left = [rel for rel in entries if not ours(rel)]
+    if left:
+        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        _leave(
+            f"Deleted titan's files of {directory} but not the directory (uncommitted: never "
+            f"loaded), which holds what titan did not write: {shown}"
+        )
+        return False
     owner = storage.join(directory, OWNER_MARKER)
     if storage.exists(owner):
         storage.remove(owner)
-    storage.remove(directory)
+    storage.remove(directory)  # what is left: empty subdirectories
+    return True
+
+
+def _leave(message: str) -> None:
+    logger.warning("%s. Move it away or delete it yourself if it should go.", message)
 
 
 @dataclass

@@ -21,6 +21,9 @@ Invariants the code below keeps:
   directory (``titan-owner.json``) before DCP writes, and refuses a step directory that is
   someone else's (``titan_ckpt.layout.classify_step``). A torchtitan checkpoint in the folder
   is resumed from, through ``titan_ckpt.torchtitan``; any other foreign one stops the load.
+- One writer per folder: a saving manager holds the folder's lock (``titan_ckpt.lock``) from
+  its construction, before any work, to ``close()``, and never replaces a step that another
+  writer committed after it started.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from titan_ckpt.layout import (
     write_owner,
 )
 from titan_ckpt.load_plan import plan_load, states_to_load, verify_shared
+from titan_ckpt.lock import FolderLock, check_replaceable, lock_checkpoint_folder
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
@@ -152,6 +156,10 @@ class CheckpointManager:
         metadata: JSON-serializable facts recorded in every step's commit manifest
             (``Manifest.metadata``), e.g. ``{"model": {"name": ..., "flavor": ..., "args":
             {...}}}``, which ``titan-ckpt convert`` uses to describe the model.
+        folder_lock: the folder's writer lock, taken earlier by the caller
+            (``titan_ckpt.lock.lock_checkpoint_folder``) to hold it before any work; the
+            manager releases it on ``close()``. Default: a saving manager takes it here, and
+            another writer's hold raises ``CheckpointLockError`` on every rank.
 
     A save that fails (the disk full, a permission lost) raises ``CheckpointWriteError``
     (``DiskFullError`` when space ran out) on every rank, naming the path, the bytes the step
@@ -172,8 +180,12 @@ class CheckpointManager:
         ft_replica_id: str | int | None = None,
         data_parallel_degree: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        folder_lock: FolderLock | None = None,
     ) -> None:
         self.config = config
+        self._lock = folder_lock
+        self._began = time.time()  # a step committed later, not by us: another writer's
+        self._committed: set[str] = set()
         self.metadata = json_metadata(metadata)
         self.model = ModelState(model_parts)
         self.states = {k: v for k, v in (states or {}).items() if v is not None}
@@ -215,8 +227,11 @@ class CheckpointManager:
             )
         if not config.enable:
             return
-
-        self._start(process_group)
+        try:
+            self._start(process_group)
+        except BaseException:
+            self.close()
+            raise
         logger.info("Checkpointing to %s (async_mode=%s)", self.folder, config.async_mode)
 
     def _start(self, process_group: dist.ProcessGroup | None) -> None:
@@ -228,6 +243,11 @@ class CheckpointManager:
             self.pg = dist.new_group(ranks=ranks, backend="gloo")
         # "Rank 0" below is rank 0 of the checkpointing group: it plans loads and commits.
         self._rank = dist.get_rank(self.pg) if self._distributed else 0
+        if self._lock is None:  # before any work; every rank raises a refusal
+            ft, replica = self.ft is not None, getattr(self.ft, "replica_id", None)
+            self._lock = lock_checkpoint_folder(
+                self.config, storage=self.storage, group=self.pg, torchft=ft, ft_replica_id=replica
+            )
         if self.config.async_mode != "disabled":
             self._async_type, self._stager = make_stager(
                 self.config.async_mode, distributed=self._distributed
@@ -567,8 +587,15 @@ class CheckpointManager:
                     "writes into it. Move it away, or use another checkpoint.folder."
                 )
             if kind == "committed":
+                check_replaceable(self.storage, directory, step, self._began, self._committed)
                 logger.warning("Replacing committed checkpoint %s", directory)
-            remove_step(self.storage, directory)  # killed halfway, it stays "interrupted"
+            # Killed halfway, it stays "interrupted"; one it must leave (a link inside, files
+            # not ours) is no place to write into.
+            if not remove_step(self.storage, directory):
+                raise CheckpointConfigError(
+                    f"Cannot save step {step}: {directory} holds what titan did not write "
+                    "(see the warning). Move it away, or use another checkpoint.folder."
+                )
         write_owner(self.storage, directory, step)
 
     def _commit(
@@ -579,6 +606,7 @@ class CheckpointManager:
         written: dict[str, dict] | None = None,
     ) -> None:
         commit_step(self.storage, directory, manifest, written, checksum=self.checksum)
+        self._committed.add(directory)
         logger.info("Committed %s (%d files)", directory, len(manifest.files))
         if purger is not None:
             purger.request()
@@ -663,6 +691,8 @@ class CheckpointManager:
             for handle in self._step_guards:
                 handle.remove()
             self._step_guards = []
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

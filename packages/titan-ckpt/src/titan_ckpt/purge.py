@@ -1,7 +1,9 @@
 """Retention: delete committed steps beyond the newest ``keep_latest_k``, off the training path.
 
 Only titan's committed steps are counted and deleted; any other directory in the folder
-(torchtitan's, foreign, an interrupted save) is left alone.
+(torchtitan's, foreign, an interrupted save) is left alone, and so is whatever a step holds
+that titan did not write, a symbolic link above all (``remove_step``): such a step is warned
+about once and not tried again.
 
 Runs on one rank, in a daemon thread fed by a queue. A deletion removes the commit marker
 first and the owner marker last (``titan_ckpt.layout.remove_step``), so a step that is half
@@ -33,6 +35,8 @@ class Purger:
             raise ValueError(f"keep_latest_k={keep_latest_k}: the purger keeps at least 2.")
         self.storage, self.folder, self.keep = storage, folder, keep_latest_k
         self.failures: list[str] = []
+        self.left: set[str] = set()
+        """Steps ``remove_step`` left in place (a link, files not ours): not tried again."""
         self._queue: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="titan-ckpt-purge", daemon=True)
         self._thread.start()
@@ -61,8 +65,12 @@ class Purger:
         committed = committed_steps(self.storage, self.folder)
         for step in committed[: max(0, len(committed) - self.keep)]:
             directory = step_dir(self.storage, self.folder, step)
+            if directory in self.left:
+                continue
             try:
-                remove_step(self.storage, directory)
+                if not remove_step(self.storage, directory):
+                    self.left.add(directory)
+                    continue
                 logger.info("Deleted checkpoint %s (keep_latest_k=%d)", directory, self.keep)
             except Exception as e:
                 logger.warning("Could not delete checkpoint %s: %s", directory, e)

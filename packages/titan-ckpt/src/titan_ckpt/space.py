@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from titan_ckpt.errors import CheckpointWriteError, DiskFullError
-from titan_ckpt.layout import read_manifest
+from titan_ckpt.layout import read_manifest, remove_step
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage
 
 __all__ = [
@@ -267,9 +267,10 @@ def _committed_steps(storage: Storage, folder: str) -> list[int]:
 
 
 def _remove_partial(storage: Storage, directory: str) -> str:
+    # Through remove_step: only what the save wrote goes, no link is followed.
     try:
-        if storage.exists(directory):
-            storage.remove(directory)
+        if storage.exists(directory) and not remove_step(storage, directory):
+            return "The partial step was not removed whole (see the warning); it is uncommitted."
         return "The partial step was removed."
     except Exception as e:
         return f"The partial step could not be removed ({e}); it is uncommitted and never loaded."

@@ -37,7 +37,9 @@ class Storage(ABC):
 
     @abstractmethod
     def remove(self, path: str) -> None:
-        """Delete the file or the whole directory tree at ``path``."""
+        """Delete the file or the whole directory tree at ``path``; a symbolic link is
+        removed itself, never what it points to, and a tree is removed without following
+        the links inside it."""
 
     @abstractmethod
     def open(self, path: str, mode: str = "rb") -> IO:
@@ -67,16 +69,21 @@ class Storage(ABC):
         ``trust_pickles``, it unpickles metadata and records through the allowlist of
         ``titan_ckpt.formats.pickles`` (see ``titan_ckpt.formats.dcp``)."""
 
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (False on storage without links)."""
+        return False
+
     def join(self, *parts: str) -> str:
         """Join path components with ``/``."""
         return "/".join([p.rstrip("/") for p in parts[:-1]] + [parts[-1]])
 
     def walk_files(self, path: str) -> list[str]:
-        """Every file under ``path``, as paths relative to it with ``/`` separators."""
+        """Every file under ``path``, as paths relative to it with ``/`` separators. A
+        symbolic link is listed as an entry of its own and never followed."""
         out: list[str] = []
         for name in sorted(self.list(path)):
             full = self.join(path, name)
-            if self.is_dir(full):
+            if self.is_dir(full) and not self.is_link(full):
                 out.extend(f"{name}/{sub}" for sub in self.walk_files(full))
             else:
                 out.append(name)
@@ -101,10 +108,15 @@ class LocalStorage(Storage):
         return os.path.exists(path)
 
     def remove(self, path: str) -> None:
-        if os.path.isdir(path):
+        # rmtree removes the links inside a tree without following them; a link itself
+        # (to a directory too) is unlinked, never its target emptied.
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
             os.remove(path)
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
 
     def open(self, path: str, mode: str = "rb") -> IO:
         return open(path, mode)
@@ -175,7 +187,13 @@ class FsspecStorage(Storage):
         return self.fs.exists(path)
 
     def remove(self, path: str) -> None:
+        # fsspec's local filesystem unlinks a link and rmtrees a real directory; object
+        # stores and memory:// have no links.
         self.fs.rm(path, recursive=True)
+
+    def is_link(self, path: str) -> bool:
+        islink = getattr(self.fs, "islink", None)  # only filesystems with links have it
+        return bool(islink(path)) if callable(islink) else False
 
     def open(self, path: str, mode: str = "rb") -> IO:
         return self.fs.open(path, mode)
@@ -262,6 +280,9 @@ class RecordingStorage(Storage):
 
     def remove(self, path: str) -> None:
         self.inner.remove(path)
+
+    def is_link(self, path: str) -> bool:
+        return self.inner.is_link(path)
 
     def size(self, path: str) -> int:
         return self.inner.size(path)

@@ -9,6 +9,7 @@ Every error raised for a bad layout or launch is a ``TitanDimsError``; a layout 
 be built is a ``ParallelDimsError`` (also a ``ValueError``), see ``titan_dims.errors``.
 """
 
+from titan_dims import _quiet_torch  # noqa: F401  (first: it imports torch, see there)
 from titan_dims.__about__ import __version__
 from titan_dims.config import ParallelismConfig
 from titan_dims.device import default_backend, detect_device_type, device_module

@@ -2,6 +2,7 @@
 
     titan-dims plan --world-size 4096 --tp 8 --pp 4 --rank 1234
     titan-dims plan --world-size 131072 --tp 8 --pp 16 --dp-replicate 4 --json
+    titan-dims plan --world-size 64 --ep 8 --rank 9          # MoE: EP borrows from dp_shard
 
 The mesh is built for real, by torch, on a fake process group seen from ``--rank``, so the
 rank groups printed are the ones a job of that size would get. Bad degrees print one error
@@ -14,6 +15,7 @@ import argparse
 import itertools
 import json
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,13 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"titan-dims {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    examples = [line.strip() for line in (__doc__ or "").splitlines() if line.startswith("    ")]
     plan = commands.add_parser(
         "plan",
+        epilog="examples:\n" + "\n".join(f"  {line}" for line in examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="show the mesh, its sub-meshes and a rank's process groups",
-        description=(
+        description=textwrap.fill(
             "Validate the degrees, build the DeviceMesh on a fake process group and print "
             "each dimension and flattened sub-mesh with its size; with --rank, that rank's "
-            "coordinates and the ranks in each of its groups."
+            "coordinates and the ranks in each of its groups.",
+            width=88,
         ),
     )
     plan.add_argument("--world-size", type=int, required=True, help="number of ranks")

@@ -1,6 +1,8 @@
 """``build(config, plan) -> TrainingRun``: every part of a training run, built and resumed.
 
-The order is the one the parts depend on, and the one that keeps runs reproducible: data
+First the checkpoint folder's writer lock (``titan_ckpt.lock``): a second run on the same
+folder stops there, before anything is built or written. Then the order is the one the
+parts depend on, and the one that keeps runs reproducible: data
 (tokenizer, training and validation loaders), the model (on the meta device, parallelized or
 split into pipeline stages, then allocated and initialized from ``training.seed``), the
 optimizers and LR schedules, the checkpointer (which resumes everything it can), then
@@ -23,7 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_ckpt import CheckpointManager
+from titan_ckpt import CheckpointManager, lock_checkpoint_folder
+from titan_ckpt.lock import FolderLock
 from titan_dims import ParallelDims
 from titan_models import Pipeline, StepContext
 from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
@@ -102,24 +105,27 @@ def build(config: JobConfig, plan: Plan) -> TrainingRun:
     """Build and resume every part of the run ``plan`` describes (needs the process group
     of ``plan.world``). A seed-checkpoint run (``checkpoint.create_seed_checkpoint``) gets
     no metrics or profiler. Call ``close(run)`` when done, also on failure."""
+    ft = config.fault_tolerance
+    # Every rank raises the refusal of another run's hold; the checkpointer releases it.
+    lock = lock_checkpoint_folder(plan.checkpoint, torchft=ft.enable, ft_replica_id=ft.replica_id)
     replicas = None
-    if config.fault_tolerance.enable:
-        world = plan.world
-        replicas = ReplicaGroup(
-            config.fault_tolerance,
-            device=world.device,
-            rank=world.rank,
-            world_size=world.world_size,
-        )
     try:
-        return _build(config, plan, replicas)
+        if ft.enable:
+            world = plan.world
+            replicas = ReplicaGroup(
+                ft, device=world.device, rank=world.rank, world_size=world.world_size
+            )
+        return _build(config, plan, replicas, lock)
     except BaseException:
         if replicas is not None:
             replicas.close()
+        lock.release()
         raise
 
 
-def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> TrainingRun:
+def _build(
+    config: JobConfig, plan: Plan, replicas: ReplicaGroup | None, lock: FolderLock
+) -> TrainingRun:
     # Over 60 lines on purpose: one straight sequence in the order the parts depend on
     # (and the order that keeps runs reproducible), mostly constructor keywords; split up,
     # the parts would only be passed around between the pieces.
@@ -184,6 +190,7 @@ def _build(config: JobConfig, plan: Plan, replicas: ReplicaGroup | None) -> Trai
         ft_manager=None if replicas is None else replicas.manager,
         ft_replica_id=None if replicas is None else replicas.replica_id,
         data_parallel_degree=data_degree,
+        folder_lock=lock,
     )
     try:
         checkpointer.load()

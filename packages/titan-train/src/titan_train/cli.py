@@ -6,7 +6,14 @@
     titan-train config --print [--job.config_file run.toml ...]   # the merged config as TOML
     titan-train list-models
     titan-train generate --checkpoint.path outputs/checkpoint/step-30 --prompt "Once upon"
-    titan-train estimate --world_size 64 --parallelism.tensor_parallel_degree 8 [--json]
+    titan-train estimate --world-size 64 --parallelism.tensor_parallel_degree 8 [--json]
+
+Commands (``titan-train COMMAND --help`` documents each; no command means ``train``):
+  train          train a model (the default)
+  config         print the merged configuration as TOML (``--print``)
+  list-models    list the model families and their flavors
+  generate       sample text from a checkpoint, a Hugging Face folder or a random model
+  estimate       one rank's memory for a run of any layout and world size
 
 The options of ``train`` (below) take torchtitan's spellings too: ``--training.compile``,
 ``--checkpoint.no-enable-checkpoint``, ``--activation_checkpoint.mode full``, lists as
@@ -26,16 +33,17 @@ work; titan_train.launch):
   --rdzv-timeout SECONDS   how long a node waits for the endpoint to answer (default 60)
 
 Configuration errors (launcher flags and an unreachable rendezvous included) print one
-message and exit with status 2 before anything is written; a run stopped on its way (the disk
-full, training diverged past training.skip_nonfinite_steps) prints one message and exits with
-status 1.
+message and exit with status 2 before anything is written; a run that cannot go on (another
+run holds its checkpoint folder, refused before any work; the disk full, training diverged
+past training.skip_nonfinite_steps) prints one message and exits with status 1. On SIGTERM (a
+scheduler's stop) the ranks finish the step, save it (checkpoint.save_on_sigterm) and exit
+with status 143; a second SIGTERM exits at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,7 +51,14 @@ from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
 from titan_train.errors import ConfigError
-from titan_train.launch import LaunchOptions, check_restartable, exit_rank, pop_launch_options
+from titan_train.launch import (
+    LaunchOptions,
+    check_restartable,
+    exit_rank,
+    pop_launch_options,
+    run_agent,
+)
+from titan_train.preemption import PREEMPTED_EXIT, PreemptedError
 
 if TYPE_CHECKING:
     from titan_train.config import JobConfig
@@ -51,6 +66,23 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 COMMANDS = ("train", "config", "list-models", "generate", "estimate")
+
+_CONFIG_HELP = """titan-train config: print the merged configuration of a run as TOML
+(defaults, then the TOML file, then the command line), in the form --job.config_file reads.
+
+    titan-train config --print
+    titan-train config --print --job.config_file run.toml --training.steps 100 > merged.toml
+
+  --print        print the configuration (what config does; accepted for clarity)
+Every other option is train's (below), checked as a run checks it (exit status 2).
+"""
+
+_LIST_MODELS_HELP = """titan-train list-models: the model families titan-train can train
+(built in, or installed through an entry point) and each one's flavors.
+
+    titan-train list-models
+    titan-train --model.name qwen3 --model.flavor debugmodel   # train one of them
+"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,10 +98,23 @@ def _main(argv: list[str]) -> int:
         return 0
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         return _help()
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(
+            f"titan-train: error: unknown command {argv[0]!r}; the commands are "
+            f"{', '.join(COMMANDS)} (titan-train COMMAND --help).",
+            file=sys.stderr,
+        )
+        return 2
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    asks_help = bool({"-h", "--help"} & set(argv))
     try:
         if command == "list-models":
+            if asks_help:
+                print(_LIST_MODELS_HELP)
+                return 0
             return _list_models()
+        if command == "train" and asks_help:
+            return _help()
         launch, argv = pop_launch_options(argv)
         if command == "config":
             return _print_config(argv)
@@ -85,6 +130,8 @@ def _main(argv: list[str]) -> int:
     except _usage_errors() as error:
         print(f"titan-train: error: {error}", file=sys.stderr)
         return 2
+    except PreemptedError:
+        return PREEMPTED_EXIT  # the run logged why; the save, if any, is committed
     except _run_stops() as error:
         # Every rank raises the same agreed error: one copy is enough.
         if os.environ.get("RANK", "0") == "0":
@@ -132,13 +179,14 @@ def _log_warning(
     logging.getLogger("titan_train").warning("%s", text)
 
 
-def _help() -> int:
-    """The commands, then every option of ``train``."""
+def _help(text: str | None = None, prog: str = "titan-train") -> int:
+    """``text`` (default: this module's docstring: the commands, examples and launcher flags),
+    then every option of ``train``."""
     from titan_train.config import parse_job_config
 
-    print(__doc__.replace("``", ""))
+    print((text or __doc__ or "").replace("``", ""))
     try:
-        parse_job_config(["--help"])
+        parse_job_config(["--help"], prog=prog)
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else 0
     return 0
@@ -167,12 +215,13 @@ def _usage_errors() -> tuple[type[Exception], ...]:
 
 
 def _run_stops() -> tuple[type[Exception], ...]:
-    """Errors that stop a run that started well, each with its whole story in the message
-    (a full disk, a lost folder, training that diverged): no traceback needed."""
-    from titan_ckpt import CheckpointWriteError
+    """Errors that stop a run, each with its whole story in the message (a checkpoint folder
+    another run holds, a full disk, a lost folder, training that diverged): no traceback
+    needed."""
+    from titan_ckpt import CheckpointLockError, CheckpointWriteError
     from titan_train.nonfinite import NonFiniteStepsError
 
-    return (CheckpointWriteError, NonFiniteStepsError)
+    return (CheckpointLockError, CheckpointWriteError, NonFiniteStepsError)
 
 
 def _train(argv: list[str]) -> int:
@@ -209,6 +258,8 @@ def _print_config(argv: list[str]) -> int:
     from titan_train.config import parse_job_config
     from titan_train.toml_writer import dumps
 
+    if {"-h", "--help"} & set(argv):
+        return _help(_CONFIG_HELP, prog="titan-train config")
     # `--print` is accepted for clarity; printing the merged config is what `config` does.
     config = parse_job_config([a for a in argv if a != "--print"], prog="titan-train config")
     print(dumps(config.to_dict()), end="")
@@ -255,7 +306,7 @@ def _run_ranks(launch: LaunchOptions, argv: list[str]) -> int:
     (torch's elastic agent: it starts, watches and restarts them)."""
     command = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args()]
     env = {**launch.torchrun_env(), **os.environ}  # what the user set wins
-    return subprocess.call([*command, "-m", "titan_train.cli", *argv], env=env)
+    return run_agent([*command, "-m", "titan_train.cli", *argv], env)
 
 
 if __name__ == "__main__":

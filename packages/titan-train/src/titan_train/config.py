@@ -35,6 +35,7 @@ from titan_train.profiling import ProfilingConfig
 from titan_train.validation import ValidationConfig
 
 __all__ = [
+    "CheckpointSection",
     "CommConfig",
     "ConfigError",
     "JobConfig",
@@ -184,6 +185,17 @@ class CommConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointSection(CheckpointConfig):
+    """``titan_ckpt.CheckpointConfig`` (when and what the checkpoint manager saves and loads),
+    plus the trainer's own checkpoint policy."""
+
+    save_on_sigterm: bool = True
+    """On SIGTERM (a scheduler's stop), save the last completed step before exiting with
+    status 143; a second SIGTERM exits at once. Off: stop without a save. Not a torchtitan
+    key (torchtitan dies at the signal)."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     """A titan training run. Every option is ``--section.key value`` on the command line."""
 
@@ -197,8 +209,8 @@ class JobConfig:
     lr_scheduler: LRSchedulerConfig = field(
         default_factory=lambda: LRSchedulerConfig(warmup_steps=5)
     )
-    checkpoint: CheckpointConfig = field(
-        default_factory=lambda: CheckpointConfig(
+    checkpoint: CheckpointSection = field(
+        default_factory=lambda: CheckpointSection(
             enable=True, interval=10, last_save_model_only=False
         )
     )

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,16 +154,23 @@ def _one_replica(config: JobConfig, plan: Plan) -> tuple[JobConfig, int, int, in
 
 
 def estimate_memory(
-    config: JobConfig, *, world_size: int, rank: int = 0, vocab_size: int | None = None
+    config: JobConfig,
+    *,
+    world_size: int,
+    rank: int = 0,
+    vocab_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of ``rank`` in a ``world_size``-rank run of ``config``.
 
     Raises the configuration errors a real run's ``preflight`` raises (plus
     ``check_estimable``'s), before any model is built. ``vocab_size`` overrides the
-    tokenizer's vocabulary (e.g. 128256 for Llama 3's tokenizer without having its file)."""
+    tokenizer's vocabulary (e.g. 128256 for Llama 3's tokenizer without having its file).
+    ``progress`` is told each phase as it starts (the command prints them)."""
+    say = progress or (lambda text: None)
     started = time.perf_counter()
     if world_size < 1:
-        raise ConfigError(f"--world_size={world_size} is not allowed; it must be >= 1.")
+        raise ConfigError(f"--world-size={world_size} is not allowed; it must be >= 1.")
     check_estimable(config)
     # Checkpoints, compilation and profiling do not change a step's memory on the device
     # (compile lowers it a little): the estimate is of the eager step.
@@ -173,6 +180,7 @@ def estimate_memory(
         parallelize=dataclasses.replace(config.parallelize, compile=False),
     )
     world = World(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    say(f"checking the configuration for rank {rank} of {world_size}")
     with fake_process_group(world_size, rank), _quiet_logs():
         plan = preflight(config, world)  # the real run's checks, on its own layout
     layout = _degrees(plan)
@@ -182,9 +190,11 @@ def estimate_memory(
             config = inner
             plan = preflight(config, World(inner_rank, inner_world, torch.device("cpu")))
         vocab = vocab_size if vocab_size is not None else _tokenizer_vocab(config)
+        say(f"building {plan.spec.name} {config.model.flavor} on the meta device")
         args, parts, pipeline = _build_model(
             config, plan, vocab, False, cross_entropy_loss, materialize=False
         )
+        say("simulating one training step on fake tensors")
         with FakeTensorMode(allow_non_fake_inputs=True):
             measured = _measure(config, plan, parts, pipeline, vocab, dim=int(args.dim))
     if replicas > 1:

@@ -1,18 +1,20 @@
 """``titan-train estimate``: one rank's memory for a training run of any layout and world size,
 in seconds, in this process, without the memory.
 
-    titan-train estimate --world_size 8 --parallelism.data_parallel_shard_degree 8
-    titan-train estimate --job.config_file run.toml --world_size 512 --rank 17 --json
-    titan-train estimate --model.flavor 8B --vocab_size 128256 --world_size 64 \\
+    titan-train estimate --world-size 8 --parallelism.data_parallel_shard_degree 8
+    titan-train estimate --job.config_file run.toml --world-size 512 --rank 17 --json
+    titan-train estimate --model.flavor 8B --vocab-size 128256 --world-size 64 \\
         --parallelism.tensor_parallel_degree 8 --parallelism.pipeline_parallel_degree 2
 
-Options of its own (anywhere on the line):
-  --world_size N     ranks of the run (default: the product of the parallel degrees given)
+Options of its own (anywhere on the line; --world_size and --vocab_size work too):
+  --world-size N     ranks of the run (default: the product of the parallel degrees given)
   --rank R           the rank to estimate (default 0); under pipeline parallelism the rank
                      picks the stage(s), which the output names
-  --vocab_size V     the model's vocabulary instead of the tokenizer's (e.g. 128256 for
+  --vocab-size V     the model's vocabulary instead of the tokenizer's (e.g. 128256 for
                      Llama 3's tokenizer when its file is not at hand)
   --json             one JSON document instead of the table
+Progress (a line per phase: checking, building the model, simulating the step) goes to
+stderr; the table or JSON document alone to stdout.
 Every other option is train's (below): the same TOML files and --section.key flags. The
 configuration is checked as a real run checks it (same errors, exit status 2, before any
 work); layouts an estimate cannot simulate (fault tolerance, CPU offload,
@@ -25,14 +27,18 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from titan_train.errors import ConfigError
-from titan_train.estimate import MemoryEstimate, estimate_memory
+
+if TYPE_CHECKING:  # torch and the models load in run_estimate, after its first line
+    from titan_train.estimate import MemoryEstimate
 
 __all__ = ["EstimateOptions", "format_table", "parse_estimate_options", "run_estimate"]
 
-_INT_FLAGS = ("--world_size", "--rank", "--vocab_size")
+_INT_FLAGS = ("--world-size", "--rank", "--vocab-size")
 
 
 @dataclass(frozen=True)
@@ -53,20 +59,20 @@ def parse_estimate_options(argv: list[str]) -> EstimateOptions:
     it = iter(argv)
     for arg in it:
         name, _, inline = arg.partition("=")
-        spelled = name.replace("-", "_").replace("__", "--", 1)
+        spelled = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
         if spelled == "--json" and not inline:
             as_json = True
         elif spelled in _INT_FLAGS:
             value = inline or next(it, None)
             if value is None or not value.isdigit():
                 raise ConfigError(f"{spelled} needs a whole number >= 0, got {value!r}.")
-            values[spelled[2:]] = int(value)
+            values[spelled[2:].replace("-", "_")] = int(value)
         else:
             rest.append(arg)
     if values.get("world_size") == 0:
-        raise ConfigError("--world_size=0 is not allowed; it must be >= 1.")
+        raise ConfigError("--world-size=0 is not allowed; it must be >= 1.")
     if values.get("vocab_size") == 0:
-        raise ConfigError("--vocab_size=0 is not allowed; it must be >= 1.")
+        raise ConfigError("--vocab-size=0 is not allowed; it must be >= 1.")
     return EstimateOptions(
         world_size=values.get("world_size"),
         rank=values.get("rank", 0),
@@ -78,11 +84,15 @@ def parse_estimate_options(argv: list[str]) -> EstimateOptions:
 
 def run_estimate(argv: list[str]) -> int:
     """``titan-train estimate ARGV``: print the estimate; 0 on success (config errors raise)."""
-    from titan_train.config import parse_job_config
-
     options = parse_estimate_options(argv)
-    if {"-h", "--help"} & set(options.train_argv):
+    asks_help = bool({"-h", "--help"} & set(options.train_argv))
+    if asks_help:
         print((__doc__ or "").replace("``", ""))
+    else:
+        _progress("loading torch and the model code")
+    from titan_train.config import parse_job_config
+    from titan_train.estimate import estimate_memory
+
     config = parse_job_config(options.train_argv, prog="titan-train estimate")
     parallelism = config.parallelism
     world_size = options.world_size
@@ -101,10 +111,19 @@ def run_estimate(argv: list[str]) -> int:
             f"{world_size - 1})."
         )
     estimate = estimate_memory(
-        config, world_size=world_size, rank=options.rank, vocab_size=options.vocab_size
+        config,
+        world_size=world_size,
+        rank=options.rank,
+        vocab_size=options.vocab_size,
+        progress=_progress,
     )
     print(json.dumps(estimate.to_json(), indent=2) if options.json else format_table(estimate))
     return 0
+
+
+def _progress(text: str) -> None:
+    """One line of progress on stderr (stdout holds the result alone)."""
+    print(f"titan-train estimate: {text} ...", file=sys.stderr, flush=True)
 
 
 def _gib(n: int) -> str:

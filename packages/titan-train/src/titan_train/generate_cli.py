@@ -2,8 +2,8 @@
 randomly initialized model.
 
     titan-train generate --checkpoint.path outputs/checkpoint/step-100 --prompt "Once upon"
-    titan-train generate --checkpoint.path hf/llama --prompt_file prompts.txt --json
-    titan-train generate --model.flavor debugmodel --prompt "smoke test" --max_new_tokens 8
+    titan-train generate --checkpoint.path hf/llama --prompt-file prompts.txt --json
+    titan-train generate --model.flavor debugmodel --prompt "smoke test" --max-new-tokens 8
     titan-train generate --nproc-per-node 2 --checkpoint.path ... --prompt ...   # tensor parallel
 
 The source (``--checkpoint.path``):
@@ -12,13 +12,13 @@ The source (``--checkpoint.path``):
   step): the model record of its commit manifest names the model, flavor and real args; a
   step without one (torchtitan's) is described by ``--model.name`` / ``--model.flavor`` and
   the tokenizer's vocabulary. Its pickled metadata is read with titan-ckpt's restricted
-  unpickler unless ``--checkpoint.trust_pickles``;
+  unpickler unless ``--checkpoint.trust-pickles``;
 - a Hugging Face folder (``config.json`` + safetensors), read through the model family's
   state-dict adapter; the model family comes from ``--model.name`` or the config's
   ``model_type``;
 - none: ``--model.name`` / ``--model.flavor`` with random weights (seeded by ``--seed``).
 
-The tokenizer is ``--model.tokenizer_path``, else the one the checkpoint's record names
+The tokenizer is ``--model.tokenizer-path``, else the one the checkpoint's record names
 (titan-train records the run's), else the HF folder's own, else the shipped one.
 One prompt streams its continuation to stdout token by token; several print one block each
 (``--json``: one JSON document). With ``--nproc-per-node N`` (or under torchrun) the model is
@@ -108,33 +108,25 @@ class GenerateOptions(SamplingConfig):
 
 
 def parse_generate_options(argv: list[str]) -> GenerateOptions:
-    """The options of a ``titan-train generate`` command line; ``--help`` prints them all
-    (tyro exits with status 2 after one message on a malformed flag)."""
+    """The options of a ``titan-train generate`` command line; ``--help`` prints this module's
+    docstring, then every option (tyro exits with status 2 after one message on a malformed
+    flag). Flags are shown in kebab-case; tyro takes the snake_case spelling too."""
     import tyro
 
     from titan_train.config_loader import _plain_docstrings, check_int_ranges
 
+    if {"-h", "--help"} & set(argv):
+        # Printed as written: tyro would join the lines of each paragraph into one.
+        print((__doc__ or "").replace("``", ""))
     with _plain_docstrings():
         options = tyro.cli(
             GenerateOptions,
             args=argv,
             prog="titan-train generate",
-            description=_help_text(),
-            use_underscores=True,
+            use_underscores=False,
         )
     check_int_ranges(options, source="command line")  # e.g. a --seed torch cannot take
     return options
-
-
-def _help_text() -> str:
-    """The module docstring as ``--help`` shows it: the examples as a list, so that tyro keeps
-    them one a line (it joins the other lines of a paragraph)."""
-    lines = []
-    for line in (__doc__ or "").replace("``", "").splitlines():
-        if line.startswith("    titan-train"):
-            line = f"- {line.strip()}"
-        lines.append(line)
-    return "\n".join(lines)
 
 
 @dataclass(kw_only=True)
@@ -173,13 +165,13 @@ def prepare(options: GenerateOptions, world_size: int) -> Prepared:
         raise ConfigError(
             f"The tokenizer ({tokenizer_path or 'shipped'}) has {tokenizer.vocab_size} ids, "
             f"the model's vocabulary {model_vocab}: ids it would give have no embedding. Give "
-            "the tokenizer the model was trained with (--model.tokenizer_path)."
+            "the tokenizer the model was trained with (--model.tokenizer-path)."
         )
     if tp > 1 and not (options.kv_cache and _has_cache(source.spec)):
         raise ConfigError(
             f"Tensor parallel generation (tp={tp}) needs the KV cache: "
             + (
-                "leave --kv_cache on."
+                "leave --kv-cache on."
                 if options.kv_cache is False
                 else f"{source.spec.name} has none; generate in one process."
             )
@@ -229,10 +221,10 @@ def _prompts(options: GenerateOptions) -> list[str]:
             with open(options.prompt_file, encoding="utf-8") as f:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as error:
-            raise ConfigError(f"--prompt_file {options.prompt_file}: {error}") from error
+            raise ConfigError(f"--prompt-file {options.prompt_file}: {error}") from error
     if not prompts:
         raise ConfigError(
-            "Nothing to generate from: give --prompt TEXT (repeatable) or --prompt_file."
+            "Nothing to generate from: give --prompt TEXT (repeatable) or --prompt-file."
         )
     return prompts
 

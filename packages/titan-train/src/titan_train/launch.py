@@ -17,6 +17,11 @@ the rendezvous' choice, not ``--node-rank``'s: the node rank says who hosts the 
 ``--max-restarts N`` lets the agent restart the whole group of processes up to N times after
 one of them dies (SIGKILL included); each restart resumes from the newest committed
 checkpoint in the run's folder (``titan_ckpt.CheckpointManager.load``).
+
+A SIGTERM to titan-train is passed on to the agent, which passes it on to every worker (each
+saves and stops: ``titan_train.preemption``), and titan-train then exits with status 143.
+The agent SIGKILLs workers still running 30 s after it passed the signal on; set
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (seconds) to give a step and its save longer.
 """
 
 from __future__ import annotations
@@ -26,13 +31,16 @@ import errno
 import gc
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import NoReturn
 
 from titan_train.errors import ConfigError, check_int, check_number
+from titan_train.preemption import PREEMPTED_EXIT
 
 __all__ = [
     "LAUNCH_FLAGS",
@@ -40,6 +48,7 @@ __all__ = [
     "LaunchOptions",
     "check_restartable",
     "pop_launch_options",
+    "run_agent",
 ]
 
 LAUNCH_FLAGS = (
@@ -307,6 +316,30 @@ def _check_port_free(host: str, port: int, endpoint: str) -> None:
             "the rendezvous) is already in use, perhaps by another job's rendezvous. Pick "
             "a free port and give the same --rdzv-endpoint to every node."
         ) from None
+
+
+def run_agent(command: list[str], env: dict[str, str]) -> int:
+    """Run torch's agent (``command``, a torchrun command line) to its end; its exit status,
+    or ``PREEMPTED_EXIT`` once this process got SIGTERM. Each SIGTERM is passed on to the
+    agent: Kubernetes signals only a container's first process, which titan-train may be.
+    (A signal to the whole process group reaches the agent twice, which it takes as one.)"""
+    terminated = False
+    with subprocess.Popen(command, env=env) as agent:
+
+        def forward(signum: int, frame: object) -> None:
+            nonlocal terminated
+            terminated = True
+            agent.send_signal(signal.SIGTERM)
+
+        previous = signal.signal(signal.SIGTERM, forward)
+        try:
+            status = agent.wait()
+        except BaseException:
+            agent.kill()  # as subprocess.call does (Ctrl-C, say)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return PREEMPTED_EXIT if terminated else status
 
 
 def destroy_group() -> None:

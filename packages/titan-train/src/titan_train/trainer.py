@@ -7,7 +7,8 @@ run(config)
   3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics ->
      TrainingRun (titan_train.build)
   4. train(run): until the last step, train_step(run, batches) (titan_train.step), report,
-     validate, checkpoint, under the profiler
+     validate, checkpoint, under the profiler; on SIGTERM, save the step and stop
+     (titan_train.preemption)
 
 With ``fault_tolerance.enable`` the run is one replica group of a torchft job (see
 ``titan_train.fault_tolerance``): the data is sharded over all groups at build time, and the
@@ -24,16 +25,21 @@ import logging
 import os
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from titan_ckpt import MODEL_RECORD, read_manifest, scan_steps, storage_for
 from titan_dims import detect_device_type, init_distributed, set_collective_timeout
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
 from titan_train.host_memory import reuse_host_memory
 from titan_train.launch import destroy_group
+from titan_train.preemption import PREEMPTED_EXIT, PreemptedError, stop_on_sigterm
 from titan_train.preflight import (
+    Plan,
     World,
     check_checkpoint_folder,
     check_seq_lens,
@@ -48,11 +54,13 @@ from titan_train.step import cross_entropy_loss, next_batches, report_step, trai
 __all__ = [
     "TrainState",
     "check_checkpoint_folder",
+    "check_resume",
     "check_seq_lens",
     "checkpoint_settings",
     "cross_entropy_loss",
     "plan_batches",
     "run",
+    "summary",
     "train",
     "write_seed_checkpoint",
 ]
@@ -90,7 +98,20 @@ def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
     if device.type == "cpu" and config.training.reuse_host_memory:
         reuse_host_memory()
     plan = preflight(config, world)
+    finished = check_resume(config, plan)
+    if finished is not None:
+        # Nothing to do: no lock, no model, no metrics files (an empty TensorBoard file per
+        # restart would pile up).
+        logger.info(
+            "Already finished at step %d (training.steps %d): nothing to do; raise "
+            "--training.steps to continue.",
+            finished,
+            config.training.steps,
+        )
+        return TrainState(step=finished)
+    started = time.monotonic()
     training_run = build(config, plan)
+    first_step = training_run.train_state.step
     try:
         if config.checkpoint.create_seed_checkpoint:
             write_seed_checkpoint(training_run)
@@ -99,19 +120,77 @@ def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
     finally:
         close(training_run)
     dist.barrier()
+    if not config.checkpoint.create_seed_checkpoint:
+        logger.info("%s", summary(training_run, first_step, time.monotonic() - started))
     return training_run.train_state
+
+
+def check_resume(config: JobConfig, plan: Plan) -> int | None:
+    """Before building anything, look at the step the run would resume from (the newest
+    committed step of its folder, or ``checkpoint.load_step``): raise ``ConfigError`` when
+    its model record names another model or flavor than this run's (loading would fail on a
+    list of missing keys), and return its number when it is ``training.steps`` or past it
+    (the run has nothing to do), else ``None``."""
+    cfg = plan.checkpoint
+    if not cfg.enable or cfg.create_seed_checkpoint or config.fault_tolerance.enable:
+        return None
+    storage = storage_for(cfg.folder)
+    if cfg.load_step >= 0:
+        step = cfg.load_step
+    else:
+        committed = scan_steps(storage, cfg.folder, log=False).committed
+        if not committed:
+            return None
+        step = max(committed)
+    directory = storage.join(cfg.folder, f"step-{step}")
+    manifest = read_manifest(storage, directory) if storage.exists(directory) else None
+    record = manifest.metadata.get(MODEL_RECORD) if manifest is not None else None
+    if isinstance(record, dict) and "model" not in cfg.exclude_from_loading:
+        written = (record.get("name"), record.get("flavor"))
+        now = (plan.spec.name, config.model.flavor)  # as the run records it (model_metadata)
+        if written != now:
+            raise ConfigError(
+                f"The checkpoint {directory} was written by {written[0]} {written[1]}; this run "
+                f"is {now[0]} {now[1]}. Resume with --model.name "
+                f"{written[0]} --model.flavor {written[1]}, or give this run another "
+                "--job.dump_folder (or --checkpoint.folder)."
+            )
+    return step if step >= config.training.steps else None
+
+
+def summary(run: TrainingRun, first_step: int, seconds: float) -> str:
+    """The end-of-run line: steps done, final loss, wall time, where the outputs are."""
+    step = run.train_state.step
+    parts = [f"Done: steps {first_step + 1}-{step} of {run.config.training.steps}"]
+    if step <= first_step:
+        parts = [f"Done: no step trained (at step {step})"]
+    record = run.metrics.last_record if run.metrics is not None else None
+    if record is not None and record.get("step") == step:
+        parts.append(f"final loss {record['loss']:.4f}")
+    parts.append(f"in {timedelta(seconds=round(seconds))}")
+    metrics = run.config.metrics
+    where = []
+    if run.config.checkpoint.enable:
+        where.append(f"checkpoints {run.plan.checkpoint.folder}")
+    if metrics.enable_jsonl:
+        where.append(f"metrics {os.path.join(run.output_folder, metrics.save_jsonl_file)}")
+    if metrics.enable_tensorboard:
+        where.append(f"TensorBoard {os.path.join(run.output_folder, metrics.save_tb_folder)}")
+    return "; ".join([", ".join(parts), *where])
 
 
 def train(run: TrainingRun) -> None:
     """Train ``run`` from its current step to ``training.steps``: each step, then report,
-    validate and checkpoint; collected garbage only every ``training.gc_freq`` steps."""
+    validate and checkpoint; collected garbage only every ``training.gc_freq`` steps.
+    Raises ``PreemptedError`` after the step at which the ranks agreed to stop on SIGTERM (saved
+    with ``checkpoint.save_on_sigterm``)."""
     training = run.config.training
     fast_from = fail_fast_step(run.config)
     gc.disable()
     try:
         # Semi-synchronous fault tolerance (LocalSGD, DiLoCo) syncs the replica groups from
         # the optimizer's step hooks while inside; otherwise a no-op.
-        with semi_sync_training(run):
+        with semi_sync_training(run), stop_on_sigterm(run.plan.world.world_size) as sigterm:
             while run.train_state.step < training.steps:
                 started = time.perf_counter()
                 if (run.train_state.step + 1) % training.gc_freq == 0:
@@ -123,6 +202,8 @@ def train(run: TrainingRun) -> None:
                 report_step(run, result, started=started, data_seconds=data_seconds)
                 validate(run, result.step)
                 last = result.step == training.steps
+                if not last and sigterm.agreed():
+                    _stop_after(run, result.step, fast_from)
                 if last and result.step >= fast_from:
                     # The final save (and HF export: rank 0 writes shards while the others wait
                     # in the next gather) may take minutes: the start-up timeout again.
@@ -130,7 +211,7 @@ def train(run: TrainingRun) -> None:
                 run.checkpointer.save(result.step, last_step=last)
                 run.profiler.step()
                 if result.step == fast_from and not last:
-                    _start_fail_fast(run)
+                    _start_fail_fast(run, sigterm.group)
     except torch.OutOfMemoryError:
         # Where the memory went, while the allocator still holds it (profiling's
         # memory_snapshot_on_oom); the error then ends the run as before.
@@ -138,6 +219,29 @@ def train(run: TrainingRun) -> None:
         raise
     finally:
         gc.enable()
+
+
+def _stop_after(run: TrainingRun, step: int, fast_from: int) -> NoReturn:
+    """Stop after ``step``, which every rank completed: log it, save it synchronously when
+    ``checkpoint.save_on_sigterm`` (and checkpointing saves at all), raise
+    ``PreemptedError``."""
+    cfg = run.config.checkpoint
+    # A plain titan_ckpt.CheckpointConfig (a JobConfig built in code) has no trainer policy:
+    # the default, saving, holds; this is no moment to fail on an attribute.
+    on_sigterm = getattr(cfg, "save_on_sigterm", True)
+    saving = cfg.enable and on_sigterm and not cfg.load_only
+    logger.info(
+        "SIGTERM: stopping after step %d, %s; exit status %d",
+        step,
+        "saving it" if saving else "without a save",
+        PREEMPTED_EXIT,
+    )
+    if saving:
+        if step >= fast_from:  # a save may take minutes: the start-up timeout again
+            _set_timeout(run, run.config.comm.init_timeout_seconds)
+        run.checkpointer.save(step, force=True)
+        run.checkpointer.wait()  # written and committed, also in an async mode
+    raise PreemptedError(step, saved=saving)
 
 
 def validate(run: TrainingRun, step: int) -> None:
@@ -188,21 +292,23 @@ def fail_fast_step(config: JobConfig) -> int:
     return max(1, min(config.validation.freq, config.training.steps))
 
 
-def _start_fail_fast(run: TrainingRun) -> None:
+def _start_fail_fast(run: TrainingRun, sigterm_group: dist.ProcessGroup | None) -> None:
     # Start-up is over: from now on a hung rank should fail fast. Every rank must be past
     # start-up first (a rank still finishing its first step would otherwise make its peers'
     # next collective time out): a barrier, and the device's queued work done.
     dist.barrier()
     if run.plan.world.device.type != "cpu":
         torch.accelerator.synchronize()
-    _set_timeout(run, run.config.comm.train_timeout_seconds)
+    # The ranks' SIGTERM agreement after each step too: a peer hung between steps is met there.
+    _set_timeout(run, run.config.comm.train_timeout_seconds, sigterm_group)
 
 
-def _set_timeout(run: TrainingRun, seconds: int) -> None:
+def _set_timeout(run: TrainingRun, seconds: int, group: dist.ProcessGroup | None = None) -> None:
     dims = run.plan.parallel_dims
-    set_collective_timeout(
-        timedelta(seconds=seconds), [dims.world_mesh] if dims.layout.names else None
-    )
+    groups: list = [dims.world_mesh] if dims.layout.names else []
+    if group is not None:
+        groups.append(group)
+    set_collective_timeout(timedelta(seconds=seconds), groups)
 
 
 def _setup_logging(rank: int) -> None:

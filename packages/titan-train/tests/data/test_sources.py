@@ -1,10 +1,14 @@
 """Document sources: local jsonl/parquet/text files and folders read through ``datasets``
 (streaming, offline), the embedded corpus, DataConfig validation, and one clear error when
-a hub name cannot be reached (offline mode forced, so the test never touches the network)."""
+a hub name cannot be reached (offline mode forced, or the hub's address pointed at this
+machine, so the test never touches the network)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -75,14 +79,18 @@ def test_folder_without_data_files(tmp_path):
         open_documents(DataConfig(dataset=str(tmp_path)))
 
 
-def test_unreachable_hub_name_is_one_clear_error(monkeypatch):
+def test_a_failed_hub_load_is_one_clear_error(monkeypatch):
+    """The hub's host answers (a local socket stands in for it) but the load fails: the
+    error of datasets, in one message."""
     import datasets
     import huggingface_hub.constants
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(DataError) as info:
-        open_documents(DataConfig(dataset="c4"))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        with pytest.raises(DataError) as info:
+            open_documents(DataConfig(dataset="c4"))
     message = str(info.value)
     assert message.startswith(
         "training.dataset='c4' is not a local file or folder, and loading 'allenai/c4' from "
@@ -91,6 +99,34 @@ def test_unreachable_hub_name_is_one_clear_error(monkeypatch):
     assert message.endswith(
         "Without a network use training.dataset='embedded' or a local json/jsonl/parquet/txt file."
     )
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        return server.getsockname()[1]
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "no connection"])
+def test_an_unreachable_hub_fails_at_once_in_one_message(offline, monkeypatch, caplog):
+    """Offline (by the variables, or no answer from the hub's host) a hub name fails in about
+    a second, before datasets retries: no retry warnings."""
+    port = _closed_port()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    if offline != "no connection":
+        monkeypatch.setenv(offline, "1")
+    started = time.monotonic()
+    with pytest.raises(DataError) as info:
+        open_documents(DataConfig(dataset="allenai/c4"))
+    assert time.monotonic() - started < 3
+    why = (
+        f"{offline} is set" if offline != "no connection" else f"no connection to 127.0.0.1:{port}"
+    )
+    assert str(info.value).startswith(
+        "training.dataset='allenai/c4' is not a local file or folder, and the Hugging Face hub "
+        f"is out of reach ({why}"
+    )
+    assert "\n" not in str(info.value)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 @pytest.mark.parametrize(

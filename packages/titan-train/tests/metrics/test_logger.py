@@ -89,6 +89,23 @@ def test_console_line(tmp_path, caplog):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_slow_run_reports_progress_between_reports(tmp_path, caplog):
+    """Past ``heartbeat_s`` without a console line, a short progress line; the full report
+    (console, JSONL) keeps its ``log_freq`` schedule."""
+    config = MetricsConfig(log_freq=10, disable_color_printing=True, enable_tensorboard=False)
+    slow = MetricsLogger(config, dump_folder=tmp_path, total_steps=12, heartbeat_s=0)
+    with caplog.at_level(logging.INFO, logger="titan_train.metrics"), slow as metrics:
+        for step in range(1, 13):
+            metrics.log(step=step, loss=1.0, tokens=8, step_seconds=2.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 12
+    assert lines[1] == "step     2/12  2.0 s/step  (full report at step 10)"
+    assert lines[10] == "step    11/12  2.0 s/step  (full report at step 12)"
+    assert [line.split()[1] for line in lines if "loss" in line] == ["1", "10", "12"]
+    records = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records] == [1, 10, 12]
+
+
 def test_console_eta_of_a_run_longer_than_a_timedelta(tmp_path, caplog):
     config = MetricsConfig(log_freq=1, disable_color_printing=True, enable_tensorboard=False,
                            enable_jsonl=False)  # fmt: skip

@@ -4,6 +4,7 @@
     titan-ckpt inspect outputs/checkpoint/step-1000 --json
     titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged/uncommitted
     titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
+    titan-ckpt diff step-1000 step-2000 --include 'model.*' --rtol 1e-3
     titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
     titan-ckpt convert step-1000 hf-out --to hf        # a titan-train step records its model
 
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 
@@ -53,10 +55,31 @@ _DTYPES = {
 }
 
 
+_EXAMPLES = [
+    line.strip() for line in (__doc__ or "").splitlines() if line.startswith("    titan-ckpt ")
+]
+"""The example lines of this module's docstring, each with its comment."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         self.exit(2, f"titan-ckpt: error: {message}\n")
+
+
+def _add_command(
+    commands: argparse._SubParsersAction, name: str, *, help: str, description: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows its description (wrapped) and then its examples,
+    one a line: the lines of ``_EXAMPLES`` that start with ``titan-ckpt NAME``."""
+    examples = [line for line in _EXAMPLES if line.startswith(f"titan-ckpt {name} ")]
+    return commands.add_parser(
+        name,
+        help=help,
+        description=textwrap.fill(description, width=88),
+        epilog="examples:\n" + "\n".join(f"  {line}" for line in examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="titan-ckpt",
         description="Inspect, verify, diff and convert checkpoints (DCP, safetensors, HF, "
         "torch.save).",
+        epilog="examples:\n" + "\n".join(f"  {line}" for line in _EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"titan-ckpt {__version__}")
     commands = parser.add_subparsers(
@@ -77,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_inspect(commands: argparse._SubParsersAction) -> None:
-    inspect = commands.add_parser(
+    inspect = _add_command(
+        commands,
         "inspect",
         help="list steps, or every key's shape, dtype, bytes and sharding",
         description="For a checkpoint folder: its steps, committed or not, size and age. For "
@@ -94,7 +120,8 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_verify(commands: argparse._SubParsersAction) -> None:
-    verify = commands.add_parser(
+    verify = _add_command(
+        commands,
         "verify",
         help="check the commit marker, manifest, shard coverage and readability",
         description="Exit 0 if intact, 1 if damaged (naming files and keys) or a step whose "
@@ -110,7 +137,8 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_diff(commands: argparse._SubParsersAction) -> None:
-    diff = commands.add_parser(
+    diff = _add_command(
+        commands,
         "diff",
         help="compare two checkpoints key by key (any formats)",
         description="Keys only on one side, shape/dtype changes and per-tensor max abs and "
@@ -127,7 +155,8 @@ def _add_diff(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_convert(commands: argparse._SubParsersAction) -> None:
-    convert = commands.add_parser(
+    convert = _add_command(
+        commands,
         "convert",
         help="convert between DCP, torch.save, safetensors and HF folders",
         description="Stream SRC into DST in another format. DST is written beside itself "

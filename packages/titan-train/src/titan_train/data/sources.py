@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from titan_train.data.config import DataConfig, DataError
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
+from titan_train.data.hub import hub_unreachable
 from titan_train.data.local_files import open_hub_copy, open_local_files
 
 __all__ = ["DocumentSource", "iter_strided", "open_documents"]
@@ -293,6 +294,14 @@ def open_documents(config: DataConfig) -> DocumentSource:
             else f"{config.section}.dataset={target!r}: no such file or folder."
         )
 
+    offline = hub_unreachable()
+    if offline is not None:
+        raise DataError(
+            f"{config.section}.dataset={target!r} is not a local file or folder, and the "
+            f"Hugging Face hub is out of reach ({offline}). Use {config.section}.dataset="
+            "'embedded', a local json/jsonl/parquet/txt file, or a local copy of the dataset "
+            f"({config.section}.dataset_path)."
+        )
     logger.info("loading %r from the Hugging Face hub (streaming)", hub_name)
     try:
         dataset = _load_streaming(hub_name, name=subset)

@@ -76,6 +76,9 @@ class MetricsLogger:
             leaves TFLOPs and MFU out.
         device: the training device, for memory and the peak FLOP/s of MFU.
         total_steps: steps of the whole run, for the ETA.
+        heartbeat_s: between reports, a short progress line (step, seconds per step) once
+            this many seconds passed without a console line: slow hardware is not silent
+            for ``log_freq`` steps. The full report keeps its ``log_freq`` schedule.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class MetricsLogger:
         flops_per_token: float = 0.0,
         device: torch.device | str | None = None,
         total_steps: int | None = None,
+        heartbeat_s: float = 30.0,
     ) -> None:
         self.config = config if config is not None else MetricsConfig()
         self.rank = rank
@@ -106,6 +110,10 @@ class MetricsLogger:
                     self.peak_flops / 1e12,
                     self._peak_source,
                 )
+        self.heartbeat_s = heartbeat_s
+        self._last_line = time.monotonic()
+        self.last_record: dict[str, Any] | None = None
+        """The latest report's record (the run's summary reads its loss)."""
         self._window = _empty_window()
         writes = rank == 0 or self.config.save_for_all_ranks
         suffix = "" if rank == 0 else f"_rank{rank}"
@@ -183,6 +191,8 @@ class MetricsLogger:
         window["seconds"] += step_seconds
         window["data_seconds"] += data_seconds
         if not self.should_log(step):
+            if time.monotonic() - self._last_line >= self.heartbeat_s:
+                self._heartbeat(step)
             return None
         if loss is None:
             raise ValueError(f"step {step} is a reporting step: MetricsLogger.log needs its loss.")
@@ -191,8 +201,26 @@ class MetricsLogger:
         self._window = _empty_window()
 
         logger.info("%s", self._console_line(record, memory_kind))
+        self._last_line = time.monotonic()
+        self.last_record = record
         self._write(step, record)
         return record
+
+    def _heartbeat(self, step: int) -> None:
+        """A console line only (no files): the step reached and the pace since the report."""
+        window = self._window
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        following = step + self.config.log_freq - step % self.config.log_freq
+        if self.total_steps:
+            following = min(following, self.total_steps)
+        logger.info(
+            "step %5d%s  %.1f s/step  (full report at step %d)",
+            step,
+            total,
+            window["seconds"] / max(window["steps"], 1),
+            following,
+        )
+        self._last_line = time.monotonic()
 
     def _record(
         self,

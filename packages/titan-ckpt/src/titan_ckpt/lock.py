@@ -1,0 +1,384 @@
+"""One writer per checkpoint folder: an advisory lock a saving run holds for its lifetime.
+
+Two runs saving into one folder (a requeued job overlapping the one it replaces) resume each
+other's steps, replace them and delete them through retention, and both exit 0. So a manager
+that saves (``enable`` and not ``load_only``) takes the folder's lock before any work and
+keeps it until ``close()``; a second writer is refused with one ``CheckpointLockError``
+naming the holder. Readers take no lock: a ``load_only`` manager and ``titan-ckpt inspect``
+run beside a writer. With torchft, replica groups share the checkpoint folder by design:
+each locks its own ``ft-replica-<id>`` folder instead.
+
+The lock file ``<folder>/.titan-ckpt.lock`` holds its holder as JSON (host, pid, since when).
+
+- **Local storage** (and fsspec's ``file://``): ``fcntl.flock`` on that file. The kernel
+  drops the lock when the holder's process ends, however it ends (``kill -9`` included), so
+  a file left behind by a dead holder is taken over, with one log line naming it. Across
+  hosts this needs a filesystem that shares flock locks (NFSv4, Lustre mounted with ``-o
+  flock``); where flock is refused (``ENOLCK``, ``ENOSYS``, ...) the heartbeat below is used.
+- **Other fsspec storage** (object stores, ``memory://``): a heartbeat. The holder
+  rewrites the file every ``HEARTBEAT_SECONDS``; a lock not rewritten for ``STALE_SECONDS``
+  (by the reader's clock: the hosts' clocks must agree to well within that) is stale and
+  taken over. Best effort, as object stores have no atomic create: each taker writes the
+  file and reads it back, and one whose write was overwritten is refused; two takers that
+  both read the lock free and write at the same moment can both win.
+
+A save also refuses to replace a committed step that another writer committed after this
+manager started (``check_replaceable``): the last guard where a lock cannot be shared.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from typing import BinaryIO
+
+import torch.distributed as dist
+
+from titan_ckpt.config import CheckpointConfig
+from titan_ckpt.errors import CheckpointLockError, CheckpointWriteError
+from titan_ckpt.ft import REPLICA_PREFIX
+from titan_ckpt.layout import read_manifest
+from titan_ckpt.preflight import _local_path, open_storage
+from titan_ckpt.storage import Storage
+
+__all__ = [
+    "HEARTBEAT_SECONDS",
+    "LOCK_FILE",
+    "STALE_SECONDS",
+    "FolderLock",
+    "Holder",
+    "acquire",
+    "check_replaceable",
+    "lock_checkpoint_folder",
+]
+
+logger = logging.getLogger("titan_ckpt")
+
+LOCK_FILE = ".titan-ckpt.lock"
+HEARTBEAT_SECONDS = 10.0
+"""How often the holder of a heartbeat lock rewrites it."""
+STALE_SECONDS = 60.0
+"""A heartbeat lock not rewritten for this long belongs to a process that is gone."""
+_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Holder:
+    """The process that holds a folder's lock, as its lock file records it."""
+
+    host: str
+    pid: int
+    since: float
+    """Unix time the lock was taken."""
+    heartbeat: float | None = None
+    """Unix time of the holder's last heartbeat (heartbeat locks only)."""
+    token: str = ""
+    """Tells two takers of a heartbeat lock apart."""
+
+    @classmethod
+    def me(cls, *, heartbeat: bool) -> Holder:
+        now = time.time()
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            since=now,
+            heartbeat=now if heartbeat else None,
+            token=uuid.uuid4().hex,
+        )
+
+    @classmethod
+    def parse(cls, data: bytes) -> Holder | None:
+        """The holder ``data`` records; None for an empty or unreadable file."""
+        try:
+            holder = cls(**json.loads(data))
+        except (ValueError, TypeError):  # not JSON, not an object, other fields
+            return None
+        number = (int, float)
+        typed = (
+            isinstance(holder.host, str)
+            and isinstance(holder.pid, int)
+            and isinstance(holder.since, number)
+            and isinstance(holder.heartbeat, (*number, type(None)))
+        )
+        return holder if typed else None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    def __str__(self) -> str:
+        beat = (
+            ""
+            if self.heartbeat is None
+            else f", last heartbeat {time.time() - self.heartbeat:.0f} s ago"
+        )
+        return f"process {self.pid} on host {self.host} (since {_when(self.since)}{beat})"
+
+
+class FolderLock:
+    """The writer's lock on one checkpoint folder, held until ``release()``.
+
+    One that holds nothing (``held`` false) stands for it where no lock is needed: on ranks
+    other than 0, and for a run that does not save.
+    """
+
+    def __init__(
+        self,
+        folder: str,
+        *,
+        path: str = "",
+        holder: Holder | None = None,
+        file: BinaryIO | None = None,
+        storage: Storage | None = None,
+        created: tuple[str, ...] = (),
+    ) -> None:
+        self.folder = folder
+        self.path = path
+        """The lock file ("" when nothing is held)."""
+        self.holder = holder
+        """This process, as the lock file names it; None when nothing is held."""
+        # A flock lock: the open file (closed, so released, also when this object is
+        # garbage); else a heartbeat lock on ``storage``.
+        self._file = file
+        self._storage = storage
+        self._created = created  # folders made for the lock, deepest first
+        self._lost: Holder | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if holder is not None and file is None:
+            self._beat = threading.Thread(target=self._heartbeats, name="titan-ckpt-lock")
+            self._beat.daemon = True
+            self._beat.start()
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the folder's lock."""
+        return self.holder is not None
+
+    def release(self) -> None:
+        """Give the lock up and remove the lock file (idempotent)."""
+        if self.holder is None:
+            return
+        self.holder, file = None, self._file
+        if file is not None:
+            try:  # unlinked while held: a taker that opened it meanwhile sees it went
+                if _same_file(file.fileno(), self.path):
+                    os.unlink(self.path)
+            finally:
+                file.close()  # drops the flock
+            for folder in self._created:  # a run refused later leaves nothing behind
+                try:
+                    os.rmdir(folder)  # only while empty
+                except OSError:
+                    break
+            return
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        assert self._storage is not None  # a heartbeat lock
+        try:
+            if self._lost is None:
+                self._storage.remove(self.path)
+        except OSError as e:  # stale in STALE_SECONDS: the next writer takes it over
+            logger.warning("Could not remove the lock file %s: %s", self.path, e)
+
+    def _heartbeats(self) -> None:
+        assert self._storage is not None  # a heartbeat lock
+        assert self.holder is not None
+        path, me = self.path, self.holder
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                current = _read(self._storage, path)
+                if current is not None and current.token != me.token:
+                    self._lost = current
+                    logger.error(
+                        "Lost the lock of checkpoint folder %s to %s: this run's heartbeat "
+                        "stalled past %.0f s, and two runs now write the folder; stop one.",
+                        self.folder,
+                        current,
+                        STALE_SECONDS,
+                    )
+                    return
+                self._storage.write_atomic(path, replace(me, heartbeat=time.time()).to_json())
+            except Exception as e:  # a storage hiccup: the next beat tries again
+                logger.warning("Checkpoint folder lock heartbeat failed: %s", e)
+
+
+def _lock_path(storage: Storage, folder: str) -> str:
+    return storage.join(folder, LOCK_FILE)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _read(storage: Storage, path: str) -> Holder | None:
+    try:
+        with storage.open(path, "rb") as f:
+            return Holder.parse(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def _busy_error(folder: str, holder: Holder | None) -> CheckpointLockError:
+    """The one message for a folder another writer holds."""
+    who = str(holder) if holder is not None else "another process (not yet named in the file)"
+    return CheckpointLockError(
+        f"Checkpoint folder {folder} is in use by another run: {who} holds its lock "
+        f"({LOCK_FILE}). Two runs saving into one folder replace and delete each other's "
+        "checkpoints, so this one stops before any work. Wait for that run to end or stop it, "
+        "point checkpoint.folder (or job.dump_folder) elsewhere, or read the folder without "
+        f"saving: checkpoint.load_only=true, or titan-ckpt inspect {folder}.",
+        holder=str(holder or ""),
+    )
+
+
+def acquire(storage: Storage, folder: str) -> FolderLock:
+    """Take ``folder``'s writer lock for this process (creating the folder); raise
+    ``CheckpointLockError`` naming the holder if another process holds it."""
+    local = _local_path(storage, folder)  # LocalStorage, or fsspec's file://
+    if local is not None:
+        created = _missing_folders(local)
+        storage.makedirs(folder)
+        lock = _flock(folder, os.path.join(local, LOCK_FILE), created)
+        if lock is not None:
+            return lock
+        logger.info("%s refuses flock: locking checkpoint folder by heartbeat", folder)
+    storage.makedirs(folder)
+    return _heartbeat_lock(storage, folder)
+
+
+def _missing_folders(path: str) -> tuple[str, ...]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return tuple(missing)
+
+
+def _flock(folder: str, path: str, created: tuple[str, ...]) -> FolderLock | None:
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            holder = Holder.parse(os.pread(fd, 1 << 16, 0))
+            os.close(fd)
+            if isinstance(error, BlockingIOError):
+                raise _busy_error(folder, holder) from None
+            if error.errno in _NO_FLOCK:
+                return None
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its holder removed it between our open and flock: open it anew
+    previous = Holder.parse(os.pread(fd, 1 << 16, 0))
+    me = Holder.me(heartbeat=False)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, me.to_json(), 0)
+    os.fsync(fd)
+    if previous is not None:
+        logger.warning(
+            "Took over checkpoint folder %s from %s, which had not released it (its process "
+            "ended, or its manager was dropped without close())",
+            folder,
+            previous,
+        )
+    return FolderLock(folder, path=path, holder=me, file=os.fdopen(fd, "r+b"), created=created)
+
+
+def _heartbeat_lock(storage: Storage, folder: str) -> FolderLock:
+    path = _lock_path(storage, folder)
+    previous = _read(storage, path)
+    if previous is not None:
+        age = time.time() - (previous.heartbeat or previous.since)
+        if age < STALE_SECONDS:
+            raise _busy_error(folder, previous)
+    me = Holder.me(heartbeat=True)
+    storage.write_atomic(path, me.to_json())
+    back = _read(storage, path)
+    if back is None or back.token != me.token:
+        raise _busy_error(folder, back)  # another taker wrote after us
+    if previous is not None:
+        logger.warning(
+            "Took over checkpoint folder %s from %s: its heartbeat stopped over %.0f s ago",
+            folder,
+            previous,
+            STALE_SECONDS,
+        )
+    return FolderLock(folder, path=path, holder=me, storage=storage)
+
+
+def lock_checkpoint_folder(
+    config: CheckpointConfig,
+    *,
+    storage: Storage | None = None,
+    group: dist.ProcessGroup | None = None,
+    torchft: bool = False,
+    ft_replica_id: str | int | None = None,
+) -> FolderLock:
+    """The writer's lock of a run checkpointing as ``config`` says, taken before any work by
+    rank 0 of ``group`` (the process itself without torch.distributed). Every rank raises
+    rank 0's refusal (``CheckpointLockError``), so none is left waiting in a collective;
+    the other ranks get a lock that holds nothing, as does a run that does not save
+    (disabled or ``load_only``). With ``torchft``, the lock is on the replica group's own
+    ``ft-replica-<ft_replica_id>`` folder (none without an id). Pass the lock to the
+    ``CheckpointManager`` (``folder_lock=``), which releases it on ``close()``.
+    """
+    if not config.enable or config.load_only or (torchft and ft_replica_id is None):
+        return FolderLock(config.folder)
+    storage = storage if storage is not None else open_storage(config.folder)
+    folder = config.folder
+    if torchft:
+        folder = storage.join(folder, f"{REPLICA_PREFIX}{ft_replica_id}")
+    distributed = dist.is_available() and dist.is_initialized()
+    lock, error = FolderLock(folder), None
+    if not distributed or dist.get_rank(group) == 0:
+        try:
+            lock = acquire(storage, folder)
+        except Exception as e:  # delivered to every rank, raised there
+            error = e
+    if distributed:
+        box: list[BaseException | None] = [error]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        error = box[0]
+    if error is not None:
+        lock.release()
+        raise error
+    return lock
+
+
+def check_replaceable(
+    storage: Storage, directory: str, step: int, since: float, own: set[str]
+) -> None:
+    """Raise ``CheckpointWriteError`` unless the committed step in ``directory`` may be
+    replaced: it was committed before ``since`` (this manager's start) or by this manager
+    (``own``). One committed later came from another writer of the folder."""
+    manifest = read_manifest(storage, directory)
+    if manifest is None or directory in own or manifest.created < since:
+        return
+    raise CheckpointWriteError(
+        f"Cannot save step {step}: {directory} was committed at {_when(manifest.created)}, "
+        f"after this run started ({_when(since)}), so another run is writing this "
+        "folder too; titan never replaces a step another writer committed, and wrote nothing. "
+        "Stop one of the runs, or give each its own checkpoint.folder.",
+        path=directory,
+    )
