@@ -170,6 +170,7 @@ MEANINGS = {
         "checkpoint.interval": 10,
         "checkpoint.last_save_model_only": False,  # last_save_model_weights_only
         "metrics.enable_tensorboard": False,
+        "metrics.tensorboard_names": "torchtitan",  # torchtitan's tags for its files
         "metrics.log_freq": 1,
         "validation.enable": False,  # validation.enabled
         "validation.freq": 5,
@@ -249,6 +250,7 @@ def test_a_titan_file_keeps_titan_defaults(tmp_path):
     # torchtitan keys on the command line are aliases: they do not make the file torchtitan's.
     assert (config.training.steps, config.checkpoint.interval) == (30, 10)
     assert config.checkpoint.enable
+    assert config.metrics.tensorboard_names == "titan"
 
 
 def test_a_later_torchtitan_file_loads(tmp_path):

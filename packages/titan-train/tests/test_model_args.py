@@ -149,3 +149,24 @@ def test_expert_balancing_from_the_command_line():
         args("--model.aux_loss_alpha", "0.1", flavor="debugmodel")
     with pytest.raises(ConfigError, match="llama3 debugmodel has no mixture-of-experts"):
         args("--model.load_balance_coeff", "0", spec=LLAMA3, flavor="debugmodel")
+
+
+def test_hf_export_states_the_ropes_context_not_the_runs_seq_len(tmp_path):
+    """A run at seq_len 32 with the flavor's Llama 3.1 scaling, exported with ``titan-ckpt
+    convert --to hf``: config.json's max_position_embeddings is the context the scaling
+    serves (Llama 3.1's 131072, above its original 8192, so transformers does not warn).
+    Plain RoPE keeps the run's (``test_record_and_adapter_carry_the_real_args``)."""
+    from titan_ckpt.commands.cli import main as titan_ckpt
+    from titan_train.cli import main
+
+    out = tmp_path / "run"
+    run = ["train", "--job.dump_folder", str(out), "--training.steps", "1",
+           "--training.seq_len", "32", "--training.local_batch_size", "1",
+           "--training.data_shards", "1", "--checkpoint.enable", "--checkpoint.interval", "1",
+           "--metrics.no_enable_tensorboard"]  # fmt: skip
+    assert main(run) == 0
+    hf = tmp_path / "hf"
+    assert titan_ckpt(["convert", str(out / "checkpoint" / "step-1"), str(hf), "--to", "hf"]) == 0
+    config = json.loads((hf / "config.json").read_text())
+    assert config["max_position_embeddings"] == 131072
+    assert config["rope_scaling"]["original_max_position_embeddings"] == 8192

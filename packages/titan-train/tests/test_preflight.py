@@ -204,6 +204,26 @@ def test_optimizer_in_backward_with_clipping_exits_2_and_writes_nothing(tmp_path
     assert not dist.is_initialized()
 
 
+def test_initial_load_path_with_checkpointing_off_is_refused(tmp_path, capsys):
+    """torchtitan skips it silently: the run trained from random weights instead."""
+    out = tmp_path / "out"
+    start = tmp_path / "start"
+    start.mkdir()
+    run = [
+        "train",
+        "--job.dump_folder",
+        str(out),
+        "--checkpoint.no_enable",
+        "--training.steps",
+        "1",
+    ]
+    assert main([*run, "--checkpoint.initial_load_path", str(start)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.initial_load_path={str(start)!r}" in err
+    assert "--checkpoint.enable" in err
+    assert not out.exists()
+
+
 def test_a_url_checkpoint_folder_stays_a_url(tmp_path):
     config = job(tmp_path)
     config.checkpoint.folder = "s3://bucket/ckpt"

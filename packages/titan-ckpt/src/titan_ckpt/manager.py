@@ -198,6 +198,9 @@ class CheckpointManager:
         self.folder = config.folder
         self.last_loaded_step: int | None = None
         self.loaded_metadata: dict[str, Any] | None = None
+        self.loaded_source: str | None = None
+        """Who wrote what ``load`` restored: "titan", "torchtitan", "dcp" (another DCP
+        writer) or "hf" (a Hugging Face folder); None before a load."""
         """The metadata recorded with the step ``load`` restored (None: none loaded)."""
         self._pending: Future | None = None
         self._staging: Future | None = None
@@ -725,6 +728,7 @@ class CheckpointManager:
             return False
         kind, directory, manifest_json = plan.kind, plan.directory, plan.manifest_json
         begin = time.monotonic()
+        self.loaded_source = "hf" if kind == "hf" else plan.source
         if kind == "hf":
             assert self.adapter is not None  # checked in _validate
             load_hf(self.storage, directory, self.model, self.adapter)

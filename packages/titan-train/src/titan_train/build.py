@@ -199,7 +199,7 @@ def _build(
         if explained is None:
             raise
         raise explained from None
-    check_resumed_model(checkpointer.loaded_metadata, metadata)
+    check_resumed_model(checkpointer.loaded_metadata, metadata, source=checkpointer.loaded_source)
     return _with_reporting(
         config,
         TrainingRun(

@@ -247,6 +247,7 @@ TORCHTITAN_DEFAULTS: Mapping[str, Any] = {
     "training.steps": 10000,
     "training.seq_len": 2048,
     "metrics.enable_tensorboard": False,
+    "metrics.tensorboard_names": "torchtitan",
     "parallelize.activation_checkpoint.mode": "selective",
     "parallelize.param_dtype": "bfloat16",
     "validation.seq_len": 2048,

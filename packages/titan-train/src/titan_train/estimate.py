@@ -176,7 +176,7 @@ def estimate_memory(
     # (compile lowers it a little): the estimate is of the eager step.
     config = dataclasses.replace(
         config,
-        checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+        checkpoint=dataclasses.replace(config.checkpoint, enable=False, initial_load_path=None),
         parallelize=dataclasses.replace(config.parallelize, compile=False),
     )
     world = World(rank=rank, world_size=world_size, device=torch.device("cpu"))

@@ -23,7 +23,13 @@ from titan_models import ModelSpec
 from titan_train.config import ModelSection
 from titan_train.errors import ConfigError, check_number
 
-__all__ = ["build_model_args", "check_resumed_model", "model_metadata", "state_dict_adapter"]
+__all__ = [
+    "build_model_args",
+    "check_resumed_model",
+    "model_metadata",
+    "state_dict_adapter",
+    "torchtitan_rope_line",
+]
 
 logger = logging.getLogger("titan_train")
 
@@ -115,13 +121,22 @@ def state_dict_adapter(spec: ModelSpec, flavor: str, args: Any) -> Any:
 _RUN_ARGS = ("max_seq_len",)
 
 
-def check_resumed_model(loaded: dict[str, Any] | None, metadata: dict[str, Any]) -> list[str]:
+def check_resumed_model(
+    loaded: dict[str, Any] | None, metadata: dict[str, Any], *, source: str | None = None
+) -> list[str]:
     """Warn (one log line) when the checkpoint just loaded recorded other model args than this
     run's, e.g. another ``rope_scaling``: the weights load, but the model computes something
     else than what was trained. Returns the differences, as ``field: recorded -> now``.
 
     Compared only for a record of the same model and flavor: args built from another
-    description (an HF config.json) may spell the same shape differently."""
+    description (an HF config.json) may spell the same shape differently. A torchtitan
+    checkpoint (``source``) records no args: then the RoPE this run applies is stated, with
+    the key that chooses the other (``torchtitan_rope_line``)."""
+    if source == "torchtitan":
+        line = torchtitan_rope_line(metadata)
+        if line is not None:
+            logger.warning("%s", line)
+        return []
     before = (loaded or {}).get(MODEL_RECORD) or {}
     now = metadata.get(MODEL_RECORD, {})
     same_model = (before.get("name"), before.get("flavor")) == (now.get("name"), now.get("flavor"))
@@ -140,3 +155,29 @@ def check_resumed_model(loaded: dict[str, Any] | None, metadata: dict[str, Any])
             "; ".join(changed),
         )
     return changed
+
+
+def torchtitan_rope_line(metadata: dict[str, Any]) -> str | None:
+    """The RoPE a resumed torchtitan checkpoint now runs with, and the ``model.rope_scaling``
+    value that chooses the other; None for a model without ``rope_scaling``.
+
+    torchtitan's checkpoints do not record it, and its Llama 3 changed: plain RoPE until
+    October 2025 (e.g. the July 2025 tree), Llama 3.1 scaling since."""
+    args = metadata.get(MODEL_RECORD, {}).get("args")
+    if not isinstance(args, dict) or "rope_scaling" not in args:
+        return None
+    scaling = args["rope_scaling"]
+    if scaling:
+        return (
+            "This torchtitan checkpoint resumes with Llama 3.1 RoPE scaling (factor "
+            f"{scaling.get('factor')}, original_max_position_embeddings "
+            f"{scaling.get('original_max_position_embeddings')}), as torchtitan's Llama 3 "
+            "since October 2025; a run of an older torchtitan (e.g. July 2025) trained with "
+            "plain RoPE: resume it with --model.rope_scaling none (model.rope_scaling = "
+            '"none").'
+        )
+    return (
+        "This torchtitan checkpoint resumes with plain RoPE, as torchtitan's Llama 3 before "
+        "October 2025 (e.g. July 2025); a run of a later torchtitan trained with Llama 3.1 "
+        'scaling: resume it with --model.rope_scaling llama3 (model.rope_scaling = "llama3").'
+    )

@@ -11,6 +11,7 @@ group, no model, no data), in the order a user meets them:
   ``check_seq_len``) and the validation batch against the pipeline's microbatches;
 - the flavor against the layout (the spec's ``check_fn``: for Llama 3 heads per
   tensor-parallel rank, no experts, the pipeline's microbatches and stage split);
+- a start point (``checkpoint.initial_load_path``) only with checkpointing on;
 - the checkpoint folder (writable, holding nothing titan would touch wrongly), and a
   Hugging Face folder to start from (``checkpoint.initial_load_in_hf``) against the model
   (``titan_train.hf_start``);
@@ -51,6 +52,7 @@ __all__ = [
     "Plan",
     "World",
     "check_checkpoint_folder",
+    "check_initial_load",
     "check_model_layout",
     "check_optimizer_in_backward",
     "check_seq_lens",
@@ -119,6 +121,7 @@ def preflight(config: JobConfig, world: World) -> Plan:
         steps = batches.local_batch_size * batches.accumulation_steps
         microbatches = steps // config.pipeline.microbatch_size
         check_validation_microbatches(config, microbatches)
+    check_initial_load(config)
     check_checkpoint_folder(config)
     check_initial_hf_load(config, spec, max_seq_len=_longest_seq_len(config))
     check_fault_tolerance(
@@ -296,6 +299,20 @@ def checkpoint_settings(config: JobConfig) -> CheckpointConfig:
     if "://" not in folder:
         folder = os.path.join(config.job.dump_folder, folder)
     return replace(config.checkpoint, folder=folder)
+
+
+def check_initial_load(config: JobConfig) -> None:
+    """Refuse ``checkpoint.initial_load_path`` with checkpointing off: the manager loads
+    nothing then, so the run would train from random weights while the user believes it
+    starts from theirs (torchtitan skips it without a word)."""
+    checkpoint = config.checkpoint
+    if checkpoint.initial_load_path and not checkpoint.enable:
+        raise ConfigError(
+            f"checkpoint.initial_load_path={checkpoint.initial_load_path!r} is set but "
+            "checkpoint.enable is false, so nothing would be loaded and training would start "
+            "from random weights. Set --checkpoint.enable (checkpoint.enable_checkpoint = true "
+            "in a torchtitan file) to start from it, or leave initial_load_path empty."
+        )
 
 
 def check_checkpoint_folder(config: JobConfig) -> None:

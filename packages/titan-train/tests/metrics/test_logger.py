@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 
 import pytest
@@ -76,7 +77,7 @@ def test_console_line(tmp_path, caplog):
                            enable_tensorboard=False, enable_jsonl=False)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="titan_train.metrics"):
         _run(tmp_path, config)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert len(lines) == 4
     assert lines[2].startswith(
         "step     4  loss   6.0000  grad_norm  8.0000  lr 1.00e-03  tps 4,096  tflops 0.0246  "
@@ -118,14 +119,14 @@ def test_colored_console_on_a_terminal(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(logger_module, "_COLOR_TERMINAL", True)
     with caplog.at_level(logging.INFO, logger="titan_train.metrics"):
         _run(tmp_path, steps=1)
-    assert "\033[32mloss   9.0000\033[0m" in caplog.records[0].getMessage()
+    assert "\033[32mloss   9.0000\033[0m" in caplog.records[-1].getMessage()
 
 
 def test_plain_console_when_piped(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(logger_module, "_COLOR_TERMINAL", False)
     with caplog.at_level(logging.INFO, logger="titan_train.metrics"):
         _run(tmp_path, steps=1)
-    assert "\033[" not in caplog.records[0].getMessage()
+    assert "\033[" not in caplog.records[-1].getMessage()
 
 
 def test_only_rank0_writes_unless_all_ranks(tmp_path):
@@ -179,3 +180,62 @@ def test_memory_of_a_cpu_process():
 def test_config_errors(kwargs, match):
     with pytest.raises(MetricsError, match=match):
         MetricsConfig(**kwargs)
+
+
+def test_mfu_never_exceeds_100_percent(tmp_path, caplog):
+    """A peak below what training reaches (a CPU probe slowed by other work, a wrong
+    metrics.peak_flops) is raised to the reached rate, with one warning per raise."""
+    low = FLOPS_PER_TOKEN * 4096 / 2  # the rate of a 4,096-token step taking 2 s
+    config = MetricsConfig(log_freq=1, peak_flops=low, enable_tensorboard=False)
+    with (
+        caplog.at_level(logging.INFO, logger=logger_module.__name__),
+        MetricsLogger(config, dump_folder=tmp_path, flops_per_token=FLOPS_PER_TOKEN) as m,
+    ):
+        slow = m.log(step=1, loss=1.0, tokens=4096, step_seconds=4.0)
+        fast = m.log(step=2, loss=1.0, tokens=4096, step_seconds=1.0)  # twice the peak
+        again = m.log(step=3, loss=1.0, tokens=4096, step_seconds=2.0)
+    assert slow["mfu_pct"] == pytest.approx(50.0)
+    assert fast["mfu_pct"] == pytest.approx(100.0)
+    assert again["mfu_pct"] == pytest.approx(50.0)  # against the raised peak
+    assert m.peak_flops == pytest.approx(2 * low)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "metrics.peak_flops" in warnings[0].getMessage()
+    assert "(metrics.peak_flops)" in caplog.records[0].getMessage()  # the peak's source
+
+
+def test_the_cpu_peak_is_measured_and_said_so(tmp_path, caplog):
+    with (
+        caplog.at_level(logging.INFO, logger=logger_module.__name__),
+        MetricsLogger(MetricsConfig(enable_tensorboard=False), dump_folder=tmp_path,
+                      flops_per_token=FLOPS_PER_TOKEN),
+    ):  # fmt: skip
+        pass
+    assert "measured" in caplog.text
+
+
+# torchtitan 6204cdff9's tags (components/metrics.py) that titan has values for.
+TORCHTITAN_TAGS = {
+    "loss_metrics/global_avg_loss", "grad_norm", "throughput(tps)", "tflops", "mfu(%)",
+    "time_metrics/end_to_end(s)", "time_metrics/data_loading(s)",
+    "time_metrics/data_loading(%)", "memory/max_reserved(GiB)",
+}  # fmt: skip
+
+
+def test_torchtitan_tensorboard_names_and_layout(tmp_path):
+    config = MetricsConfig(log_freq=2, peak_flops=PEAK, tensorboard_names="torchtitan")
+    _run(tmp_path, config)
+    (run,) = (tmp_path / "tb").iterdir()  # torchtitan's one folder per run: its start minute
+    assert re.fullmatch(r"\d{8}-\d{4}", run.name)
+    scalars = _scalars(run)
+    assert set(scalars) >= TORCHTITAN_TAGS
+    assert not {"loss", "tps", "mfu_pct", "step_s", "data_pct", "memory_gib"} & set(scalars)
+    assert scalars["loss_metrics/global_avg_loss"] == [(1, 9.0), (2, 8.0), (4, 6.0), (5, 5.0)]
+    assert scalars["throughput(tps)"][2] == (4, 4096.0)
+    assert scalars["time_metrics/data_loading(s)"][2] == (4, pytest.approx(0.1))  # per step
+    assert "lr" in scalars  # no torchtitan name: titan's
+
+
+def test_tensorboard_names_are_checked():
+    with pytest.raises(MetricsError, match=r"metrics.tensorboard_names='tt'.*'torchtitan'"):
+        MetricsConfig(tensorboard_names="tt")

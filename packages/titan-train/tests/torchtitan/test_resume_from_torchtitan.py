@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_ckpt import CheckpointConfig, CheckpointManager
+from titan_ckpt import COMMIT_MARKER, MODEL_RECORD, CheckpointConfig, CheckpointManager
 from titan_models.llama3 import Llama3
 from titan_optim import LRSchedulerConfig, OptimizerConfig, build_lr_schedulers, build_optimizers
 from titan_train import TrainState, cross_entropy_loss
@@ -204,6 +204,32 @@ def test_titan_train_resumes_from_the_folder_and_leaves_it_unchanged(
         "step": META["training"]["steps"],
         "tokens_seen": steps_run * 64,
     }
+
+
+@pytest.mark.parametrize(
+    ("options", "said", "offered", "recorded"),
+    [
+        ([], "with plain RoPE", "--model.rope_scaling llama3", None),
+        (["--model.rope_scaling", "llama3"], "with Llama 3.1 RoPE scaling", "none", 8.0),
+    ],
+)
+def test_resuming_torchtitan_states_the_rope_and_offers_the_other(
+    plugin, tmp_path, caplog, capsys, options, said, offered, recorded
+):
+    """torchtitan records no RoPE: the resumed run says which it applies, in one line, with
+    the key for the other; that key takes effect (the checkpoint it saves records it)."""
+    out = tmp_path / "out"
+    shutil.copytree(DATA / "checkpoint" / f"step-{STEP}", out / "checkpoint" / f"step-{STEP}")
+    steps = ["--training.steps", str(STEP + 1)]
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--job.dump_folder", str(out), *TRAIN, *steps, *options]) == 0
+    lines = [r.getMessage() for r in caplog.records if "RoPE" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert said in lines[0]
+    assert offered in lines[0]
+    saved = out / "checkpoint" / f"step-{STEP + 1}" / COMMIT_MARKER
+    scaling = json.loads(saved.read_text())["metadata"][MODEL_RECORD]["args"]["rope_scaling"]
+    assert (scaling and scaling["factor"]) == recorded
 
 
 def test_titan_train_stops_on_a_foreign_step_directory(plugin, tmp_path, capsys):

@@ -165,7 +165,7 @@ class Llama3StateDictAdapter:
             "num_key_value_heads": a.kv_heads,
             "head_dim": a.head_dim,
             "vocab_size": a.vocab_size,
-            "max_position_embeddings": a.max_seq_len,
+            "max_position_embeddings": _context(a),
             "rms_norm_eps": a.norm_eps,
             "rope_theta": a.rope_theta,
             "rope_scaling": None,
@@ -191,6 +191,25 @@ class Llama3StateDictAdapter:
             "rope_theta": a.rope_theta,
         }
         return config
+
+
+_LLAMA31_CONTEXT = 131072
+"""The ``max_position_embeddings`` Meta publishes for Llama 3.1 and 3.2 (factor 8 and 32
+alike): the context their RoPE scaling serves."""
+
+
+def _context(args: Llama3Args) -> int:
+    """``max_position_embeddings`` of the HF config: the context the model's RoPE serves.
+
+    ``args.max_seq_len`` is the run's sequence length (how far the RoPE table was built),
+    not the model's context: with Llama 3.1 scaling the model serves Llama 3.1's 131072
+    (or the run's length, or the scaling's original, where longer), and transformers warns
+    of a config whose context is not above ``original_max_position_embeddings``. Plain RoPE
+    serves what the model was trained on."""
+    s = args.rope_scaling
+    if s is None:
+        return args.max_seq_len
+    return max(args.max_seq_len, _LLAMA31_CONTEXT, s.original_max_position_embeddings)
 
 
 def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:

@@ -34,9 +34,13 @@ class DataSource:
     dataset: str = "embedded"
     """``embedded`` (Python's documentation, no files needed), a local json/jsonl/parquet/
     txt/csv file or folder, a format name (json, parquet, text, csv) with ``dataset_path``,
-    or a Hugging Face hub name such as ``allenai/c4`` (``c4`` for short; needs a network)."""
+    or a Hugging Face hub name such as ``allenai/c4`` (``c4`` for short; needs a network).
+    ``c4_test`` is torchtitan's ``tests/assets/c4_test`` folder where the working directory
+    has one (as in a torchtitan checkout), else C4 on the hub."""
     dataset_path: str | None = None
-    """Where the dataset's files are, when ``dataset`` names a hub dataset or a format."""
+    """Where the dataset's files are, when ``dataset`` names a hub dataset or a format: a
+    local copy of the hub repository, or a folder of plain data files (e.g. JSON lines with
+    a ``text`` field), read as they are."""
     text_column: str = "text"
     """The column holding each document's text."""
 

@@ -39,6 +39,9 @@ _FORMATS = {
 }
 _COMPRESSED = {".gz", ".bz2", ".xz", ".zst"}
 _HUB_ALIASES = {"c4": ("allenai/c4", "en"), "c4_test": ("allenai/c4", "en")}
+_C4_TEST = os.path.join("tests", "assets", "c4_test")
+"""Where torchtitan's ``c4_test`` is: a folder of its checkout, relative to the working
+directory. Used when it exists there; else ``c4_test`` means C4 on the hub."""
 
 
 class DocumentSource(Protocol):
@@ -244,9 +247,18 @@ def open_documents(config: DataConfig) -> DocumentSource:
 
     fmt = name if name in set(_FORMATS.values()) else None
     hub_name, subset = _HUB_ALIASES.get(name, (name, None))
+    if name == "c4_test" and not path and Path(_C4_TEST).is_dir():
+        path = _C4_TEST  # torchtitan's: its checkout's folder, relative to the working directory
+        logger.info("reading %r from %s (torchtitan's c4_test)", name, os.path.abspath(path))
     target = path or name
     local = Path(target).expanduser()
     if path and fmt is None and name != EMBEDDED_DATASET and local.is_dir():
+        if (
+            subset is not None
+            and not (local / "README.md").is_file()
+            and not (local / subset).is_dir()
+        ):
+            subset = None  # plain data files, not a copy of the hub repository's subsets
         # A local copy of a hub dataset's repository: datasets reads its layout and configs.
         own_rows = open_hub_copy(path, os.fspath(local), subset, config.text_column, config.section)
         if own_rows is not None:  # plain jsonl or parquet files: each rank parses its rows
@@ -298,6 +310,12 @@ def open_documents(config: DataConfig) -> DocumentSource:
             f"{config.section}.dataset={target!r} is not a local file or folder, and loading "
             f"{hub_name!r} from the Hugging Face hub failed ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}). Without a network use "
-            f"{config.section}.dataset='embedded' or a local json/jsonl/parquet/txt file."
+            f"{config.section}.dataset='embedded' or a local json/jsonl/parquet/txt file"
+            + (
+                f" (torchtitan's c4_test is the folder {_C4_TEST} of its checkout: run from the "
+                f"checkout, or set {config.section}.dataset_path to that folder)."
+                if name == "c4_test"
+                else "."
+            )
         ) from e
     return _HFSource(hub_name, dataset, config.text_column, config.section)

@@ -1,12 +1,14 @@
 """``MetricsConfig``: what the metrics logger reports, how often and where.
 
-Keys follow torchtitan's ``[metrics]`` section; ``enable_jsonl``, ``save_jsonl_file`` and
-``peak_flops`` are titan's. Unlike torchtitan, TensorBoard is on by default.
+Keys follow torchtitan's ``[metrics]`` section; ``enable_jsonl``, ``save_jsonl_file``,
+``peak_flops`` and ``tensorboard_names`` are titan's. Unlike torchtitan, TensorBoard is on
+by default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from titan_train.errors import MetricsError, check_int, check_number
 
@@ -23,6 +25,11 @@ class MetricsConfig:
     """Write TensorBoard event files under ``<dump_folder>/<save_tb_folder>``."""
     save_tb_folder: str = "tb"
     """Folder for TensorBoard files, relative to the job's dump folder."""
+    tensorboard_names: Literal["titan", "torchtitan"] = "titan"
+    """TensorBoard tags and folders: titan's (``loss``, ``tps``, ... in ``save_tb_folder``)
+    or torchtitan's (``loss_metrics/global_avg_loss``, ``throughput(tps)``, ... in a
+    ``<YYYYmmdd-HHMM>`` folder per run under it), so dashboards built on torchtitan's runs
+    read titan's. A titan key."""
     enable_jsonl: bool = True
     """Append one JSON object per report to ``<dump_folder>/<save_jsonl_file>``, for scripts."""
     save_jsonl_file: str = "metrics.jsonl"
@@ -36,7 +43,8 @@ class MetricsConfig:
     """Print the console line without ANSI colors."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device, for MFU; 0 looks the GPU up in a table of bf16 dense peaks
-    or, on CPU, measures fp32 matmul once (~0.5 s)."""
+    or, on CPU, measures fp32 matmul once (~0.5 s). The log states which; a peak below what
+    training reaches is raised to it (with a warning), so MFU never exceeds 100%."""
 
     def __post_init__(self) -> None:
         check_int("metrics.log_freq", self.log_freq, minimum=1, error=MetricsError)
@@ -47,6 +55,11 @@ class MetricsConfig:
             hint="FLOP/s of one device, e.g. 989e12 for an H100; 0 finds it",
             error=MetricsError,
         )
+        if self.tensorboard_names not in ("titan", "torchtitan"):
+            raise MetricsError(
+                f"metrics.tensorboard_names={self.tensorboard_names!r} is not allowed; use "
+                "'titan' or 'torchtitan'."
+            )
         for key in ("save_tb_folder", "save_jsonl_file"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():

@@ -2,7 +2,10 @@
 
 GPUs: a table of bf16 dense tensor-core peaks (vendor datasheets, no sparsity) matched on
 ``torch.cuda.get_device_name()``. CPUs have no such number worth trusting, so we measure
-fp32 matmul throughput once per process with a short probe.
+fp32 matmul throughput once per process with a short probe. Either may read below what a
+device does (a probe on a busy shared host, a table row for another variant): MFU then
+raises its peak to the throughput training reached (``titan_train.metrics.logger``), so it
+never reports more than 100%.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ import time
 
 import torch
 
-__all__ = ["GPU_PEAK_BF16_FLOPS", "gpu_peak_flops", "measure_cpu_matmul_flops", "peak_flops"]
+__all__ = [
+    "GPU_PEAK_BF16_FLOPS",
+    "gpu_peak_flops",
+    "measure_cpu_matmul_flops",
+    "peak_flops",
+    "peak_source",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +79,16 @@ def measure_cpu_matmul_flops(seconds: float = 0.5, size: int = 2048) -> float:
         best = max(best, 2 * size**3 / max(elapsed, 1e-9))
         runs += 1
     return best
+
+
+def peak_source(device: torch.device | str | None = None) -> str:
+    """Where ``peak_flops(device)`` comes from, for the log line that states it."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cpu":
+        return "measured: the best fp32 matmul of this CPU's threads at start"
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"known: the bf16 dense peak of {torch.cuda.get_device_name(device)}"
+    return "unknown"
 
 
 def peak_flops(device: torch.device | str | None = None) -> float | None:

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from titan_train.metrics.config import MetricsConfig, MetricsError
-from titan_train.metrics.flops import peak_flops
+from titan_train.metrics.flops import peak_flops, peak_source
 from titan_train.metrics.memory import device_memory
+from titan_train.metrics.torchtitan_tags import torchtitan_run_folder, torchtitan_scalars
 
 __all__ = ["MetricsLogger", "memory_gib"]
 
@@ -97,8 +98,18 @@ class MetricsLogger:
         self.device = torch.device(device if device is not None else "cpu")
         self.total_steps = total_steps
         self.peak_flops = None
+        self._peak_source = ""
         if flops_per_token > 0:
             self.peak_flops = self.config.peak_flops or peak_flops(self.device)
+            self._peak_source = (
+                "metrics.peak_flops" if self.config.peak_flops else peak_source(self.device)
+            )
+            if self.peak_flops:
+                logger.info(
+                    "MFU is against a peak of %.4g TFLOP/s per device (%s)",
+                    self.peak_flops / 1e12,
+                    self._peak_source,
+                )
         self.heartbeat_s = heartbeat_s
         self._last_line = time.monotonic()
         self.last_record: dict[str, Any] | None = None
@@ -113,6 +124,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             folder = os.path.join(dump_folder, self.config.save_tb_folder)
+            if self.config.tensorboard_names == "torchtitan":
+                folder = os.path.join(folder, torchtitan_run_folder())
             if self.config.save_for_all_ranks:
                 folder = os.path.join(folder, f"rank_{rank}")
             self._tensorboard = SummaryWriter(log_dir=folder)
@@ -231,6 +244,7 @@ class MetricsLogger:
         if self.flops_per_token > 0:
             record["tflops"] = self.flops_per_token * tps / 1e12
             if self.peak_flops:
+                self._raise_peak(self.flops_per_token * tps)
                 record["mfu_pct"] = 100 * self.flops_per_token * tps / self.peak_flops
         record.update(memory)  # memory_gib; on accelerators allocated, active, retries, OOMs
         record["data_pct"] = 100 * window["data_seconds"] / seconds
@@ -242,6 +256,24 @@ class MetricsLogger:
         record.update({k: float(v) for k, v in (extra or {}).items()})
         return record, memory_kind
 
+    def _raise_peak(self, achieved: float) -> None:
+        """Make the peak at least ``achieved`` FLOP/s: a device that reached it can reach it,
+        so a peak below is wrong (a probe slowed by other work on a shared host, a table row
+        of another variant, a low ``metrics.peak_flops``), and MFU above 100% would be
+        false. Said once per raise, with the numbers."""
+        if self.peak_flops is None or achieved <= self.peak_flops:
+            return
+        logger.warning(
+            "training reached %.4g TFLOP/s per device, above the %.4g TFLOP/s peak MFU was "
+            "against (%s): MFU now uses the reached rate as the peak. Set metrics.peak_flops "
+            "to the device's real peak for a true MFU.",
+            achieved / 1e12,
+            self.peak_flops / 1e12,
+            self._peak_source,
+        )
+        self.peak_flops = achieved
+        self._peak_source = "the highest rate training reached"
+
     def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write scalars outside the training step (e.g. validation) to every backend."""
         values = {k: float(v) for k, v in values.items()}
@@ -251,6 +283,8 @@ class MetricsLogger:
     def _write(self, step: int, record: Mapping[str, Any]) -> None:
         scalars = {k: v for k, v in record.items() if k != "step"}
         if self._tensorboard is not None:
+            if self.config.tensorboard_names == "torchtitan":
+                scalars = torchtitan_scalars(scalars)
             for key, value in scalars.items():
                 self._tensorboard.add_scalar(key, value, step)
             self._tensorboard.flush()

@@ -1,7 +1,12 @@
 """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library.
 
-BOS and EOS come from a ``tokenizer_config.json`` beside the file when there is one (its
-``bos_token`` / ``eos_token``), else from the first known name the vocabulary contains.
+A ``tokenizer_config.json`` beside the file is read as Hugging Face and torchtitan read it:
+its special tokens (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``, ``sep_token``,
+``cls_token``, ``mask_token``, then each of ``added_tokens_decoder``) are added to the
+tokenizer, so a name the vocabulary lacks is appended after its last id (torchtitan's test
+tokenizer names ``<|begin_of_text|>`` there, which its ``tokenizer.json`` has not); BOS and
+EOS are its ``bos_token`` / ``eos_token``. Without one, BOS and EOS are the first known name
+the vocabulary contains.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 from titan_train.tokenizer.base import TokenizerError
@@ -17,6 +23,15 @@ __all__ = ["HuggingFaceTokenizer"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]", "<|endoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "pad_token",
+    "unk_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _config_token(config: dict, key: str) -> str | None:
@@ -26,13 +41,43 @@ def _config_token(config: dict, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _added_token(content: str, entry: object) -> AddedToken:
+    """A special token as the config describes it (its flags where it gives them)."""
+    if not isinstance(entry, dict):  # a bare name
+        return AddedToken(content, special=True, normalized=False)
+    return AddedToken(
+        content,
+        single_word=bool(entry.get("single_word", False)),
+        lstrip=bool(entry.get("lstrip", False)),
+        rstrip=bool(entry.get("rstrip", False)),
+        normalized=bool(entry.get("normalized", True)),
+        special=bool(entry.get("special", True)),
+    )
+
+
+def _config_special_tokens(config: dict) -> list[AddedToken]:
+    """The special tokens ``tokenizer_config.json`` names, in the order torchtitan adds them
+    (so a token the vocabulary lacks gets the same id as there)."""
+    tokens = []
+    for key in _SPECIAL_KEYS:
+        name = _config_token(config, key)
+        if name is not None:
+            tokens.append(_added_token(name, config[key]))
+    decoder = config.get("added_tokens_decoder")
+    for entry in (decoder or {}).values() if isinstance(decoder, dict) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+            tokens.append(_added_token(entry["content"], entry))
+    return tokens
+
+
 class HuggingFaceTokenizer:
     """A ``tokenizer.json`` file; ``encode`` adds no special tokens besides the BOS/EOS asked.
 
     Args:
         path: the ``tokenizer.json`` file.
-        bos_token: name of the beginning-of-text token; default from ``tokenizer_config.json``
-            or a known name (``<|begin_of_text|>``, ``<s>``, ...).
+        bos_token: name of the beginning-of-text token (it must be in the vocabulary or the
+            config's special tokens); default from ``tokenizer_config.json`` or a known name
+            (``<|begin_of_text|>``, ``<s>``, ...).
         eos_token: name of the end-of-text token; found the same way.
     """
 
@@ -49,10 +94,18 @@ class HuggingFaceTokenizer:
         except Exception as e:  # the Rust side raises a bare Exception
             raise TokenizerError(f"cannot read {self.path!r} as a tokenizer.json: {e}") from e
         config: dict = {}
-        config_path = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+        self._config_path = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
+        if os.path.isfile(self._config_path):
+            try:
+                with open(self._config_path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise TokenizerError(f"{self._config_path} is not valid JSON: {e}") from e
+            if not isinstance(config, dict):
+                raise TokenizerError(f"{self._config_path} is not a JSON object.")
+            special = _config_special_tokens(config)
+            if special:  # already known ones keep their ids; the others are appended
+                self._tokenizer.add_special_tokens(special)
         self._bos_id = self._find(bos_token or _config_token(config, "bos_token"), _BOS_NAMES)
         self._eos_id = self._find(eos_token or _config_token(config, "eos_token"), _EOS_NAMES)
 
@@ -63,7 +116,9 @@ class HuggingFaceTokenizer:
                 return token_id
         wanted = repr(name) if name else f"any of {', '.join(fallbacks)}"
         raise TokenizerError(
-            f"{self.path} has no token {wanted}; pass bos_token/eos_token names it has."
+            f"{self.path} has no token {wanted}. Name its beginning- and end-of-text tokens in "
+            f'{self._config_path} ({{"bos_token": "...", "eos_token": "..."}}, as '
+            "Hugging Face writes it); a name its vocabulary lacks is then added to it."
         )
 
     @property
