@@ -32,7 +32,7 @@ from titan_ckpt.formats.pickles import (
     RestrictedUnpickler,
     stored_member,
 )
-from titan_ckpt.layout import COMMIT_MARKER
+from titan_ckpt.layout import COMMIT_MARKER, OWNER_MARKER
 
 SYSTEM = f"{os.system.__module__}.system"  # how the poison's global is spelled: posix.system
 
@@ -452,12 +452,13 @@ def test_the_opcode_walk_accepts_every_protocol():
 
 
 def _edit_metadata(step: Path, edit) -> None:
-    """Rewrite a copy's .metadata through ``edit`` and drop the commit marker (a plain DCP
+    """Rewrite a copy's .metadata through ``edit`` and drop titan's markers (a plain DCP
     step then: no manifest stands between the metadata and the readers)."""
     metadata = pickle.loads((step / ".metadata").read_bytes())  # ours: trusted
     edit(metadata)
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     (step / COMMIT_MARKER).unlink()
+    (step / OWNER_MARKER).unlink()
 
 
 def test_a_data_file_outside_the_checkpoint_is_refused(saved_folder, tmp_path, titan_ckpt):
