@@ -266,7 +266,7 @@ def test_a_group_without_any_dataloader_state_starts_its_data_over(
 
 
 def test_ft_manager_needs_a_replica_id_with_a_dataloader(manager, common, tmp_path):
-    with pytest.raises(ValueError, match="FaultToleranceOptions.replica_id is needed"):
+    with pytest.raises(ValueError, match=r"FaultToleranceOptions\.replica_id is needed"):
         CheckpointManager(
             CheckpointConfig(enable=True, folder=str(tmp_path)),
             model_parts=common.make_model(),
