@@ -118,7 +118,7 @@ def main() -> None:
         }
         train_steps(model, opt, range(3, 4), rank)
         moved = eval_loss(model)
-        loaded = manager.load()
+        loaded = bool(manager.load())
         manager.close()
         write_result(
             "save",
@@ -143,7 +143,7 @@ def main() -> None:
     else:
         model, opt, opt_state, train_state, manager = build(1, folder)
         fresh_loss = eval_loss(model)
-        loaded = manager.load()
+        loaded = bool(manager.load())
         manager.close()
         result = {
             "fresh_loss": fresh_loss,
