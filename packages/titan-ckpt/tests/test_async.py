@@ -62,13 +62,13 @@ def _late_staging(manager: CheckpointManager, start: threading.Event) -> None:
     """Make the manager's background staging wait for ``start`` (a slow copy): the whole
     staging (async_with_pinned_mem) or its deferred part (async)."""
     name = "_finish" if manager.config.async_mode == "async" else "_stage"
-    stage = getattr(manager._stager, name)
+    stage = getattr(manager._async._stager, name)
 
     def late(*args, **kwargs):
         assert start.wait(timeout=60)
         return stage(*args, **kwargs)
 
-    setattr(manager._stager, name, late)
+    setattr(manager._async._stager, name, late)
 
 
 def _saved_and_stepped(common, folder, *, guarded: bool, mode: str):
@@ -83,13 +83,13 @@ def _saved_and_stepped(common, folder, *, guarded: bool, mode: str):
     manager = CheckpointManager(config, model_parts=model, states={"optimizer": optimizer})
     if mode == "async":  # the first save stages afresh, all before save() returns
         assert manager.save(1)
-        assert manager._staging is None
+        assert manager._async._staging is None
         manager.wait()
     start = threading.Event()
     if guarded:  # the staging starts 0.3 s late; the step must wait for it
         threading.Timer(0.3, start.set).start()
     else:  # the staging starts only once the step is done
-        for handle in manager._step_guards:
+        for handle in manager._async._step_guards:
             handle.remove()
     _late_staging(manager, start)
     before = {**model.state_dict(), **optimizer.state_dict()}
@@ -97,7 +97,7 @@ def _saved_and_stepped(common, folder, *, guarded: bool, mode: str):
     assert manager.save(2)
     common.train_steps(model, opt, range(3, 4), rank=0)  # no maybe_wait_for_staging
     # The guard waited for the staging (and cleared it) inside opt.step().
-    assert (manager._staging is None) == guarded
+    assert (manager._async._staging is None) == guarded
     start.set()
     after = {**model.state_dict(), **optimizer.state_dict()}
     after = {k: v.clone() for k, v in after.items() if isinstance(v, torch.Tensor)}

@@ -8,9 +8,10 @@ import torch
 from titan_ckpt import CheckpointConfig, CheckpointConfigError
 
 
-def test_defaults_match_torchtitan():
+def test_defaults_match_torchtitan_but_save():
     c = CheckpointConfig()
-    assert (c.enable, c.folder, c.interval, c.async_mode) == (False, "checkpoint", 500, "disabled")
+    # A library's config saves by default (torchtitan's enable is false).
+    assert (c.enable, c.folder, c.interval, c.async_mode) == (True, "checkpoint", 500, "disabled")
     assert (c.keep_latest_k, c.load_step, c.exclude_from_loading) == (10, -1, [])
     assert (c.initial_load_path, c.initial_load_model_only, c.initial_load_in_hf) == (
         None,
@@ -63,7 +64,10 @@ def test_defaults_match_torchtitan():
             r"needs checkpoint.initial_load_model_only=true",
         ),
         ({"initial_load_in_hf": True}, r"needs checkpoint.initial_load_path"),
-        ({"create_seed_checkpoint": True}, r"create_seed_checkpoint=true needs .*enable=true"),
+        (
+            {"create_seed_checkpoint": True, "enable": False},
+            r"create_seed_checkpoint=true needs .*enable=true",
+        ),
         (
             {"hf_max_shard_size": 0},
             r"hf_max_shard_size=0 is not allowed; it must be a whole number >= 1",

@@ -34,6 +34,7 @@ import torch
 from titan_ckpt import (
     CheckpointConfig,
     CheckpointManager,
+    FaultToleranceOptions,
     OptimizerState,
     scan_steps,
     storage_for,
@@ -165,8 +166,7 @@ def test_the_recovery_state_is_registered_with_the_manager(manager, common, tmp_
             "dataloader": Position(3),
             "train_state": common.TrainState(),
         },
-        ft_manager=manager,
-        ft_replica_id=0,
+        ft=FaultToleranceOptions(manager, 0),
     )
     sent = manager._manager_state_dict()["user"]
     assert list(sent) == ["titan_ckpt"]
@@ -208,8 +208,7 @@ def test_each_group_keeps_its_own_dataloader_and_resumes_it(two_groups, manager,
             "dataloader": data,
             "train_state": train_state,
         },
-        ft_manager=manager,
-        ft_replica_id=1,
+        ft=FaultToleranceOptions(manager, 1),
     )
     assert restarted.load()
     restarted.close()
@@ -223,8 +222,7 @@ def _group(folder, manager, common, replica_id):
         CheckpointConfig(enable=True, folder=str(folder)),
         model_parts=common.make_model(),
         states={"dataloader": data, "train_state": common.TrainState()},
-        ft_manager=manager,
-        ft_replica_id=replica_id,
+        ft=FaultToleranceOptions(manager, replica_id),
     )
     return checkpointer, data
 
@@ -268,22 +266,22 @@ def test_a_group_without_any_dataloader_state_starts_its_data_over(
 
 
 def test_ft_manager_needs_a_replica_id_with_a_dataloader(manager, common, tmp_path):
-    with pytest.raises(ValueError, match="ft_replica_id is needed"):
+    with pytest.raises(ValueError, match=r"FaultToleranceOptions\.replica_id is needed"):
         CheckpointManager(
             CheckpointConfig(enable=True, folder=str(tmp_path)),
             model_parts=common.make_model(),
             states={"dataloader": Position()},
-            ft_manager=manager,
+            ft=FaultToleranceOptions(manager),
         )
 
 
 def test_without_ft_dataloader_checkpoints_the_dataloader_is_shared(manager, common, tmp_path):
     data = Position(42)
     writer = CheckpointManager(
-        CheckpointConfig(enable=True, folder=str(tmp_path), enable_ft_dataloader_checkpoints=False),
+        CheckpointConfig(enable=True, folder=str(tmp_path)),
         model_parts=common.make_model(),
         states={"dataloader": data},
-        ft_manager=manager,
+        ft=FaultToleranceOptions(manager, dataloader_checkpoints=False),
     )
     manager.start_quorum()  # a quorum of this one group: participating rank 0
     assert manager.participating_rank() == 0
@@ -306,7 +304,7 @@ def test_a_non_manager_is_refused(common, tmp_path):
         CheckpointManager(
             CheckpointConfig(enable=True, folder=str(tmp_path)),
             model_parts=common.make_model(),
-            ft_manager=object(),
+            ft=FaultToleranceOptions(object()),
         )
 
 
@@ -324,20 +322,19 @@ def test_a_heal_waits_for_an_async_saves_background_copy(manager, common, tmp_pa
         config,
         model_parts=model,
         states={"optimizer": OptimizerState(model, opt)},
-        ft_manager=manager,
-        ft_replica_id=0,
+        ft=FaultToleranceOptions(manager, 0),
     )
     manager.start_quorum()  # a quorum of this one group: participating rank 0, the writer
     assert ckpt.save(1)  # the first save copies everything in save()
     ckpt.wait()
     start = threading.Event()
-    finish = ckpt._stager._finish
+    finish = ckpt._async._stager._finish
 
     def late(*args, **kwargs):  # the background copy starts 0.3 s late
         assert start.wait(timeout=60)
         return finish(*args, **kwargs)
 
-    ckpt._stager._finish = late
+    ckpt._async._stager._finish = late
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     peer = common.make_model(seed=7)
     peer_state = {"model": peer.state_dict(), "optimizer": ckpt.states["optimizer"].state_dict()}

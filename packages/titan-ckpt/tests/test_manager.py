@@ -79,7 +79,7 @@ def test_round_trip_restores_model_optimizer_and_states(common, tmp_path):
     a.manager.close()
 
     b = Run(common, tmp_path, seed=7)
-    assert b.manager.load() is True
+    assert b.manager.load()
     assert b.manager.last_loaded_step == 4
     assert all(torch.equal(v, params[k]) for k, v in b.model.state_dict().items())
     assert (b.train_state.step, b.lr.value, b.data.value) == (4, 4, 4)
@@ -101,7 +101,7 @@ def test_interval_first_step_and_layout(common, tmp_path):
 
 def test_load_nothing_returns_false_and_bad_load_step_is_refused(common, tmp_path):
     run = Run(common, tmp_path)
-    assert run.manager.load() is False
+    assert not run.manager.load()
     with pytest.raises(CheckpointConfigError, match=r"load_step=4, but .* holds no committed"):
         run.manager.load(step=4)
     run.train(range(1, 3))
@@ -233,9 +233,10 @@ def test_uncommitted_step_is_ignored_and_logged(common, tmp_path, caplog):
 
 def test_disabled_manager_does_nothing(common, tmp_path):
     model = common.make_model()
-    manager = CheckpointManager(CheckpointConfig(folder=str(tmp_path / "c")), model_parts=model)
+    config = CheckpointConfig(enable=False, folder=str(tmp_path / "c"))
+    manager = CheckpointManager(config, model_parts=model)
     assert manager.save(500) is False
-    assert manager.load() is False
+    assert not manager.load()
     assert not (tmp_path / "c").exists()
 
 

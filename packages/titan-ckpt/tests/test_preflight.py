@@ -60,7 +60,7 @@ def test_a_read_only_folder_is_refused_before_any_work(read_only_dir):
     with pytest.raises(CheckpointConfigError, match=why):
         build(str(where))
     # Reading needs no write access.
-    assert build(str(where), load_only=True).load() is False
+    assert not build(str(where), load_only=True).load()
 
 
 def test_a_url_without_its_filesystem_package_is_refused():

@@ -87,7 +87,7 @@ def test_a_save_killed_while_marking_its_directory_is_reclaimed(common, tmp_path
     assert classify_step(LocalStorage(), str(directory)) == "interrupted"
     config = CheckpointConfig(enable=True, folder=str(tmp_path), interval=1)
     with CheckpointManager(config, model_parts=common.make_model()) as manager:
-        assert manager.load() is False  # nothing committed: a fresh start, not an error
+        assert not manager.load()  # nothing committed: a fresh start, not an error
         manager.save(2)
     assert scan_steps(LocalStorage(), str(tmp_path)).committed == [2]
 

@@ -143,7 +143,7 @@ def test_async_manager_saves_with_optimizer_state_load_back_as_saved(common, tmp
                 {k: v.clone() for k, v in opt.state_dict()["state"][0].items()},
             )
             common.train_steps(model, opt, range(step, step + 1), rank=0)
-        assert manager._stager.reused == 2
+        assert manager._async._stager.reused == 2
     for step in (1, 2, 3):
         fresh = common.make_model(seed=9)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)

@@ -51,14 +51,14 @@ def test_async_save_of_optimizer_in_backward_holds_the_save_time_values(tmp_path
     # Hold the background copy back until 0.3 s from now: long after the backward below
     # would have updated everything, unless it waits for the copy.
     name = "_finish" if mode == "async" else "_stage"
-    copy = getattr(manager._stager, name)
+    copy = getattr(manager._async._stager, name)
     start = threading.Event()
 
     def late(*args, **kwargs):
         assert start.wait(timeout=60)
         return copy(*args, **kwargs)
 
-    setattr(manager._stager, name, late)
+    setattr(manager._async._stager, name, late)
     threading.Timer(0.3, start.set).start()
     saved_model, saved_optimizer = _tensors(model.state_dict()), _tensors(optimizers.state_dict())
     assert manager.save(2)

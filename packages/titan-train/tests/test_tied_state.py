@@ -87,6 +87,6 @@ def test_background_staging_guards_the_container_it_saves(tmp_path):
             for p in module.parameters():
                 p.grad = torch.ones_like(p)
         optimizers.step()  # no maybe_wait_for_staging: the hook waited
-        assert manager._staging is None
+        assert manager._async._staging is None
         manager.close()
         assert len(optimizers._pre_hooks) == 0

@@ -41,6 +41,7 @@ from titan_ckpt.errors import (
     DiskFullError,
     UnsafeCheckpointError,
 )
+from titan_ckpt.ft import FaultToleranceOptions
 from titan_ckpt.layout import (
     COMMIT_MARKER,
     OWNER_MARKER,
@@ -51,6 +52,7 @@ from titan_ckpt.layout import (
     scan_steps,
     verify_step,
 )
+from titan_ckpt.load_plan import Loaded
 from titan_ckpt.lock import lock_checkpoint_folder
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.model_record import MODEL_RECORD
@@ -74,7 +76,9 @@ __all__ = [
     "CheckpointReadError",
     "CheckpointWriteError",
     "DiskFullError",
+    "FaultToleranceOptions",
     "FsspecStorage",
+    "Loaded",
     "LocalStorage",
     "Manifest",
     "ModelState",

@@ -1,7 +1,9 @@
 """``CheckpointConfig``: when and what the CheckpointManager saves and loads, as a config section.
 
-Field names and defaults follow torchtitan's ``[checkpoint]`` section so that its TOML files
-carry over; ``verify_checksums`` and ``checksum`` are ours.
+Field names follow torchtitan's ``[checkpoint]`` section so that its TOML files carry over;
+``verify_checksums`` and ``checksum`` are ours. Defaults are a library's: ``CheckpointConfig()``
+saves (``enable`` is true, torchtitan's is false). torchtitan's torchft key
+``enable_ft_dataloader_checkpoints`` is ``FaultToleranceOptions.dataloader_checkpoints``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ DATALOADER = "dataloader"
 class CheckpointConfig:
     """Checkpoint policy of a run: folder, interval, retention, async mode, first and last save."""
 
-    enable: bool = False
+    enable: bool = True
     """Save checkpoints and resume from them; off, save() and load() do nothing."""
     folder: str = "checkpoint"
     """Where step-<N>/ directories go: a local path or an fsspec URL (scheme://...)."""
@@ -70,8 +72,6 @@ class CheckpointConfig:
     """Also save after step 1, to prove checkpointing works on new storage early."""
     load_only: bool = False
     """Load checkpoints but never save any (evaluation, debugging)."""
-    enable_ft_dataloader_checkpoints: bool = True
-    """With a torchft manager: each replica group also saves its own dataloader state."""
     verify_checksums: bool = False
     """Check every file's checksum against the manifest on load; sizes are always checked."""
     checksum: Literal["auto", "xxh3_128", "sha256"] = "auto"
@@ -100,7 +100,6 @@ class CheckpointConfig:
             "create_seed_checkpoint",
             "enable_first_step_checkpoint",
             "load_only",
-            "enable_ft_dataloader_checkpoints",
             "verify_checksums",
             "trust_pickles",
         ):

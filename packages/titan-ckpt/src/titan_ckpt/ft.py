@@ -1,13 +1,15 @@
 """torchft integration: replica groups that train on, heal from peers, and checkpoint once.
 
-With a torchft ``Manager`` (or anything with its ``participating_rank()`` and
-``register_state_dict_fn()``, or the older ``set_state_dict_fns()``), the CheckpointManager
+With ``CheckpointManager(ft=FaultToleranceOptions(...))``, a torchft ``Manager`` (or anything
+with its ``participating_rank()`` and ``register_state_dict_fn()``, or the older
+``set_state_dict_fns()``), the CheckpointManager
 
 - registers state-dict callbacks, so a recovering replica group copies model, optimizer, LR
   scheduler and train state live from a healthy peer (the dataloader is each group's own);
 - writes the shared checkpoint from one replica group only (participating rank 0);
-- when ``enable_ft_dataloader_checkpoints``, has every replica group save its own dataloader
-  state in ``<folder>/ft-replica-<id>/step-<N>/``, so no group replays data after a restart.
+- with ``FaultToleranceOptions.dataloader_checkpoints``, has every replica group save its own
+  dataloader state in ``<folder>/ft-replica-<id>/step-<N>/``, so no group replays data after
+  a restart.
 
 torchft itself is never imported here: the manager object is passed in.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -30,7 +33,7 @@ from titan_ckpt.layout import Manifest, read_manifest, scan_steps, step_dir, ver
 from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 
-__all__ = ["DATALOADER", "FaultTolerance"]
+__all__ = ["DATALOADER", "FaultTolerance", "FaultToleranceOptions"]
 
 T = TypeVar("T")
 logger = logging.getLogger("titan_ckpt")
@@ -40,19 +43,31 @@ FT_STATE_KEY = "titan_ckpt"
 """The key of our callbacks in torchft's recovery state (``Manager.register_state_dict_fn``)."""
 
 
+@dataclass(frozen=True)
+class FaultToleranceOptions:
+    """A torchft run's checkpointing: ``CheckpointManager(..., ft=FaultToleranceOptions(...))``."""
+
+    manager: Any
+    """The replica group's ``torchft.Manager``."""
+    replica_id: str | int | None = None
+    """This replica group's id; names its dataloader's folder, ``ft-replica-<id>``."""
+    dataloader_checkpoints: bool = True
+    """Each replica group also saves its own dataloader state (when there is a
+    ``dataloader`` state), so no group replays data after a restart."""
+
+
 class FaultTolerance:
     """What the CheckpointManager needs from a torchft manager, and the callbacks it gives."""
 
     def __init__(
         self,
-        ft_manager: Any,
-        replica_id: str | int | None,
+        options: FaultToleranceOptions,
         *,
         model: ModelState,
         states: dict[str, Any],
-        dataloader_checkpoints: bool,
         before_heal: Callable[[], None] | None = None,
     ) -> None:
+        ft_manager, replica_id = options.manager, options.replica_id
         register = getattr(ft_manager, "register_state_dict_fn", None)
         legacy = getattr(ft_manager, "set_state_dict_fns", None)
         missing = [
@@ -65,15 +80,15 @@ class FaultTolerance:
         ]
         if missing:
             raise TypeError(
-                f"ft_manager is a {type(ft_manager).__name__} without {'() or '.join(missing)}(); "
-                "pass a torchft.Manager."
+                f"FaultToleranceOptions.manager is a {type(ft_manager).__name__} without "
+                f"{'() or '.join(missing)}(); pass a torchft.Manager."
             )
-        self.dataloader_checkpoints = dataloader_checkpoints and DATALOADER in states
+        self.dataloader_checkpoints = options.dataloader_checkpoints and DATALOADER in states
         if self.dataloader_checkpoints and replica_id is None:
             raise CheckpointConfigError(
-                "ft_replica_id is needed with a torchft manager and a dataloader: each replica "
+                "FaultToleranceOptions.replica_id is needed with a dataloader: each replica "
                 "group saves its dataloader under ft-replica-<id>/. Pass the replica group's id, "
-                "or set checkpoint.enable_ft_dataloader_checkpoints=false."
+                "or dataloader_checkpoints=False."
             )
         self.manager = ft_manager
         self.replica_id = replica_id

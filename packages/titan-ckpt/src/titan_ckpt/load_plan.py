@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -38,9 +38,29 @@ from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
 
-__all__ = ["LoadPlan", "plan_load", "shares", "states_to_load", "verify_shared"]
+__all__ = ["LoadPlan", "Loaded", "plan_load", "shares", "states_to_load", "verify_shared"]
 
 logger = logging.getLogger("titan_ckpt")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What ``CheckpointManager.load`` restored: falsy when it restored nothing (a fresh
+    start), so ``if manager.load():`` reads as before."""
+
+    path: str | None = None
+    """The step directory (or Hugging Face folder) read; None: nothing was loaded."""
+    step: int | None = None
+    """Its step: the step to continue after (None: not known, e.g. a Hugging Face folder)."""
+    states: tuple[str, ...] = ()
+    """What was restored: ``model``, then the names of the states."""
+    kind: str | None = None
+    """"resume" (the run's own folder), "initial" (initial_load_path) or "hf"."""
+    metadata: Mapping[str, Any] | None = field(default=None, compare=False)
+    """The metadata the step's writer recorded (``CheckpointManager(metadata=...)``)."""
+
+    def __bool__(self) -> bool:
+        return self.path is not None
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ from typing import BinaryIO
 import torch.distributed as dist
 
 from titan_ckpt.config import CheckpointConfig
-from titan_ckpt.errors import CheckpointLockError, CheckpointWriteError
+from titan_ckpt.errors import CheckpointConfigError, CheckpointLockError, CheckpointWriteError
 from titan_ckpt.ft import REPLICA_PREFIX
-from titan_ckpt.layout import read_manifest
+from titan_ckpt.layout import classify_step, read_manifest, remove_step, write_owner
 from titan_ckpt.preflight import _local_path, open_storage
 from titan_ckpt.storage import Storage
 
@@ -364,6 +364,31 @@ def lock_checkpoint_folder(
         lock.release()
         raise error
     return lock
+
+
+def claim_step(storage: Storage, directory: str, step: int, since: float, own: set[str]) -> None:
+    """Make ``directory`` ours and empty before writing step ``step`` into it: remove what an
+    earlier save of ours left there (one committed since ``since`` only if we committed it,
+    ``own``: see ``check_replaceable``); refuse a directory someone else wrote."""
+    if storage.exists(directory):
+        kind = classify_step(storage, directory)
+        if kind not in ("committed", "interrupted"):
+            raise CheckpointConfigError(
+                f"Cannot save step {step}: {directory} exists and is a {kind} checkpoint "
+                "directory that titan did not write; titan never deletes, overwrites or "
+                "writes into it. Move it away, or use another checkpoint.folder."
+            )
+        if kind == "committed":
+            check_replaceable(storage, directory, step, since, own)
+            logger.warning("Replacing committed checkpoint %s", directory)
+        # Killed halfway, it stays "interrupted"; one it must leave (a link inside, files not
+        # ours) is no place to write into.
+        if not remove_step(storage, directory):
+            raise CheckpointConfigError(
+                f"Cannot save step {step}: {directory} holds what titan did not write "
+                "(see the warning). Move it away, or use another checkpoint.folder."
+            )
+    write_owner(storage, directory, step)
 
 
 def check_replaceable(

@@ -28,50 +28,39 @@ Invariants the code below keeps:
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
 import logging
 import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.logger as dcp_logger
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titan_ckpt.adapter import StateDictAdapter
-from titan_ckpt.asyncmode import check_main_guard, make_stager
+from titan_ckpt.asyncmode import AsyncSaver, check_main_guard
 from titan_ckpt.checksums import resolve_checksum
 from titan_ckpt.config import DATALOADER, MODEL, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.dcp import unwrap_read_errors
 from titan_ckpt.formats.hashing import set_checksum, written_files
-from titan_ckpt.ft import FaultTolerance
+from titan_ckpt.ft import FaultTolerance, FaultToleranceOptions
 from titan_ckpt.hf import load_hf, require_safetensors, save_hf
 from titan_ckpt.layout import (
     Manifest,
-    classify_step,
     commit_step,
     json_metadata,
-    remove_step,
     step_dir,
     step_of,
-    write_owner,
 )
-from titan_ckpt.load_plan import plan_load, states_to_load, verify_shared
-from titan_ckpt.lock import FolderLock, check_replaceable, lock_checkpoint_folder
+from titan_ckpt.load_plan import Loaded, plan_load, states_to_load, verify_shared
+from titan_ckpt.lock import FolderLock, claim_step, lock_checkpoint_folder
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.purge import Purger
+from titan_ckpt.quiet import gc_paused, quiet_dcp
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
-from titan_ckpt.staging import ReusingStager
-from titan_ckpt.states import ModelState, OptimizerState
+from titan_ckpt.states import ModelState, as_states
 from titan_ckpt.storage import RecordingStorage, Storage
 
 __all__ = ["CheckpointManager"]
@@ -79,56 +68,9 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger("titan_ckpt")
 
 
-@contextlib.contextmanager
-def _unheard_dcp_events() -> Iterator[None]:
-    """Skip making DCP's debug events while nobody can receive them.
-
-    DCP logs a start and an end event for each of its calls and for every entry of the state
-    it saves (two records per model tensor, each with its caller looked up on the stack): a
-    few milliseconds of every save, inside an async save's ``save()`` too. torch gives that
-    logger a NullHandler and no propagation, so the records go nowhere unless someone
-    attached a handler of their own; only then are they made.
-    """
-    events = getattr(dcp_logger, "_dcp_logger", None)
-    unheard = (
-        isinstance(events, logging.Logger)
-        and not events.disabled
-        and not events.propagate
-        and all(type(handler) is logging.NullHandler for handler in events.handlers)
-    )
-    if not unheard:
-        yield
-        return
-    events.disabled = True
-    try:
-        yield
-    finally:
-        events.disabled = False
-
-
 T = TypeVar("T")
 
 HF_SUBDIR = "hf"
-
-
-def _gc_paused(method: Callable[..., T]) -> Callable[..., T]:
-    """Run ``method`` with Python's cyclic garbage collector paused, then restore the state
-    it had. Saving and loading build many small objects (state dicts, DCP's plans and
-    metadata), enough to set off a full collection over the trainer's whole heap inside
-    about every other load: +0.10 s on a 0.28 s load of 444 MiB on 2 ranks, measured.
-    torchtitan's trainer runs its saves and loads with automatic collection off too."""
-
-    @functools.wraps(method)
-    def paused(*args: Any, **kwargs: Any) -> T:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-
-    return paused
 
 
 class CheckpointManager:
@@ -137,8 +79,9 @@ class CheckpointManager:
     Args:
         config: the checkpoint policy.
         model_parts: the model, or its pipeline stages (each keeps its original FQNs).
-        states: other state to save, by name: anything with ``state_dict()`` and
-            ``load_state_dict()`` (optimizer container, LR schedulers, dataloader, train
+        states: other state to save, by name: a module, an optimizer (of one model part's
+            parameters; saved by FQN as an ``OptimizerState``), or anything with
+            ``state_dict()`` and ``load_state_dict()`` (LR schedulers, dataloader, train
             state). ``None`` values are skipped, so an optional dataloader can be passed as is.
             A dataloader saved at one world size loads at another only if it has an attribute
             ``supports_resharding = True``.
@@ -147,9 +90,6 @@ class CheckpointManager:
         storage: where checkpoints live; default from ``config.folder`` (local, or fsspec URL).
         process_group: the ranks that checkpoint together; default all. Async modes create a
             dedicated gloo group so background collectives never interleave with training's.
-        ft_manager: a torchft ``Manager``: registers state-dict callbacks for live recovery;
-            only participating rank 0 writes the shared checkpoint (see ``titan_ckpt.ft``).
-        ft_replica_id: this replica group's id; names its dataloader checkpoint folder.
         data_parallel_degree: how many ways the dataloader shards the data (the trainer's
             data-parallel degree); recorded in each step, and a resume at another degree
             loads the dataloader only if it ``supports_resharding``. Default: the world size.
@@ -160,6 +100,9 @@ class CheckpointManager:
             (``titan_ckpt.lock.lock_checkpoint_folder``) to hold it before any work; the
             manager releases it on ``close()``. Default: a saving manager takes it here, and
             another writer's hold raises ``CheckpointLockError`` on every rank.
+        ft: a torchft run's replica group (``FaultToleranceOptions``): registers state-dict
+            callbacks for live recovery; only participating rank 0 writes the shared
+            checkpoint (see ``titan_ckpt.ft``).
 
     A save that fails (the disk full, a permission lost) raises ``CheckpointWriteError``
     (``DiskFullError`` when space ran out) on every rank, naming the path, the bytes the step
@@ -176,11 +119,10 @@ class CheckpointManager:
         state_dict_adapter: StateDictAdapter | None = None,
         storage: Storage | None = None,
         process_group: dist.ProcessGroup | None = None,
-        ft_manager: Any | None = None,
-        ft_replica_id: str | int | None = None,
         data_parallel_degree: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         folder_lock: FolderLock | None = None,
+        ft: FaultToleranceOptions | None = None,
     ) -> None:
         self.config = config
         self._lock = folder_lock
@@ -188,7 +130,7 @@ class CheckpointManager:
         self._committed: set[str] = set()
         self.metadata = json_metadata(metadata)
         self.model = ModelState(model_parts)
-        self.states = {k: v for k, v in (states or {}).items() if v is not None}
+        self.states = as_states(states or {}, self.model.model_parts)
         self.adapter = state_dict_adapter
         self.storage = storage if storage is not None else open_storage(config.folder)
         self.checksum = resolve_checksum(config.checksum)
@@ -202,28 +144,17 @@ class CheckpointManager:
         """Who wrote what ``load`` restored: "titan", "torchtitan", "dcp" (another DCP
         writer) or "hf" (a Hugging Face folder); None before a load."""
         """The metadata recorded with the step ``load`` restored (None: none loaded)."""
-        self._pending: Future | None = None
-        self._staging: Future | None = None
         self._purger: Purger | None = None
         self._ft_purger: Purger | None = None
-        self._committer: ThreadPoolExecutor | None = None
-        self._stager = None
-        self._step_guards: list[Any] = []  # handles of the optimizer-step pre-hooks
-        self._guarded: frozenset[str] = frozenset()  # states whose optimizers all wait
-        self._inflight: tuple[str, int, int | None] | None = None  # async: directory, step, bytes
+        self._async: AsyncSaver | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = 0
         self.pg = process_group
         self._validate()
         self.ft: FaultTolerance | None = None
-        if ft_manager is not None:
+        if ft is not None:
             self.ft = FaultTolerance(
-                ft_manager,
-                ft_replica_id,
-                model=self.model,
-                states=self.states,
-                dataloader_checkpoints=config.enable_ft_dataloader_checkpoints,
-                before_heal=self.maybe_wait_for_staging,
+                ft, model=self.model, states=self.states, before_heal=self.maybe_wait_for_staging
             )
         if not config.enable:
             return
@@ -249,16 +180,16 @@ class CheckpointManager:
                 self.config, storage=self.storage, group=self.pg, torchft=ft, ft_replica_id=replica
             )
         if self.config.async_mode != "disabled":
-            self._async_type, self._stager = make_stager(
-                self.config.async_mode, distributed=self._distributed
+            self._async = AsyncSaver(
+                self.config.async_mode,
+                model=self.model,
+                states=self.states,
+                distributed=self._distributed,
+                committer=self._rank == 0,
+                commit=lambda directory, manifest, written: self._commit(
+                    directory, manifest, self._purger, written=written
+                ),
             )
-            if self._rank == 0:
-                self._committer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-commit")
-            guarded = self._guard_optimizer_steps()
-            if self.config.async_mode == "async" and isinstance(self._stager, ReusingStager):
-                # Their tensors change only in step(), which now waits for the copy.
-                self._guarded = frozenset(guarded)
-                self._stager.deferred = self._guarded
         self._watch = SaveWatch(
             self.storage, self.folder, rank=self._rank, distributed=self._distributed, group=self.pg
         )
@@ -271,18 +202,6 @@ class CheckpointManager:
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         cfg = self.config
-        for name, state in self.states.items():
-            if name == MODEL:
-                raise CheckpointConfigError(
-                    "states['model'] is reserved: pass the model as model_parts=."
-                )
-            if not (callable(getattr(state, "state_dict", None))) or not callable(
-                getattr(state, "load_state_dict", None)
-            ):
-                raise TypeError(
-                    f"states[{name!r}] is a {type(state).__name__}, which lacks state_dict() "
-                    "and load_state_dict(); wrap it in an object that has both."
-                )
         clash = sorted(self.states.keys() & self.model.state_dict().keys())
         if clash:
             raise CheckpointConfigError(
@@ -339,15 +258,6 @@ class CheckpointManager:
             raise error
         return value
 
-    @contextlib.contextmanager
-    def _quiet_single_process(self):
-        """DCP warns on every call in a process without torch.distributed; that is our intent.
-        Its debug events are not made while nothing can hear them (``_unheard_dcp_events``)."""
-        with warnings.catch_warnings(), _unheard_dcp_events():
-            if not self._distributed:
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            yield
-
     def _barrier(self) -> None:
         if self._distributed:
             dist.barrier(group=self.pg)
@@ -360,7 +270,7 @@ class CheckpointManager:
         """Whether ``save(curr_step, last_step=...)`` would write a checkpoint."""
         return saves_step(self.config, curr_step, last_step=last_step)
 
-    @_gc_paused
+    @gc_paused
     def save(self, curr_step: int, *, last_step: bool = False, force: bool = False) -> bool:
         """Checkpoint step ``curr_step`` if the policy says so (or ``force``); True if saved.
 
@@ -399,9 +309,19 @@ class CheckpointManager:
             self._write_sync(directory, state, manifest, self._purger, hf=hf, needed=needed)
             logger.info("Saved %s in %.2f s", directory, time.monotonic() - begin)
         else:
-            self._save_async(directory, state, manifest, needed)
+            assert self._async is not None  # made by _start for an async mode
+            self._prepare_step(directory, manifest.step, needed)
+            with quiet_dcp(self._distributed):
+                self._async.save(
+                    state,
+                    writer=self._dcp_writer(directory),
+                    process_group=self.pg,
+                    no_dist=not self._distributed,
+                    inflight=(directory, curr_step, needed),
+                    manifest=manifest,
+                )
             seconds = time.monotonic() - begin
-            if self._staging is None:
+            if not self._async.staging_in_background:
                 logger.info("Staged %s in %.2f s; writing in the background", directory, seconds)
             else:
                 logger.info(
@@ -417,63 +337,6 @@ class CheckpointManager:
         writer = self.storage.dcp_writer(directory)
         set_checksum(writer, self.checksum)
         return writer
-
-    def _save_async(
-        self, directory: str, state: dict[str, Any], manifest: Manifest, needed: int | None
-    ) -> None:
-        """Stage ``state`` and start writing it; rank 0 commits once every rank wrote."""
-        self._prepare_step(directory, manifest.step, needed)
-        if self.config.async_mode == "async_with_pinned_mem":
-            state = self._buffers_copied(state)
-        elif self._guarded and isinstance(self._stager, ReusingStager):
-            self._stager.deferred = self._guarded | self._parameter_keys(state)
-        with self._quiet_single_process():
-            response = dcp.async_save(
-                state,
-                storage_writer=self._dcp_writer(directory),
-                process_group=self.pg,
-                async_checkpointer_type=self._async_type,
-                async_stager=self._stager,
-                no_dist=not self._distributed,
-            )
-        if isinstance(response, Future):
-            upload, self._staging = response, None
-        else:
-            upload, self._staging = response.upload_completion, response.staging_completion
-        self._inflight = (directory, manifest.step, needed)
-        if self._committer is not None:  # rank 0 commits once the upload finished everywhere
-            self._pending = self._committer.submit(self._commit_after, upload, directory, manifest)
-        else:
-            self._pending = upload
-
-    def _buffers_copied(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` with the model's buffers replaced by copies taken now. Background staging
-        reads the state while the next step's forward runs, and a forward may change a
-        buffer in place (an MoE layer's token counts, a norm's running statistics); the
-        parameters change only in the optimizer's step, which waits for the staging. Buffers
-        are small: copying them here costs little."""
-        buffers = _addresses(b for part in self.model.model_parts for b in part.buffers())
-        return {
-            key: value.clone()
-            if isinstance(value, torch.Tensor) and _storage_address(value) in buffers
-            else value
-            for key, value in state.items()
-        }
-
-    def _parameter_keys(self, state: dict[str, Any]) -> frozenset[str]:
-        """The keys of ``state`` holding the model's parameters (and no buffer's values),
-        which ``async`` copies in the background like the guarded optimizers' states: a
-        parameter changes only in an optimizer's ``step()``, which waits for the copy (the
-        same premise as torch's background staging of ``async_with_pinned_mem``). A forward
-        may change a buffer in place, so buffers are copied before ``save()`` returns."""
-        parts = self.model.model_parts
-        params = _addresses(p for part in parts for p in part.parameters())
-        params -= _addresses(b for part in parts for b in part.buffers())
-        return frozenset(
-            key
-            for key, value in state.items()
-            if isinstance(value, torch.Tensor) and _storage_address(value) in params
-        )
 
     def _write_replica(self, step: int, directory: str, state: dict[str, Any]) -> None:
         """Write and commit this replica group's own state (its dataloader) for ``step``."""
@@ -515,7 +378,7 @@ class CheckpointManager:
         """
         self._prepare_step(directory, manifest.step, needed)
         try:
-            with self._quiet_single_process():
+            with quiet_dcp(self._distributed):
                 result = dcp.save(
                     state,
                     storage_writer=self._dcp_writer(directory),
@@ -572,31 +435,12 @@ class CheckpointManager:
         No barrier follows: a rank returns from ``_decide`` only once rank 0 sent its outcome,
         i.e. after rank 0 claimed the directory."""
         try:
-            self._decide(partial(self._claim_step, directory, step))
+            self._decide(
+                partial(claim_step, self.storage, directory, step, self._began, self._committed)
+            )
         except WRITE_ERRORS as error:  # the same on every rank: report it as a failed save
             self._watch.settle(error, directory=directory, step=step, needed=needed)
             raise
-
-    def _claim_step(self, directory: str, step: int) -> None:
-        if self.storage.exists(directory):
-            kind = classify_step(self.storage, directory)
-            if kind not in ("committed", "interrupted"):
-                raise CheckpointConfigError(
-                    f"Cannot save step {step}: {directory} exists and is a {kind} checkpoint "
-                    "directory that titan did not write; titan never deletes, overwrites or "
-                    "writes into it. Move it away, or use another checkpoint.folder."
-                )
-            if kind == "committed":
-                check_replaceable(self.storage, directory, step, self._began, self._committed)
-                logger.warning("Replacing committed checkpoint %s", directory)
-            # Killed halfway, it stays "interrupted"; one it must leave (a link inside, files
-            # not ours) is no place to write into.
-            if not remove_step(self.storage, directory):
-                raise CheckpointConfigError(
-                    f"Cannot save step {step}: {directory} holds what titan did not write "
-                    "(see the warning). Move it away, or use another checkpoint.folder."
-                )
-        write_owner(self.storage, directory, step)
 
     def _commit(
         self,
@@ -611,38 +455,6 @@ class CheckpointManager:
         if purger is not None:
             purger.request()
 
-    def _commit_after(self, upload: Future, directory: str, manifest: Manifest) -> None:
-        # Runs in the committer thread; a failure is raised (as CheckpointWriteError) by wait().
-        # Raises if any rank failed to write: then nothing is committed. Else DCP's metadata,
-        # which carries every rank's digests, also from DCP's writer process.
-        result = upload.result()
-        self._commit(directory, manifest, self._purger, written=written_files(result))
-
-    def _guard_optimizer_steps(self) -> list[str]:
-        """Make every optimizer among the states wait for an async save's staging before it
-        steps (a pre-hook), so a loop that forgets ``maybe_wait_for_staging`` cannot save a
-        mix of two steps' values. An optimizer is a state with ``register_step_pre_hook``
-        (torch's, titan-optim's container) or one inside an ``OptimizerState``. Returns the
-        names of the states whose optimizers all carry the hook: their staging may run in
-        the background."""
-        guarded = []
-        for name, state in self.states.items():
-            targets = (
-                [opt for _, opt in state.pairs] if isinstance(state, OptimizerState) else [state]
-            )
-            hooked = 0
-            for target in targets:
-                register = getattr(target, "register_step_pre_hook", None)
-                if callable(register):
-                    self._step_guards.append(register(self._wait_before_step))
-                    hooked += 1
-            if targets and hooked == len(targets):
-                guarded.append(name)
-        return guarded
-
-    def _wait_before_step(self, *_: Any) -> None:
-        self.maybe_wait_for_staging()
-
     def maybe_wait_for_staging(self) -> None:
         """Block until the last async save no longer reads the training tensors.
 
@@ -653,44 +465,32 @@ class CheckpointManager:
         loads a peer's state; anything else that changes the saved tensors in place must call
         it first.
         """
-        if self._staging is not None:
-            self._staging.result()
-            self._staging = None
+        if self._async is not None:
+            self._async.maybe_wait_for_staging()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and committed."""
-        self.maybe_wait_for_staging()
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            assert self._inflight is not None  # set with _pending
-            (directory, step, needed), self._inflight = self._inflight, None
-            error = None
-            try:
-                pending.result()
-            except WRITE_ERRORS as e:  # the same message as a synchronous save's, on every rank
-                error = e
-            self._watch.settle(error, directory=directory, step=step, needed=needed)
-            if error is not None:
-                raise error
+        finished = self._async.finish() if self._async is not None else None
+        if finished is None:
+            return
+        (directory, step, needed), error = finished
+        # The same message as a synchronous save's, on every rank.
+        self._watch.settle(error, directory=directory, step=step, needed=needed)
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Finish the save in flight and pending deletions; stop background threads."""
         try:
             self.wait()
         finally:
-            if self._committer is not None:
-                self._committer.shutdown(wait=True)
-                self._committer = None
+            if self._async is not None:
+                self._async.close()
+                self._async = None
             for purger in (self._purger, self._ft_purger):
                 if purger is not None:
                     purger.close()
             self._purger = self._ft_purger = None
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
-            for handle in self._step_guards:
-                handle.remove()
-            self._step_guards = []
             if self._lock is not None:
                 self._lock.release()
 
@@ -701,18 +501,19 @@ class CheckpointManager:
         self.close()
 
     # ------------------------------------------------------------------ loading
-    @_gc_paused
-    def load(self, step: int | None = None, *, verify_checksums: bool | None = None) -> bool:
+    @gc_paused
+    def load(self, step: int | None = None, *, verify_checksums: bool | None = None) -> Loaded:
         """Restore the newest committed step (or ``step``, default ``config.load_step``); a
         torchtitan checkpoint in the folder counts as one (see ``titan_ckpt.torchtitan``).
 
         With no such step in the folder, starts from ``config.initial_load_path`` if set.
-        Returns False when there is nothing to load (a fresh run). A step directory titan
+        Returns what it loaded (``Loaded``: the step, its path, the states), falsy when there
+        is nothing to load (a fresh run). A step directory titan
         did not write and cannot read raises ``CheckpointConfigError``, naming it.
         """
         cfg = self.config
         if not cfg.enable:
-            return False
+            return Loaded()
         self.wait()
         step = cfg.load_step if step is None else step
         checksums = cfg.verify_checksums if verify_checksums is None else verify_checksums
@@ -725,7 +526,7 @@ class CheckpointManager:
         )
         if plan is None:
             logger.info("No checkpoint in %s and no initial_load_path: starting fresh", self.folder)
-            return False
+            return Loaded()
         kind, directory, manifest_json = plan.kind, plan.directory, plan.manifest_json
         begin = time.monotonic()
         self.loaded_source = "hf" if kind == "hf" else plan.source
@@ -734,7 +535,7 @@ class CheckpointManager:
             load_hf(self.storage, directory, self.model, self.adapter)
             self._barrier()
             logger.info("Loaded Hugging Face weights from %s", directory)
-            return True
+            return Loaded(directory, states=(MODEL,), kind=kind)
         manifest = Manifest.from_json(manifest_json) if manifest_json else None
         if manifest is not None and shared:
             verify_shared(self.storage, directory, manifest, self.pg)
@@ -767,10 +568,13 @@ class CheckpointManager:
             ", ".join([MODEL, *names]),
             time.monotonic() - begin,
         )
-        return True
+        step = self.last_loaded_step
+        metadata = manifest.metadata if manifest is not None else None
+        return Loaded(directory, step, (MODEL, *names), kind, metadata)
 
     def _remember(self, directory: str, manifest: Manifest | None) -> None:
         """Record the step (and metadata) that ``load`` restored from ``directory``."""
+        self.last_loaded_step = None
         if manifest is not None:
             self.last_loaded_step = manifest.step
             self.loaded_metadata = manifest.metadata
@@ -780,22 +584,7 @@ class CheckpointManager:
     def _read(self, directory: str, state: dict[str, Any]) -> None:
         """Load ``state`` in place from the DCP step in ``directory`` (every rank)."""
         reader = self.storage.dcp_reader(directory, trust_pickles=self.config.trust_pickles)
-        with self._quiet_single_process(), unwrap_read_errors(directory):
+        with quiet_dcp(self._distributed), unwrap_read_errors(directory):
             dcp.load(
                 state, storage_reader=reader, process_group=self.pg, no_dist=not self._distributed
             )
-
-
-def _addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
-    """The storage addresses of ``tensors`` (``_storage_address``), those without one left out."""
-    return {address for t in tensors if (address := _storage_address(t)) is not None}
-
-
-def _storage_address(tensor: torch.Tensor) -> int | None:
-    """Where ``tensor``'s (local) values live: equal for a module's tensor and its entry in a
-    state dict. None for a tensor without one storage (a wrapper subclass, say)."""
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    try:
-        return local.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None

@@ -4,11 +4,13 @@
 FQN -> tensor (DTensor under FSDP/TP), so a checkpoint written under one parallel layout loads
 under another: DCP matches tensors by FQN and reshards them. ``OptimizerState`` does the same
 for optimizers, one per model part, with torch's flattened optimizer state dict.
+``as_states`` gives the manager's ``states`` these views where a plain loop passes a bare
+module or optimizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_ckpt.errors import CheckpointConfigError
 
-__all__ = ["ModelState", "OptimizerState"]
+__all__ = ["ModelState", "OptimizerState", "as_states"]
 
 
 class ModelState:
@@ -263,3 +265,46 @@ class OptimizerState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for part, opt in self.pairs:
             set_optimizer_state_dict(part, opt, state_dict, options=self._options)
+
+
+def as_states(states: Mapping[str, Any], model_parts: Sequence[nn.Module]) -> dict[str, Any]:
+    """The manager's ``states`` (``None`` values dropped), each a ``Stateful`` that saves and
+    restores all it holds: a bare ``nn.Module`` becomes a ``ModelState`` and a bare
+    optimizer an ``OptimizerState`` with the model. Their own ``state_dict()`` would not do:
+    an optimizer's is keyed by parameter index and, before its first step, holds no moments
+    for DCP to load into, so a resume would leave the optimizer empty. Anything else must
+    have ``state_dict()`` and ``load_state_dict()``; what cannot be wrapped raises one line
+    naming the wrapper to use."""
+    return {
+        name: _as_stateful(name, value, model_parts)
+        for name, value in states.items()
+        if value is not None
+    }
+
+
+def _as_stateful(name: str, value: Any, model_parts: Sequence[nn.Module]) -> Any:
+    if isinstance(value, nn.Module):
+        return ModelState(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return OptimizerState(_owner(name, value, model_parts), value)
+    if not (callable(getattr(value, "state_dict", None))) or not callable(
+        getattr(value, "load_state_dict", None)
+    ):
+        raise TypeError(
+            f"states[{name!r}] is a {type(value).__name__} without state_dict() and "
+            "load_state_dict(); pass an object with both (a Stateful): a module, an "
+            "optimizer, an LR scheduler, or a wrapper of your own."
+        )
+    return value
+
+
+def _owner(name: str, opt: torch.optim.Optimizer, model_parts: Sequence[nn.Module]) -> nn.Module:
+    """The one model part that holds every parameter of ``opt``."""
+    params = {id(p) for group in opt.param_groups for p in group["params"]}
+    for part in model_parts:
+        if params <= {id(p) for p in part.parameters()}:
+            return part
+    raise CheckpointConfigError(
+        f"states[{name!r}] is an optimizer of parameters that no one model part holds; "
+        f"pass OptimizerState(model_parts, optimizers) (titan_ckpt), one optimizer per part."
+    )

@@ -48,6 +48,7 @@ def main() -> None:
         manager = CheckpointManager(config, model_parts=model, storage=storage)
         results[mode] = attempt(manager, range(1, 6))
         manager.close()
+        dist.barrier()  # rank 0's close removed the lock file before any rank looks
         results[mode]["committed"] = sorted(p.name for p in (disk / mode).iterdir())
         dist.barrier()
         if rank == 0:  # make room for the next mode

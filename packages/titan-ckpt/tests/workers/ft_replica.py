@@ -22,7 +22,13 @@ from common import TrainState, batch, make_model, train_steps
 from torch import nn
 from torch.distributed import TCPStore
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage, OptimizerState
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    FaultToleranceOptions,
+    LocalStorage,
+    OptimizerState,
+)
 
 warnings.filterwarnings("ignore", message="The 'warn' method is deprecated")  # torchft 0.2.0
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -96,8 +102,7 @@ def main() -> None:
             "dataloader": data,
             "train_state": train_state,
         },
-        ft_manager=manager,
-        ft_replica_id=index,
+        ft=FaultToleranceOptions(manager, index),
     )
     # The step: quorum (the recovering group heals from its peer here, through the state-dict
     # callbacks the CheckpointManager registered), then the commit vote.

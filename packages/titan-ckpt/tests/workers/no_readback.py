@@ -152,7 +152,7 @@ def load_checks(model, opt, rank: int) -> dict:
         )
         before = _snapshot(model, opt)
         try:
-            out[name] = {"loaded": manager.load(verify_checksums=True)}
+            out[name] = {"loaded": bool(manager.load(verify_checksums=True))}
         except CheckpointIntegrityError as error:
             after = _snapshot(model, opt)
             unchanged = len(before) == len(after) and all(

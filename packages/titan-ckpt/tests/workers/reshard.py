@@ -118,7 +118,7 @@ def main() -> None:
         }
         train_steps(model, opt, range(3, 4), rank)
         moved = eval_loss(model)
-        loaded = manager.load()
+        loaded = bool(manager.load())
         manager.close()
         write_result(
             "save",
@@ -143,7 +143,7 @@ def main() -> None:
     else:
         model, opt, opt_state, train_state, manager = build(1, folder)
         fresh_loss = eval_loss(model)
-        loaded = manager.load()
+        loaded = bool(manager.load())
         manager.close()
         result = {
             "fresh_loss": fresh_loss,
@@ -166,7 +166,7 @@ def main() -> None:
             # (of its whole state with async, of everything with async_with_pinned_mem); the
             # step pre-hook makes step 5's optimizer step wait for it.
             expected, expected_opt = eval_loss(model), optimizer_sums(opt_state)
-            reused = manager._stager.reused
+            reused = manager._async._stager.reused
             same_as_torch = same_as_torch_state_dicts(model, opt, manager.model, opt_state)
             train_steps(model, opt, range(5, 6), rank)
             manager.close()

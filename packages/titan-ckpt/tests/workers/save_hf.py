@@ -81,7 +81,7 @@ def main() -> None:
         model_parts=[fresh],
         state_dict_adapter=adapter,
     )  # fmt: skip
-    loaded = loader.load()
+    loaded = bool(loader.load())
     loader.close()
     after = full_params(fresh)
     local = {k: p.to_local().numel() for k, p in fresh.named_parameters()}

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_ckpt import CheckpointManager, lock_checkpoint_folder
+from titan_ckpt import CheckpointManager, FaultToleranceOptions, lock_checkpoint_folder
 from titan_ckpt.lock import FolderLock
 from titan_dims import ParallelDims
 from titan_models import Pipeline, StepContext
@@ -187,10 +187,15 @@ def _build(
         },
         state_dict_adapter=state_dict_adapter(plan.spec, config.model.flavor, args),
         metadata=metadata,
-        ft_manager=None if replicas is None else replicas.manager,
-        ft_replica_id=None if replicas is None else replicas.replica_id,
         data_parallel_degree=data_degree,
         folder_lock=lock,
+        ft=None
+        if replicas is None
+        else FaultToleranceOptions(
+            replicas.manager,
+            replicas.replica_id,
+            dataloader_checkpoints=config.checkpoint.enable_ft_dataloader_checkpoints,
+        ),
     )
     try:
         checkpointer.load()

@@ -193,6 +193,9 @@ class CheckpointSection(CheckpointConfig):
     """On SIGTERM (a scheduler's stop), save the last completed step before exiting with
     status 143; a second SIGTERM exits at once. Off: stop without a save. Not a torchtitan
     key (torchtitan dies at the signal)."""
+    enable_ft_dataloader_checkpoints: bool = True
+    """With fault_tolerance.enable: each replica group also saves its own dataloader state
+    (in ft-replica-<id>/), so no group replays data after a restart."""
 
 
 @dataclass(kw_only=True)

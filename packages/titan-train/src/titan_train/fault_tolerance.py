@@ -18,7 +18,7 @@ optimizer wrapping) and, per step, only inside its optimizer container (titan-op
 - data is sharded over all groups: global data-parallel rank
   ``replica_id x local dp degree + local dp rank``, degree ``group_size x local dp degree``;
 - one group (participating rank 0) writes the shared checkpoint, each its own dataloader
-  state (titan-ckpt's ``ft_manager``), and its metrics under
+  state (titan-ckpt's ``FaultToleranceOptions``), and its metrics under
   ``<dump_folder>/ft-replica-<replica_id>/``.
 
 With ``semi_sync_method`` (``local_sgd`` or ``diloco``) none of the per-step work above
