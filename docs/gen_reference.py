@@ -94,7 +94,7 @@ def api_groups(module: str) -> dict[str, list[str]]:
             parts = (node.module or "").split(".")
             parts = parts[1:] if not node.level else parts  # the package's own name
             for alias in node.names:
-                private = parts[0].startswith("_")  # __about__: the package's own
+                private = not parts or parts[0].startswith("_")  # __about__, _quiet_torch: own
                 origin[alias.asname or alias.name] = "" if private or not src.is_dir() else parts[0]
     groups: dict[str, list[str]] = {}
     for item in (n for n in public if not n.startswith("__")):  # not __version__

@@ -94,7 +94,7 @@ def test_every_titan_train_option_is_in_the_reference(cli_page: str, config_page
     generate = cli_page.split("### `titan-train generate`")[1]
     missing = [key for key in config_keys(GenerateOptions()) if f"<code>--{key}" not in generate]
     assert not missing, missing
-    for option in ("--nproc-per-node N", "--rdzv-endpoint HOST:PORT", "--world_size N"):
+    for option in ("--nproc-per-node N", "--rdzv-endpoint HOST:PORT", "--world-size N"):
         assert f"| <code>{option}</code> |" in cli_page, option
     # a table row, not a --help box: the default in its own column
     assert "| <code>--max_new_tokens INT</code> | <code>64</code> | Tokens to add" in generate
