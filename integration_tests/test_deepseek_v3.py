@@ -79,13 +79,15 @@ def test_expert_parallel_run_logs_the_load_of_each_moe_layer(trained):
     ("nproc", "layout"),
     [
         (2, ("--parallelism.data_parallel_shard_degree", "2")),
-        (
+        pytest.param(
             4,
             (
                 "--parallelism.data_parallel_shard_degree", "2",
                 "--parallelism.context_parallel_degree", "2",
                 "--parallelism.expert_parallel_degree", "4",
             ),
+            # Experts resharding to another ep degree stays in CI (ep1), on 2 processes.
+            marks=pytest.mark.full,
         ),
     ],
     ids=["ep1", "ep4"],

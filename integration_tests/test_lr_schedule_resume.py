@@ -41,6 +41,7 @@ def titan_train(folder: Path, steps: int) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
 
 
+@pytest.mark.full  # resume = uninterrupted is CI's in test_train_runs.py and test_restarts.py
 def test_ten_steps_extended_to_twenty_reproduce_a_twenty_step_run(tmp_path):
     reference = titan_train(tmp_path / "twenty", 20)
     first = titan_train(tmp_path / "extended", 10)

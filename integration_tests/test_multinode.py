@@ -73,6 +73,7 @@ def losses(folder: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the launcher's rendezvous; CI launches through it in every multi-rank run
 def test_two_nodes_over_c10d_train_like_one_launcher(tmp_path):
     single = tmp_path / "single"
     finish([start("--nproc-per-node", "4", "--job.dump_folder", str(single), *HSDP)])

@@ -93,6 +93,7 @@ def _loss_graphs() -> list[torch.fx.GraphModule]:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # compile on CPU (~10 s); CI compiles in test_inductor_compiled_loss_equals...
 def test_a_compiled_run_trains_through_the_compiled_loss(tmp_path):
     GRAPHS.clear()
     eager = _train(tmp_path / "eager", compile=False)
@@ -144,6 +145,7 @@ def _loss_parallel_rank(rank: int, init_file: str, out: str, cache: str) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.full  # compile on CPU (~30 s); CI compiles in test_inductor_compiled_loss_equals...
 def test_the_compiled_loss_takes_vocabulary_sharded_logits_under_loss_parallel(
     tmp_path, monkeypatch
 ):
