@@ -64,6 +64,9 @@ def _empty_window() -> dict[str, float]:
     }
 
 
+_REACHED = "the highest rate training reached"
+
+
 class MetricsLogger:
     """Reports a training run's metrics every ``config.log_freq`` steps.
 
@@ -260,10 +263,12 @@ class MetricsLogger:
         """Make the peak at least ``achieved`` FLOP/s: a device that reached it can reach it,
         so a peak below is wrong (a probe slowed by other work on a shared host, a table row
         of another variant, a low ``metrics.peak_flops``), and MFU above 100% would be
-        false. Said once per raise, with the numbers."""
+        false. Said once, with the numbers, as a warning; later raises (the rate creeping up
+        as a run warms) only at debug level."""
         if self.peak_flops is None or achieved <= self.peak_flops:
             return
-        logger.warning(
+        raised_before = self._peak_source == _REACHED
+        (logger.debug if raised_before else logger.warning)(
             "training reached %.4g TFLOP/s per device, above the %.4g TFLOP/s peak MFU was "
             "against (%s): MFU now uses the reached rate as the peak. Set metrics.peak_flops "
             "to the device's real peak for a true MFU.",
@@ -272,7 +277,7 @@ class MetricsLogger:
             self._peak_source,
         )
         self.peak_flops = achieved
-        self._peak_source = "the highest rate training reached"
+        self._peak_source = _REACHED
 
     def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write scalars outside the training step (e.g. validation) to every backend."""
