@@ -111,27 +111,32 @@ class Validator:
     def validate(self, model_parts: list[nn.Module], pipeline: Pipeline | None = None) -> float:
         """The mean validation loss, the same on every rank. ``pipeline`` is the
         ``titan_models`` Pipeline when the model is pipelined (``model_parts`` its stages)."""
+        # Each part goes back to the mode it had, also when an evaluation fails (a caller that
+        # catches the error keeps training, which must not go on in eval mode).
+        modes = [part.training for part in model_parts]
         for part in model_parts:
             part.eval()
-        self.dataloader.load_state_dict(self._start)  # every evaluation sees the same data
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        batches = 0
-        for inputs, labels in self.dataloader:
-            if self.config.steps != -1 and batches == self.config.steps:
-                break
-            loss = batch_loss(
-                model_parts,
-                pipeline,
-                self.step_context,
-                inputs.to(self.device),
-                labels.to(self.device),
-                loss_fn=self.loss_fn,
-            )
-            if loss is not None:  # only a pipeline's last stage has the loss
-                total += loss.double()
-            batches += 1
-        for part in model_parts:
-            part.train()
+        try:
+            self.dataloader.load_state_dict(self._start)  # every evaluation sees the same data
+            total = torch.zeros((), device=self.device, dtype=torch.float64)
+            batches = 0
+            for inputs, labels in self.dataloader:
+                if self.config.steps != -1 and batches == self.config.steps:
+                    break
+                loss = batch_loss(
+                    model_parts,
+                    pipeline,
+                    self.step_context,
+                    inputs.to(self.device),
+                    labels.to(self.device),
+                    loss_fn=self.loss_fn,
+                )
+                if loss is not None:  # only a pipeline's last stage has the loss
+                    total += loss.double()
+                batches += 1
+        finally:
+            for part, mode in zip(model_parts, modes, strict=True):
+                part.train(mode)
         # Pipeline ranks without the last stage contribute zeros to the sum over stages.
         return float(reduce_loss(total / batches, self.dims))
 
