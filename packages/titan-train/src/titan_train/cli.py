@@ -231,6 +231,14 @@ def _train(argv: list[str]) -> int:
     config = parse_job_config(argv)
     _check_supported(config)
     check_restartable()  # under torchrun --max-restarts: a restart must not hang
+    if config.training.reuse_host_memory:
+        # A process-wide allocator setting: this command owns its process, a program that
+        # calls titan_train.run() owns its own and keeps its allocator as it set it.
+        from titan_dims import detect_device_type
+        from titan_train.host_memory import reuse_host_memory
+
+        if detect_device_type() == "cpu":
+            reuse_host_memory()
     run(config)
     return 0
 

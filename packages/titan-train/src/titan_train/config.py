@@ -127,10 +127,12 @@ class TrainingConfig(DataSource):
     """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
     key."""
     reuse_host_memory: bool = True
-    """Training on the CPU: keep freed host memory for reuse instead of returning it to the
-    system each step (glibc's mmap and trim thresholds raised; ``titan_train.host_memory``).
-    Saves the page faults of remapping every activation each step. No effect on
-    accelerators or without glibc. Not a torchtitan key."""
+    """The ``titan-train`` command training on the CPU: keep freed host memory for reuse
+    instead of returning it to the system each step (glibc's mmap and trim thresholds raised;
+    ``titan_train.host_memory``). Saves the page faults of remapping every activation each
+    step. A process-wide setting, so ``titan_train.run()`` called from your own program
+    leaves your allocator alone (call ``titan_train.host_memory.reuse_host_memory()`` for
+    it). No effect on accelerators or without glibc. Not a torchtitan key."""
     skip_nonfinite_steps: int = 10
     """Consecutive steps with an inf/nan gradient norm whose update is skipped (weights left
     as they were, one warning each) before the run stops with an error; 0 stops at the

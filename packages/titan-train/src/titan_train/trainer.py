@@ -35,7 +35,6 @@ from titan_dims import detect_device_type, init_distributed, set_collective_time
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.host_memory import reuse_host_memory
 from titan_train.launch import destroy_group
 from titan_train.preemption import PREEMPTED_EXIT, PreemptedError, stop_on_sigterm
 from titan_train.preflight import (
@@ -95,8 +94,6 @@ def run(config: JobConfig) -> TrainState:
 def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
     world = World.current(device)
     _setup_logging(world.rank)
-    if device.type == "cpu" and config.training.reuse_host_memory:
-        reuse_host_memory()
     plan = preflight(config, world)
     finished = check_resume(config, plan)
     if finished is not None:
