@@ -295,9 +295,20 @@ def _launch(launch: LaunchOptions, argv: list[str]) -> int:
 
     logging.disable(logging.WARNING)  # rank 0 logs the same warnings once the ranks start
     try:
+        # What a rank imports before it builds anything: this process's memory then is the
+        # floor of each rank's that preflight's memory check counts (titan_train.memory_fit).
+        import titan_train.build  # noqa: F401
+
         config = parse_job_config(argv)
         device = torch.device(detect_device_type())
-        preflight(config, World(rank=0, world_size=launch.world_size, device=device))
+        world = World(
+            rank=0,
+            world_size=launch.world_size,
+            device=device,
+            local_world_size=launch.nproc_per_node,
+            started=False,
+        )
+        preflight(config, world)
     finally:
         logging.disable(logging.NOTSET)
     if launch.max_restarts and not config.checkpoint.enable:

@@ -123,6 +123,12 @@ class TrainingConfig(DataSource):
     what datasets streams: each rank reads only its shards' part of the files). Another
     stream: a checkpoint resumes only with the layout it was saved with. Not a torchtitan
     key."""
+    memory_check: bool = True
+    """Refuse, before anything is allocated, a run whose model state (fp32 weights, gradients
+    and optimizer moments over the ranks that shard them) with each process's start-up memory
+    cannot fit in what this host or device has free (``titan_train.memory_fit``: a floor;
+    activations come on top). ``--training.no_memory_check`` starts it anyway. Not a
+    torchtitan key."""
     data_prefetch: int = 2
     """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
     key."""

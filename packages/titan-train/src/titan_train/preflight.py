@@ -17,6 +17,8 @@ group, no model, no data), in the order a user meets them:
   (``titan_train.hf_start``);
 - fault tolerance (layout, seed checkpoint, lighthouse; semi-sync fragments and device);
 - optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
+- the memory the model state needs at the least against what this host can give
+  (``titan_train.memory_fit``);
 - the context-parallel implementation for this device, resolved once into the plan's
   ``StepContext``.
 
@@ -41,6 +43,7 @@ from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
 from titan_train.fault_tolerance import check_fault_tolerance
 from titan_train.hf_start import check_initial_hf_load
+from titan_train.memory_fit import check_memory_fits
 from titan_train.model_args import build_model_args
 from titan_train.registry import load_model_spec
 from titan_train.semi_sync import check_semi_sync
@@ -70,11 +73,21 @@ class World:
     rank: int
     world_size: int
     device: torch.device
+    local_world_size: int = 1
+    """The ranks on this host (they share its memory)."""
+    started: bool = True
+    """Whether the ranks' processes run already (False in the launcher, before it starts
+    them)."""
 
     @classmethod
     def current(cls, device: torch.device) -> World:
         """This process in the initialized default process group."""
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            device=device,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+        )
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,16 @@ def preflight(config: JobConfig, world: World) -> Plan:
         config.fault_tolerance, n_layers=_n_layers(config, spec), device_type=world.device.type
     )
     check_optimizer_in_backward(config, dims)
+    check_memory_fits(
+        config,
+        build_model_args(
+            spec, config.model, vocab_size=None, max_seq_len=config.training.seq_len
+        ).num_params(exclude_embedding=True),
+        shards=dims.dp_shard * dims.cp * dims.tp * dims.pp,
+        local_ranks=min(world.local_world_size, world.world_size),
+        device=world.device,
+        started=world.started,
+    )
     return Plan(
         world=world,
         parallel_dims=dims,
