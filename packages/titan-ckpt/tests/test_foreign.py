@@ -18,16 +18,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from titan_ckpt import (
-    OWNER_MARKER,
     CheckpointConfig,
     CheckpointConfigError,
     CheckpointManager,
     OptimizerState,
     check_folder_contents,
-    classify_step,
-    scan_steps,
     storage_for,
 )
+from titan_ckpt.layout import OWNER_MARKER, classify_step, scan_steps
 
 
 class Recorder:

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from titan_ckpt import COMMIT_MARKER, CheckpointConfig, CheckpointConfigError, CheckpointManager
+from titan_ckpt import CheckpointConfig, CheckpointConfigError, CheckpointManager
+from titan_ckpt.layout import COMMIT_MARKER
 
 
 def load(common, folder, data, **kwargs) -> CheckpointManager:

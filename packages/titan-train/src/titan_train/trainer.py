@@ -30,7 +30,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from titan_ckpt import MODEL_RECORD, read_manifest, scan_steps, storage_for
+from titan_ckpt import MODEL_RECORD, storage_for
+from titan_ckpt.layout import read_manifest, scan_steps
 from titan_dims import detect_device_type, init_distributed, set_collective_timeout
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
