@@ -33,6 +33,7 @@ from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, 
 from titan_train.config import JobConfig
 from titan_train.data import TextDataLoader, build_dataloader
 from titan_train.data.dataloader import explain_load_error
+from titan_train.data.mixture import build_mixture_dataloader
 from titan_train.fault_tolerance import ReplicaGroup
 from titan_train.hf_start import run_vocab_size
 from titan_train.metrics import MetricsLogger
@@ -151,7 +152,17 @@ def _build(
         prefetch=config.training.data_prefetch,
         shard_layout=config.training.data_shard_layout,
     )
-    dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
+    if config.training.datasets:  # a weighted mixture of sources
+        dataloader: TextDataLoader = build_mixture_dataloader(
+            config.training.datasets,
+            tokenizer,
+            seed=config.training.seed,
+            data=data,
+            dp_rank=data_rank,
+            dp_degree=data_degree,
+        )
+    else:
+        dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
     loss_fn = build_loss_fn(config.parallelize, loss_parallel=plan.step_context.loss_parallel)
     validator = _build_validator(config, plan, tokenizer, dp_rank, loss_fn)
     args, model_parts, pipeline = _build_model(

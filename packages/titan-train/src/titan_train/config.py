@@ -27,7 +27,7 @@ from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train import compat
 from titan_train.config_loader import load_config, to_dict
 from titan_train.data import DataSource
-from titan_train.data.config import SHARD_LAYOUTS
+from titan_train.data.config import SHARD_LAYOUTS, DatasetEntry, check_mixture
 from titan_train.errors import ConfigError, check_duration, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
@@ -132,6 +132,13 @@ class TrainingConfig(DataSource):
     data_prefetch: int = 2
     """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
     key."""
+    datasets: list[DatasetEntry] = field(default_factory=list)
+    """A weighted mixture instead of the one ``dataset``: ``[[training.datasets]]`` tables,
+    each with the keys of a dataset (``dataset``, ``dataset_path``, ``text_column``...), a
+    ``weight`` and an optional ``name``. Each training window comes from one source, drawn
+    from a seeded stream (``training.seed``); see the README's "Dataset mixtures". TOML
+    only (the command line can change an entry the file gives: --training.datasets.0.weight).
+    Not a torchtitan key."""
     reuse_host_memory: bool = True
     """The ``titan-train`` command training on the CPU: keep freed host memory for reuse
     instead of returning it to the system each step (glibc's mmap and trim thresholds raised;
@@ -168,6 +175,7 @@ class TrainingConfig(DataSource):
             hint="0 stops at the first inf/nan gradient norm",
         )
         check_number("training.max_norm", self.max_norm, low=0, hint="0 turns clipping off")
+        check_mixture(self, self.datasets)
 
 
 @dataclass(kw_only=True)

@@ -216,11 +216,15 @@ def report_step(
 
 
 def _extra_metrics(run: TrainingRun, result: StepResult) -> dict[str, float]:
-    """Skipped steps (when clipping reads the norm) and the model family's own numbers
-    (``ModelSpec.metrics_fn``); read at reporting steps only."""
+    """Skipped steps (when clipping reads the norm), the tokens taken from each source of a
+    dataset mixture, and the model family's own numbers (``ModelSpec.metrics_fn``); read at
+    reporting steps only."""
     extra: dict[str, float] = {}
     if result.grad_norm is not None:
         extra["skipped_steps"] = run.nonfinite.skipped
+    tokens_by_source = getattr(run.dataloader, "tokens_by_source", None)
+    if tokens_by_source is not None:  # a dataset mixture: tokens taken from each source
+        extra.update({f"tokens_seen/{k}": v for k, v in tokens_by_source().items()})
     metrics_fn = run.plan.spec.metrics_fn
     if metrics_fn is not None:
         extra.update(metrics_fn(run.model_parts))
