@@ -23,11 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-__all__ = ["Muon", "can_orthogonalize", "orthogonalize"]
+__all__ = ["Muon", "can_orthogonalize", "orthogonalize", "orthogonalize_all"]
 
 
 def can_orthogonalize(param: Tensor) -> bool:
@@ -70,6 +71,81 @@ def orthogonalize(update: Tensor, group: dict[str, Any]) -> Tensor:
     # A replicated DTensor redistributed to shards slices locally: no communication.
     replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, placements)
+
+
+def _spreadable(update: Tensor) -> bool:
+    """A matrix sharded by rows over a 1-D mesh (FSDP2's ``Shard(0)``): the layout whose
+    matrices are spread over the ranks (``orthogonalize_all``)."""
+    return (
+        isinstance(update, DTensor)
+        and update.ndim == 2
+        and update.device_mesh.ndim == 1
+        and type(update.placements[0]) is Shard
+        and update.placements[0].dim == 0
+    )
+
+
+def _rows(t: Tensor, rows: int) -> Tensor:
+    """``t`` padded with zero rows (or cut) to ``rows`` rows: gloo's gather and scatter take
+    equal pieces, and the last shards of an uneven ``Shard(0)`` are short."""
+    if t.shape[0] >= rows:
+        return t[:rows].contiguous()
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _spread(updates: list[DTensor], group: dict[str, Any]) -> list[Tensor]:
+    """Orthogonalise row-sharded matrices, matrix i on mesh rank ``i % world``: gather each
+    to its owner, iterate there, scatter the rows back. Returns the updates as DTensors."""
+    mesh = updates[0].device_mesh
+    pg, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    chunks = [-(-u.shape[0] // world) for u in updates]  # rows per shard, as torch.chunk
+    gathered: list[list[Tensor] | None] = []
+    handles = []
+    for i, (u, chunk) in enumerate(zip(updates, chunks, strict=True)):
+        local = _rows(u.to_local(), chunk)
+        pieces = [torch.empty_like(local) for _ in range(world)] if i % world == rank else None
+        handles.append(dist.gather(local, pieces, group=pg, group_dst=i % world, async_op=True))
+        gathered.append(pieces)
+    for handle in handles:
+        handle.wait()
+    outs, handles = [], []
+    for i, (u, chunk) in enumerate(zip(updates, chunks, strict=True)):
+        pieces = None
+        if i % world == rank:
+            full = _newton_schulz(torch.cat(gathered[i])[: u.shape[0]], group).to(u.dtype)
+            pieces = [_rows(full[r * chunk : (r + 1) * chunk], chunk) for r in range(world)]
+        out = u.to_local().new_empty(chunk, u.shape[1])
+        handles.append(dist.scatter(out, pieces, group=pg, group_src=i % world, async_op=True))
+        outs.append(out)
+    for handle in handles:
+        handle.wait()
+    return [
+        DTensor.from_local(
+            out[: u.to_local().shape[0]],
+            mesh,
+            u.placements,
+            run_check=False,
+            shape=u.shape,
+            stride=u.stride(),
+        )
+        for u, out in zip(updates, outs, strict=True)
+    ]
+
+
+def orthogonalize_all(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+    """:func:`orthogonalize` of each update, with FSDP2's row-sharded matrices spread over
+    their mesh (each rank iterates on its share) rather than repeated on every rank."""
+    out: list[Tensor | None] = [None] * len(updates)
+    by_mesh: dict[Any, list[int]] = {}
+    for i, u in enumerate(updates):
+        if _spreadable(u):
+            by_mesh.setdefault(u.device_mesh, []).append(i)
+        else:
+            out[i] = orthogonalize(u, group)
+    for indices in by_mesh.values():
+        for i, result in zip(indices, _spread([updates[i] for i in indices], group), strict=True):
+            out[i] = result
+    return out  # type: ignore[return-value]
 
 
 class Muon(torch.optim.Optimizer):
@@ -120,7 +196,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
+            params, updates = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -128,9 +204,11 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, group)
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                params.append(p)
+                updates.append(p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+            lr = group["lr"]
+            for p, update in zip(params, orthogonalize_all(updates, group), strict=True):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
         return loss

@@ -45,13 +45,13 @@ CONFIG = OptimizerConfig(
 
 
 class Net(nn.Module):
-    """Embedding, two MLP matrices of odd shapes (uneven FSDP shards), a norm and a head."""
+    """Embedding, two MLP matrices of odd shapes (uneven shards), a norm and a head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(11, 12)
-        self.up = nn.Linear(12, 18)
-        self.down = nn.Linear(18, 12, bias=False)
+        self.up = nn.Linear(12, 17)
+        self.down = nn.Linear(17, 12, bias=False)
         self.norm = nn.LayerNorm(12)
         self.output = nn.Linear(12, 11, bias=False)
 
