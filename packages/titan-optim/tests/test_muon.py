@@ -191,6 +191,23 @@ def test_muon_trains_and_its_state_round_trips():
     assert train(clone, again, 2) == train(model, optimizers, 2)
 
 
+def test_pipeline_parts_each_get_muon_and_adamw_and_save_as_one_dict():
+    torch.manual_seed(0)
+    full = Net()
+    first, second = nn.Module(), nn.Module()
+    first.tok_embeddings, first.up = full.tok_embeddings, full.up
+    second.down, second.norm, second.output = full.down, full.norm, full.output
+    optimizers = build_optimizers([first, second], OptimizerConfig(name="Muon"))
+    assert [type(o).__name__ for o in optimizers] == ["Muon", "AdamW", "Muon", "AdamW"]
+    for p in full.parameters():
+        p.grad = torch.ones_like(p)
+    optimizers.step()
+    keys = optimizers.state_dict()
+    assert "state.up.weight.momentum_buffer" in keys
+    assert "state.down.weight.momentum_buffer" in keys
+    assert "state.tok_embeddings.weight.exp_avg" in keys
+
+
 def test_in_backward_muon_equals_the_stepped_container():
     torch.manual_seed(0)
     model = Net()
@@ -212,4 +229,5 @@ def test_sharded_muon_equals_torch_muon_on_one_process(tmp_path, torchrun, layou
     assert max(result["diffs"]) <= 1e-6  # same parameters as torch.optim.Muon after each step
     assert result["resume_diff"] <= 1e-6  # DCP save and resume continues identically
     assert "state.up.weight.momentum_buffer" in result["keys"]
+    assert "state.experts.momentum_buffer" in result["keys"]  # per-expert, whole or gathered
     assert "state.output.weight.exp_avg" in result["keys"]

@@ -54,6 +54,8 @@ class Net(nn.Module):
         self.down = nn.Linear(17, 12, bias=False)
         self.norm = nn.LayerNorm(12)
         self.output = nn.Linear(12, 11, bias=False)
+        # A MoE layer's experts: one (experts, rows, cols) stack, orthogonalised per expert.
+        self.experts = nn.Parameter(torch.randn(3, 6, 5))
 
 
 def parallelize(model: Net, layout: str) -> None:
@@ -113,11 +115,13 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
     model = copy.deepcopy(ref)
     parallelize(model, layout)
 
-    # The reference: torch's own optimizers on the whole network, split as titan splits it.
+    # The reference: torch's own optimizers on the whole network, split as titan splits it;
+    # torch's Muon takes each expert matrix as a parameter of its own.
     hidden = [ref.up.weight, ref.down.weight]
-    rest = [p for p in ref.parameters() if all(p is not h for h in hidden)]
+    experts = [nn.Parameter(m.detach().clone()) for m in ref.experts]
+    rest = [p for p in ref.parameters() if all(p is not h for h in [*hidden, ref.experts])]
     ref_opts = [
-        torch.optim.Muon(hidden, **CONFIG.optimizer_kwargs("Muon")),
+        torch.optim.Muon(hidden + experts, **CONFIG.optimizer_kwargs("Muon")),
         torch.optim.AdamW(rest, **CONFIG.optimizer_kwargs("AdamW"), foreach=False),
     ]
     optimizers = build_optimizers(model, CONFIG)
@@ -129,8 +133,12 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
             dcp.save({"model": ModelState(model), "optim": optimizers}, checkpoint_id=str(ckpt))
         set_grads(model, ref, step)
         optimizers.step()
+        for e, m in zip(experts, ref.experts.grad, strict=True):
+            e.grad = m.clone()
         for opt in ref_opts:
             opt.step()
+        with torch.no_grad():
+            ref.experts.copy_(torch.stack(experts))
         diffs.append(max_diff(model, ref))
     moved = max_diff(ref, init)
 
