@@ -51,6 +51,8 @@ def _newton_schulz(update: Tensor, group: dict[str, Any]) -> Tensor:
 
     if update.ndim == 2:
         return one(update)
+    if len(update) == 0:  # a rank's empty shard of a short stack (one shared expert, FSDP2)
+        return update.to(torch.bfloat16)  # the dtype torch's iteration returns
     return torch.stack([one(m) for m in update])
 
 

@@ -56,6 +56,8 @@ class Net(nn.Module):
         self.output = nn.Linear(12, 11, bias=False)
         # A MoE layer's experts: one (experts, rows, cols) stack, orthogonalised per expert.
         self.experts = nn.Parameter(torch.randn(3, 6, 5))
+        # A stack of one (a shared expert): FSDP2 leaves some ranks an empty shard.
+        self.shared = nn.Parameter(torch.randn(1, 4, 5))
 
 
 def parallelize(model: Net, layout: str) -> None:
@@ -118,8 +120,9 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
     # The reference: torch's own optimizers on the whole network, split as titan splits it;
     # torch's Muon takes each expert matrix as a parameter of its own.
     hidden = [ref.up.weight, ref.down.weight]
-    experts = [nn.Parameter(m.detach().clone()) for m in ref.experts]
-    rest = [p for p in ref.parameters() if all(p is not h for h in [*hidden, ref.experts])]
+    stacks = [ref.experts, ref.shared]
+    experts = [nn.Parameter(m.detach().clone()) for s in stacks for m in s]
+    rest = [p for p in ref.parameters() if all(p is not h for h in [*hidden, *stacks])]
     ref_opts = [
         torch.optim.Muon(hidden + experts, **CONFIG.optimizer_kwargs("Muon")),
         torch.optim.AdamW(rest, **CONFIG.optimizer_kwargs("AdamW"), foreach=False),
@@ -133,12 +136,13 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
             dcp.save({"model": ModelState(model), "optim": optimizers}, checkpoint_id=str(ckpt))
         set_grads(model, ref, step)
         optimizers.step()
-        for e, m in zip(experts, ref.experts.grad, strict=True):
+        for e, m in zip(experts, [m for s in stacks for m in s.grad], strict=True):
             e.grad = m.clone()
         for opt in ref_opts:
             opt.step()
         with torch.no_grad():
-            ref.experts.copy_(torch.stack(experts))
+            ref.experts.copy_(torch.stack(experts[:3]))
+            ref.shared.copy_(torch.stack(experts[3:]))
         diffs.append(max_diff(model, ref))
     moved = max_diff(ref, init)
 
