@@ -123,7 +123,10 @@ class MuonConfig:
     """Lower bound of the norm the update is divided by before the iterations."""
     adjust_lr_fn: str = "match_rms_adamw"
     """``original`` or ``match_rms_adamw`` (see ``ADJUST_LR_FNS``). The default lets an
-    AdamW-tuned ``optimizer.lr`` carry over (torch's own default is ``original``)."""
+    AdamW-tuned ``optimizer.lr`` carry over (torch's own default is ``original``). An expert
+    stack is scaled by its last two dimensions as (rows, cols); ``original`` is not symmetric
+    in them, so a stack stored (in, out), as titan-models' experts are, gets the scaling of
+    the transposed ``nn.Linear`` weight; ``match_rms_adamw`` is symmetric."""
     adamw_lr: float | None = None
     """Learning rate of the AdamW group; ``None`` uses ``optimizer.lr``."""
     adamw_weight_decay: float | None = None
