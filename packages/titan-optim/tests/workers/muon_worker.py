@@ -14,7 +14,9 @@ must match the uninterrupted run. Rank 0 writes ``OUT/<layout>.json``.
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -169,8 +171,15 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
             "keys": sorted(optimizers.state_dict()),
         }
         (out / f"{layout}.json").write_text(json.dumps(result))
+    del model, resumed, optimizers, resumed_opts
+    gc.collect()  # free FSDP state (it holds gloo work) while the group exists
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    # As dist_worker.py: skip interpreter teardown, where torch 2.13 now and then aborts a
+    # gloo process after all its work is done (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
