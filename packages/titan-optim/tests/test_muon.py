@@ -225,6 +225,10 @@ def test_sharded_muon_equals_torch_muon_on_one_process(tmp_path, torchrun, layou
     result = json.loads((tmp_path / f"{layout}.json").read_text())
     assert result["kinds"] == ["Muon", "AdamW"]
     assert result["titan_muon"]
+    # Row shards on a 1-D mesh (FSDP2's, TP's colwise) are spread over the ranks; the rest
+    # (TP's rowwise, FSDP2 + TP on a 2-D mesh) gather each matrix.
+    spread = {"fsdp2": ["up.weight", "down.weight"], "tp2": ["up.weight"], "fsdp_tp4": []}
+    assert result["spread"] == spread[layout]
     assert result["moved"] > 1e-2  # the steps really changed the parameters
     assert max(result["diffs"]) <= 1e-6  # same parameters as torch.optim.Muon after each step
     assert result["resume_diff"] <= 1e-6  # DCP save and resume continues identically

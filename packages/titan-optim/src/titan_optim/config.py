@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
+import torch
+
 from titan_optim.errors import (
     OptimizerConfigError,
     check_bool,
@@ -196,6 +198,11 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_choice("optimizer.name", self.name, OPTIMIZER_NAMES)
+        if self.name == "Muon" and not hasattr(torch.optim, "Muon"):
+            raise OptimizerConfigError(
+                f"optimizer.name='Muon' needs torch.optim.Muon (torch 2.9 or newer); this is "
+                f"torch {torch.__version__}. Upgrade torch or choose AdamW."
+            )
         check_choice("optimizer.implementation", self.implementation, IMPLEMENTATIONS)
         self.lr = check_number("optimizer.lr", self.lr, low=0)
         self.eps = check_number("optimizer.eps", self.eps, low=0)

@@ -6,12 +6,13 @@ and TP a rank holds only a slice, and MoE layers keep their experts as one 3-D `
 rows, cols)`` stack. This ``Muon`` keeps torch's update, state and param-group keys (so a
 checkpoint moves between the two) and orthogonalises whole matrices only:
 
-* FSDP2's row shards (``Shard(0)`` on a 1-D mesh) are spread: matrix i belongs to mesh rank
-  ``i % world``, which gathers its rows from the others, runs torch's Newton-Schulz and
-  scatters the rows back, so each rank iterates on its share of the matrices. Measured
-  against gathering every matrix on every rank (``tools/bench/muon_sharded.py``, 24 matrices
-  256 x 256 on the 2-core CPU machine): 63 vs 128 ms a step at 2 ranks, 60 vs 233 at 4;
-* other DTensor layouts (TP, FSDP2 + TP) gather the matrix on every rank
+* row shards on a 1-D mesh (FSDP2's ``Shard(0)``, TP's colwise) are spread: matrix i
+  belongs to mesh rank ``i % world``, which gathers its rows from the others, runs torch's
+  Newton-Schulz and scatters the rows back, so each rank iterates on its share of the
+  matrices. Measured against gathering every matrix on every rank
+  (``tools/bench/muon_sharded.py``, 24 matrices 256 x 256, gloo on the 2-core CPU machine):
+  63 vs 128 ms a step at 2 ranks, 60 vs 233 at 4 (4 ranks sharing the 2 cores);
+* other DTensor layouts (TP's rowwise, FSDP2 + TP, HSDP) gather the matrix on every rank
   (``full_tensor()``), iterate and keep this rank's slice;
 * a 3-D stack of expert matrices is orthogonalised expert by expert; sharded only along its
   expert dimension (expert parallelism, or FSDP2 over experts) each rank holds whole
@@ -31,7 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+# torch's own iteration and LR scaling (torch >= 2.9; OptimizerConfig refuses Muon without).
+try:
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+except ImportError:  # pragma: no cover - older torch
+    _adjust_lr = _zeropower_via_newtonschulz = None  # type: ignore[assignment]
 
 __all__ = ["Muon", "can_orthogonalize", "orthogonalize", "orthogonalize_all"]
 
@@ -81,8 +87,8 @@ def orthogonalize(update: Tensor, group: dict[str, Any]) -> Tensor:
 
 
 def _spreadable(update: Tensor) -> bool:
-    """A matrix sharded by rows over a 1-D mesh (FSDP2's ``Shard(0)``): the layout whose
-    matrices are spread over the ranks (``orthogonalize_all``)."""
+    """A matrix sharded by rows over a 1-D mesh (FSDP2's ``Shard(0)``, TP's colwise): the
+    layout whose matrices are spread over the ranks (``orthogonalize_all``)."""
     return (
         isinstance(update, DTensor)
         and update.ndim == 2

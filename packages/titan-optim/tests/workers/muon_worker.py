@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_optim import Muon, MuonConfig, OptimizerConfig, build_optimizers
+from titan_optim.muon import _spreadable
 
 STEPS, SAVE_AFTER = 4, 2
 CONFIG = OptimizerConfig(
@@ -132,6 +133,8 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
     optimizers = build_optimizers(model, CONFIG)
     kinds = [type(o).__name__ for o in optimizers]
     titan_muon = isinstance(optimizers.optimizers[0], Muon)
+    on_muon = {id(p) for p in optimizers.optimizers[0].param_groups[0]["params"]}
+    spread = [n for n, p in model.named_parameters() if id(p) in on_muon and _spreadable(p)]
     diffs = []
     for step in range(STEPS):
         if step == SAVE_AFTER:
@@ -165,6 +168,7 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
         result = {
             "kinds": kinds,
             "titan_muon": titan_muon,
+            "spread": spread,
             "diffs": diffs,
             "moved": moved,
             "resume_diff": resume_diff,
