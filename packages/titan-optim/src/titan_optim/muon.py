@@ -11,7 +11,8 @@ checkpoint moves between the two) and orthogonalises whole matrices only:
   Newton-Schulz and scatters the rows back, so each rank iterates on its share of the
   matrices. Measured against gathering every matrix on every rank
   (``tools/bench/muon_sharded.py``, 24 matrices 256 x 256, gloo on the 2-core CPU machine):
-  63 vs 128 ms a step at 2 ranks, 60 vs 233 at 4 (4 ranks sharing the 2 cores);
+  63 vs 128 ms a step at 2 ranks, 60 vs 233 at 4 (4 ranks sharing the 2 cores); spread /
+  gather 0.45-0.52 at 2 ranks and 0.23-0.26 at 4 over four runs on a loaded machine;
 * other DTensor layouts (TP's rowwise, FSDP2 + TP, HSDP) gather the matrix on every rank
   (``full_tensor()``), iterate and keep this rank's slice;
 * a 3-D stack of expert matrices is orthogonalised expert by expert; sharded only along its
