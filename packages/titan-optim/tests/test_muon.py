@@ -219,15 +219,18 @@ def test_in_backward_muon_equals_the_stepped_container():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("layout", "nproc"), [("fsdp2", 2), ("tp2", 2), ("fsdp_tp4", 4)])
+@pytest.mark.parametrize(
+    ("layout", "nproc"), [("fsdp2", 2), ("tp2", 2), ("fsdp_tp4", 4), ("hsdp4", 4)]
+)
 def test_sharded_muon_equals_torch_muon_on_one_process(tmp_path, torchrun, layout, nproc):
     torchrun("muon_worker.py", nproc, layout, str(tmp_path), str(tmp_path / "ckpt"), timeout=120)
     result = json.loads((tmp_path / f"{layout}.json").read_text())
     assert result["kinds"] == ["Muon", "AdamW"]
     assert result["titan_muon"]
-    # Row shards on a 1-D mesh (FSDP2's, TP's colwise) are spread over the ranks; the rest
-    # (TP's rowwise, FSDP2 + TP on a 2-D mesh) gather each matrix.
-    spread = {"fsdp2": ["up.weight", "down.weight"], "tp2": ["up.weight"], "fsdp_tp4": []}
+    # Matrices split only by rows (FSDP2, TP's colwise, HSDP's shards) are spread over the
+    # ranks; the rest (TP's rowwise, FSDP2 + TP) gather each matrix.
+    both = ["up.weight", "down.weight"]
+    spread = {"fsdp2": both, "tp2": ["up.weight"], "fsdp_tp4": [], "hsdp4": both}
     assert result["spread"] == spread[layout]
     assert result["moved"] > 1e-2  # the steps really changed the parameters
     assert max(result["diffs"]) <= 1e-6  # same parameters as torch.optim.Muon after each step

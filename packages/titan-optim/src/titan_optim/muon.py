@@ -6,14 +6,15 @@ and TP a rank holds only a slice, and MoE layers keep their experts as one 3-D `
 rows, cols)`` stack. This ``Muon`` keeps torch's update, state and param-group keys (so a
 checkpoint moves between the two) and orthogonalises whole matrices only:
 
-* row shards on a 1-D mesh (FSDP2's ``Shard(0)``, TP's colwise) are spread: matrix i
-  belongs to mesh rank ``i % world``, which gathers its rows from the others, runs torch's
+* matrices whose only split is by rows (FSDP2's ``Shard(0)``, TP's colwise, HSDP's shard
+  dimension beside its replicas) are spread: matrix i belongs to rank ``i % world`` of
+  that mesh dimension, which gathers its rows from the others, runs torch's
   Newton-Schulz and scatters the rows back, so each rank iterates on its share of the
   matrices. Measured against gathering every matrix on every rank
   (``tools/bench/muon_sharded.py``, 24 matrices 256 x 256, gloo on the 2-core CPU machine):
   63 vs 128 ms a step at 2 ranks, 60 vs 233 at 4 (4 ranks sharing the 2 cores); spread /
   gather 0.45-0.52 at 2 ranks and 0.23-0.26 at 4 over four runs on a loaded machine;
-* other DTensor layouts (TP's rowwise, FSDP2 + TP, HSDP) gather the matrix on every rank
+* other DTensor layouts (TP's rowwise, FSDP2 + TP) gather the matrix on every rank
   (``full_tensor()``), iterate and keep this rank's slice;
 * a 3-D stack of expert matrices is orthogonalised expert by expert; sharded only along its
   expert dimension (expert parallelism, or FSDP2 over experts) each rank holds whole
@@ -87,16 +88,23 @@ def orthogonalize(update: Tensor, group: dict[str, Any]) -> Tensor:
     return replicated.redistribute(mesh, placements)
 
 
+def _spread_dim(update: Tensor) -> int | None:
+    """The mesh dimension a matrix's rows are sharded over when that is its only split
+    (FSDP2's ``Shard(0)``, TP's colwise, HSDP's shard dimension beside replicas): the layout
+    whose matrices are spread over the ranks (``orthogonalize_all``); else ``None``."""
+    if not isinstance(update, DTensor) or update.ndim != 2:
+        return None
+    placements = update.placements
+    dims = [d for d, p in enumerate(placements) if type(p) is Shard and p.dim == 0]
+    others = [p for d, p in enumerate(placements) if d not in dims]
+    if len(dims) != 1 or any(type(p) is not Replicate for p in others):
+        return None
+    return dims[0]
+
+
 def _spreadable(update: Tensor) -> bool:
-    """A matrix sharded by rows over a 1-D mesh (FSDP2's ``Shard(0)``, TP's colwise): the
-    layout whose matrices are spread over the ranks (``orthogonalize_all``)."""
-    return (
-        isinstance(update, DTensor)
-        and update.ndim == 2
-        and update.device_mesh.ndim == 1
-        and type(update.placements[0]) is Shard
-        and update.placements[0].dim == 0
-    )
+    """Whether ``orthogonalize_all`` spreads ``update`` (see ``_spread_dim``)."""
+    return _spread_dim(update) is not None
 
 
 def _rows(t: Tensor, rows: int) -> Tensor:
@@ -107,11 +115,12 @@ def _rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def _spread(updates: list[DTensor], group: dict[str, Any]) -> list[Tensor]:
-    """Orthogonalise row-sharded matrices, matrix i on mesh rank ``i % world``: gather each
-    to its owner, iterate there, scatter the rows back. Returns the updates as DTensors."""
+def _spread(updates: list[DTensor], dim: int, group: dict[str, Any]) -> list[Tensor]:
+    """Orthogonalise matrices whose rows are sharded over mesh dimension ``dim``, matrix i on
+    that dimension's rank ``i % world``: gather each to its owner, iterate there, scatter the
+    rows back (replicas, if any, do the same among themselves). Returns DTensors."""
     mesh = updates[0].device_mesh
-    pg, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    pg, world, rank = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
     chunks = [-(-u.shape[0] // world) for u in updates]  # rows per shard, as torch.chunk
     gathered: list[list[Tensor] | None] = []
     handles = []
@@ -147,17 +156,19 @@ def _spread(updates: list[DTensor], group: dict[str, Any]) -> list[Tensor]:
 
 
 def orthogonalize_all(updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-    """:func:`orthogonalize` of each update, with FSDP2's row-sharded matrices spread over
-    their mesh (each rank iterates on its share) rather than repeated on every rank."""
+    """:func:`orthogonalize` of each update, with row-sharded matrices spread over the ranks
+    of their shard dimension (each iterates on its share) rather than repeated on every rank."""
     out: list[Tensor | None] = [None] * len(updates)
-    by_mesh: dict[Any, list[int]] = {}
+    by_mesh: dict[tuple[Any, int], list[int]] = {}
     for i, u in enumerate(updates):
-        if _spreadable(u):
-            by_mesh.setdefault(u.device_mesh, []).append(i)
-        else:
+        dim = _spread_dim(u)
+        if dim is None:
             out[i] = orthogonalize(u, group)
-    for indices in by_mesh.values():
-        for i, result in zip(indices, _spread([updates[i] for i in indices], group), strict=True):
+        else:
+            by_mesh.setdefault((u.device_mesh, dim), []).append(i)
+    for (_, dim), indices in by_mesh.items():
+        results = _spread([updates[i] for i in indices], dim, group)
+        for i, result in zip(indices, results, strict=True):
             out[i] = result
     return out  # type: ignore[return-value]
 

@@ -1,14 +1,15 @@
 """titan's Muon on sharded parameters against ``torch.optim.Muon`` on one process (gloo, CPU).
 
-``muon_worker.py LAYOUT OUT CKPT`` with LAYOUT ``fsdp2`` (2 ranks), ``tp2`` (2 ranks) or
-``fsdp_tp4`` (4 ranks, dp=2 x tp=2). Every rank builds the same small network, parallelises
-its copy, and builds a reference copy that stays whole, optimised by ``torch.optim.Muon`` and
-``torch.optim.AdamW`` directly. Each step gives both the same gradients: seeded full tensors,
-sliced for the sharded copy with the parameter's own layout. This checks the optimizer, not
-the forward pass: the sharded forward rounds differently, and Muon's bf16 Newton-Schulz would
-turn that into 1e-3 differences. After ``SAVE_AFTER`` steps the sharded container is saved
-with DCP; a fresh container (other parameters) loads it and runs the remaining steps, which
-must match the uninterrupted run. Rank 0 writes ``OUT/<layout>.json``.
+``muon_worker.py LAYOUT OUT CKPT`` with LAYOUT ``fsdp2`` (2 ranks), ``tp2`` (2 ranks),
+``fsdp_tp4`` (4 ranks, dp=2 x tp=2) or ``hsdp4`` (4 ranks, 2 replicas x 2 shards). Every
+rank builds the same small network, parallelises its copy, and builds a reference copy that
+stays whole, optimised by ``torch.optim.Muon`` and ``torch.optim.AdamW`` directly. Each step
+gives both the same gradients: seeded full tensors, sliced for the sharded copy with the
+parameter's own layout. This checks the optimizer, not the forward pass: the sharded forward
+rounds differently, and Muon's bf16 Newton-Schulz would turn that into 1e-3 differences.
+After ``SAVE_AFTER`` steps the sharded container is saved with DCP; a fresh container (other
+parameters) loads it and runs the remaining steps, which must match the uninterrupted run.
+Rank 0 writes ``OUT/<layout>.json``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class Net(nn.Module):
 def parallelize(model: Net, layout: str) -> None:
     if layout == "fsdp2":
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        return
+    if layout == "hsdp4":  # 2 replicas of 2 shards
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")))
         return
     if layout == "tp2":
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
