@@ -39,6 +39,7 @@ import torch.distributed as dist
 from titan_ckpt import CheckpointConfig, check_folder_contents, check_folder_writable
 from titan_dims import ParallelDims
 from titan_models import ModelConfigError, ModelSpec, StepContext, check_seq_len, step_context
+from titan_optim.build import group_parameters
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
 from titan_train.fault_tolerance import check_fault_tolerance
@@ -156,6 +157,7 @@ def preflight(config: JobConfig, world: World) -> Plan:
         device=world.device,
         started=world.started,
     )
+    check_muon_rules(config, spec)
     return Plan(
         world=world,
         parallel_dims=dims,
@@ -165,6 +167,20 @@ def preflight(config: JobConfig, world: World) -> Plan:
         checkpoint=checkpoint_settings(config),
         pipeline_microbatches=microbatches,
     )
+
+
+def check_muon_rules(config: JobConfig, spec: ModelSpec) -> None:
+    """With ``optimizer.name = "Muon"`` and a rule putting parameters on Muon, split the
+    model's parameters (built on the meta device: no memory) as the optimizers will, so a
+    parameter Muon cannot orthogonalise is refused (``OptimizerConfigError``) before any work."""
+    optimizer = config.optimizer
+    if optimizer.name != "Muon" or all(r.optimizer != "Muon" for r in optimizer.param_group_rules):
+        return
+    args = build_model_args(
+        spec, config.model, vocab_size=None, max_seq_len=config.training.seq_len
+    )
+    with torch.device("meta"):
+        group_parameters(spec.model_cls(args), optimizer)
 
 
 def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
