@@ -248,3 +248,15 @@ def test_every_commands_table_lists_the_flags_its_help_shows(
         and not any(re.search(rf"<code>[^<]*{re.escape(flag)}(?![\w.-])", row) for row in rows)
     )
     assert not missing, missing
+
+
+def test_the_flags_titan_train_parses_itself_are_in_their_help(capsys) -> None:
+    """estimate's own flags and the launcher's are read by small parsers of their own
+    (``parse_estimate_options``, ``pop_launch_options``): each flag they take is an entry of
+    the help, so the test above finds it in a table of the page."""
+    from titan_train.cli import main
+    from titan_train.estimate_cli import _INT_FLAGS
+    from titan_train.launch import LAUNCH_FLAGS
+
+    assert {*_INT_FLAGS, "--json"} <= help_flags(_help_of(main, ["estimate", "--help"], capsys))
+    assert set(LAUNCH_FLAGS) <= help_flags(_help_of(main, ["train", "--help"], capsys))
