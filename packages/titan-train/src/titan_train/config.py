@@ -28,7 +28,7 @@ from titan_train import compat
 from titan_train.config_loader import load_config, to_dict
 from titan_train.data import DataSource
 from titan_train.data.config import SHARD_LAYOUTS
-from titan_train.errors import ConfigError, check_bool, check_duration, check_int, check_number
+from titan_train.errors import ConfigError, check_duration, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
 from titan_train.profiling import ProfilingConfig
@@ -203,7 +203,6 @@ class CheckpointSection(CheckpointConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_bool("checkpoint.create_seed_checkpoint", self.create_seed_checkpoint)
         if self.create_seed_checkpoint and not self.enable:
             raise ConfigError(
                 "checkpoint.create_seed_checkpoint=true needs checkpoint.enable=true: the seed "
