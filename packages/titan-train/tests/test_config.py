@@ -181,3 +181,5 @@ def test_the_seed_checkpoint_is_a_trainer_setting_under_torchtitans_key(tmp_path
     ).checkpoint.create_seed_checkpoint
     with pytest.raises(ConfigError, match=r"^checkpoint.create_seed_checkpoint=true needs "):
         CheckpointSection(create_seed_checkpoint=True, enable=False)
+    with pytest.raises(ConfigError, match=r"needs .* checkpoint.load_only=false"):
+        CheckpointSection(create_seed_checkpoint=True, load_only=True)

@@ -203,10 +203,10 @@ class CheckpointSection(CheckpointConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.create_seed_checkpoint and not self.enable:
+        if self.create_seed_checkpoint and (not self.enable or self.load_only):
             raise ConfigError(
-                "checkpoint.create_seed_checkpoint=true needs checkpoint.enable=true: the seed "
-                "is written as the checkpoint step-0."
+                "checkpoint.create_seed_checkpoint=true needs checkpoint.enable=true and "
+                "checkpoint.load_only=false: the seed is written as the checkpoint step-0."
             )
 
 
