@@ -44,6 +44,21 @@ def test_a_plain_config_plans_one_process(tmp_path):
     assert not (tmp_path / "out").exists(), "preflight writes nothing"
 
 
+def test_a_seed_checkpoint_in_a_world_of_several_is_refused_before_any_work(tmp_path):
+    """The seed is written by one process (as torchtitan requires): preflight refuses it in a
+    world of two, in one line, before the model or the checkpoint folder exists."""
+    config = job(tmp_path)
+    config.checkpoint.create_seed_checkpoint = True
+    assert preflight(config, world(1)).checkpoint.folder == str(tmp_path / "out" / "checkpoint")
+    with pytest.raises(ConfigError) as info:
+        preflight(config, world(2))
+    assert str(info.value) == (
+        "checkpoint.create_seed_checkpoint=true writes the seed from one process, but this run "
+        "has 2; run it alone (no --nproc-per-node, no torchrun)."
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_context_parallel_implementation_is_resolved_once_into_the_plan(tmp_path):
     config = job(
         tmp_path, parallelism=degrees(data_parallel_shard=1, context_parallel=2, tensor_parallel=2)

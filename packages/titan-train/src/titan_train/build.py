@@ -193,12 +193,11 @@ def _build(
             # A tied weight's copy on the last pipeline stage saves as the one weight.
             "optimizer": tied_optimizer_state(optimizers, pipeline),
             "lr_scheduler": schedulers,
-            "dataloader": dataloader,
+            "dataloader": dataloader,  # each step records its dp_degree (resharding guard)
             "train_state": train_state,
         },
         state_dict_adapter=state_dict_adapter(plan.spec, config.model.flavor, args),
         metadata=metadata,
-        data_parallel_degree=data_degree,
         folder_lock=lock,
         ft=None
         if replicas is None

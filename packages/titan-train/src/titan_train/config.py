@@ -203,7 +203,8 @@ class CommConfig:
 @dataclass(kw_only=True)
 class CheckpointSection(CheckpointConfig):
     """``titan_ckpt.CheckpointConfig`` (when and what the checkpoint manager saves and loads),
-    plus the trainer's own checkpoint policy."""
+    plus the trainer's own checkpoint policy: a save on SIGTERM, torchft's per-replica
+    dataloader saves, and a seed-checkpoint run."""
 
     save_on_sigterm: bool = True
     """On SIGTERM (a scheduler's stop), save the last completed step before exiting with
@@ -212,6 +213,17 @@ class CheckpointSection(CheckpointConfig):
     enable_ft_dataloader_checkpoints: bool = True
     """With fault_tolerance.enable: each replica group also saves its own dataloader state
     (in ft-replica-<id>/), so no group replays data after a restart."""
+    create_seed_checkpoint: bool = False
+    """This run only writes the initial model as step-0 (model only, one process, no
+    torchrun) and stops; start runs of any layout from it with initial_load_path."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.create_seed_checkpoint and (not self.enable or self.load_only):
+            raise ConfigError(
+                "checkpoint.create_seed_checkpoint=true needs checkpoint.enable=true and "
+                "checkpoint.load_only=false: the seed is written as the checkpoint step-0."
+            )
 
 
 @dataclass(kw_only=True)

@@ -3,6 +3,7 @@
 One place for every rule that can be decided from the config and the world alone (no process
 group, no model, no data), in the order a user meets them:
 
+- a seed checkpoint (``checkpoint.create_seed_checkpoint``) only in a world of one;
 - the converters and dtype titan supports (``compat.check_supported``);
 - the parallel layout (``ParallelDims``) and the batch plan (global = local x dp x
   accumulation);
@@ -36,7 +37,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from titan_ckpt import CheckpointConfig, check_folder_contents, check_folder_writable
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointConfigError,
+    check_folder_contents,
+    check_folder_writable,
+)
 from titan_dims import ParallelDims
 from titan_models import ModelConfigError, ModelSpec, StepContext, check_seq_len, step_context
 from titan_optim.build import group_parameters
@@ -59,6 +65,7 @@ __all__ = [
     "check_initial_load",
     "check_model_layout",
     "check_optimizer_in_backward",
+    "check_seed_checkpoint",
     "check_seq_lens",
     "checkpoint_cost_warning",
     "checkpoint_settings",
@@ -119,6 +126,7 @@ class Plan:
 def preflight(config: JobConfig, world: World) -> Plan:
     """Check ``config`` for ``world`` before any work; return the run's ``Plan``. Raises a
     config error (``ConfigError`` or the owning package's) at the first rule it breaks."""
+    check_seed_checkpoint(config, world)
     check_supported(config.model.converters, config.parallelize.param_dtype)
     dims = ParallelDims.from_config(
         config.parallelism, world.world_size, device_type=world.device.type
@@ -181,6 +189,17 @@ def check_muon_rules(config: JobConfig, spec: ModelSpec) -> None:
     )
     with torch.device("meta"):
         group_parameters(spec.model_cls(args), optimizer)
+
+
+def check_seed_checkpoint(config: JobConfig, world: World) -> None:
+    """Refuse ``checkpoint.create_seed_checkpoint`` in a world of several processes: the
+    seed is the whole unsharded model, written by one process (as torchtitan requires), so
+    that every layout starts from the same weights."""
+    if config.checkpoint.create_seed_checkpoint and world.world_size > 1:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint=true writes the seed from one process, but "
+            f"this run has {world.world_size}; run it alone (no --nproc-per-node, no torchrun)."
+        )
 
 
 def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
@@ -362,4 +381,12 @@ def check_checkpoint_folder(config: JobConfig) -> None:
     is ever touched."""
     settings = checkpoint_settings(config)
     storage = check_folder_writable(settings)
-    check_folder_contents(settings, final_step=config.training.steps, storage=storage)
+    seed = config.checkpoint.create_seed_checkpoint  # saves step 0 alone, no training step
+    final_step = None if seed else config.training.steps
+    scan = check_folder_contents(settings, final_step=final_step, storage=storage)
+    if seed and storage is not None and scan is not None and 0 in scan.torchtitan:
+        raise CheckpointConfigError(
+            f"checkpoint.create_seed_checkpoint=true would write step 0 over torchtitan's "
+            f"checkpoint {storage.join(settings.folder, 'step-0')}; titan never overwrites a "
+            "checkpoint it did not write. Move it away, or use another checkpoint.folder."
+        )

@@ -130,7 +130,7 @@ def check_resume(config: JobConfig, plan: Plan) -> int | None:
     list of missing keys), and return its number when it is ``training.steps`` or past it
     (the run has nothing to do), else ``None``."""
     cfg = plan.checkpoint
-    if not cfg.enable or cfg.create_seed_checkpoint or config.fault_tolerance.enable:
+    if not cfg.enable or config.checkpoint.create_seed_checkpoint or config.fault_tolerance.enable:
         return None
     storage = storage_for(cfg.folder)
     if cfg.load_step >= 0:
@@ -254,7 +254,7 @@ def write_seed_checkpoint(run: TrainingRun) -> None:
     """Save the freshly initialized run as step 0. Sharded random init differs between
     layouts (each rank draws its own shards on CPU); a seed checkpoint written by one
     process gives every layout the same start."""
-    run.checkpointer.save(0)
+    run.checkpointer.save(0, force=True, model_only=True)
     run.checkpointer.close()
     logger.info(
         "Wrote the seed checkpoint (step 0) to %s; start runs from it with "
