@@ -96,7 +96,9 @@ def _nudge_bias(layers: list[MoE], counts: torch.Tensor) -> None:
     for layer, layer_counts in zip(layers, counts, strict=True):
         if layer.expert_bias is None:
             continue
-        delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
+        # sign(mean(n) - n), in integers: exact whatever the counts.
+        below_mean = layer_counts.sum() - layer_counts.numel() * layer_counts
+        delta = layer.load_balance_coeff * torch.sign(below_mean).to(layer.expert_bias.dtype)
         layer.expert_bias.add_(delta - delta.mean())
 
 
@@ -124,7 +126,7 @@ def _load_metrics(names: list[str], counts: torch.Tensor) -> dict[str, float]:
         total = layer_counts.sum()
         if total <= 0:
             continue
-        shares = (layer_counts / total).double()
+        shares = layer_counts.double() / total
         entropy = -(shares * shares.clamp_min(1e-300).log()).sum().item()
         num_experts = shares.numel()
         layer_name = "" if name == "moe" else name.removesuffix(".moe")
