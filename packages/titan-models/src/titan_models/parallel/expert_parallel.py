@@ -8,9 +8,10 @@ the full stacked tensors, so it loads at any ep degree) and hooks the experts' f
 - dispatch: the per-expert token counts are exchanged first (an all-to-all of
   ``num_experts`` integers; both split lists then reach the host in one device-to-host
   copy, the layer's only host sync), then the tokens, sorted by expert, go to their
-  experts' ranks by an all-to-all with those variable split sizes. A rank receives, from each source rank in
-  turn, that rank's tokens for each of its local experts; it reorders them expert-major
-  (source ranks in order within an expert), which is the layout the experts compute on.
+  experts' ranks by an all-to-all with those variable split sizes. A rank receives, from
+  each source rank in turn, that rank's tokens for each of its local experts; it reorders
+  them expert-major (source ranks in order within an expert), which is the layout the
+  experts compute on.
 - combine: the outputs are put back in arrival order and returned to their source ranks by
   the reverse all-to-all.
 
