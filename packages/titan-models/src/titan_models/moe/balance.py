@@ -175,6 +175,12 @@ class ExpertBalancer:
         for layer in self.layers:
             layer.tokens_per_expert.zero_()
 
+    def replica_summed_buffers(self) -> list[torch.Tensor]:
+        """The live token counts, which a trainer with torchft replica groups sums over the
+        groups before each commit: then every group nudges its biases by the same totals
+        (each group's own counts would let their routing drift apart)."""
+        return [layer.tokens_per_expert for layer in self.layers]
+
     def metrics(self) -> dict[str, float]:
         """``expert_load``'s numbers for the tokens of the last step (empty before one)."""
         if self.last_counts is None:
