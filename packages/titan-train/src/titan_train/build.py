@@ -173,13 +173,14 @@ def _build(
         model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled
     )
     optimizers.warn_on_skip = False  # the NonFiniteGuard reports each skipped step
-    _register_post_step(plan, model_parts, optimizers)
+    post_step = _register_post_step(plan, model_parts, optimizers)
     _scale_auxiliary_losses(plan, model_parts)
     schedulers = build_lr_schedulers(
         optimizers, config.lr_scheduler, training_steps=config.training.steps
     )
     if replicas is not None:
         optimizers = replicas.wrap_optimizers(optimizers)
+        _sum_over_replica_groups(optimizers, post_step)
 
     train_state = TrainState()
     # The model as built (name, flavor, real args), recorded with every checkpoint.
@@ -243,15 +244,25 @@ def _build(
     )
 
 
-def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: Any) -> None:
+def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: Any) -> Any:
     """The model family's after-step work (``ModelSpec.post_step_fn``, e.g. the experts' bias
     update) as a step post-hook of the inner container: under torchft it then runs only for
-    steps that commit, and never for a skipped step."""
+    steps that commit, and never for a skipped step. Returns the hook (``None`` if none)."""
     if plan.spec.post_step_fn is None:
-        return
+        return None
     hook = plan.spec.post_step_fn(model_parts, plan.parallel_dims)
     if hook is not None:
         optimizers.register_step_post_hook(lambda _container: hook())
+    return hook
+
+
+def _sum_over_replica_groups(optimizers: Any, post_step: Any) -> None:
+    """Under torchft, the buffers the after-step hook reads (an MoE layer's token counts)
+    summed over the replica groups before each commit, so that every group nudges its
+    expert biases alike. Semi-sync groups step alone (no per-step collective to join)."""
+    buffers = getattr(post_step, "replica_summed_buffers", None)
+    if buffers is not None and hasattr(optimizers, "sum_over_replica_groups"):
+        optimizers.sum_over_replica_groups(buffers)
 
 
 def _scale_auxiliary_losses(plan: Plan, model_parts: list[nn.Module]) -> None:
