@@ -147,3 +147,26 @@ def test_positions_rotate_by_the_given_rows() -> None:
     rope, mask = documents.document_inputs(model.rope, None, positions)
     assert mask is None
     assert torch.equal(rope[0, 7], model.rope[2])
+
+
+LAYOUTS = ["fsdp_ac", "fsdp_ac_op", "tp", "pp_1f1b"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_losses(tmp_path_factory, run_torchrun):
+    out = tmp_path_factory.mktemp("docmask")
+    return run_torchrun("document_masking.py", 2, out, *LAYOUTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_rank_layout_with_masking_matches_one_process(layout, two_rank_losses) -> None:
+    n_layers = 4 if layout.startswith("pp") else 2
+    expected = two_rank_losses[f"single{n_layers}"]
+    torch.testing.assert_close(two_rank_losses[layout], expected, rtol=1e-4, atol=1e-5)
+    # The masking reached every stage: the unmasked run's losses differ.
+    unmasked = two_rank_losses[f"single{n_layers}_unmasked"]
+    assert max(abs(a - b) for a, b in zip(unmasked, expected, strict=True)) > 1e-3, (
+        unmasked,
+        expected,
+    )
