@@ -37,6 +37,7 @@ import torch.distributed as dist
 from titan_ckpt import CheckpointConfig, check_folder_contents, check_folder_writable
 from titan_dims import ParallelDims
 from titan_models import ModelConfigError, ModelSpec, StepContext, check_seq_len, step_context
+from titan_models.parallel import check_document_masking
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
 from titan_train.fault_tolerance import check_fault_tolerance
@@ -113,6 +114,8 @@ def preflight(config: JobConfig, world: World) -> Plan:
     spec = check_model(config, dims)
     check_seq_lens(config, dims)
     check_model_layout(config, dims, spec, batches)
+    if config.training.document_masking:
+        check_document_masking(dims)
     warning = checkpoint_cost_warning(config, spec)
     if warning and world.rank == 0:
         logger.warning("%s", warning)
