@@ -29,6 +29,7 @@ from titan_ckpt import CheckpointManager, FaultToleranceOptions, lock_checkpoint
 from titan_ckpt.lock import FolderLock
 from titan_dims import ParallelDims
 from titan_models import Pipeline, StepContext
+from titan_models.documents import DocumentMasking
 from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
 from titan_train.config import JobConfig
 from titan_train.data import TextDataLoader, build_dataloader
@@ -89,6 +90,9 @@ class TrainingRun:
     """Where metrics and traces go (per replica group with fault tolerance)."""
     loss_fn: LossFn = cross_entropy_loss
     """The loss of each batch (compiled with ``parallelize.compile``: ``build_loss_fn``)."""
+    documents: DocumentMasking | None = None
+    """Document masking (``training.document_masking``), by the tokenizer's EOS; ``None``:
+    off."""
 
     @property
     def step_context(self) -> StepContext:
@@ -164,7 +168,8 @@ def _build(
     else:
         dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
     loss_fn = build_loss_fn(config.parallelize, loss_parallel=plan.step_context.loss_parallel)
-    validator = _build_validator(config, plan, tokenizer, dp_rank, loss_fn)
+    documents = document_masking(config, tokenizer)
+    validator = _build_validator(config, plan, tokenizer, dp_rank, loss_fn, documents)
     args, model_parts, pipeline = _build_model(
         config, plan, run_vocab_size(config, tokenizer.vocab_size), validator is not None, loss_fn
     )
@@ -239,6 +244,7 @@ def _build(
             if replicas is None
             else os.path.join(config.job.dump_folder, f"ft-replica-{replicas.replica_id}"),
             loss_fn=loss_fn,
+            documents=documents,
         ),
         flops_per_token=args.flops_per_token(config.training.seq_len),
     )
@@ -300,8 +306,24 @@ def _with_reporting(config: JobConfig, run: TrainingRun, *, flops_per_token: flo
     return dataclasses.replace(run, metrics=metrics, profiler=profiler)
 
 
+def document_masking(config: JobConfig, tokenizer: Tokenizer) -> DocumentMasking | None:
+    """The run's document masking: documents end at ``tokenizer.eos_id``; ``None`` when
+    ``training.document_masking`` is off."""
+    training = config.training
+    if not training.document_masking:
+        return None
+    return DocumentMasking(
+        tokenizer.eos_id, restart_positions=training.document_positions == "restart"
+    )
+
+
 def _build_validator(
-    config: JobConfig, plan: Plan, tokenizer: Tokenizer, dp_rank: int, loss_fn: LossFn
+    config: JobConfig,
+    plan: Plan,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    loss_fn: LossFn,
+    documents: DocumentMasking | None = None,
 ) -> Validator | None:
     if not config.validation.enable:
         return None
@@ -313,6 +335,7 @@ def _build_validator(
         device=plan.world.device,
         step_context=plan.step_context,
         loss_fn=loss_fn,
+        documents=documents,
     )
 
 

@@ -146,6 +146,13 @@ class TrainingConfig(DataSource):
     step. A process-wide setting, so ``titan_train.run()`` called from your own program
     leaves your allocator alone (call ``titan_train.host_memory.reuse_host_memory()`` for
     it). No effect on accelerators or without glibc. Not a torchtitan key."""
+    document_masking: bool = False
+    """Packed windows whose attention never crosses a document boundary (block-causal): a
+    document ends after each EOS token of the tokenizer. Not with context parallel. Not a
+    torchtitan key."""
+    document_positions: Literal["restart", "continue"] = "restart"
+    """With document_masking: RoPE positions "restart" at 0 in each document, or "continue"
+    across the window. Not a torchtitan key."""
     skip_nonfinite_steps: int = 10
     """Consecutive steps with an inf/nan gradient norm whose update is skipped (weights left
     as they were, one warning each) before the run stops with an error; 0 stops at the
@@ -161,6 +168,11 @@ class TrainingConfig(DataSource):
             raise ConfigError(
                 f"training.data_shard_layout={self.data_shard_layout!r} is not allowed; use "
                 f"one of {', '.join(map(repr, SHARD_LAYOUTS))} (see --help)."
+            )
+        if self.document_positions not in ("restart", "continue"):
+            raise ConfigError(
+                f"training.document_positions={self.document_positions!r} is not allowed; use "
+                "'restart' or 'continue'."
             )
         check_int(
             "training.global_batch_size",

@@ -45,6 +45,7 @@ from titan_ckpt import (
 )
 from titan_dims import ParallelDims
 from titan_models import ModelConfigError, ModelSpec, StepContext, check_seq_len, step_context
+from titan_models.parallel import check_document_masking
 from titan_optim.build import group_parameters
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
@@ -135,6 +136,8 @@ def preflight(config: JobConfig, world: World) -> Plan:
     spec = check_model(config, dims)
     check_seq_lens(config, dims)
     check_model_layout(config, dims, spec, batches)
+    if config.training.document_masking:
+        check_document_masking(dims)
     warning = checkpoint_cost_warning(config, spec)
     if warning and world.rank == 0:
         logger.warning("%s", warning)

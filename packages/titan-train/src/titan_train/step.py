@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from titan_models import ParallelizeConfig, Pipeline, StepContext, plain_loss, reduce_loss
+from titan_models.documents import DocumentMasking
 from titan_train.metrics import StepTokens, tokens_of_step
 
 if TYPE_CHECKING:
@@ -101,18 +102,22 @@ def batch_loss(
     *,
     backward_scale: int | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+    documents: DocumentMasking | None = None,
 ) -> torch.Tensor | None:
     """The mean loss of one whole batch (a plain, detached tensor; ``None`` on a pipeline
     rank without the last stage), run inside the plan's step context.
 
     ``backward_scale`` trains: the backward of ``loss / backward_scale`` runs too (the
     number of micro-batches the gradients average over; a pipeline scales its own).
-    ``None`` evaluates only (call it under ``torch.no_grad``)."""
+    ``None`` evaluates only (call it under ``torch.no_grad``). ``documents``: document
+    masking, its keywords (``document_ids``, ``positions``) computed from ``inputs`` for
+    the model's forward (every pipeline stage's)."""
     with context(inputs, labels) as (inputs, labels):
+        kwargs = {} if documents is None else documents.forward_kwargs(inputs)
         if pipeline is not None:
-            train = backward_scale is not None
-            return pipeline.step(inputs, labels) if train else pipeline.eval(inputs, labels)
-        loss = loss_fn(model_parts[0](inputs), labels)
+            run = pipeline.step if backward_scale is not None else pipeline.eval
+            return run(inputs, labels, **kwargs)
+        loss = loss_fn(model_parts[0](inputs, **kwargs), labels)
         if backward_scale is not None:
             (loss / backward_scale).backward()
     # Under loss parallel the loss is a replicated DTensor; hand out its plain value.
@@ -186,7 +191,13 @@ def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | 
         inputs = torch.cat([inputs for inputs, _ in batches])
         labels = torch.cat([labels for _, labels in batches])
         return batch_loss(
-            run.model_parts, run.pipeline, run.step_context, inputs, labels, backward_scale=1
+            run.model_parts,
+            run.pipeline,
+            run.step_context,
+            inputs,
+            labels,
+            backward_scale=1,
+            documents=run.documents,
         )
     loss_sum = torch.zeros((), device=batches[0][1].device)
     for inputs, labels in batches:
@@ -198,6 +209,7 @@ def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | 
             labels,
             backward_scale=len(batches),
             loss_fn=run.loss_fn,
+            documents=run.documents,
         )
     return loss_sum / len(batches)
 

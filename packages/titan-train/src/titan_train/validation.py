@@ -20,6 +20,7 @@ from torch import nn
 
 from titan_dims import ParallelDims
 from titan_models import ParallelizeConfig, Pipeline, StepContext, reduce_loss, step_context
+from titan_models.documents import DocumentMasking
 from titan_train.data import DataSource, build_dataloader
 from titan_train.errors import ConfigError, check_int
 from titan_train.step import LossFn, batch_loss, cross_entropy_loss
@@ -67,6 +68,7 @@ class Validator:
             one training steps run in; ``None`` builds it from ``dims`` with the default
             ``ParallelizeConfig``.
         loss_fn: the loss of each batch (the training run's, compiled or not).
+        documents: document masking (the training run's); ``None``: off.
 
     Under pipeline parallelism the validation batch is split into the schedule's
     microbatches: ``titan_train.preflight`` checks ``local_batch_size`` divides.
@@ -82,9 +84,11 @@ class Validator:
         device: torch.device,
         step_context: StepContext | None = None,
         loss_fn: LossFn = cross_entropy_loss,
+        documents: DocumentMasking | None = None,
     ) -> None:
         self.config = config
         self.loss_fn = loss_fn
+        self.documents = documents
         self.dims = dims
         self.device = device
         self.step_context = step_context or _default_context(dims)
@@ -130,6 +134,7 @@ class Validator:
                     inputs.to(self.device),
                     labels.to(self.device),
                     loss_fn=self.loss_fn,
+                    documents=self.documents,
                 )
                 if loss is not None:  # only a pipeline's last stage has the loss
                     total += loss.double()
