@@ -190,14 +190,17 @@ def test_within_15_percent_of_real_runs():
 
 
 def test_moe_keeps_exact_state_and_says_what_it_did_not_simulate(capsys):
-    """DeepSeek-V3 sizes its expert buffers from the routing (values fake tensors have not):
-    the resident state is exact, expert parallel divides the experts, the note says so."""
+    """DeepSeek-V3 sizes its expert buffers from the routing (values fake tensors may not
+    have): the resident state is exact, expert parallel divides the experts, and a step that
+    could not be simulated is said so."""
     moe = ["--model.name", "deepseek_v3", "--world_size", "2"]
     out = _estimate(capsys, *moe, "--parallelism.data_parallel_shard_degree", "2")
     ep = _estimate(capsys, *moe, "--parallelism.expert_parallel_degree", "2",
                    "--parallelism.data_parallel_shard_degree", "2")  # fmt: skip
-    assert out["step_simulated"] is False
-    assert "not simulated" in out["note"]
+    # Whether the routed step runs on fake tensors depends on the MoE kernels' path (one host
+    # read of the split sizes since the EP rework): when it does not, the note says so.
+    for result in (out, ep):
+        assert result["step_simulated"] or "not simulated" in result["note"]
     assert out["layout"]["ep"] == 1
     assert ep["layout"]["ep"] == 2
     assert out["optimizer_state"] >= 2 * out["parameters"]
