@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from titan_train.cli import main
-from titan_train.compat import KEYS, TORCHTITAN_DEFAULTS, lookup, split_argv
+from titan_train.compat import KEYS, TORCHTITAN_DEFAULTS, lookup
+from titan_train.compat_argv import split_argv
 from titan_train.config import JobConfig, parse_job_config
 from titan_train.config_loader import ConfigError
 

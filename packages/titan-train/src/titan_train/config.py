@@ -24,7 +24,7 @@ from titan_ckpt import CheckpointConfig
 from titan_dims import ParallelismConfig
 from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
-from titan_train import compat
+from titan_train import compat, compat_argv
 from titan_train.config_loader import load_config, to_dict
 from titan_train.data import DataSource
 from titan_train.data.config import SHARD_LAYOUTS
@@ -231,7 +231,7 @@ class JobConfig:
 def parse_job_config(argv: Sequence[str] | None = None, *, prog: str = "titan-train") -> JobConfig:
     """The ``JobConfig`` of a command line (TOML file, then ``--section.key`` overrides);
     torchtitan's keys, in the file or on the command line, are translated (``compat``)."""
-    argv, torchtitan_cli = compat.split_argv(sys.argv[1:] if argv is None else argv)
+    argv, torchtitan_cli = compat_argv.split_argv(sys.argv[1:] if argv is None else argv)
 
     def translate(values: dict[str, Any], source: str) -> dict[str, Any]:
         translation = compat.translate(values, torchtitan_cli, source=source)
