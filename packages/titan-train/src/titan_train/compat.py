@@ -32,8 +32,9 @@ does; they never make a file torchtitan's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +47,7 @@ __all__ = [
     "Key",
     "Translation",
     "check_supported",
+    "flatten",
     "lookup",
     "translate",
     "unflatten",
@@ -402,8 +404,16 @@ class Translation:
     """torchtitan's token-counted batch keys (action ``batch``) -> value, the command line's
     over the file's: for ``torchtitan_head.resolve_batch`` once the config is loaded."""
 
-    def log(self, source: str) -> None:
-        """Say once, in the log, what was translated, ignored and defaulted."""
+    def log(self, source: str, *, only: Collection[str] | None = None) -> None:
+        """Say once, in the log, what was translated, ignored and defaulted; ``only``: just
+        the moved and ignored keys it names (e.g. the command line's, when the file is a
+        named configuration the log has introduced)."""
+        if only is not None:
+            keep = set(only)
+            moved = {k: v for k, v in self.moved.items() if k in keep}
+            ignored = {k: v for k, v in self.ignored.items() if k in keep}
+            dataclasses.replace(self, evidence=[], moved=moved, ignored=ignored).log(source)
+            return
         if self.evidence:
             applied = ", ".join(f"{k} = {_show(v)}" for k, v in self.defaults.items())
             more = ", ..." if len(self.evidence) > 3 else ""
@@ -445,12 +455,12 @@ def translate(
     moved: dict[str, str] = {}
     ignored: dict[str, str] = {}
     batch: dict[str, Any] = {}
-    from_file = _translate_flat(_flatten(file_values), source, moved, ignored, batch)
+    from_file = _translate_flat(flatten(file_values), source, moved, ignored, batch)
     from_cli = _translate_flat(
-        _flatten(cli_values or {}), "the command line", moved, ignored, batch, base=from_file
+        flatten(cli_values or {}), "the command line", moved, ignored, batch, base=from_file
     )
     flat = {**from_file, **from_cli}
-    evidence = [path for path in _flatten(file_values) if lookup(path) is not None]
+    evidence = [path for path in flatten(file_values) if lookup(path) is not None]
     applied = {k: v for k, v in defaults.items() if evidence and k not in flat}
     return Translation(
         values=unflatten({**applied, **flat}),
@@ -530,11 +540,12 @@ def _same_list(a: str, b: str) -> bool:
     return bool(key_a and key_b and key_a.index is not None and key_b.index is not None)
 
 
-def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}`` (an empty table stays a leaf)."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, Mapping) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -1,17 +1,18 @@
-"""torchtitan's command-line spellings of the keys of ``titan_train.compat.KEYS``: taken out
-of a command line before titan's own parser sees it, as a nested dict for
-``compat.translate(..., cli_values=...)``.
+"""torchtitan's command lines: the spellings of the keys of ``titan_train.compat.KEYS``,
+taken out of a command line before titan's own parser sees it, as a nested dict for
+``compat.translate(..., cli_values=...)``; and torchtitan 2026's ``--module M --config F``
+(``pop_preset``), which name a configuration of ``titan_train.torchtitan_head``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from titan_train.compat import KEYS, Key, lookup, unflatten
 from titan_train.config_loader import ConfigError
 
-__all__ = ["split_argv"]
+__all__ = ["pop_preset", "split_argv"]
 
 
 def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
@@ -96,3 +97,36 @@ def _cli_value(arg: str, key: Key, values: list[str], negated: bool) -> Any:
         return key.kind(values[0])
     except ValueError:
         raise ConfigError(f"{arg} needs {key.kind.__name__} value, got {values[0]!r}.") from None
+
+
+def pop_preset(argv: Sequence[str]) -> tuple[list[str], tuple[str, str] | None]:
+    """Take ``--module M --config F`` (or ``--module=M``, ``--config=F``) out of ``argv``:
+    ``(the rest, (M, F))``, or ``None`` when neither is given. One without the other is
+    refused, as torchtitan refuses it."""
+    rest: list[str] = []
+    found: dict[str, str] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        i += 1
+        if name not in ("--module", "--config"):
+            rest.append(args[i - 1])
+            continue
+        if not eq:
+            if i >= len(args) or args[i].startswith("--"):
+                raise ConfigError(
+                    f"{name} needs a value, e.g. --module llama3 --config llama3_debugmodel."
+                )
+            value = args[i]
+            i += 1
+        found[name[2:]] = value
+    if not found:
+        return rest, None
+    if len(found) == 1:
+        missing = "--config" if "module" in found else "--module"
+        raise ConfigError(
+            f"{missing} is missing: torchtitan's configurations are named by both, e.g. "
+            "--module llama3 --config llama3_debugmodel."
+        )
+    return rest, (found["module"], found["config"])
