@@ -93,7 +93,7 @@ def _given_args(
     if given_vocab is not None and vocab_size is not None and given_vocab < vocab_size:
         raise ConfigError(
             f"model.args.vocab_size={given_vocab} is smaller than the tokenizer's {vocab_size} "
-            f"tokens (model.tokenizer_path={model.tokenizer_path!r}): its embedding would "
+            f"tokens ({model.tokenizer_path or 'the shipped tokenizer'}): its embedding would "
             f"have no row for some; raise it to at least {vocab_size}, or leave it unset (the "
             "tokenizer's)."
         )
