@@ -236,25 +236,50 @@ def argparse_section(parser: argparse.ArgumentParser, title: str) -> list[str]:
     then the same for each of its subcommands."""
     usage = " ".join(parser.format_usage().split()).removeprefix("usage: ")
     lines = [title, "", "```text", usage, "```", "", parser.description or "", ""]
-    formatter = parser._get_formatter()
-    rows, subs = [], []
+    rows = option_rows(parser)
+    if rows:
+        lines += [*OPTIONS_HEAD, *rows, ""]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            subs = list(action.choices.items())
-            continue
-        if isinstance(action, argparse._HelpAction):  # said once, at the top of the page
+            for name, sub in action.choices.items():
+                lines += argparse_section(sub, f"### `{parser.prog} {name}`")
+    return lines
+
+
+def option_rows(parser: argparse.ArgumentParser) -> list[str]:
+    """A table row per option of ``parser`` (its subcommands aside), flags as its help
+    spells them; the default from the help's ``(default X)``, else a plain ``default``."""
+    formatter = parser._get_formatter()
+    rows = []
+    for action in parser._actions:
+        # --help is said once, at the top of the page; subcommands get sections of their own
+        if isinstance(action, argparse._SubParsersAction) or "--help" in action.option_strings:
             continue
         metavar = formatter._format_args(action, action.dest.upper()) if action.nargs != 0 else ""
         flag = ", ".join(action.option_strings) + (" " if action.option_strings else "") + metavar
         help_, default = _split_default(formatter._expand_help(action) if action.help else "")
-        if not default and action.default not in (None, False, argparse.SUPPRESS):
+        plain = isinstance(action.default, (str, int, float)) and action.default is not False
+        if not default and plain and action.default != argparse.SUPPRESS:
             default = str(action.default)
         rows.append(_row(flag.strip(), default, help_ + (" (required)" if action.required else "")))
-    if rows:
-        lines += [*OPTIONS_HEAD, *rows, ""]
-    for name, sub in subs:
-        lines += argparse_section(sub, f"### `{parser.prog} {name}`")
-    return lines
+    return rows
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """The parser ``titan-train generate`` runs (tyro's, built from ``GenerateOptions`` with
+    the same settings as ``parse_generate_options``)."""
+    import warnings
+
+    import tyro.extras
+
+    from titan_train.config_loader import _plain_docstrings
+    from titan_train.generate_cli import GenerateOptions
+
+    with _plain_docstrings(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # tyro 1.0 keeps it, deprecated
+        return tyro.extras.get_parser(
+            GenerateOptions, prog="titan-train generate", use_underscores=False
+        )
 
 
 def docstring_section(doc: str) -> list[str]:
@@ -300,22 +325,15 @@ def titan_train_section() -> list[str]:
     lines += ["Its commands: " + ", ".join(f"`{c}`" for c in cli.COMMANDS) + ".", ""]
     lines += ["### `titan-train train`", "", "Train (also what `titan-train` alone does).", ""]
     lines += [f"Options: every key of the {keys}, and the launcher flags above.", ""]
-    lines += ["### `titan-train config`", "", "Print the merged configuration as TOML", ""]
-    lines += [f"Options: `--print` (accepted, changes nothing) and every key of the {keys}.", ""]
+    lines += ["### `titan-train config`", "", *docstring_section(cli._CONFIG_HELP)]
+    lines += [f"train's options are the keys of the {keys}.", ""]
     lines += ["### `titan-train estimate`", "", *docstring_section(estimate_cli.__doc__ or "")]
-    lines += ["### `titan-train list-models`", "", "The model families and their flavors:", ""]
+    lines += ["### `titan-train list-models`", "", *docstring_section(cli._LIST_MODELS_HELP)]
+    lines += ["The model families and their flavors:", ""]
     lines += [f"- `{name}`: {', '.join(load_model_spec(name).flavors)}" for name in list_models()]
     lines += ["", "### `titan-train generate`", "", *docstring_section(generate_cli.__doc__ or "")]
-    lines += ["", *OPTIONS_HEAD]
-    for key, kind, default, help_ in config_rows(generate_cli.GenerateOptions()):
-        flag = f"--{key}, --no_{key}" if kind == "bool" else f"--{key} {_kind(kind)}"
-        lines.append(_row(flag, default, help_))
+    lines += ["", *OPTIONS_HEAD, *option_rows(generate_parser())]
     return [*lines, ""]
-
-
-def _kind(kind: str) -> str:
-    inner = re.fullmatch(r"\w+\[list\[(\w+)\]\]", kind)  # tyro's UseAppendAction[list[str]]
-    return f"{inner.group(1).upper()} (repeatable)" if inner else kind.upper()
 
 
 def cli_page() -> str:

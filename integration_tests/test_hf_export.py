@@ -33,7 +33,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 titan_models = pytest.importorskip("titan_models")
 
-from titan_ckpt import read_manifest  # noqa: E402
+from titan_ckpt.layout import read_manifest  # noqa: E402
 from titan_ckpt.storage import LocalStorage  # noqa: E402
 from titan_models import RopeScaling, rope_scaling_of  # noqa: E402
 
@@ -201,7 +201,7 @@ def test_recorded_args_describe_the_export(tmp_path, titan_ckpt_here):
                                     rope_scaling="none")  # fmt: skip
     record = {"name": "llama3", "flavor": "debugmodel", "args": dataclasses.asdict(args)}
     model, step = save_step(tmp_path / "ckpt", args, metadata={"model": record})
-    from titan_ckpt import read_manifest
+    from titan_ckpt.layout import read_manifest
     from titan_ckpt.storage import LocalStorage
 
     assert (

@@ -131,7 +131,7 @@ def check_export(folder: Path, cls_name: str, vocab: int) -> None:
     DCP step's weights."""
     import torch.distributed.checkpoint as dcp
 
-    from titan_ckpt import read_manifest
+    from titan_ckpt.layout import read_manifest
     from titan_ckpt.storage import LocalStorage
 
     step = folder / "checkpoint" / "step-2"

@@ -92,12 +92,14 @@ def test_every_titan_train_option_is_in_the_reference(cli_page: str, config_page
     assert not missing, missing  # a key is a flag, or the reference says it is TOML only
     assert "[Configuration](config.md)" in cli_page.split("### `titan-train train`")[1]
     generate = cli_page.split("### `titan-train generate`")[1]
-    missing = [key for key in config_keys(GenerateOptions()) if f"<code>--{key}" not in generate]
+    # every key, spelled as tyro's parser (and generate --help) spells it: kebab-case
+    flags = ["--" + key.replace("_", "-") for key in config_keys(GenerateOptions())]
+    missing = [flag for flag in flags if f"<code>{flag}" not in generate]
     assert not missing, missing
     for option in ("--nproc-per-node N", "--rdzv-endpoint HOST:PORT", "--world-size N"):
         assert f"| <code>{option}</code> |" in cli_page, option
     # a table row, not a --help box: the default in its own column
-    assert "| <code>--max_new_tokens INT</code> | <code>64</code> | Tokens to add" in generate
+    assert "| <code>--max-new-tokens INT</code> | <code>64</code> | Tokens to add" in generate
 
 
 def test_every_command_has_its_section(cli_page: str) -> None:
@@ -171,3 +173,90 @@ def test_a_broken_cross_reference_fails_the_build(tmp_path: Path) -> None:
     )
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _help_of(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``COMMAND ... --help`` prints, run in this process through the command's entry
+    point (each command exits 0 after its help)."""
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as done:
+        status = done.code
+    out = capsys.readouterr().out
+    assert status in (0, None), (argv, status)
+    return out
+
+
+# An option entry of a help text: a line that starts with its flags, two spaces in (argparse
+# and the docstrings' option lists) or one inside tyro's box; a description line that wraps
+# onto a flag is indented further, and prose starts in the first column.
+_ENTRY = re.compile(r"^(?: {2}|│ )(?:-\w, )?--[\w.-]+")
+
+
+def help_flags(text: str) -> set[str]:
+    """The long flags of every option entry in a ``--help`` text."""
+    flags = set()
+    for line in text.splitlines():
+        if _ENTRY.match(line):
+            entry = re.split(r"\s{2,}", line.strip("│ "))[0]
+            flags |= set(re.findall(r"--[a-zA-Z][\w.-]*", entry))
+    return flags
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    from titan_train.cli import COMMANDS
+
+    commands = []
+    for command, parser in (("titan-dims", dims_parser), ("titan-ckpt", ckpt_parser)):
+        subparsers = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+        commands += [(command, [name]) for name in subparsers.choices]
+    return commands + [("titan-train", [name]) for name in COMMANDS]
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"), _commands(), ids=lambda x: " ".join(x) if isinstance(x, list) else x
+)
+def test_every_commands_table_lists_the_flags_its_help_shows(
+    cli_page: str, config_page: str, command: str, argv: list[str], capsys
+) -> None:
+    """Each option entry of ``COMMAND SUB --help`` (its own flags, spelled as the help spells
+    them) is a row of an options table on the command's part of cli.md, or for titan-train's
+    configuration keys (``--section.key``) a row of config.md."""
+    from titan_ckpt.commands.cli import main as ckpt_main
+    from titan_dims.cli import main as dims_main
+    from titan_train.cli import main as train_main
+
+    main = {"titan-dims": dims_main, "titan-ckpt": ckpt_main, "titan-train": train_main}[command]
+    flags = help_flags(_help_of(main, [*argv, "--help"], capsys))
+    flags.discard("--help")  # the page says once that every command takes it
+    assert flags or argv == ["list-models"], argv
+    page = cli_page.split(f"\n## `{command}`\n", 1)[1].split("\n## ", 1)[0]
+    intro, sections = page.split("\n### ", 1)
+    own = sections.split(f"`{command} {argv[0]}`\n", 1)[1].split("\n### ", 1)[0]
+    # titan-train's launcher flags are in its introduction, shared by its commands.
+    part = (intro if command == "titan-train" else "") + own
+    rows = [line for line in part.splitlines() if line.startswith("| <code>")]
+    keys = {line.split("`")[1] for line in config_page.splitlines() if line.startswith("| `")}
+    # a boolean key's flag pair: --section.key and --section.no_key (or no-key)
+    key_of = {flag: re.sub(r"\.no[_-]", ".", flag[2:]) for flag in flags}
+    missing = sorted(
+        flag
+        for flag in flags
+        if flag[2:] not in keys
+        and key_of[flag] not in keys
+        and not any(re.search(rf"<code>[^<]*{re.escape(flag)}(?![\w.-])", row) for row in rows)
+    )
+    assert not missing, missing
+
+
+def test_the_flags_titan_train_parses_itself_are_in_their_help(capsys) -> None:
+    """estimate's own flags and the launcher's are read by small parsers of their own
+    (``parse_estimate_options``, ``pop_launch_options``): each flag they take is an entry of
+    the help, so the test above finds it in a table of the page."""
+    from titan_train.cli import main
+    from titan_train.estimate_cli import _INT_FLAGS
+    from titan_train.launch import LAUNCH_FLAGS
+
+    assert {*_INT_FLAGS, "--json"} <= help_flags(_help_of(main, ["estimate", "--help"], capsys))
+    assert set(LAUNCH_FLAGS) <= help_flags(_help_of(main, ["train", "--help"], capsys))

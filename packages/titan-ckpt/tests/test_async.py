@@ -12,14 +12,9 @@ import types
 import pytest
 import torch
 
-from titan_ckpt import (
-    CheckpointConfig,
-    CheckpointManager,
-    OptimizerState,
-    scan_steps,
-    storage_for,
-)
+from titan_ckpt import CheckpointConfig, CheckpointManager, OptimizerState, storage_for
 from titan_ckpt.asyncmode import check_main_guard
+from titan_ckpt.layout import scan_steps
 
 # DCP's background writer warns that it runs without torch.distributed: in one process, it does.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

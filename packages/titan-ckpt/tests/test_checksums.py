@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from titan_ckpt import (
-    COMMIT_MARKER,
     CheckpointConfig,
     CheckpointConfigError,
     CheckpointIntegrityError,
@@ -22,7 +21,7 @@ from titan_ckpt import (
     LocalStorage,
 )
 from titan_ckpt.checksums import entry_algorithm, resolve_checksum
-from titan_ckpt.layout import _mappable, file_digest
+from titan_ckpt.layout import COMMIT_MARKER, _mappable, file_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, scan_steps, storage_for
+from titan_ckpt import CheckpointConfig, CheckpointManager, storage_for
+from titan_ckpt.layout import scan_steps
 
 WORKER = Path(__file__).parent / "workers" / "kill_commit.py"
 

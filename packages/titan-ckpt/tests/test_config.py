@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,11 +21,7 @@ def test_defaults_match_torchtitan_but_save():
         False,
     )
     assert (c.last_save_model_only, c.last_save_in_hf, c.export_dtype) == (True, False, "float32")
-    assert (c.create_seed_checkpoint, c.enable_first_step_checkpoint, c.load_only) == (
-        False,
-        False,
-        False,
-    )
+    assert (c.enable_first_step_checkpoint, c.load_only) == (False, False)
     assert c.export_torch_dtype is torch.float32
     assert c.hf_max_shard_size == 5 << 30  # ours: torchtitan writes one file
 
@@ -65,10 +63,6 @@ def test_defaults_match_torchtitan_but_save():
         ),
         ({"initial_load_in_hf": True}, r"needs checkpoint.initial_load_path"),
         (
-            {"create_seed_checkpoint": True, "enable": False},
-            r"create_seed_checkpoint=true needs .*enable=true",
-        ),
-        (
             {"hf_max_shard_size": 0},
             r"hf_max_shard_size=0 is not allowed; it must be a whole number >= 1",
         ),
@@ -90,3 +84,13 @@ def test_exclude_from_loading_accepts_a_comma_separated_string():
 
 def test_config_error_is_a_value_error():
     assert issubclass(CheckpointConfigError, ValueError)
+
+
+def test_trainer_settings_are_not_the_librarys():
+    """A seed-checkpoint run and torchft's per-replica dataloader saves are a trainer's
+    policy (titan-train's ``[checkpoint]`` section has them, under torchtitan's keys); a
+    plain loop writes a seed with ``save(0, force=True, model_only=True)``."""
+    names = {f.name for f in dataclasses.fields(CheckpointConfig)}
+    assert not names & {"create_seed_checkpoint", "enable_ft_dataloader_checkpoints"}
+    with pytest.raises(TypeError, match="create_seed_checkpoint"):
+        CheckpointConfig(create_seed_checkpoint=True)

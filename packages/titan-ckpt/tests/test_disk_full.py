@@ -18,17 +18,13 @@ import torch
 from torch import nn
 
 from titan_ckpt import (
-    COMMIT_MARKER,
-    OWNER_MARKER,
     CheckpointConfig,
     CheckpointManager,
     CheckpointWriteError,
     DiskFullError,
     LocalStorage,
-    read_manifest,
-    scan_steps,
-    verify_step,
 )
+from titan_ckpt.layout import COMMIT_MARKER, OWNER_MARKER, read_manifest, scan_steps, verify_step
 from titan_ckpt.space import state_bytes
 
 _spec = importlib.util.spec_from_file_location(

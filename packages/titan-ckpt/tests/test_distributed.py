@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from titan_ckpt import (
-    COMMIT_MARKER,
     CheckpointConfig,
     CheckpointConfigError,
     CheckpointManager,
     OptimizerState,
-    scan_steps,
     storage_for,
 )
+from titan_ckpt.layout import COMMIT_MARKER, scan_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

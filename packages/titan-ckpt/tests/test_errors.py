@@ -26,14 +26,12 @@ from titan_ckpt import (
     ModelState,
     OptimizerState,
     UnsafeCheckpointError,
-    read_manifest,
-    verify_step,
 )
 from titan_ckpt.commands.cli import flag_text
 from titan_ckpt.commands.convert import ConvertOptions, convert
 from titan_ckpt.errors import ConvertError, check_bool, check_choice, check_int, check_number
 from titan_ckpt.formats.base import select_keys
-from titan_ckpt.layout import commit_step, hash_files
+from titan_ckpt.layout import commit_step, hash_files, read_manifest, verify_step
 
 CONFIG_ERROR = CheckpointConfigError
 
@@ -99,7 +97,7 @@ def test_commit_step_takes_other_ranks_hashes_and_hashes_the_rest(tmp_path):
     assert list(theirs) == ["__1_0.distcp"]
     (algorithm,) = (k for k in theirs["__1_0.distcp"] if k != "size")
     theirs["__1_0.distcp"][algorithm] = "0" * 32  # taken as given: not hashed again
-    manifest = titan_ckpt.Manifest(step=1, world_size=2, states=["model"], model_only=True)
+    manifest = titan_ckpt.layout.Manifest(step=1, world_size=2, states=["model"], model_only=True)
     commit_step(storage, str(tmp_path), manifest, theirs)
     written = read_manifest(storage, str(tmp_path))
     assert sorted(written.files) == ["__0_0.distcp", "__1_0.distcp"]

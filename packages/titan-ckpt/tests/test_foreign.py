@@ -18,16 +18,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from titan_ckpt import (
-    OWNER_MARKER,
     CheckpointConfig,
     CheckpointConfigError,
     CheckpointManager,
     OptimizerState,
     check_folder_contents,
-    classify_step,
-    scan_steps,
     storage_for,
 )
+from titan_ckpt.layout import OWNER_MARKER, classify_step, scan_steps
 
 
 class Recorder:
@@ -247,14 +245,16 @@ def test_saving_over_a_step_that_is_a_symlink_leaves_its_target(common, tmp_path
     assert (folder / "step-3").is_symlink()
 
 
-def test_seed_checkpoint_refuses_a_foreign_step_0(common, tmp_path):
+def test_a_model_only_save_refuses_a_foreign_step_0(common, tmp_path):
+    """A trainer's seed checkpoint (``save(0, force=True, model_only=True)``) over a plain
+    DCP step 0: refused up front and at the save, nothing touched."""
     write_plain_dcp(tmp_path / "step-0")
     before = snapshot(tmp_path)
-    run, _ = manager(common, tmp_path, create_seed_checkpoint=True)
+    run, _ = manager(common, tmp_path)
     with pytest.raises(CheckpointConfigError, match="step-0"):
-        check_folder_contents(run.config, final_step=0)
+        check_folder_contents(run.config)
     with pytest.raises(CheckpointConfigError, match="Cannot save step 0"):
-        run.save(0)
+        run.save(0, force=True, model_only=True)
     run.close()
     assert snapshot(tmp_path) == before
 

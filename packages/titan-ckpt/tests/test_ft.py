@@ -36,10 +36,10 @@ from titan_ckpt import (
     CheckpointManager,
     FaultToleranceOptions,
     OptimizerState,
-    scan_steps,
     storage_for,
 )
 from titan_ckpt.formats.dcp import DcpSource
+from titan_ckpt.layout import scan_steps
 
 # torchft 0.2.0 logs through the deprecated Logger.warn; that is its business, not ours.
 pytestmark = [

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_ckpt import COMMIT_MARKER
+from titan_ckpt.layout import COMMIT_MARKER
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -20,7 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_ckpt import (
-    COMMIT_MARKER,
     CheckpointConfig,
     CheckpointIntegrityError,
     CheckpointManager,
@@ -32,7 +31,7 @@ from titan_ckpt.formats import hashing
 from titan_ckpt.formats.hashing import HashingStream
 from titan_ckpt.formats.pickles import stored_member
 from titan_ckpt.formats.torch_save import TorchSource
-from titan_ckpt.layout import Manifest, commit_step
+from titan_ckpt.layout import COMMIT_MARKER, Manifest, commit_step
 from titan_ckpt.load_plan import shares
 from titan_ckpt.lock import LOCK_FILE
 

@@ -8,12 +8,8 @@ import json
 import pytest
 import torch
 
-from titan_ckpt import (
-    COMMIT_MARKER,
-    CheckpointConfig,
-    CheckpointIntegrityError,
-    CheckpointManager,
-)
+from titan_ckpt import CheckpointConfig, CheckpointIntegrityError, CheckpointManager
+from titan_ckpt.layout import COMMIT_MARKER
 
 
 def saved_run(common, folder, **config):

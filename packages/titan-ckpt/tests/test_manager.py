@@ -1,5 +1,6 @@
-"""CheckpointManager in one process: the policy (interval, first step, last step, seed,
-initial load, exclusions) checked against the real files it writes and the state it restores."""
+"""CheckpointManager in one process: the policy (interval, first step, last step, a
+model-only save, initial load, exclusions) checked against the real files it writes and the
+state it restores."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ import pytest
 import torch
 
 from titan_ckpt import (
-    COMMIT_MARKER,
     CheckpointConfig,
     CheckpointConfigError,
     CheckpointManager,
     OptimizerState,
-    scan_steps,
     storage_for,
 )
+from titan_ckpt.layout import COMMIT_MARKER, scan_steps
 
 
 class Counter:
@@ -161,14 +161,20 @@ def test_last_save_is_model_only_in_export_dtype(common, tmp_path):
     assert {m.properties.dtype for m in meta.state_dict_metadata.values()} == {torch.bfloat16}
 
 
-def test_seed_checkpoint_then_load(common, tmp_path):
-    seed = Run(common, tmp_path, create_seed_checkpoint=True)
-    assert not seed.manager.save(1)  # a seed run saves step 0 only
-    assert seed.manager.save(0)
-    seed.manager.close()
+def test_model_only_save_then_load(common, tmp_path):
+    """A trainer's seed checkpoint: ``save(0, force=True, model_only=True)`` writes the model
+    alone (no optimizer, scheduler or dataloader), which a run then resumes from."""
+    seed = Run(common, tmp_path, async_mode="async")
+    assert seed.manager.save(0, force=True, model_only=True)
+    # Written and committed when save returns, in an async mode too.
     marker = json.loads((tmp_path / "step-0" / COMMIT_MARKER).read_text())
     assert marker["model_only"]
-    assert marker["step"] == 0
+    assert (marker["step"], marker["states"]) == (0, ["model"])
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(tmp_path / "step-0")).read_metadata()
+    assert set(meta.state_dict_metadata) == set(seed.model.state_dict())
+    seed.manager.close()
 
     run = Run(common, tmp_path, seed=9)
     assert run.manager.load()

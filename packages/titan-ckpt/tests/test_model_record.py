@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from titan_ckpt import CheckpointConfig, CheckpointManager, read_manifest
+from titan_ckpt import CheckpointConfig, CheckpointManager
+from titan_ckpt.layout import read_manifest
 from titan_ckpt.storage import LocalStorage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

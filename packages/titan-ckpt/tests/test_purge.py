@@ -9,7 +9,8 @@ import logging
 import os
 import shutil
 
-from titan_ckpt import OWNER_MARKER, CheckpointConfig, CheckpointManager, LocalStorage
+from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage
+from titan_ckpt.layout import OWNER_MARKER
 
 
 class StubbornStorage(LocalStorage):

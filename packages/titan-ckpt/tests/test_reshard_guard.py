@@ -2,7 +2,8 @@
 
 Two ranks that share one data stream (data-parallel degree 1, as under tensor parallel)
 write a step; one process (degree 1) must then load its dataloader, even one that does not
-declare ``supports_resharding``, while a step written at degree 2 is refused for it.
+declare ``supports_resharding``, while a step written at degree 2 is refused for it. The
+degree is the dataloader's own ``dp_degree`` (default: the world size).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 
 import pytest
 
-from titan_ckpt import COMMIT_MARKER, CheckpointConfig, CheckpointConfigError, CheckpointManager
+from titan_ckpt import CheckpointConfig, CheckpointConfigError, CheckpointManager
+from titan_ckpt.layout import COMMIT_MARKER
 
 
 def load(common, folder, data, **kwargs) -> CheckpointManager:
@@ -40,10 +42,29 @@ def test_guard_keys_on_the_data_parallel_degree(common, torchrun, tmp_path):
     # Degree 2 -> degree 1 is a resharding this dataloader cannot do: refused, by name.
     with pytest.raises(CheckpointConfigError, match="data-parallel degree 2, this run has 1"):
         load(common, tmp_path / "dp2", common.DataPosition(supports_resharding=False))
-    # ... unless the run says it is at degree 2 too (e.g. world 4 with TP 2).
-    data = common.DataPosition(supports_resharding=False)
-    load(common, tmp_path / "dp2", data, data_parallel_degree=2)
+    # ... unless the dataloader says it is at degree 2 too (e.g. world 4 with TP 2).
+    data = common.DataPosition(supports_resharding=False, dp_degree=2)
+    load(common, tmp_path / "dp2", data)
     assert data.position == 7
+
+
+def test_the_degree_is_the_dataloaders_own(common, tmp_path):
+    """The degree recorded with a step is the dataloader's ``dp_degree`` (a trainer's loader
+    knows how many ways it shards the data), not a constructor argument; without one, the
+    world size."""
+    config = CheckpointConfig(enable=True, folder=str(tmp_path / "own"), interval=1)
+    data = common.DataPosition(supports_resharding=False, dp_degree=4)
+    with CheckpointManager(
+        config, model_parts=common.make_model(), states={"dataloader": data}
+    ) as manager:
+        manager.save(1)
+    marker = json.loads((tmp_path / "own" / "step-1" / COMMIT_MARKER).read_text())
+    assert (marker["world_size"], marker["data_parallel_degree"]) == (1, 4)
+    # Resumed by a loader of another degree that cannot reshard: refused, naming both.
+    with pytest.raises(CheckpointConfigError, match="data-parallel degree 4, this run has 1"):
+        load(common, tmp_path / "own", common.DataPosition(supports_resharding=False))
+    with pytest.raises(TypeError, match="data_parallel_degree"):
+        CheckpointManager(config, model_parts=common.make_model(), data_parallel_degree=2)
 
 
 def test_markers_without_the_degree_fall_back_to_the_world_size(common, tmp_path):

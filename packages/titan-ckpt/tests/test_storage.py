@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_ckpt import (
-    CheckpointConfig,
-    CheckpointManager,
-    FsspecStorage,
-    LocalStorage,
-    scan_steps,
-    storage_for,
-)
+from titan_ckpt import CheckpointConfig, CheckpointManager, FsspecStorage, LocalStorage, storage_for
+from titan_ckpt.layout import scan_steps
 
 pytest.importorskip("fsspec")
 

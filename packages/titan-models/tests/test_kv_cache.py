@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_models import DeepSeekV3, Llama3, ModelConfigError, deepseek_v3_args, llama3_args
 from titan_models.kv_cache import KVCache
@@ -76,6 +78,63 @@ def test_padding_slots_between_tokens_are_invisible(model):
         out = model(chunk, cache=cache)
         torch.testing.assert_close(out[0, -1], full[0, i], rtol=1e-5, atol=1e-5)
     assert cache.positions(1).tolist() == [[7]]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n_kv_heads", [1, 2])
+def test_cached_greedy_decode_of_grouped_query_heads_equals_uncached(n_kv_heads):
+    """Grouped-query attention (4 query heads over 1 or 2 key/value heads): greedy decoding
+    through the cache picks the tokens the uncached model picks from the whole sequence."""
+    torch.manual_seed(0)
+    args = llama3_args(
+        "debugmodel", vocab_size=VOCAB, max_seq_len=64, n_layers=2, dim=64, n_heads=4,
+        n_kv_heads=n_kv_heads,
+    )  # fmt: skip
+    gqa = Llama3(args)
+    gqa.init_weights()
+    gqa.eval()
+    prompt, steps = tokens(2, 5, seed=3), 10
+    uncached = prompt
+    for _ in range(steps):
+        nxt = gqa(uncached)[:, -1].argmax(dim=-1, keepdim=True)
+        uncached = torch.cat((uncached, nxt), dim=1)
+    cache = KVCache(2, 2, 5 + steps)
+    cached, logits = prompt, gqa(prompt, cache=cache)
+    for _ in range(steps):
+        nxt = logits[:, -1].argmax(dim=-1, keepdim=True)
+        cached = torch.cat((cached, nxt), dim=1)
+        logits = gqa(nxt, cache=cache)
+    assert torch.equal(cached, uncached)
+    assert cache.layer(0).k.shape == (2, n_kv_heads, 5 + steps, 16)  # grouped heads stored
+
+
+class _LargestOutput(TorchDispatchMode):
+    """The largest number of elements any op's output has (what the ops allocate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+@torch.no_grad()
+def test_decoding_reads_grouped_heads_without_repeating_the_cache():
+    """A decode step with 1 key/value head for 4 query heads allocates nothing of the size of
+    the cache repeated for every query head (batch x heads x slots x head_dim)."""
+    cache = KVCache(1, 2, 256)
+    layer = cache.layer(0)
+    layer.attend(*(torch.randn(2, h, 200, 16) for h in (4, 1, 1)))
+    cache.advance(200)
+    with _LargestOutput() as seen:
+        out = layer.attend(*(torch.randn(2, h, 1, 16) for h in (4, 1, 1)))
+    assert out.shape == (2, 4, 1, 16)
+    assert seen.largest < 2 * 4 * 201 * 16
 
 
 def test_forward_without_a_cache_is_the_training_path(model):

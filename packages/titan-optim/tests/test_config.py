@@ -17,7 +17,7 @@ def test_defaults_are_valid():
     [
         (
             {"name": "Adamw"},
-            r"optimizer.name='Adamw' is not allowed; choose one of 'Adam', 'AdamW', 'SGD'",
+            r"optimizer.name='Adamw' is not allowed; choose one of 'Adam', 'AdamW', 'Muon', 'SGD'",
         ),
         ({"lr": -0.1}, r"optimizer.lr=-0.1 is not allowed; it must be a finite number >= 0"),
         ({"lr": float("nan")}, r"optimizer.lr=nan is not allowed; it must be a finite number >= 0"),

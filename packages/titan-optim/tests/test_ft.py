@@ -126,6 +126,40 @@ def test_uncommitted_step_is_skipped(manager):
     assert torch.equal(model.weight, before)
 
 
+def _counted_step(optimizers, model, counts, *, fail=False, nonfinite=False):
+    """One step with ``counts`` (a registered buffer) set to local values [5, 7]; returns
+    what the after-step hook saw (None if it did not run)."""
+    seen = []
+    handle = optimizers.optimizers.register_step_post_hook(lambda _c: seen.append(counts.tolist()))
+    optimizers.zero_grad()
+    counts.copy_(torch.tensor([5, 7]))
+    model(torch.randn(4, 3)).sum().backward()
+    if nonfinite:
+        model.weight.grad[0, 0] = float("nan")
+    if fail:
+        manager = optimizers.manager
+        manager.report_error(RuntimeError("a peer failed mid-allreduce"))
+    optimizers.clip_grad_norm_(1.0)
+    optimizers.step()
+    handle.remove()
+    return seen[0] if seen else None
+
+
+def test_summed_buffers_reach_the_after_step_hook_of_committed_steps_only(manager):
+    """One replica group (the sum is the local value; two groups: the test below): a
+    committed step's hook reads the buffer, a skipped or uncommitted step runs no hook and
+    leaves the local values."""
+    model = nn.Linear(3, 2)
+    optimizers = FTOptimizersContainer(build_optimizers(model), manager)
+    counts = torch.zeros(2, dtype=torch.int64)
+    optimizers.sum_over_replica_groups(lambda: [counts])
+    assert _counted_step(optimizers, model, counts) == [5, 7]
+    assert _counted_step(optimizers, model, counts, nonfinite=True) is None
+    assert counts.tolist() == [5, 7]
+    assert _counted_step(optimizers, model, counts, fail=True) is None
+    assert counts.tolist() == [5, 7]
+
+
 def _count_allreduces(manager, monkeypatch):
     calls = []
     real = manager.allreduce
@@ -178,7 +212,9 @@ def test_bucket_cap_must_be_a_size():
 def test_two_replica_groups_average_in_buckets_with_fewer_allreduces(torchft, tmp_path):
     """Two replica groups (processes) under a real lighthouse, gloo: bucketed averages are
     bit for bit the per-gradient ones and the mean of both groups' gradients, in one
-    all-reduce per (dtype) bucket instead of one per parameter."""
+    all-reduce per (dtype) bucket instead of one per parameter; a buffer registered with
+    ``sum_over_replica_groups`` is the exact int64 sum of both groups' (local again after a
+    skipped step)."""
     import json
     import os
     import subprocess
@@ -225,8 +261,18 @@ def test_two_replica_groups_average_in_buckets_with_fewer_allreduces(torchft, tm
             assert result[step]["contiguous"] == [False, True, False, True]  # left in place
             for got, want in zip(result[step]["grads"], expected, strict=True):
                 torch.testing.assert_close(torch.tensor(got), want, atol=0, rtol=0)
+        # The registered int64 buffer: summed over both groups, exactly.
+        summed = ft_buckets.replica_counts(0, int(step)) + ft_buckets.replica_counts(1, int(step))
+        for result in results:
+            assert result[step]["counts"] == summed.tolist()
+    for replica, result in enumerate(results):  # the skipped step: local values again
+        assert result["skipped"] == {
+            "counts": ft_buckets.replica_counts(replica, 4).tolist(),
+            "skips": 1,
+        }
     # Gradients: fp32 4x6 and 4, bf16 3x4 and 3. Per gradient: 4 calls; 25 MiB buckets: one
-    # per dtype; 64-byte buckets: fp32 weight (96 bytes) alone, then bias; bf16 in one.
-    assert results[0]["1"]["allreduce_numels"] == [24, 4, 12, 3]
-    assert results[0]["2"]["allreduce_numels"] == [28, 15]
-    assert results[0]["3"]["allreduce_numels"] == [24, 4, 15]
+    # per dtype; 64-byte buckets: fp32 weight (96 bytes) alone, then bias; bf16 in one. Then
+    # the summed buffer (3 elements).
+    assert results[0]["1"]["allreduce_numels"] == [24, 4, 12, 3, 3]
+    assert results[0]["2"]["allreduce_numels"] == [28, 15, 3]
+    assert results[0]["3"]["allreduce_numels"] == [24, 4, 15, 3]

@@ -25,6 +25,7 @@ BAD_COMMAND_LINES = [
     (["--optimizer.betas", "1.5", "0.9"], "optimizer.betas"),
     (["--optimizer.implementation", "turbo"], "optimizer.implementation"),
     (["--optimizer.eps", "-1"], "optimizer.eps"),
+    (["--optimizer.muon.adjust_lr_fn", "none"], "optimizer.muon.adjust_lr_fn"),
     (["--lr_scheduler.decay_type", "exp"], "decay_type"),
     (["--lr_scheduler.warmup_steps", "-1"], "warmup_steps"),
     (["--lr_scheduler.min_lr_factor", "2"], "min_lr_factor"),

@@ -163,3 +163,23 @@ def test_help_lists_every_option_with_its_default(capsys):
     ):
         assert option in out
     assert isinstance(JobConfig(), JobConfig)
+
+
+def test_the_seed_checkpoint_is_a_trainer_setting_under_torchtitans_key(tmp_path):
+    """``checkpoint.create_seed_checkpoint`` is titan-train's (``CheckpointSection``), not
+    titan-ckpt's ``CheckpointConfig``; torchtitan's TOML key and flag still set it."""
+    from titan_ckpt import CheckpointConfig
+    from titan_train.config import CheckpointSection
+
+    assert "create_seed_checkpoint" not in CheckpointConfig.__dataclass_fields__
+    assert CheckpointSection.__dataclass_fields__["create_seed_checkpoint"].default is False
+    path = tmp_path / "seed.toml"
+    path.write_text("[checkpoint]\nenable_checkpoint = true\ncreate_seed_checkpoint = true\n")
+    assert parse_job_config(["--job.config_file", str(path)]).checkpoint.create_seed_checkpoint
+    assert parse_job_config(
+        ["--checkpoint.create_seed_checkpoint"]
+    ).checkpoint.create_seed_checkpoint
+    with pytest.raises(ConfigError, match=r"^checkpoint.create_seed_checkpoint=true needs "):
+        CheckpointSection(create_seed_checkpoint=True, enable=False)
+    with pytest.raises(ConfigError, match=r"needs .* checkpoint.load_only=false"):
+        CheckpointSection(create_seed_checkpoint=True, load_only=True)

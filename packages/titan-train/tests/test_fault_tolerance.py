@@ -423,3 +423,20 @@ def test_a_killed_replica_group_heals_from_its_live_peer_and_rejoins(tmp_path):
     assert survivor["validation/loss"][KILL_STEPS] == healed["validation/loss"][KILL_STEPS]
     if loaded > killed_at:  # down at step N: its data goes on from its own older state
         assert f"Replica group 1 has no committed dataloader state at step {loaded}" in restarted
+
+
+@pytest.mark.slow
+def test_replica_groups_nudge_expert_biases_by_the_same_total_counts(tmp_path):
+    """DeepSeek-V3 (MoE) as two replica groups, each on its own data: the token counts are
+    summed over both groups before each commit, so both log the same expert load (shares of
+    the summed counts) and nudge their biases alike; before, each group read only its own
+    tokens and their routing drifted apart."""
+    pytest.importorskip("torchft")
+    moe = ["--model.name", "deepseek_v3", "--training.steps", "2", "--validation.no_enable"]
+    moe += ["--checkpoint.no_enable"]
+    _replica_groups(tmp_path, *moe)
+    first, second = (_records(tmp_path / f"ft-replica-{r}" / "metrics.jsonl") for r in (0, 1))
+    assert first["loss"][1] != second["loss"][1]  # different tokens
+    load = {k: v for k, v in first.items() if k.startswith("moe/")}
+    assert load
+    assert load == {k: second[k] for k in load}

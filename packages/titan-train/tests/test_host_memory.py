@@ -69,3 +69,48 @@ def test_the_key_is_on_by_default_and_can_be_turned_off():
     assert parse_job_config([]).training.reuse_host_memory is True
     off = parse_job_config(["--training.no_reuse_host_memory"])
     assert off.training.reuse_host_memory is False
+
+
+_LIBRARY_RUN = """
+import json, resource, sys
+import torch
+from titan_train import run
+from titan_train.config import parse_job_config
+run(parse_job_config(sys.argv[1:]))
+faults = []
+for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = torch.empty(16 << 20)
+    block.fill_(1.0)
+    del block
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": faults[1:]}))
+"""
+
+
+@glibc_only
+def test_a_program_calling_run_keeps_its_own_allocator(tmp_path):
+    # The key is on by default, but only the titan-train command applies it to its process.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LIBRARY_RUN,
+            "--training.steps",
+            "1",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "1",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    faults = json.loads(out.stdout.strip().splitlines()[-1])["faults"]
+    assert min(faults) > 16_000, faults

@@ -44,6 +44,21 @@ def test_a_plain_config_plans_one_process(tmp_path):
     assert not (tmp_path / "out").exists(), "preflight writes nothing"
 
 
+def test_a_seed_checkpoint_in_a_world_of_several_is_refused_before_any_work(tmp_path):
+    """The seed is written by one process (as torchtitan requires): preflight refuses it in a
+    world of two, in one line, before the model or the checkpoint folder exists."""
+    config = job(tmp_path)
+    config.checkpoint.create_seed_checkpoint = True
+    assert preflight(config, world(1)).checkpoint.folder == str(tmp_path / "out" / "checkpoint")
+    with pytest.raises(ConfigError) as info:
+        preflight(config, world(2))
+    assert str(info.value) == (
+        "checkpoint.create_seed_checkpoint=true writes the seed from one process, but this run "
+        "has 2; run it alone (no --nproc-per-node, no torchrun)."
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_context_parallel_implementation_is_resolved_once_into_the_plan(tmp_path):
     config = job(
         tmp_path, parallelism=degrees(data_parallel_shard=1, context_parallel=2, tensor_parallel=2)
@@ -235,6 +250,7 @@ def test_frequent_checkpoints_of_a_large_model_are_warned_about(tmp_path, caplog
     writes ~96 GB (issue 18, F27): one warning line, the run goes on."""
     config = job(tmp_path)
     config.model.flavor = "8B"
+    config.training.memory_check = False  # 8B does not fit on every machine the tests run on
     message = checkpoint_cost_warning(config, preflight(job(tmp_path), world()).spec)
     assert message.startswith("checkpoint.interval=10 saves a 8.0B-parameter model (~96 GB")
     with caplog.at_level("WARNING", logger="titan_train"):
@@ -243,3 +259,45 @@ def test_frequent_checkpoints_of_a_large_model_are_warned_about(tmp_path, caplog
     config.checkpoint.interval = 500
     assert checkpoint_cost_warning(config, preflight(config, world()).spec) is None
     assert checkpoint_cost_warning(job(tmp_path), preflight(job(tmp_path), world()).spec) is None
+
+
+def test_a_model_whose_state_cannot_fit_on_this_host_is_refused_before_any_work(tmp_path):
+    # 405B parameters in fp32 with AdamW's moments: ~6 TB, more than any one host has.
+    config = job(tmp_path)
+    config.model.flavor = "405B"
+    with pytest.raises(ConfigError, match=r"cannot fit in host memory: .* 16 bytes") as refused:
+        preflight(config, world())
+    assert "--training.no_memory_check" in str(refused.value)
+    assert "sharded" in str(refused.value)  # what would fit
+    config.training.memory_check = False
+    preflight(config, world())
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_ranks_a_launcher_would_start_on_this_host_count_together(tmp_path):
+    from titan_train.memory_fit import _resident_bytes, host_memory
+
+    available = host_memory().available
+    ranks = available // _resident_bytes() + 1  # each as big as this process: too many
+    launching = World(rank=0, world_size=ranks, device=CPU, local_world_size=ranks, started=False)
+    with pytest.raises(ConfigError, match=rf"{ranks} rank\(s\) on this host .* --nproc-per-node"):
+        preflight(job(tmp_path), launching)
+    # The same ranks spread one per host fit.
+    preflight(job(tmp_path), World(rank=0, world_size=ranks, device=CPU, started=False))
+
+
+@pytest.mark.parametrize(
+    ("name", "momentum", "per_param"), [("AdamW", 0.0, 16), ("SGD", 0.0, 8), ("SGD", 0.9, 12)]
+)
+def test_the_model_state_floor_counts_weights_gradients_and_moments(name, momentum, per_param):
+    from titan_train.memory_fit import model_state_bytes
+
+    config = JobConfig()
+    config.optimizer.name, config.optimizer.momentum = name, momentum
+    assert model_state_bytes(config, 1000) == 1000 * per_param
+
+
+def test_the_command_refuses_an_unfitting_run_in_seconds_writing_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model.flavor", "405B", "--training.steps", "1"]) == 2
+    assert list(tmp_path.iterdir()) == []

@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titan_ckpt import CheckpointConfig, LocalStorage, lock_checkpoint_folder, scan_steps
+from titan_ckpt import CheckpointConfig, LocalStorage, lock_checkpoint_folder
 from titan_ckpt.commands.cli import main as titan_ckpt_main
+from titan_ckpt.layout import scan_steps
 from titan_train.cli import main
 
 TINY = [

@@ -81,6 +81,24 @@ def test_loss_is_the_mean_over_the_first_steps_and_repeats(tokenizer, model, cor
     assert model.training
 
 
+def test_a_failed_evaluation_leaves_each_part_in_the_mode_it_had(tokenizer, model, corpus):
+    config = ValidationConfig(enable=True, dataset=corpus, steps=1, seq_len=SEQ, local_batch_size=2)
+    validator = _validator(config, tokenizer)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    frozen = torch.nn.Linear(2, 2).eval()  # a part the caller keeps in eval mode
+    handle = model.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            validator.validate([model, frozen])
+    finally:
+        handle.remove()
+    assert model.training
+    assert not frozen.training
+
+
 def test_minus_one_steps_reads_the_whole_finite_set(tokenizer, model, corpus):
     config = ValidationConfig(
         enable=True, dataset=corpus, steps=-1, seq_len=SEQ, local_batch_size=2

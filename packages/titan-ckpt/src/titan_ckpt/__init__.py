@@ -8,7 +8,7 @@ tensor-by-tensor form, ``StreamingStateDictAdapter``) is the seam through which 
 packages provide Hugging Face conversion.
 
 A step directory titan did not create is never deleted, overwritten or written into:
-``classify_step`` tells ours from torchtitan's and foreign ones,
+``titan_ckpt.layout.classify_step`` tells ours from torchtitan's and foreign ones,
 ``check_folder_contents`` stops a run early on a folder it cannot use safely, and
 torchtitan checkpoints resume through ``TorchtitanCompat``. One run writes a folder at a
 time: ``lock_checkpoint_folder`` (``titan_ckpt.lock``), which a saving manager takes itself.
@@ -17,9 +17,8 @@ The package has three layers: the runtime at the top level (``manager``, ``layou
 ``storage``, ``hf``, ...), ``titan_ckpt.formats`` (DCP, safetensors, torch.save: readers and
 writers) and ``titan_ckpt.commands`` (inspect, verify, diff, convert and the ``titan-ckpt``
 command). Every error raised on purpose is a ``CheckpointError`` (``titan_ckpt.errors``).
-``COMMIT_MARKER``, ``OWNER_MARKER``, ``Manifest``, ``read_manifest``, ``scan_steps`` and
-``verify_step`` belong to the on-disk layout (``titan_ckpt.layout``); they stay here for the
-code that imports them from the package.
+The on-disk layout (commit and owner markers, the manifest, scanning, classifying and
+verifying steps) is ``titan_ckpt.layout``'s face.
 """
 
 from titan_ckpt.__about__ import __version__
@@ -42,16 +41,6 @@ from titan_ckpt.errors import (
     UnsafeCheckpointError,
 )
 from titan_ckpt.ft import FaultToleranceOptions
-from titan_ckpt.layout import (
-    COMMIT_MARKER,
-    OWNER_MARKER,
-    Manifest,
-    StepScan,
-    classify_step,
-    read_manifest,
-    scan_steps,
-    verify_step,
-)
 from titan_ckpt.load_plan import Loaded
 from titan_ckpt.lock import lock_checkpoint_folder
 from titan_ckpt.manager import CheckpointManager
@@ -63,9 +52,7 @@ from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint
 
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
-    "COMMIT_MARKER",
     "MODEL_RECORD",
-    "OWNER_MARKER",
     "CheckpointConfig",
     "CheckpointConfigError",
     "CheckpointError",
@@ -80,11 +67,9 @@ __all__ = [
     "FsspecStorage",
     "Loaded",
     "LocalStorage",
-    "Manifest",
     "ModelState",
     "OptimizerState",
     "StateDictAdapter",
-    "StepScan",
     "Storage",
     "StreamingStateDictAdapter",
     "TorchtitanCompat",
@@ -92,12 +77,8 @@ __all__ = [
     "__version__",
     "check_folder_contents",
     "check_folder_writable",
-    "classify_step",
     "is_torchtitan_checkpoint",
     "load_state_dict_adapter",
     "lock_checkpoint_folder",
-    "read_manifest",
-    "scan_steps",
     "storage_for",
-    "verify_step",
 ]

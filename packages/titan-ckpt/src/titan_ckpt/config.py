@@ -66,8 +66,6 @@ class CheckpointConfig:
     """Largest safetensors file (bytes) of the last_save_in_hf export: beyond it the export is
     split into model-0000k-of-0000n.safetensors files plus model.safetensors.index.json, as
     Hugging Face shards checkpoints (not a torchtitan key)."""
-    create_seed_checkpoint: bool = False
-    """This run only writes the initial model as step-0 (model only, one process) and stops."""
     enable_first_step_checkpoint: bool = False
     """Also save after step 1, to prove checkpointing works on new storage early."""
     load_only: bool = False
@@ -97,7 +95,6 @@ class CheckpointConfig:
             "initial_load_in_hf",
             "last_save_model_only",
             "last_save_in_hf",
-            "create_seed_checkpoint",
             "enable_first_step_checkpoint",
             "load_only",
             "verify_checksums",
@@ -170,10 +167,6 @@ class CheckpointConfig:
             raise CheckpointConfigError(
                 "checkpoint.last_save_in_hf=true needs checkpoint.last_save_model_only=true: "
                 "safetensors hold tensors only, not optimizer or training state."
-            )
-        if self.create_seed_checkpoint and not self.enable:
-            raise CheckpointConfigError(
-                "checkpoint.create_seed_checkpoint=true needs checkpoint.enable=true."
             )
 
     @property

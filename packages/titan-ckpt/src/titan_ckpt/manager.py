@@ -83,16 +83,15 @@ class CheckpointManager:
             parameters; saved by FQN as an ``OptimizerState``), or anything with
             ``state_dict()`` and ``load_state_dict()`` (LR schedulers, dataloader, train
             state). ``None`` values are skipped, so an optional dataloader can be passed as is.
-            A dataloader saved at one world size loads at another only if it has an attribute
-            ``supports_resharding = True``.
+            The ``dataloader`` state may say how many ways it shards the data (its
+            data-parallel degree) with an attribute ``dp_degree``; default: the world size.
+            Each step records that degree, and a resume at another degree loads the
+            dataloader only if it has an attribute ``supports_resharding = True``.
         state_dict_adapter: converts the model to and from Hugging Face names; needed for
             ``last_save_in_hf`` and ``initial_load_in_hf``.
         storage: where checkpoints live; default from ``config.folder`` (local, or fsspec URL).
         process_group: the ranks that checkpoint together; default all. Async modes create a
             dedicated gloo group so background collectives never interleave with training's.
-        data_parallel_degree: how many ways the dataloader shards the data (the trainer's
-            data-parallel degree); recorded in each step, and a resume at another degree
-            loads the dataloader only if it ``supports_resharding``. Default: the world size.
         metadata: JSON-serializable facts recorded in every step's commit manifest
             (``Manifest.metadata``), e.g. ``{"model": {"name": ..., "flavor": ..., "args":
             {...}}}``, which ``titan-ckpt convert`` uses to describe the model.
@@ -119,7 +118,6 @@ class CheckpointManager:
         state_dict_adapter: StateDictAdapter | None = None,
         storage: Storage | None = None,
         process_group: dist.ProcessGroup | None = None,
-        data_parallel_degree: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         folder_lock: FolderLock | None = None,
         ft: FaultToleranceOptions | None = None,
@@ -136,7 +134,6 @@ class CheckpointManager:
         self.checksum = resolve_checksum(config.checksum)
         """The algorithm the manifests of this manager's saves use (``config.checksum``
         resolved: ``auto`` is ``xxh3_128`` where ``xxhash`` is installed, else ``sha256``)."""
-        self.data_parallel_degree = data_parallel_degree
         self.folder = config.folder
         self.last_loaded_step: int | None = None
         self.loaded_metadata: dict[str, Any] | None = None
@@ -226,11 +223,6 @@ class CheckpointManager:
             require_safetensors("checkpoint.last_save_in_hf")
         if cfg.initial_load_in_hf:
             require_safetensors("checkpoint.initial_load_in_hf")
-        if cfg.create_seed_checkpoint and self._distributed and dist.get_world_size() > 1:
-            raise CheckpointConfigError(
-                f"checkpoint.create_seed_checkpoint=true runs in one process, but the world "
-                f"size is {dist.get_world_size()}; run it with a single process (no torchrun)."
-            )
         if cfg.async_mode == "async_with_pinned_mem" and self._distributed:
             check_main_guard()  # the writer is a spawned process only with a process group
         check_folder_writable(cfg, self.storage)
@@ -271,12 +263,22 @@ class CheckpointManager:
         return saves_step(self.config, curr_step, last_step=last_step)
 
     @gc_paused
-    def save(self, curr_step: int, *, last_step: bool = False, force: bool = False) -> bool:
+    def save(
+        self,
+        curr_step: int,
+        *,
+        last_step: bool = False,
+        force: bool = False,
+        model_only: bool = False,
+    ) -> bool:
         """Checkpoint step ``curr_step`` if the policy says so (or ``force``); True if saved.
 
-        In ``disabled`` mode the step is committed when this returns. In async modes this
-        returns after staging; the write and commit finish in the background (the last step
-        and a seed checkpoint are always written synchronously).
+        ``model_only`` saves the model alone, no other state (e.g. a trainer's seed
+        checkpoint: ``save(0, force=True, model_only=True)``); so does the last step with
+        ``last_save_model_only``. In ``disabled`` mode the step is committed when this
+        returns. In async modes this returns after staging; the write and commit finish in
+        the background (the last step and a model-only save are always written
+        synchronously).
         """
         if not (force and self.config.enable) and not self.should_save(
             curr_step, last_step=last_step
@@ -285,7 +287,7 @@ class CheckpointManager:
         self.wait()  # saves never overlap
         begin = time.monotonic()
         cfg = self.config
-        model_only = cfg.create_seed_checkpoint or (last_step and cfg.last_save_model_only)
+        model_only = model_only or (last_step and cfg.last_save_model_only)
         shared_states = self._shared_states()
         if self.ft is not None:
             if self.ft.dataloader_checkpoints and not model_only:
@@ -303,7 +305,7 @@ class CheckpointManager:
         names = [MODEL] + ([] if model_only else sorted(shared_states))
         manifest = self._manifest(curr_step, names, model_only=model_only)
         needed = self._watch.step_bytes(state, "model" if model_only else "full")
-        synchronous = cfg.async_mode == "disabled" or last_step or cfg.create_seed_checkpoint
+        synchronous = cfg.async_mode == "disabled" or last_step or model_only
         if synchronous:
             hf = last_step and cfg.last_save_in_hf
             self._write_sync(directory, state, manifest, self._purger, hf=hf, needed=needed)
@@ -360,7 +362,10 @@ class CheckpointManager:
         )
 
     def _data_parallel_degree(self) -> int:
-        return self.data_parallel_degree or self._world_size()
+        """How many ways the dataloader shards the data: its own ``dp_degree`` (under tensor
+        parallel fewer than the ranks, which share a stream), else the world size."""
+        degree = getattr(self.states.get(DATALOADER), "dp_degree", None)
+        return degree if isinstance(degree, int) and degree >= 1 else self._world_size()
 
     def _write_sync(
         self,

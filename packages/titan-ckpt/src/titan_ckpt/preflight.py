@@ -119,8 +119,6 @@ def saves_step(config: CheckpointConfig, step: int, *, last_step: bool = False) 
     """Whether the save policy of ``config`` writes a checkpoint after step ``step``."""
     if not config.enable or config.load_only:
         return False
-    if config.create_seed_checkpoint:
-        return step == 0
     if last_step or step % config.interval == 0:
         return True
     return step == 1 and config.enable_first_step_checkpoint
@@ -162,8 +160,7 @@ def _collisions(config: CheckpointConfig, scan: StepScan, final_step: int) -> li
     return [
         s
         for s in scan.torchtitan
-        if (start < s <= final_step and saves_step(config, s, last_step=s == final_step))
-        or (config.create_seed_checkpoint and s == 0)
+        if start < s <= final_step and saves_step(config, s, last_step=s == final_step)
     ]
 
 

@@ -81,11 +81,14 @@ class TrainState:
 
 
 class DataPosition:
-    """A dataloader's position as a Stateful; ``supports_resharding`` as the manager reads it."""
+    """A dataloader's position as a Stateful; ``supports_resharding`` and ``dp_degree`` (when
+    given: how many ways it shards the data) as the manager reads them."""
 
-    def __init__(self, supports_resharding: bool = True) -> None:
+    def __init__(self, supports_resharding: bool = True, dp_degree: int | None = None) -> None:
         self.position = 0
         self.supports_resharding = supports_resharding
+        if dp_degree is not None:
+            self.dp_degree = dp_degree
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}

@@ -17,7 +17,8 @@ import sys
 import torch
 
 import titan_ckpt.manager
-from titan_ckpt import COMMIT_MARKER, CheckpointConfig, CheckpointManager
+from titan_ckpt import CheckpointConfig, CheckpointManager
+from titan_ckpt.layout import COMMIT_MARKER
 
 
 def die(*args, **kwargs):

@@ -1,5 +1,6 @@
 """Two ranks that both hold the whole model (as tensor-parallel ranks share one data
-stream) save step 1 twice: once declaring data-parallel degree 1, once degree 2.
+stream) save step 1 twice: once with a dataloader of data-parallel degree 1 (its
+``dp_degree``), once of degree 2.
 
     torchrun --nproc-per-node 2 save_dp.py OUT_DIR FOLDER
 """
@@ -18,15 +19,13 @@ def main() -> None:
     init()
     folder = sys.argv[2]
     model = make_model()
-    data = DataPosition(supports_resharding=False)
-    data.position = 7
     for degree in (1, 2):
+        data = DataPosition(supports_resharding=False, dp_degree=degree)
+        data.position = 7
         config = CheckpointConfig(
             enable=True, folder=os.path.join(folder, f"dp{degree}"), interval=1
         )
-        with CheckpointManager(
-            config, model_parts=model, states={"dataloader": data}, data_parallel_degree=degree
-        ) as manager:
+        with CheckpointManager(config, model_parts=model, states={"dataloader": data}) as manager:
             manager.save(1)
 
 

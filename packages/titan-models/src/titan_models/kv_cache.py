@@ -33,7 +33,6 @@ import torch
 from torch.nn import functional
 
 from titan_models.errors import ModelConfigError
-from titan_models.ops import repeat_kv
 
 __all__ = ["KVCache", "LayerKVCache", "cached_forward"]
 
@@ -174,11 +173,15 @@ class LayerKVCache:
     ) -> torch.Tensor:
         """``softmax(q K^T * scale + mask) V`` of the new queries (batch, heads, seq, dim)
         over every stored key, after storing ``k`` and ``v`` (batch, kv_heads, seq, dim);
-        grouped-query heads are repeated. Returns (batch, heads, seq, v_dim)."""
+        each key/value head serves ``heads / kv_heads`` consecutive query heads. Returns
+        (batch, heads, seq, v_dim)."""
         keys, values = self.update(k, v)
-        keys, values = repeat_kv(keys, values, q.shape[1] // keys.shape[1])
         mask = self.cache.mask(q.shape[2], q.device)
-        return functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        # enable_gqa: attention reads the grouped heads in place; repeating them would copy
+        # the whole cache for every query head at every decode step.
+        return functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+        )
 
 
 def cached_forward(model: torch.nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -57,7 +57,10 @@ class ModelSpec:
     """``post_step_fn(model_parts, parallel_dims)`` -> what to run after every optimizer step
     taken (a trainer registers it as the optimizer container's step post-hook), or ``None``;
     e.g. the mixture-of-experts bias update, which all-reduces the tokens each expert received
-    over the data-parallel and context-parallel ranks."""
+    over the data-parallel and context-parallel ranks. If what it returns has a
+    ``replica_summed_buffers()`` method, a trainer with torchft replica groups sums those
+    tensors over the groups before each commit (titan-optim's
+    ``FTOptimizersContainer.sum_over_replica_groups``), so every group updates alike."""
     metrics_fn: Callable[[Sequence[nn.Module]], Mapping[str, float]] | None = None
     """``metrics_fn(model_parts)`` -> named numbers a trainer logs at its reporting steps
     (e.g. the share of tokens each expert received). It may read the device: call it only

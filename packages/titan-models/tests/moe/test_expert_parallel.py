@@ -7,8 +7,9 @@ order), to fp32 rounding with the padded fallback. With FSDP2 as the DeepSeek-V3
 dp_shard_cp): the same, gradients averaged over all ranks. The
 router's and shared expert's gradients are per-rank partial sums, added over ranks: equal
 to fp32 rounding (under FSDP the output too: see the test). Also: DCP checkpoints saved at
-ep = world load at ep 1 (and ep 2 of 4), and uneven experts or a dense model are refused
-with ModelConfigError."""
+ep = world load at ep 1 (and ep 2 of 4), uneven experts or a dense model are refused
+with ModelConfigError, and a forward reads tensor values on the host once (counted by a
+dispatch mode: a device-to-host sync each on an accelerator)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ NAMES = {
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def results(request, tmp_path_factory, run_torchrun):
     out = tmp_path_factory.mktemp(f"ep{request.param}")
-    extra = ("fsdp", "meta", "reshard", "refusals")
+    extra = ("fsdp", "meta", "reshard", "refusals", "host_reads")
     return run_torchrun("moe_expert_parallel.py", request.param, out, *CASES, *extra)
 
 
@@ -83,6 +84,12 @@ def test_built_on_meta_sharded_then_initialized(results):
 
 def test_uneven_experts_and_dense_models_are_refused(results):
     assert results["refusals"] == [0.0]
+
+
+def test_one_host_read_per_forward(results):
+    """Both split lists reach the host in one copy; repeat_interleave is given its size (a
+    second sync on an accelerator without it)."""
+    assert results["host_reads"] == [1.0]
 
 
 def test_check_expert_parallel_names_the_allowed_degrees():

@@ -113,3 +113,12 @@ def test_every_family_accepts_a_layout_within_the_rules(family):
     _check(family, hsdp_tp_cp, config, {}, experts=False)
     experts = FAMILIES[family][2] is not None
     _check(family, {"pp": 2, "dp_shard": 2, "ep": 2 if experts else 1}, {}, {}, experts=experts)
+
+
+def test_document_masking_is_refused_with_context_parallel_only() -> None:
+    from titan_models.parallel import check_document_masking
+
+    with pytest.raises(ModelConfigError, match="context parallel \\(cp=2\\)"):
+        check_document_masking(ParallelDims(world_size=4, cp=2, dp_shard=2, device_type="cpu"))
+    for degrees in ({"dp_shard": 2, "tp": 2}, {"pp": 2, "dp_shard": 2}, {"ep": 2, "dp_shard": 4}):
+        check_document_masking(ParallelDims(world_size=4, device_type="cpu", **degrees))

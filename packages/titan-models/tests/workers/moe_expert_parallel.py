@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from titan_dims import ParallelDims, init_distributed
@@ -184,6 +185,54 @@ def refusals() -> list[float]:
     return [failures]
 
 
+class HostReads(TorchDispatchMode):
+    """Counts the host reads of tensor values within it (a device-to-host sync on an
+    accelerator): ``.item()``/``int()``/``bool()`` (``_local_scalar_dense``), copies to the
+    host, ``repeat_interleave`` without ``output_size`` and ``nonzero`` (both read a size);
+    and ``.tolist()``, which a CPU tensor answers without dispatching an op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __enter__(self):
+        original = self._tolist = torch.Tensor.tolist
+
+        def tolist(tensor: torch.Tensor):
+            self.count += 1
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        sized = func == aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        if sized or func in (aten._local_scalar_dense.default, aten.nonzero.default):
+            self.count += 1
+        elif func == aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            self.count += args[0].device.type != "cpu"
+        return func(*args, **kwargs)
+
+
+def host_reads() -> list[float]:
+    """Host reads in one expert-parallel forward of the grouped-mm layer (whose own code
+    reads nothing on the host): the one copy of both split lists."""
+    world = dist.get_world_size()
+    moe = build(CASES["grouped_mm"])
+    apply_expert_parallel(moe, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    x = torch.randn(SEQS_PER_RANK, SEQ, DIM)
+    moe(x)  # the first call probes grouped mm (host reads of its own)
+    with HostReads() as reads:
+        moe(x)
+    return [float(reads.count)]
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     init_distributed(device_type="cpu")
@@ -197,6 +246,8 @@ def main() -> None:
             errors = with_fsdp()
         elif case == "refusals":
             errors = refusals()
+        elif case == "host_reads":
+            errors = host_reads()
         else:
             errors = compare(case)
         result = torch.tensor(errors, dtype=torch.float64)

@@ -1,7 +1,8 @@
 """titan-optim: optimizers over model parts, gradient clipping and LR schedules.
 
 ``build_optimizers`` turns an ``OptimizerConfig`` into an ``OptimizersContainer``: one
-``torch.optim`` optimizer per model part (pipeline stage), stepped together, clipped by the
+``torch.optim`` optimizer per model part (pipeline stage; two with ``Muon``, which leaves
+embeddings, head, norms and biases to AdamW), stepped together, clipped by the
 global gradient norm across DTensor meshes and pipeline stages, and checkpointed as one
 flat dict keyed by parameter FQN. ``build_lr_schedulers`` adds a warmup-stable-decay
 schedule per optimizer. Both containers are ``Stateful`` for ``torch.distributed.checkpoint``.
@@ -12,7 +13,7 @@ used is an ``OptimizerConfigError`` (also a ``ValueError``), see ``titan_optim.e
 from titan_optim.__about__ import __version__
 from titan_optim.build import build_optimizers
 from titan_optim.clip import clip_grad_norm_
-from titan_optim.config import OptimizerConfig, ParamGroupRule
+from titan_optim.config import MuonConfig, OptimizerConfig, ParamGroupRule
 from titan_optim.container import OptimizersContainer
 from titan_optim.errors import (
     NonFiniteGradError,
@@ -28,12 +29,15 @@ from titan_optim.lr_scheduler import (
     WarmupStableDecay,
     build_lr_schedulers,
 )
+from titan_optim.muon import Muon
 from titan_optim.protocol import Optimizers
 
 __all__ = [
     "FTOptimizersContainer",
     "LRSchedulerConfig",
     "LRSchedulersContainer",
+    "Muon",
+    "MuonConfig",
     "NonFiniteGradError",
     "OptimError",
     "OptimizerConfig",

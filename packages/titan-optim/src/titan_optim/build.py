@@ -16,6 +16,7 @@ from titan_optim.container import OptimizersContainer
 from titan_optim.in_backward import OptimizersInBackwardContainer
 from titan_optim.param_groups import (
     build_optimizer,
+    build_part_optimizers,
     group_parameters,
     implementation_flags,
     warn_fallback,
@@ -50,8 +51,8 @@ def build_optimizers(
         if not groups:  # a part with nothing to train (e.g. frozen) gets no optimizer
             part_optimizers.append([])
             continue
-        opt, reason = build_optimizer(groups, config)
-        part_optimizers.append([opt])
-        reasons.append(reason)
+        opts, part_reasons = build_part_optimizers(groups, config)
+        part_optimizers.append(opts)
+        reasons.extend(part_reasons)
     warn_fallback(reasons)
     return OptimizersContainer(parts, part_optimizers)

@@ -16,12 +16,19 @@ dict is computed on the training thread after every committed step or load, and 
 manager reads that cache. Before the first committed step there is no cache and no state to
 share (replicas all at step 0 do not heal from each other); a read then computes it.
 
+Buffers that must agree over the replica groups although no gradient carries them (an MoE
+layer's token counts, from which each group nudges its expert-selection biases after the
+step) are registered with ``sum_over_replica_groups``: they are summed over the participating
+groups with every step's gradient average, before the commit, so every group's after-step
+hooks read the same totals. A step that does not commit (or that the inner container skips
+for a non-finite norm) gets their local values back.
+
 Needs the ``torchft`` extra (``pip install titan-optim[torchft]``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +82,9 @@ class FTOptimizersContainer:
         self.bucket_bytes = int(bucket_cap_mb * 2**20)
         """Bucket size of the gradient average in bytes (0: no buckets)."""
         self._cache: dict[str, Any] | None = None
+        self._summed: list[Callable[[], Sequence[torch.Tensor]]] = []
+        self._local: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """This step's summed buffers with their local values (restored without a commit)."""
         self._averaged = False
         """Whether this step's gradients were averaged over the replica groups already."""
         if state_key is not None:
@@ -90,6 +100,14 @@ class FTOptimizersContainer:
 
     def __len__(self) -> int:
         return len(self.optimizers)
+
+    def sum_over_replica_groups(self, buffers: Callable[[], Sequence[torch.Tensor]]) -> None:
+        """Sum the tensors ``buffers()`` returns over the participating replica groups at
+        every step, in place, with the gradient average (before the commit; integer tensors
+        stay exact). Without a commit (or when the inner container skips the step) they get
+        their local values back, to be summed with the next step's. ``buffers`` is
+        called each step, so it may return tensors a model re-created since."""
+        self._summed.append(buffers)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start the manager's quorum for this step, then clear gradients."""
@@ -116,6 +134,10 @@ class FTOptimizersContainer:
             else:
                 flat = torch.cat([grad.reshape(-1) for grad in bucket])
                 in_flight.append((self.manager.allreduce(flat), flat, bucket))
+        self._local = [(t, t.clone()) for buffers in self._summed for t in buffers()]
+        summed = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t, _ in self._local]
+        for work in summed:
+            work.wait()
         for work, flat, bucket in in_flight:
             work.wait()
             if flat is not None:  # the averaged values back into the gradients
@@ -130,9 +152,16 @@ class FTOptimizersContainer:
         commits this step; the cached state is then rebuilt when next asked for (a peer's
         recovery, a checkpoint), not at every step."""
         self.average_gradients()
+        stepped = False
         if self.manager.should_commit():
+            skipped = self.optimizers.skipped_steps
             self.optimizers.step()
+            stepped = self.optimizers.skipped_steps == skipped
             self._cache = None
+        if not stepped:  # no after-step hook read the sums: the next step sums again
+            for tensor, local in self._local:
+                tensor.copy_(local)
+        self._local = []
 
     def clip_grad_norm_(
         self,

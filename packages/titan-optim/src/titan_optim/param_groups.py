@@ -1,27 +1,43 @@
 """Turning an ``OptimizerConfig`` and a module into ``torch.optim`` optimizers (the helpers
 ``build_optimizers`` and both containers use).
 
-Two decisions live here: which parameter group each parameter joins (the first matching
-``ParamGroupRule``, else the default group), and which implementation torch runs (``fused``
-only where every parameter has a fused kernel for its device and dtype).
+Three decisions live here: which parameter group each parameter joins (the first matching
+``ParamGroupRule``, else the default group); with ``name = "Muon"``, which optimizer each
+parameter takes (the rule's ``optimizer``, else Muon for 2-D hidden weights and 3-D expert
+stacks, AdamW for the rest); and which implementation torch runs (``fused`` only where every
+parameter has a fused kernel for its device and dtype).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import (
     _get_foreach_kernels_supported_devices,
     _get_fused_kernels_supported_devices,
 )
 
 from titan_optim.config import OptimizerConfig
+from titan_optim.errors import OptimizerConfigError
+from titan_optim.muon import Muon, can_orthogonalize
 
-__all__ = ["build_optimizer", "group_parameters", "implementation_flags"]
+__all__ = [
+    "HEAD_PATTERNS",
+    "build_optimizer",
+    "build_part_optimizers",
+    "group_parameters",
+    "implementation_flags",
+]
+
+HEAD_PATTERNS = ("output.*", "lm_head.*", "*.lm_head.*")
+"""FQN globs of output heads, which take AdamW under Muon (a ``ParamGroupRule`` naming
+``optimizer`` overrides this, for heads named otherwise or to put one on Muon)."""
 
 _CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "Adam": torch.optim.Adam,
@@ -41,20 +57,51 @@ def group_parameters(model: nn.Module, config: OptimizerConfig) -> list[dict[str
     Rules are tried in order and the first whose pattern matches a parameter's FQN wins; the
     remaining parameters form the default group. Groups are ordered rule by rule with the
     default group last, and empty groups are dropped, so every rank of a pipeline stage
-    builds the same groups.
+    builds the same groups. With ``name = "Muon"`` each group also says its optimizer
+    (``"optimizer": "Muon" | "AdamW"``, Muon's first): a rule's ``optimizer`` if it names
+    one, else :func:`muon_default`. A parameter Muon cannot orthogonalise that a rule puts
+    on Muon raises ``OptimizerConfigError``.
     """
     rules = config.param_group_rules
-    buckets: list[list[nn.Parameter]] = [[] for _ in range(len(rules) + 1)]
+    muon = config.name == "Muon"
+    kinds = ("Muon", "AdamW") if muon else (None,)
+    buckets: dict[tuple[int, str | None], list[nn.Parameter]] = {
+        (i, k): [] for i in range(len(rules) + 1) for k in kinds
+    }
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
     for fqn, param in model.named_parameters():
         if not param.requires_grad:
             continue
         index = next((i for i, r in enumerate(rules) if r.matches(fqn)), len(rules))
-        buckets[index].append(param)
+        kind = None
+        if muon:
+            kind = rules[index].optimizer if index < len(rules) else None
+            if kind is None:
+                kind = muon_default(fqn, param, owners[id(param)])
+            elif kind == "Muon" and not can_orthogonalize(param):
+                raise OptimizerConfigError(
+                    f"optimizer.param_group_rules[{rules[index].pattern!r}] puts {fqn} "
+                    f"(shape {tuple(param.shape)}) on Muon, which orthogonalises only 2-D "
+                    "matrices and 3-D stacks of expert matrices; narrow the pattern or set "
+                    "its optimizer to 'AdamW'."
+                )
+        buckets[(index, kind)].append(param)
     groups = []
-    for i, params in enumerate(buckets):
+    for (i, kind), params in buckets.items():
         if params:
-            groups.append({"params": params, **(rules[i].overrides() if i < len(rules) else {})})
+            group = {"params": params, **(rules[i].overrides() if i < len(rules) else {})}
+            groups.append(group if kind is None else {**group, "optimizer": kind})
     return groups
+
+
+def muon_default(fqn: str, param: torch.Tensor, owner: nn.Module) -> str:
+    """``"Muon"`` for a hidden weight matrix or expert stack; ``"AdamW"`` for embeddings,
+    output heads (``HEAD_PATTERNS``), norms, biases and anything not 2-D or 3-D."""
+    if not can_orthogonalize(param) or isinstance(owner, nn.Embedding):
+        return "AdamW"
+    if any(fnmatchcase(fqn, pattern) for pattern in HEAD_PATTERNS):
+        return "AdamW"
+    return "Muon"
 
 
 def implementation_flags(
@@ -89,12 +136,38 @@ def build_optimizer(
     """One ``torch.optim`` optimizer over ``params`` (param groups) as ``config`` says.
 
     Returns the optimizer and the reason ``fused`` fell back, if it did, so that the caller
-    warns once for all the optimizers it builds.
+    warns once for all the optimizers it builds. With ``name = "Muon"`` every group must name
+    the same ``optimizer`` (see :func:`build_part_optimizers`). Muon groups get
+    ``torch.optim.Muon`` when all their parameters are plain 2-D tensors, else titan's
+    ``Muon`` (DTensor shards, expert stacks).
     """
+    kinds = {g.get("optimizer") for g in params}
+    if len(kinds) != 1:
+        raise ValueError(f"build_optimizer takes groups of one optimizer, got {sorted(kinds)}")
+    kind = kinds.pop()
+    params = [{k: v for k, v in g.items() if k != "optimizer"} for g in params]
     flat = [p for group in params for p in group["params"]]
+    kwargs = config.optimizer_kwargs(kind)
+    if kind == "Muon":
+        plain = all(p.ndim == 2 and not isinstance(p, DTensor) for p in flat)
+        cls = torch.optim.Muon if plain else Muon
+        return cls(params, **kwargs), None
     flags, fallback = implementation_flags(flat, config.implementation)
-    cls = _CLASSES[config.name]
-    return cls(params, **config.optimizer_kwargs(), **flags), fallback
+    cls = _CLASSES[kind or config.name]
+    return cls(params, **kwargs, **flags), fallback
+
+
+def build_part_optimizers(
+    groups: list[dict[str, Any]], config: OptimizerConfig
+) -> tuple[list[torch.optim.Optimizer], list[str | None]]:
+    """The optimizers of one model part: one, or under Muon one per optimizer its groups
+    name, in the order the groups name them. Returns them and the ``fused`` fallbacks."""
+    opts, reasons = [], []
+    for kind in dict.fromkeys(g.get("optimizer") for g in groups):
+        opt, reason = build_optimizer([g for g in groups if g.get("optimizer") == kind], config)
+        opts.append(opt)
+        reasons.append(reason)
+    return opts, reasons
 
 
 def warn_fallback(reasons: Iterable[str | None]) -> None:

@@ -5,8 +5,9 @@ The model has fp32 and bf16 parameters and one non-contiguous gradient. Each ste
 this replica's gradients from a seed of (replica, step), then averages them through
 ``FTOptimizersContainer.average_gradients`` with a different bucket size: step 1 with 0
 (one all-reduce per gradient), step 2 with the default 25 MiB, step 3 with 64 bytes (several
-buckets). Writes ``OUT`` (JSON): per step, the all-reduce calls made and the averaged
-gradients.
+buckets); an int64 buffer registered with ``sum_over_replica_groups`` is summed with them.
+Writes ``OUT`` (JSON): per step, the all-reduce calls made (gradients, then the buffer),
+the averaged gradients and the summed buffer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def replica_gradients(replica: int, step: int, model: nn.Module) -> list[torch.T
     return grads
 
 
+def replica_counts(replica: int, step: int) -> torch.Tensor:
+    """The int64 buffer replica ``replica`` holds at ``step``: past fp32's and fp64's exact
+    integers once summed."""
+    return torch.tensor([2**60 + replica, 3 * replica + step, 2**53 + 1 + replica])
+
+
 def build_model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
@@ -61,6 +68,8 @@ def main(lighthouse: str, replica: int, out: str) -> None:
     )
     model = build_model()
     ft = FTOptimizersContainer(build_optimizers(model), manager)
+    counts = torch.zeros(3, dtype=torch.int64)  # e.g. an MoE layer's token counts
+    ft.sum_over_replica_groups(lambda: [counts])
     calls: list[int] = []
     real = manager.allreduce
     manager.allreduce = lambda tensor, *a, **k: (
@@ -75,6 +84,7 @@ def main(lighthouse: str, replica: int, out: str) -> None:
                 model.parameters(), replica_gradients(replica, step, model), strict=True
             ):
                 param.grad = grad
+            counts.copy_(replica_counts(replica, step))
             calls.clear()
             ft.average_gradients()
             assert manager.should_commit(), "the step did not commit"
@@ -83,7 +93,20 @@ def main(lighthouse: str, replica: int, out: str) -> None:
                 "grads": [p.grad.float().tolist() for p in model.parameters()],
                 "contiguous": [p.grad.is_contiguous() for p in model.parameters()],
                 "participants": manager.num_participants(),
+                "counts": counts.tolist(),
             }
+        # A committed step the inner container skips (a non-finite norm): no after-step hook
+        # read the sums, so the buffer gets its local values back.
+        ft.zero_grad()
+        for param, grad in zip(
+            model.parameters(), replica_gradients(replica, 4, model), strict=True
+        ):
+            param.grad = grad
+        model[0].bias.grad[0] = float("nan")
+        counts.copy_(replica_counts(replica, 4))
+        ft.clip_grad_norm_(1.0)
+        ft.step()
+        result["skipped"] = {"counts": counts.tolist(), "skips": ft.optimizers.skipped_steps}
     finally:
         manager.shutdown()
     with open(out, "w") as f:

@@ -29,10 +29,12 @@ from titan_ckpt import CheckpointManager, FaultToleranceOptions, lock_checkpoint
 from titan_ckpt.lock import FolderLock
 from titan_dims import ParallelDims
 from titan_models import Pipeline, StepContext
+from titan_models.documents import DocumentMasking
 from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
 from titan_train.config import JobConfig
 from titan_train.data import TextDataLoader, build_dataloader
 from titan_train.data.dataloader import explain_load_error
+from titan_train.data.mixture import build_mixture_dataloader
 from titan_train.fault_tolerance import ReplicaGroup
 from titan_train.hf_start import run_vocab_size
 from titan_train.metrics import MetricsLogger
@@ -88,6 +90,9 @@ class TrainingRun:
     """Where metrics and traces go (per replica group with fault tolerance)."""
     loss_fn: LossFn = cross_entropy_loss
     """The loss of each batch (compiled with ``parallelize.compile``: ``build_loss_fn``)."""
+    documents: DocumentMasking | None = None
+    """Document masking (``training.document_masking``), by the tokenizer's EOS; ``None``:
+    off."""
 
     @property
     def step_context(self) -> StepContext:
@@ -151,9 +156,20 @@ def _build(
         prefetch=config.training.data_prefetch,
         shard_layout=config.training.data_shard_layout,
     )
-    dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
+    if config.training.datasets:  # a weighted mixture of sources
+        dataloader: TextDataLoader = build_mixture_dataloader(
+            config.training.datasets,
+            tokenizer,
+            seed=config.training.seed,
+            data=data,
+            dp_rank=data_rank,
+            dp_degree=data_degree,
+        )
+    else:
+        dataloader = build_dataloader(data, tokenizer, dp_rank=data_rank, dp_degree=data_degree)
     loss_fn = build_loss_fn(config.parallelize, loss_parallel=plan.step_context.loss_parallel)
-    validator = _build_validator(config, plan, tokenizer, dp_rank, loss_fn)
+    documents = document_masking(config, tokenizer)
+    validator = _build_validator(config, plan, tokenizer, dp_rank, loss_fn, documents)
     args, model_parts, pipeline = _build_model(
         config, plan, run_vocab_size(config, tokenizer.vocab_size), validator is not None, loss_fn
     )
@@ -162,13 +178,14 @@ def _build(
         model_parts, config.optimizer, pipeline_parallel=dims.pp_enabled
     )
     optimizers.warn_on_skip = False  # the NonFiniteGuard reports each skipped step
-    _register_post_step(plan, model_parts, optimizers)
+    post_step = _register_post_step(plan, model_parts, optimizers)
     _scale_auxiliary_losses(plan, model_parts)
     schedulers = build_lr_schedulers(
         optimizers, config.lr_scheduler, training_steps=config.training.steps
     )
     if replicas is not None:
         optimizers = replicas.wrap_optimizers(optimizers)
+        _sum_over_replica_groups(optimizers, post_step)
 
     train_state = TrainState()
     # The model as built (name, flavor, real args), recorded with every checkpoint.
@@ -182,12 +199,11 @@ def _build(
             # A tied weight's copy on the last pipeline stage saves as the one weight.
             "optimizer": tied_optimizer_state(optimizers, pipeline),
             "lr_scheduler": schedulers,
-            "dataloader": dataloader,
+            "dataloader": dataloader,  # each step records its dp_degree (resharding guard)
             "train_state": train_state,
         },
         state_dict_adapter=state_dict_adapter(plan.spec, config.model.flavor, args),
         metadata=metadata,
-        data_parallel_degree=data_degree,
         folder_lock=lock,
         ft=None
         if replicas is None
@@ -228,20 +244,31 @@ def _build(
             if replicas is None
             else os.path.join(config.job.dump_folder, f"ft-replica-{replicas.replica_id}"),
             loss_fn=loss_fn,
+            documents=documents,
         ),
         flops_per_token=args.flops_per_token(config.training.seq_len),
     )
 
 
-def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: Any) -> None:
+def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: Any) -> Any:
     """The model family's after-step work (``ModelSpec.post_step_fn``, e.g. the experts' bias
     update) as a step post-hook of the inner container: under torchft it then runs only for
-    steps that commit, and never for a skipped step."""
+    steps that commit, and never for a skipped step. Returns the hook (``None`` if none)."""
     if plan.spec.post_step_fn is None:
-        return
+        return None
     hook = plan.spec.post_step_fn(model_parts, plan.parallel_dims)
     if hook is not None:
         optimizers.register_step_post_hook(lambda _container: hook())
+    return hook
+
+
+def _sum_over_replica_groups(optimizers: Any, post_step: Any) -> None:
+    """Under torchft, the buffers the after-step hook reads (an MoE layer's token counts)
+    summed over the replica groups before each commit, so that every group nudges its
+    expert biases alike. Semi-sync groups step alone (no per-step collective to join)."""
+    buffers = getattr(post_step, "replica_summed_buffers", None)
+    if buffers is not None and hasattr(optimizers, "sum_over_replica_groups"):
+        optimizers.sum_over_replica_groups(buffers)
 
 
 def _scale_auxiliary_losses(plan: Plan, model_parts: list[nn.Module]) -> None:
@@ -279,8 +306,24 @@ def _with_reporting(config: JobConfig, run: TrainingRun, *, flops_per_token: flo
     return dataclasses.replace(run, metrics=metrics, profiler=profiler)
 
 
+def document_masking(config: JobConfig, tokenizer: Tokenizer) -> DocumentMasking | None:
+    """The run's document masking: documents end at ``tokenizer.eos_id``; ``None`` when
+    ``training.document_masking`` is off."""
+    training = config.training
+    if not training.document_masking:
+        return None
+    return DocumentMasking(
+        tokenizer.eos_id, restart_positions=training.document_positions == "restart"
+    )
+
+
 def _build_validator(
-    config: JobConfig, plan: Plan, tokenizer: Tokenizer, dp_rank: int, loss_fn: LossFn
+    config: JobConfig,
+    plan: Plan,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    loss_fn: LossFn,
+    documents: DocumentMasking | None = None,
 ) -> Validator | None:
     if not config.validation.enable:
         return None
@@ -292,6 +335,7 @@ def _build_validator(
         device=plan.world.device,
         step_context=plan.step_context,
         loss_fn=loss_fn,
+        documents=documents,
     )
 
 

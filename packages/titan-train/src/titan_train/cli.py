@@ -244,6 +244,14 @@ def _train(argv: list[str]) -> int:
     config = parse_job_config(argv)
     _check_supported(config)
     check_restartable()  # under torchrun --max-restarts: a restart must not hang
+    if config.training.reuse_host_memory:
+        # A process-wide allocator setting: this command owns its process, a program that
+        # calls titan_train.run() owns its own and keeps its allocator as it set it.
+        from titan_dims import detect_device_type
+        from titan_train.host_memory import reuse_host_memory
+
+        if detect_device_type() == "cpu":
+            reuse_host_memory()
     run(config)
     return 0
 
@@ -304,9 +312,20 @@ def _launch(launch: LaunchOptions, argv: list[str]) -> int:
 
     logging.disable(logging.WARNING)  # rank 0 logs the same warnings once the ranks start
     try:
+        # What a rank imports before it builds anything: this process's memory then is the
+        # floor of each rank's that preflight's memory check counts (titan_train.memory_fit).
+        import titan_train.build  # noqa: F401
+
         config = parse_job_config(argv)
         device = torch.device(detect_device_type())
-        preflight(config, World(rank=0, world_size=launch.world_size, device=device))
+        world = World(
+            rank=0,
+            world_size=launch.world_size,
+            device=device,
+            local_world_size=launch.nproc_per_node,
+            started=False,
+        )
+        preflight(config, world)
     finally:
         logging.disable(logging.NOTSET)
     if launch.max_restarts and not config.checkpoint.enable:

@@ -31,7 +31,7 @@ from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train import compat, compat_argv, compat_batch
 from titan_train.config_loader import load_config, to_dict
 from titan_train.data import DataSource
-from titan_train.data.config import SHARD_LAYOUTS
+from titan_train.data.config import SHARD_LAYOUTS, DatasetEntry, check_mixture
 from titan_train.errors import ConfigError, check_duration, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
@@ -142,14 +142,36 @@ class TrainingConfig(DataSource):
     what datasets streams: each rank reads only its shards' part of the files). Another
     stream: a checkpoint resumes only with the layout it was saved with. Not a torchtitan
     key."""
+    memory_check: bool = True
+    """Refuse, before anything is allocated, a run whose model state (fp32 weights, gradients
+    and optimizer moments over the ranks that shard them) with each process's start-up memory
+    cannot fit in what this host or device has free (``titan_train.memory_fit``: a floor;
+    activations come on top). ``--training.no_memory_check`` starts it anyway. Not a
+    torchtitan key."""
     data_prefetch: int = 2
     """Batches a background thread tokenizes ahead of the step (0: none). Not a torchtitan
     key."""
+    datasets: list[DatasetEntry] = field(default_factory=list)
+    """A weighted mixture instead of the one ``dataset``: ``[[training.datasets]]`` tables,
+    each with the keys of a dataset (``dataset``, ``dataset_path``, ``text_column``...), a
+    ``weight`` and an optional ``name``. Each training window comes from one source, drawn
+    from a seeded stream (``training.seed``); see the README's "Dataset mixtures". TOML
+    only (the command line can change an entry the file gives: --training.datasets.0.weight).
+    Not a torchtitan key."""
     reuse_host_memory: bool = True
-    """Training on the CPU: keep freed host memory for reuse instead of returning it to the
-    system each step (glibc's mmap and trim thresholds raised; ``titan_train.host_memory``).
-    Saves the page faults of remapping every activation each step. No effect on
-    accelerators or without glibc. Not a torchtitan key."""
+    """The ``titan-train`` command training on the CPU: keep freed host memory for reuse
+    instead of returning it to the system each step (glibc's mmap and trim thresholds raised;
+    ``titan_train.host_memory``). Saves the page faults of remapping every activation each
+    step. A process-wide setting, so ``titan_train.run()`` called from your own program
+    leaves your allocator alone (call ``titan_train.host_memory.reuse_host_memory()`` for
+    it). No effect on accelerators or without glibc. Not a torchtitan key."""
+    document_masking: bool = False
+    """Packed windows whose attention never crosses a document boundary (block-causal): a
+    document ends after each EOS token of the tokenizer. Not with context parallel. Not a
+    torchtitan key."""
+    document_positions: Literal["restart", "continue"] = "restart"
+    """With document_masking: RoPE positions "restart" at 0 in each document, or "continue"
+    across the window. Not a torchtitan key."""
     skip_nonfinite_steps: int = 10
     """Consecutive steps with an inf/nan gradient norm whose update is skipped (weights left
     as they were, one warning each) before the run stops with an error; 0 stops at the
@@ -166,6 +188,11 @@ class TrainingConfig(DataSource):
                 f"training.data_shard_layout={self.data_shard_layout!r} is not allowed; use "
                 f"one of {', '.join(map(repr, SHARD_LAYOUTS))} (see --help)."
             )
+        if self.document_positions not in ("restart", "continue"):
+            raise ConfigError(
+                f"training.document_positions={self.document_positions!r} is not allowed; use "
+                "'restart' or 'continue'."
+            )
         check_int(
             "training.global_batch_size",
             self.global_batch_size,
@@ -179,6 +206,7 @@ class TrainingConfig(DataSource):
             hint="0 stops at the first inf/nan gradient norm",
         )
         check_number("training.max_norm", self.max_norm, low=0, hint="0 turns clipping off")
+        check_mixture(self, self.datasets)
 
 
 @dataclass(kw_only=True)
@@ -206,7 +234,8 @@ class CommConfig:
 @dataclass(kw_only=True)
 class CheckpointSection(CheckpointConfig):
     """``titan_ckpt.CheckpointConfig`` (when and what the checkpoint manager saves and loads),
-    plus the trainer's own checkpoint policy."""
+    plus the trainer's own checkpoint policy: a save on SIGTERM, torchft's per-replica
+    dataloader saves, and a seed-checkpoint run."""
 
     save_on_sigterm: bool = True
     """On SIGTERM (a scheduler's stop), save the last completed step before exiting with
@@ -215,6 +244,17 @@ class CheckpointSection(CheckpointConfig):
     enable_ft_dataloader_checkpoints: bool = True
     """With fault_tolerance.enable: each replica group also saves its own dataloader state
     (in ft-replica-<id>/), so no group replays data after a restart."""
+    create_seed_checkpoint: bool = False
+    """This run only writes the initial model as step-0 (model only, one process, no
+    torchrun) and stops; start runs of any layout from it with initial_load_path."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.create_seed_checkpoint and (not self.enable or self.load_only):
+            raise ConfigError(
+                "checkpoint.create_seed_checkpoint=true needs checkpoint.enable=true and "
+                "checkpoint.load_only=false: the seed is written as the checkpoint step-0."
+            )
 
 
 @dataclass(kw_only=True)

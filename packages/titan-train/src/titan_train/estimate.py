@@ -178,6 +178,8 @@ def estimate_memory(
         config,
         checkpoint=dataclasses.replace(config.checkpoint, enable=False, initial_load_path=None),
         parallelize=dataclasses.replace(config.parallelize, compile=False),
+        # Estimating a run that cannot fit on this host is the point: no refusal here.
+        training=dataclasses.replace(config.training, memory_check=False),
     )
     world = World(rank=rank, world_size=world_size, device=torch.device("cpu"))
     say(f"checking the configuration for rank {rank} of {world_size}")

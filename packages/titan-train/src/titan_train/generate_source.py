@@ -10,8 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from titan_ckpt import classify_step, read_manifest
-from titan_ckpt.layout import committed_steps, step_name
+from titan_ckpt.layout import classify_step, committed_steps, read_manifest, step_name
 from titan_ckpt.storage import LocalStorage
 from titan_models import ModelSpec
 from titan_train.errors import ConfigError

@@ -3,6 +3,7 @@
 One place for every rule that can be decided from the config and the world alone (no process
 group, no model, no data), in the order a user meets them:
 
+- a seed checkpoint (``checkpoint.create_seed_checkpoint``) only in a world of one;
 - the converters and dtype titan supports (``compat.check_supported``);
 - the parallel layout (``ParallelDims``) and the batch plan (global = local x dp x
   accumulation);
@@ -17,6 +18,8 @@ group, no model, no data), in the order a user meets them:
   (``titan_train.hf_start``);
 - fault tolerance (layout, seed checkpoint, lighthouse; semi-sync fragments and device);
 - optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
+- the memory the model state needs at the least against what this host can give
+  (``titan_train.memory_fit``);
 - the context-parallel implementation for this device, resolved once into the plan's
   ``StepContext``.
 
@@ -34,13 +37,21 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from titan_ckpt import CheckpointConfig, check_folder_contents, check_folder_writable
+from titan_ckpt import (
+    CheckpointConfig,
+    CheckpointConfigError,
+    check_folder_contents,
+    check_folder_writable,
+)
 from titan_dims import ParallelDims
 from titan_models import ModelConfigError, ModelSpec, StepContext, check_seq_len, step_context
+from titan_models.parallel import check_document_masking
+from titan_optim.build import group_parameters
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
 from titan_train.fault_tolerance import check_fault_tolerance
 from titan_train.hf_start import check_initial_hf_load
+from titan_train.memory_fit import check_memory_fits
 from titan_train.model_args import build_model_args
 from titan_train.registry import load_model_spec
 from titan_train.semi_sync import check_semi_sync
@@ -55,6 +66,7 @@ __all__ = [
     "check_initial_load",
     "check_model_layout",
     "check_optimizer_in_backward",
+    "check_seed_checkpoint",
     "check_seq_lens",
     "checkpoint_cost_warning",
     "checkpoint_settings",
@@ -70,11 +82,21 @@ class World:
     rank: int
     world_size: int
     device: torch.device
+    local_world_size: int = 1
+    """The ranks on this host (they share its memory)."""
+    started: bool = True
+    """Whether the ranks' processes run already (False in the launcher, before it starts
+    them)."""
 
     @classmethod
     def current(cls, device: torch.device) -> World:
         """This process in the initialized default process group."""
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            device=device,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+        )
 
 
 @dataclass(frozen=True)
@@ -105,6 +127,7 @@ class Plan:
 def preflight(config: JobConfig, world: World) -> Plan:
     """Check ``config`` for ``world`` before any work; return the run's ``Plan``. Raises a
     config error (``ConfigError`` or the owning package's) at the first rule it breaks."""
+    check_seed_checkpoint(config, world)
     check_supported(config.model.converters, config.parallelize.param_dtype)
     dims = ParallelDims.from_config(
         config.parallelism, world.world_size, device_type=world.device.type
@@ -113,6 +136,8 @@ def preflight(config: JobConfig, world: World) -> Plan:
     spec = check_model(config, dims)
     check_seq_lens(config, dims)
     check_model_layout(config, dims, spec, batches)
+    if config.training.document_masking:
+        check_document_masking(dims)
     warning = checkpoint_cost_warning(config, spec)
     if warning and world.rank == 0:
         logger.warning("%s", warning)
@@ -133,6 +158,17 @@ def preflight(config: JobConfig, world: World) -> Plan:
         config.fault_tolerance, n_layers=_n_layers(config, spec), device_type=world.device.type
     )
     check_optimizer_in_backward(config, dims)
+    check_memory_fits(
+        config,
+        build_model_args(
+            spec, config.model, vocab_size=None, max_seq_len=config.training.seq_len
+        ).num_params(exclude_embedding=True),
+        shards=dims.dp_shard * dims.cp * dims.tp * dims.pp,
+        local_ranks=min(world.local_world_size, world.world_size),
+        device=world.device,
+        started=world.started,
+    )
+    check_muon_rules(config, spec)
     return Plan(
         world=world,
         parallel_dims=dims,
@@ -142,6 +178,31 @@ def preflight(config: JobConfig, world: World) -> Plan:
         checkpoint=checkpoint_settings(config),
         pipeline_microbatches=microbatches,
     )
+
+
+def check_muon_rules(config: JobConfig, spec: ModelSpec) -> None:
+    """With ``optimizer.name = "Muon"`` and a rule putting parameters on Muon, split the
+    model's parameters (built on the meta device: no memory) as the optimizers will, so a
+    parameter Muon cannot orthogonalise is refused (``OptimizerConfigError``) before any work."""
+    optimizer = config.optimizer
+    if optimizer.name != "Muon" or all(r.optimizer != "Muon" for r in optimizer.param_group_rules):
+        return
+    args = build_model_args(
+        spec, config.model, vocab_size=None, max_seq_len=config.training.seq_len
+    )
+    with torch.device("meta"):
+        group_parameters(spec.model_cls(args), optimizer)
+
+
+def check_seed_checkpoint(config: JobConfig, world: World) -> None:
+    """Refuse ``checkpoint.create_seed_checkpoint`` in a world of several processes: the
+    seed is the whole unsharded model, written by one process (as torchtitan requires), so
+    that every layout starts from the same weights."""
+    if config.checkpoint.create_seed_checkpoint and world.world_size > 1:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint=true writes the seed from one process, but "
+            f"this run has {world.world_size}; run it alone (no --nproc-per-node, no torchrun)."
+        )
 
 
 def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
@@ -326,4 +387,12 @@ def check_checkpoint_folder(config: JobConfig) -> None:
     is ever touched."""
     settings = checkpoint_settings(config)
     storage = check_folder_writable(settings)
-    check_folder_contents(settings, final_step=config.training.steps, storage=storage)
+    seed = config.checkpoint.create_seed_checkpoint  # saves step 0 alone, no training step
+    final_step = None if seed else config.training.steps
+    scan = check_folder_contents(settings, final_step=final_step, storage=storage)
+    if seed and storage is not None and scan is not None and 0 in scan.torchtitan:
+        raise CheckpointConfigError(
+            f"checkpoint.create_seed_checkpoint=true would write step 0 over torchtitan's "
+            f"checkpoint {storage.join(settings.folder, 'step-0')}; titan never overwrites a "
+            "checkpoint it did not write. Move it away, or use another checkpoint.folder."
+        )

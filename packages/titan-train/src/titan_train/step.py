@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from titan_models import ParallelizeConfig, Pipeline, StepContext, plain_loss, reduce_loss
+from titan_models.documents import DocumentMasking
 from titan_train.metrics import StepTokens, tokens_of_step
 
 if TYPE_CHECKING:
@@ -101,18 +102,22 @@ def batch_loss(
     *,
     backward_scale: int | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+    documents: DocumentMasking | None = None,
 ) -> torch.Tensor | None:
     """The mean loss of one whole batch (a plain, detached tensor; ``None`` on a pipeline
     rank without the last stage), run inside the plan's step context.
 
     ``backward_scale`` trains: the backward of ``loss / backward_scale`` runs too (the
     number of micro-batches the gradients average over; a pipeline scales its own).
-    ``None`` evaluates only (call it under ``torch.no_grad``)."""
+    ``None`` evaluates only (call it under ``torch.no_grad``). ``documents``: document
+    masking, its keywords (``document_ids``, ``positions``) computed from ``inputs`` for
+    the model's forward (every pipeline stage's)."""
     with context(inputs, labels) as (inputs, labels):
+        kwargs = {} if documents is None else documents.forward_kwargs(inputs)
         if pipeline is not None:
-            train = backward_scale is not None
-            return pipeline.step(inputs, labels) if train else pipeline.eval(inputs, labels)
-        loss = loss_fn(model_parts[0](inputs), labels)
+            run = pipeline.step if backward_scale is not None else pipeline.eval
+            return run(inputs, labels, **kwargs)
+        loss = loss_fn(model_parts[0](inputs, **kwargs), labels)
         if backward_scale is not None:
             (loss / backward_scale).backward()
     # Under loss parallel the loss is a replicated DTensor; hand out its plain value.
@@ -122,12 +127,24 @@ def batch_loss(
 def next_batches(
     batch_iter: Iterator[Batch], count: int, device: torch.device
 ) -> tuple[list[Batch], float]:
-    """The next ``count`` (inputs, labels) batches on ``device``, and seconds spent waiting."""
+    """The next ``count`` (inputs, labels) batches on ``device``, and seconds spent waiting.
+
+    On the accelerator, batches are copied from pinned host memory without blocking: a
+    pageable copy would make the host wait for the device at every micro-batch (untested on
+    a GPU so far). On the CPU they are moved as they are."""
     started = time.perf_counter()
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
+    pinned = accelerator is not None and device.type == accelerator.type
     out = []
     for _ in range(count):
-        inputs, labels = next(batch_iter)
-        out.append((inputs.to(device), labels.to(device)))
+        batch = next(batch_iter)
+        if pinned:  # the caching host allocator keeps the pinned source alive until copied
+            inputs, labels = (t.pin_memory().to(device, non_blocking=True) for t in batch)
+        else:
+            inputs, labels = (t.to(device) for t in batch)
+        out.append((inputs, labels))
     return out, time.perf_counter() - started
 
 
@@ -174,7 +191,13 @@ def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | 
         inputs = torch.cat([inputs for inputs, _ in batches])
         labels = torch.cat([labels for _, labels in batches])
         return batch_loss(
-            run.model_parts, run.pipeline, run.step_context, inputs, labels, backward_scale=1
+            run.model_parts,
+            run.pipeline,
+            run.step_context,
+            inputs,
+            labels,
+            backward_scale=1,
+            documents=run.documents,
         )
     loss_sum = torch.zeros((), device=batches[0][1].device)
     for inputs, labels in batches:
@@ -186,6 +209,7 @@ def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | 
             labels,
             backward_scale=len(batches),
             loss_fn=run.loss_fn,
+            documents=run.documents,
         )
     return loss_sum / len(batches)
 
@@ -216,11 +240,15 @@ def report_step(
 
 
 def _extra_metrics(run: TrainingRun, result: StepResult) -> dict[str, float]:
-    """Skipped steps (when clipping reads the norm) and the model family's own numbers
-    (``ModelSpec.metrics_fn``); read at reporting steps only."""
+    """Skipped steps (when clipping reads the norm), the tokens taken from each source of a
+    dataset mixture, and the model family's own numbers (``ModelSpec.metrics_fn``); read at
+    reporting steps only."""
     extra: dict[str, float] = {}
     if result.grad_norm is not None:
         extra["skipped_steps"] = run.nonfinite.skipped
+    tokens_by_source = getattr(run.dataloader, "tokens_by_source", None)
+    if tokens_by_source is not None:  # a dataset mixture: tokens taken from each source
+        extra.update({f"tokens_seen/{k}": v for k, v in tokens_by_source().items()})
     metrics_fn = run.plan.spec.metrics_fn
     if metrics_fn is not None:
         extra.update(metrics_fn(run.model_parts))

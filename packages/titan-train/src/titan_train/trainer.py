@@ -30,12 +30,12 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from titan_ckpt import MODEL_RECORD, read_manifest, scan_steps, storage_for
+from titan_ckpt import MODEL_RECORD, storage_for
+from titan_ckpt.layout import read_manifest, scan_steps
 from titan_dims import detect_device_type, init_distributed, set_collective_timeout
 from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.host_memory import reuse_host_memory
 from titan_train.launch import destroy_group
 from titan_train.preemption import PREEMPTED_EXIT, PreemptedError, stop_on_sigterm
 from titan_train.preflight import (
@@ -95,8 +95,6 @@ def run(config: JobConfig) -> TrainState:
 def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
     world = World.current(device)
     _setup_logging(world.rank)
-    if device.type == "cpu" and config.training.reuse_host_memory:
-        reuse_host_memory()
     plan = preflight(config, world)
     finished = check_resume(config, plan)
     if finished is not None:
@@ -132,7 +130,7 @@ def check_resume(config: JobConfig, plan: Plan) -> int | None:
     list of missing keys), and return its number when it is ``training.steps`` or past it
     (the run has nothing to do), else ``None``."""
     cfg = plan.checkpoint
-    if not cfg.enable or cfg.create_seed_checkpoint or config.fault_tolerance.enable:
+    if not cfg.enable or config.checkpoint.create_seed_checkpoint or config.fault_tolerance.enable:
         return None
     storage = storage_for(cfg.folder)
     if cfg.load_step >= 0:
@@ -256,7 +254,7 @@ def write_seed_checkpoint(run: TrainingRun) -> None:
     """Save the freshly initialized run as step 0. Sharded random init differs between
     layouts (each rank draws its own shards on CPU); a seed checkpoint written by one
     process gives every layout the same start."""
-    run.checkpointer.save(0)
+    run.checkpointer.save(0, force=True, model_only=True)
     run.checkpointer.close()
     logger.info(
         "Wrote the seed checkpoint (step 0) to %s; start runs from it with "

@@ -20,6 +20,7 @@ from torch import nn
 
 from titan_dims import ParallelDims
 from titan_models import ParallelizeConfig, Pipeline, StepContext, reduce_loss, step_context
+from titan_models.documents import DocumentMasking
 from titan_train.data import DataSource, build_dataloader
 from titan_train.errors import ConfigError, check_int
 from titan_train.step import LossFn, batch_loss, cross_entropy_loss
@@ -67,6 +68,7 @@ class Validator:
             one training steps run in; ``None`` builds it from ``dims`` with the default
             ``ParallelizeConfig``.
         loss_fn: the loss of each batch (the training run's, compiled or not).
+        documents: document masking (the training run's); ``None``: off.
 
     Under pipeline parallelism the validation batch is split into the schedule's
     microbatches: ``titan_train.preflight`` checks ``local_batch_size`` divides.
@@ -82,9 +84,11 @@ class Validator:
         device: torch.device,
         step_context: StepContext | None = None,
         loss_fn: LossFn = cross_entropy_loss,
+        documents: DocumentMasking | None = None,
     ) -> None:
         self.config = config
         self.loss_fn = loss_fn
+        self.documents = documents
         self.dims = dims
         self.device = device
         self.step_context = step_context or _default_context(dims)
@@ -111,27 +115,33 @@ class Validator:
     def validate(self, model_parts: list[nn.Module], pipeline: Pipeline | None = None) -> float:
         """The mean validation loss, the same on every rank. ``pipeline`` is the
         ``titan_models`` Pipeline when the model is pipelined (``model_parts`` its stages)."""
+        # Each part goes back to the mode it had, also when an evaluation fails (a caller that
+        # catches the error keeps training, which must not go on in eval mode).
+        modes = [part.training for part in model_parts]
         for part in model_parts:
             part.eval()
-        self.dataloader.load_state_dict(self._start)  # every evaluation sees the same data
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        batches = 0
-        for inputs, labels in self.dataloader:
-            if self.config.steps != -1 and batches == self.config.steps:
-                break
-            loss = batch_loss(
-                model_parts,
-                pipeline,
-                self.step_context,
-                inputs.to(self.device),
-                labels.to(self.device),
-                loss_fn=self.loss_fn,
-            )
-            if loss is not None:  # only a pipeline's last stage has the loss
-                total += loss.double()
-            batches += 1
-        for part in model_parts:
-            part.train()
+        try:
+            self.dataloader.load_state_dict(self._start)  # every evaluation sees the same data
+            total = torch.zeros((), device=self.device, dtype=torch.float64)
+            batches = 0
+            for inputs, labels in self.dataloader:
+                if self.config.steps != -1 and batches == self.config.steps:
+                    break
+                loss = batch_loss(
+                    model_parts,
+                    pipeline,
+                    self.step_context,
+                    inputs.to(self.device),
+                    labels.to(self.device),
+                    loss_fn=self.loss_fn,
+                    documents=self.documents,
+                )
+                if loss is not None:  # only a pipeline's last stage has the loss
+                    total += loss.double()
+                batches += 1
+        finally:
+            for part, mode in zip(model_parts, modes, strict=True):
+                part.train(mode)
         # Pipeline ranks without the last stage contribute zeros to the sum over stages.
         return float(reduce_loss(total / batches, self.dims))
 

@@ -5,9 +5,11 @@ machine, so the test never touches the network)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import socket
+import threading
 import time
 
 import pyarrow as pa
@@ -79,18 +81,50 @@ def test_folder_without_data_files(tmp_path):
         open_documents(DataConfig(dataset=str(tmp_path)))
 
 
-def test_a_failed_hub_load_is_one_clear_error(monkeypatch):
-    """The hub's host answers (a local socket stands in for it) but the load fails: the
-    error of datasets, in one message."""
+class Hub(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the hub: every request answered with ``status`` (the dataset API's
+    with ``api_status``), each request's path recorded."""
+
+    status, api_status, paths = 404, 404, []
+
+    def do_GET(self):
+        self.paths.append(self.path)
+        status = self.api_status if self.path.startswith("/api/datasets/") else self.status
+        body = b'{"error": "Repository not found"}' if status >= 400 else b'{"id": "x"}'
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A local HTTP server as ``HF_ENDPOINT``; set its class's statuses in the test."""
+    handler = type("AHub", (Hub,), {"paths": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    yield handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_failed_hub_load_is_one_clear_error(monkeypatch, hub):
+    """The hub answers that it has the dataset but the load fails (datasets forced offline
+    here): the error of datasets, in one message."""
     import datasets
     import huggingface_hub.constants
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
-        with pytest.raises(DataError) as info:
-            open_documents(DataConfig(dataset="c4"))
+    hub.api_status = 200
+    with pytest.raises(DataError) as info:
+        open_documents(DataConfig(dataset="c4"))
     message = str(info.value)
     assert message.startswith(
         "training.dataset='c4' is not a local file or folder, and loading 'allenai/c4' from "
@@ -127,6 +161,39 @@ def test_an_unreachable_hub_fails_at_once_in_one_message(offline, monkeypatch, c
     )
     assert "\n" not in str(info.value)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize(
+    ("hub_answer", "why"),
+    [
+        (404, "has no dataset 'nobody/nothing-here' that this machine may read (HTTP 404)"),
+        (401, "has no dataset 'nobody/nothing-here' that this machine may read (HTTP 401)"),
+        (503, "is out of reach (HTTP 503 from http://127.0.0.1:"),
+        (None, "is out of reach (no connection to 127.0.0.1:"),
+    ],
+)
+def test_an_unknown_hub_dataset_fails_at_once_in_one_line(hub_answer, why, hub, monkeypatch,
+                                                           caplog, capfd):  # fmt: skip
+    """A name the hub does not have (404, or 401 as the hub answers anonymous callers), a
+    hub in trouble (503: huggingface_hub retried it for 24 s, each retry a warning printed
+    twice) and a hub that is not there: one line within seconds, one request, no warning."""
+    if hub_answer is None:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    else:
+        hub.status = hub.api_status = hub_answer
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO), pytest.raises(DataError) as info:
+        open_documents(DataConfig(dataset="nobody/nothing-here"))
+    assert time.monotonic() - started < 5
+    message = str(info.value)
+    assert message.startswith("training.dataset='nobody/nothing-here' is not a local file or ")
+    assert why in message
+    assert "\n" not in message
+    assert len(hub.paths) == (0 if hub_answer is None else 1), hub.paths
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    out, err = capfd.readouterr()
+    assert "Retry" not in out + err
+    assert "Warning" not in out + err
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_ckpt import COMMIT_MARKER, MODEL_RECORD, CheckpointConfig, CheckpointManager
+from titan_ckpt import MODEL_RECORD, CheckpointConfig, CheckpointManager
+from titan_ckpt.layout import COMMIT_MARKER
 from titan_models.llama3 import Llama3
 from titan_optim import LRSchedulerConfig, OptimizerConfig, build_lr_schedulers, build_optimizers
 from titan_train import TrainState, cross_entropy_loss

@@ -201,7 +201,7 @@ class DeepSeekV3StateDictAdapter:
             return
         yield prefix + name, self._permute_rope_rows(name.split(".")[1], value, to_hf=False)
         if name == "moe.expert_bias":
-            yield prefix + "moe.tokens_per_expert", torch.zeros_like(value)
+            yield prefix + "moe.tokens_per_expert", torch.zeros_like(value, dtype=torch.int64)
 
     def _stacked(
         self, prefix: str, proj: str, stack: dict[int, torch.Tensor]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.documents import DocumentMask, check_no_documents, document_inputs
 from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope
@@ -110,7 +111,12 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_scale = args.softmax_scale * self.qk_head_dim**0.5
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        *,
+        cache: LayerKVCache | None = None,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         """``cache``: this layer's keys and values so far (incremental decoding; ``rope``
         then holds per-row angles); without it, causal attention over ``x`` alone."""
@@ -132,7 +138,12 @@ class MultiHeadLatentAttention(nn.Module):
 
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # The cache attends at SDPA's default scale too: q_scale is already in the queries.
-        out = self.inner_attention(q, k, v) if cache is None else cache.attend(q, k, v)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        elif mask is None:
+            out = self.inner_attention(q, k, v)
+        else:
+            out = self.inner_attention(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -165,13 +176,20 @@ class TransformerBlock(nn.Module):
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        *,
+        cache: LayerKVCache | None = None,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
-        if cache is None:
+        if cache is not None:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+        elif mask is None:
             h = x + self.attention(self.attention_norm(x), rope)
         else:
-            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -206,19 +224,37 @@ class DeepSeekV3(nn.Module):
         # a meta-device construction.
         self.register_buffer("rope", yarn_rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
         without the embedding, ``tokens`` is the previous stage's hidden state; on one
         without the output, the hidden state is returned.
 
         With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
-        those the cache holds: they attend to the cached keys too, and are cached."""
+        those the cache holds: they attend to the cached keys too, and are cached.
+
+        Packed windows (``titan_models.documents``): ``document_ids`` (batch, seq) makes
+        attention block-causal (no token attends across a document boundary); ``positions``
+        (batch, seq) are each token's RoPE positions (e.g. restarting per document),
+        by default 0, 1, ... Without both, the plain causal path runs unchanged."""
         if cache is not None:
+            check_no_documents(document_ids, positions)
             return cached_forward(self, tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table goes down: attention slices it to the sequence length it sees.
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        if document_ids is None and positions is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope)
+        else:
+            rope, mask = document_inputs(self.rope, document_ids, positions)
+            for layer in self.layers.values():
+                h = layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

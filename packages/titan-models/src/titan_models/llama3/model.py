@@ -20,6 +20,12 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from titan_models.documents import (
+    DocumentMask,
+    check_no_documents,
+    document_inputs,
+    masked_attention,
+)
 from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
 from titan_models.llama3.args import Llama3Args, RopeScaling
@@ -112,7 +118,17 @@ class CausalAttention(nn.Module):
     key/value heads shared by groups of query heads. A module (without parameters) so that a
     parallelize plan can swap it, e.g. for context-parallel attention."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: DocumentMask | None = None,
+    ) -> torch.Tensor:
+        """``mask``: a document mask (``titan_models.documents``) instead of the causal one."""
+        if mask is not None:
+            return masked_attention(q, k, v, mask)
         k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -134,7 +150,12 @@ class Attention(nn.Module):
         self.inner_attention = CausalAttention()
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        *,
+        cache: LayerKVCache | None = None,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         """``cache``: this layer's keys and values so far (incremental decoding; ``rope``
         then holds per-row angles); without it, causal attention over ``x`` alone."""
@@ -144,7 +165,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.inner_attention(q, k, v) if cache is None else cache.attend(q, k, v)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        elif mask is None:
+            out = self.inner_attention(q, k, v)
+        else:
+            out = self.inner_attention(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -186,13 +212,20 @@ class TransformerBlock(nn.Module):
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        *,
+        cache: LayerKVCache | None = None,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
-        if cache is None:
+        if cache is not None:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+        elif mask is None:
             h = x + self.attention(self.attention_norm(x), rope)
         else:
-            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -227,20 +260,38 @@ class Llama3(nn.Module):
         a = self.args
         return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
         without the embedding, ``tokens`` is the previous stage's hidden state; on one
         without the output, the hidden state is returned.
 
         With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
-        those the cache holds: they attend to the cached keys too, and are cached."""
+        those the cache holds: they attend to the cached keys too, and are cached.
+
+        Packed windows (``titan_models.documents``): ``document_ids`` (batch, seq) makes
+        attention block-causal (no token attends across a document boundary); ``positions``
+        (batch, seq) are each token's RoPE positions (e.g. restarting per document),
+        by default 0, 1, ... Without both, the plain causal path runs unchanged."""
         if cache is not None:
+            check_no_documents(document_ids, positions)
             return cached_forward(self, tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table goes down: attention slices it to the sequence length it sees,
         # which under sequence parallel is longer than this (sharded) hidden state's.
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        if document_ids is None and positions is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope)
+        else:
+            rope, mask = document_inputs(self.rope, document_ids, positions)
+            for layer in self.layers.values():
+                h = layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -96,7 +96,9 @@ def _nudge_bias(layers: list[MoE], counts: torch.Tensor) -> None:
     for layer, layer_counts in zip(layers, counts, strict=True):
         if layer.expert_bias is None:
             continue
-        delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
+        # sign(mean(n) - n), in integers: exact whatever the counts.
+        below_mean = layer_counts.sum() - layer_counts.numel() * layer_counts
+        delta = layer.load_balance_coeff * torch.sign(below_mean).to(layer.expert_bias.dtype)
         layer.expert_bias.add_(delta - delta.mean())
 
 
@@ -124,7 +126,7 @@ def _load_metrics(names: list[str], counts: torch.Tensor) -> dict[str, float]:
         total = layer_counts.sum()
         if total <= 0:
             continue
-        shares = (layer_counts / total).double()
+        shares = layer_counts.double() / total
         entropy = -(shares * shares.clamp_min(1e-300).log()).sum().item()
         num_experts = shares.numel()
         layer_name = "" if name == "moe" else name.removesuffix(".moe")
@@ -172,6 +174,12 @@ class ExpertBalancer:
         self.last_counts = counts
         for layer in self.layers:
             layer.tokens_per_expert.zero_()
+
+    def replica_summed_buffers(self) -> list[torch.Tensor]:
+        """The live token counts, which a trainer with torchft replica groups sums over the
+        groups before each commit: then every group nudges its biases by the same totals
+        (each group's own counts would let their routing drift apart)."""
+        return [layer.tokens_per_expert for layer in self.layers]
 
     def metrics(self) -> dict[str, float]:
         """``expert_load``'s numbers for the tokens of the last step (empty before one)."""

@@ -16,6 +16,13 @@ torch's grouped mm multiplies each group with a plain matmul; the padded batch t
   experts' rows padded to the longest while that at most doubles the rows, else one matmul
   per expert over its contiguous slice of rows, skipping experts without tokens.
 
+Under autocast the routed experts compute in the autocast dtype: ``x`` and the weights
+are cast to it explicitly, because autocast has no rule for ``_grouped_mm`` and would leave
+fp32 inputs in fp32 (on CUDA that is torch's per-expert fallback, with a device-to-host copy
+of the offsets). The grouped mm (and the fallback's matmuls) accumulate in fp32 internally
+and return the autocast dtype, as autocast's matmuls do; the output is cast back to ``x``'s
+dtype, as torchtitan does.
+
 Expert-parallel and tensor-parallel plans turn the weights into DTensors; the experts
 compute on their local shards (``to_local``) and the plan's hooks move the tokens.
 """
@@ -157,6 +164,14 @@ def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return grouped_mm_supported(x.device.type, x.dtype)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype of ``x``'s device when autocast is on there, else ``x``'s own."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
@@ -183,9 +198,13 @@ class GroupedExperts(nn.Module):
         if counts is None:
             hidden = functional.silu(x @ w1[0]) * (x @ w3[0])
             return hidden @ w2[0]
-        if self.use_grouped_mm and _grouped_mm_fits(x, w1, w2, w3):
-            return run_experts_grouped_mm(w1, w2, w3, x.contiguous(), counts)
-        return run_experts_fallback(w1, w2, w3, x, counts)
+        dtype = _compute_dtype(x)
+        rows, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        if self.use_grouped_mm and _grouped_mm_fits(rows, w1, w2, w3):
+            out = run_experts_grouped_mm(w1, w2, w3, rows.contiguous(), counts)
+        else:
+            out = run_experts_fallback(w1, w2, w3, rows, counts)
+        return out.to(x.dtype)
 
     def init_weights(self, init_std: float) -> None:
         """``w1`` with std 0.02, ``w2`` and ``w3`` with ``init_std`` (truncated normals), as

@@ -9,11 +9,16 @@ Submodules, parameters and buffers carry torchtitan's names and shapes (its July
 - ``shared_expert.w1``, ``.w3`` (1, dim, hidden_dim * num_shared_experts), ``.w2`` (1,
   hidden_dim * num_shared_experts, dim): a ``GroupedExperts`` of one expert, as torchtitan
   stores it; ``None`` without shared experts;
-- buffers ``expert_bias`` and ``tokens_per_expert`` (num_experts,) fp32, persistent, when
-  ``load_balance_coeff`` is set. Without it there is no ``expert_bias`` (``None``) and
-  ``tokens_per_expert`` is a non-persistent buffer, kept for the load metrics only, so the
-  state dict is torchtitan's in both cases. ``aux_loss`` (a scalar, non-persistent) holds
-  the last sequence balance loss.
+- buffers ``expert_bias`` (num_experts,) fp32 and ``tokens_per_expert`` (num_experts,),
+  persistent, when ``load_balance_coeff`` is set. Without it there is no ``expert_bias``
+  (``None``) and ``tokens_per_expert`` is a non-persistent buffer, kept for the load metrics
+  only, so the state dict has torchtitan's names and shapes in both cases. ``aux_loss`` (a
+  scalar, non-persistent) holds the last sequence balance loss.
+
+``tokens_per_expert`` is int64 where torchtitan's is fp32: counts stay exact past 2^24
+tokens per expert per step (a large global batch with top-8 over few experts passes it).
+A checkpoint that holds fp32 counts (torchtitan's, or titan's before) still loads: both
+``load_state_dict`` and DCP convert the values on copy into the int64 buffer.
 
 Token counting: every forward adds the tokens each expert received to
 ``tokens_per_expert``, except where it would count the same tokens again or tokens that do
@@ -129,10 +134,11 @@ class MoE(nn.Module):
             if args.num_shared_experts > 0
             else None
         )
-        counts = torch.zeros(args.num_experts, dtype=torch.float32)
+        counts = torch.zeros(args.num_experts, dtype=torch.int64)
         self.expert_bias: torch.Tensor | None
         if args.load_balance_coeff is not None:
-            self.register_buffer("expert_bias", torch.zeros_like(counts), persistent=True)
+            bias = torch.zeros(args.num_experts, dtype=torch.float32)
+            self.register_buffer("expert_bias", bias, persistent=True)
             self.register_buffer("tokens_per_expert", counts, persistent=True)
         else:
             self.expert_bias = None
@@ -186,9 +192,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std)
         device = buffer_device or self.tokens_per_expert.device
-        for name in ("expert_bias", "tokens_per_expert"):
+        for name, dtype in (("expert_bias", torch.float32), ("tokens_per_expert", torch.int64)):
             if getattr(self, name) is not None:
-                setattr(
-                    self, name, torch.zeros(self.num_experts, dtype=torch.float32, device=device)
-                )
+                setattr(self, name, torch.zeros(self.num_experts, dtype=dtype, device=device))
         self.aux_loss = torch.zeros((), dtype=torch.float32, device=device)

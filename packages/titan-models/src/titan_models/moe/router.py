@@ -1,7 +1,10 @@
 """Token-choice top-k routing: each token picks its experts by score.
 
-Scores are computed in fp32 whatever the model's dtype (softmax over the experts, or one
-sigmoid each). A per-expert bias (the auxiliary-loss-free load balancer's) is added to the
+Scores are computed in fp32 whatever the model's dtype or the autocast dtype: the gate's
+matmul too (inputs and weight cast to fp32, autocast off around it), since bf16 logits
+(8 mantissa bits) tie and flip in top-k and make the bias-corrected selection noisy once the
+balancer's bias is about the logits' spacing; then softmax over the experts, or one sigmoid
+each. A per-expert bias (the auxiliary-loss-free load balancer's) is added to the
 scores only to *select* experts; the weights a token gives its experts come from the
 unbiased scores. Grouped routing follows DeepSeek-V3 as transformers implements it, step for
 step, so that both select the same experts bit for bit in fp32:
@@ -57,7 +60,8 @@ class TokenChoiceTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
         """Route ``x`` (T, dim); ``expert_bias`` (num_experts,) shifts selection only."""
-        logits = self.gate(x).float()
+        with torch.autocast(x.device.type, enabled=False):
+            logits = functional.linear(x.float(), self.gate.weight.float())
         if self.score_func == "sigmoid":
             scores = torch.sigmoid(logits)
         else:

@@ -1,6 +1,6 @@
 """Model-independent parallelize building blocks: configs, activation checkpointing, context
 parallel (all-gather, ring, torch's), expert parallel, FSDP/DDP, pipelines, and the layout
-rules every family shares (``check_layout``, ``check_pipeline``)."""
+rules every family shares (``check_layout``, ``check_pipeline``, ``check_document_masking``)."""
 
 from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import (
@@ -39,7 +39,7 @@ from titan_models.parallel.pipeline import (
     stages_of_rank,
 )
 from titan_models.parallel.ring_attention import RingContextParallelAttention
-from titan_models.parallel.rules import check_layout, check_pipeline
+from titan_models.parallel.rules import check_document_masking, check_layout, check_pipeline
 from titan_models.parallel.step import (
     StepContext,
     check_seq_len,
@@ -68,6 +68,7 @@ __all__ = [
     "auto_param_dtype",
     "build_pipeline",
     "build_schedule",
+    "check_document_masking",
     "check_expert_parallel",
     "check_layout",
     "check_pipeline",

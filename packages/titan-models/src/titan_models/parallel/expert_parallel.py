@@ -6,10 +6,12 @@ DTensors sharded on dim 0 (the expert dimension) over ``ep_mesh`` (a DCP checkpo
 the full stacked tensors, so it loads at any ep degree) and hooks the experts' forward:
 
 - dispatch: the per-expert token counts are exchanged first (an all-to-all of
-  ``num_experts`` integers), then the tokens, sorted by expert, go to their experts' ranks by
-  an all-to-all with those variable split sizes. A rank receives, from each source rank in
-  turn, that rank's tokens for each of its local experts; it reorders them expert-major
-  (source ranks in order within an expert), which is the layout the experts compute on.
+  ``num_experts`` integers; both split lists then reach the host in one device-to-host
+  copy, the layer's only host sync), then the tokens, sorted by expert, go to their
+  experts' ranks by an all-to-all with those variable split sizes. A rank receives, from
+  each source rank in turn, that rank's tokens for each of its local experts; it reorders
+  them expert-major (source ranks in order within an expert), which is the layout the
+  experts compute on.
 - combine: the outputs are put back in arrival order and returned to their source ranks by
   the reverse all-to-all.
 
@@ -31,9 +33,11 @@ more than one rank: torch 2.13 divides twice on a one-rank mesh with it
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -78,14 +82,19 @@ class ExpertParallel(ParallelStyle):
         routed, counts = inputs
         group, ep = mesh.get_group(), mesh.size()
         with torch.no_grad():
-            # received[r * local + e]: tokens source rank r sends to my local expert e.
-            received = torch.empty_like(counts)
-            dist.all_to_all_single(received, counts, group=group)
-            input_splits = counts.view(ep, -1).sum(dim=1).tolist()
-            output_splits = received.view(ep, -1).sum(dim=1).tolist()
+            # received[r * local + e]: tokens source rank r sends to my local expert e. The
+            # functional collective: op-level activation checkpointing saves its output, so
+            # the recompute does not exchange the counts again.
+            received = all_to_all_single(counts, None, None, group)
             by_source = received.view(ep, -1)
+            # The one device-to-host copy of the layer: both split lists at once.
+            splits = torch.stack((counts.view(ep, -1).sum(dim=1), by_source.sum(dim=1)))
+            input_splits, output_splits = splits.tolist()
             local_experts = torch.arange(by_source.shape[1], device=counts.device)
-            expert_of_row = local_experts.repeat(ep).repeat_interleave(by_source.flatten())
+            # output_size: the total is known on the host (without it, a second sync).
+            expert_of_row = local_experts.repeat(ep).repeat_interleave(
+                by_source.flatten(), output_size=sum(output_splits)
+            )
             # Expert-major, source ranks in order within an expert (stable sort).
             order = torch.argsort(expert_of_row, stable=True)
         self._splits = (input_splits, output_splits, order)

@@ -160,33 +160,42 @@ class Pipeline:
         return self.tied.mirrored if self.tied is not None else []
 
     def step(
-        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        **model_kwargs: torch.Tensor,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch. Ranks with the first stage pass ``inputs``,
         ranks with the last pass ``targets`` (others may pass them too: they are ignored).
+        ``model_kwargs`` (every rank passes them: e.g. ``document_ids``, ``positions``, each
+        (batch, ...)) go to every stage's forward, split into microbatches as the inputs.
         Returns the mean microbatch loss (a plain tensor) on the last stage's rank, ``None``
         elsewhere. With tensor parallel and ``loss_parallel``, call it inside
         ``torch.distributed.tensor.parallel.loss_parallel()`` (or the plan's
         ``StepContext``)."""
-        return self._run(self.schedule.step, inputs, targets)
+        return self._run(self.schedule.step, inputs, targets, model_kwargs)
 
     def eval(
-        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        **model_kwargs: torch.Tensor,
     ) -> torch.Tensor | None:
         """Forward only (no gradients) of one batch through the schedule; arguments and
         result as :meth:`step`."""
-        return self._run(self.schedule.eval, inputs, targets)
+        return self._run(self.schedule.eval, inputs, targets, model_kwargs)
 
     def _run(
         self,
         run: Callable[..., object],
         inputs: torch.Tensor | None,
         targets: torch.Tensor | None,
+        model_kwargs: dict[str, torch.Tensor],
     ) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self.has_last_stage else {}
         args = (inputs,) if self.has_first_stage else ()
-        run(*args, **kwargs)
+        run(*args, **kwargs, **model_kwargs)
         if not self.has_last_stage:
             return None
         # Under loss parallel each microbatch loss is a replicated DTensor.

@@ -19,7 +19,7 @@ from titan_models.parallel.expert_parallel import check_expert_parallel
 from titan_models.parallel.pipeline import split_blocks
 from titan_models.parallel.step import check_seq_len
 
-__all__ = ["check_layout", "check_pipeline"]
+__all__ = ["check_document_masking", "check_layout", "check_pipeline"]
 
 
 def check_layout(
@@ -102,3 +102,16 @@ def check_pipeline(
             f"pipeline.microbatch_size={pipeline_config.microbatch_size}."
         )
     split_blocks(n_layers, parallel_dims.pp, pipeline_config)
+
+
+def check_document_masking(parallel_dims: ParallelDims) -> None:
+    """Raise ``ModelConfigError`` when document masking (``titan_models.documents``) cannot
+    run with this layout: context parallel, whose attentions split each sequence over its
+    ranks and know only the causal mask. FSDP, TP, PP, activation checkpointing and MoE
+    (masking touches attention only) work."""
+    if parallel_dims.cp_enabled:
+        raise ModelConfigError(
+            f"document masking cannot be combined with context parallel (cp={parallel_dims.cp}):"
+            " its attention knows only the causal mask; set context_parallel_degree=1 or turn "
+            "document masking off."
+        )

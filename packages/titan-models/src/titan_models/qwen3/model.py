@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_models.documents import DocumentMask, check_no_documents, document_inputs
 from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
 from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope, rope_table
@@ -52,7 +53,12 @@ class Qwen3Attention(nn.Module):
         self.inner_attention = CausalAttention()
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        *,
+        cache: LayerKVCache | None = None,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         """``cache``: this layer's keys and values so far (incremental decoding; ``rope``
         then holds per-row angles); without it, causal attention over ``x`` alone."""
@@ -62,7 +68,12 @@ class Qwen3Attention(nn.Module):
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope, half_split=True), apply_rope(k, rope, half_split=True)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.inner_attention(q, k, v) if cache is None else cache.attend(q, k, v)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        elif mask is None:
+            out = self.inner_attention(q, k, v)
+        else:
+            out = self.inner_attention(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -93,13 +104,20 @@ class Qwen3Block(nn.Module):
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, *, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        *,
+        cache: LayerKVCache | None = None,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
         # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
-        if cache is None:
+        if cache is not None:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+        elif mask is None:
             h = x + self.attention(self.attention_norm(x), rope)
         else:
-            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -150,20 +168,38 @@ class Qwen3(nn.Module):
         if tied and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
         without the embedding, ``tokens`` is the previous stage's hidden state; on one
         without the output, the hidden state is returned.
 
         With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
-        those the cache holds: they attend to the cached keys too, and are cached."""
+        those the cache holds: they attend to the cached keys too, and are cached.
+
+        Packed windows (``titan_models.documents``): ``document_ids`` (batch, seq) makes
+        attention block-causal (no token attends across a document boundary); ``positions``
+        (batch, seq) are each token's RoPE positions (e.g. restarting per document),
+        by default 0, 1, ... Without both, the plain causal path runs unchanged."""
         if cache is not None:
+            check_no_documents(document_ids, positions)
             return cached_forward(self, tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table goes down: attention slices it to the sequence length it sees,
         # which under sequence parallel is longer than this (sharded) hidden state's.
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        if document_ids is None and positions is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope)
+        else:
+            rope, mask = document_inputs(self.rope, document_ids, positions)
+            for layer in self.layers.values():
+                h = layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

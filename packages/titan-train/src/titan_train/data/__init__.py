@@ -1,14 +1,16 @@
 """Data: documents from the embedded corpus, local files or the Hugging Face hub, tokenized
 with BOS/EOS, packed into ``seq_len + 1`` windows and sharded over data-parallel ranks by a
-stateful dataloader whose state reshards when the data-parallel degree changes.
+stateful dataloader whose state reshards when the data-parallel degree changes; or a
+weighted mixture of several such sources (``MixtureDataLoader``).
 
     loader = build_dataloader(DataConfig(seq_len=256), load_tokenizer(), dp_rank=0, dp_degree=1)
     inputs, labels = next(iter(loader))      # 8 x 256 each; labels are inputs shifted by one
 """
 
-from titan_train.data.config import DataConfig, DataError, DataSource
+from titan_train.data.config import DataConfig, DataError, DatasetEntry, DataSource
 from titan_train.data.dataloader import TextDataLoader, build_dataloader
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
+from titan_train.data.mixture import MixtureDataLoader, build_mixture_dataloader
 from titan_train.data.sources import DocumentSource, open_documents
 
 __all__ = [
@@ -16,9 +18,12 @@ __all__ = [
     "DataConfig",
     "DataError",
     "DataSource",
+    "DatasetEntry",
     "DocumentSource",
+    "MixtureDataLoader",
     "TextDataLoader",
     "build_dataloader",
+    "build_mixture_dataloader",
     "embedded_documents",
     "open_documents",
 ]

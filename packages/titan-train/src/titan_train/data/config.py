@@ -11,12 +11,13 @@ Keys follow torchtitan's ``[training]`` section (``dataset``, ``dataset_path``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import MISSING, dataclass, fields
 from typing import ClassVar
 
 from titan_train.errors import DataError, check_int
 
-__all__ = ["DataConfig", "DataError", "DataSource"]
+__all__ = ["DataConfig", "DataError", "DataSource", "DatasetEntry", "check_mixture"]
 
 SHARD_LAYOUTS = ("interleaved", "contiguous")
 """How documents are dealt to the virtual shards (``titan_train.data.shards``): document
@@ -124,3 +125,83 @@ class DataConfig(DataSource):
                 f"one of {', '.join(map(repr, SHARD_LAYOUTS))}."
             )
         super().__post_init__()
+
+
+@dataclass(kw_only=True)
+class DatasetEntry(DataSource):
+    """One ``[[training.datasets]]`` entry of a weighted mixture: every key of a
+    ``DataSource`` (so whatever a single dataset can say, an entry can), plus its weight."""
+
+    SECTION: ClassVar[str] = "training.datasets"
+
+    dataset: str = ""
+    """As ``training.dataset``; required here (an entry without a source is refused)."""
+    weight: float = 1.0
+    """This source's share of the training windows (tokens): weight / the sum of the
+    weights. 0 keeps the entry without reading it."""
+    name: str = ""
+    """The name of this source in the metrics (``tokens_seen/<name>``); empty: the last
+    part of ``dataset`` (or of ``dataset_path``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataset, str) or not self.dataset.strip():
+            raise DataError(
+                "a [[training.datasets]] entry has no source: set its dataset = 'embedded', a "
+                "local json/jsonl/parquet/txt file or folder, or a Hugging Face hub name."
+            )
+        weight = self.weight
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not (math.isfinite(weight) and weight >= 0)
+        ):
+            raise DataError(
+                f"[[training.datasets]] entry {self.dataset!r} has weight = {weight!r}; a "
+                "weight must be a finite number >= 0 (its share is weight / the sum)."
+            )
+        super().__post_init__()
+
+    @property
+    def label(self) -> str:
+        """The name of this source in the metrics."""
+        if self.name:
+            return self.name
+        where = (self.dataset_path or self.dataset).rstrip("/\\")
+        return where.replace("\\", "/").rsplit("/", 1)[-1] or where
+
+
+def check_mixture(single: DataSource, entries: list[DatasetEntry]) -> None:
+    """Refuse, in one line, a mixture whose weights do not sum to a positive number, or that
+    is given together with the single-source keys of ``single`` (``training.dataset`` and the
+    other ``DataSource`` keys, changed from their defaults)."""
+    if not entries:
+        return
+    set_keys = [
+        f.name
+        for f in fields(DataSource)
+        if f.init
+        and getattr(single, f.name)
+        != (
+            f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        )
+    ]
+    if set_keys:
+        keys = ", ".join(f"{single.section}.{k}" for k in set_keys)
+        raise DataError(
+            f"[[training.datasets]] is given together with {keys}: a run reads either one "
+            "dataset or a mixture. Move those keys into the [[training.datasets]] entries "
+            "(each takes them) or drop the entries."
+        )
+    total = sum(e.weight for e in entries)
+    if not total > 0:
+        raise DataError(
+            f"the [[training.datasets]] weights sum to {total!r}; they must sum to a positive "
+            "number (give at least one entry a weight > 0)."
+        )
+    labels = [e.label for e in entries]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise DataError(
+            f"[[training.datasets]] entries share the name(s) {twice}; give each a distinct "
+            "name = '...' (it names the source in the metrics)."
+        )

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from titan_train.data.config import DataConfig, DataError
 from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
-from titan_train.data.hub import hub_unreachable
+from titan_train.data.hub import hub_dataset_problem, hub_endpoint
 from titan_train.data.local_files import open_hub_copy, open_local_files
 
 __all__ = ["DocumentSource", "iter_strided", "open_documents"]
@@ -294,13 +294,22 @@ def open_documents(config: DataConfig) -> DocumentSource:
             else f"{config.section}.dataset={target!r}: no such file or folder."
         )
 
-    offline = hub_unreachable()
-    if offline is not None:
+    problem = hub_dataset_problem(hub_name)
+    if problem is not None and problem[0] == "unreachable":
         raise DataError(
             f"{config.section}.dataset={target!r} is not a local file or folder, and the "
-            f"Hugging Face hub is out of reach ({offline}). Use {config.section}.dataset="
+            f"Hugging Face hub is out of reach ({problem[1]}). Use {config.section}.dataset="
             "'embedded', a local json/jsonl/parquet/txt file, or a local copy of the dataset "
             f"({config.section}.dataset_path)."
+        )
+    if problem is not None:
+        raise DataError(
+            f"{config.section}.dataset={target!r} is not a local file or folder, and the "
+            f"Hugging Face hub ({hub_endpoint()}) has no dataset {hub_name!r} that this "
+            f"machine may read ({problem[1]}). Check the name (owner/name, as in the "
+            "dataset's address on the hub); a private or gated dataset needs a token "
+            f"(hf auth login, or HF_TOKEN). Or use {config.section}.dataset='embedded' or a "
+            "local json/jsonl/parquet/txt file."
         )
     logger.info("loading %r from the Hugging Face hub (streaming)", hub_name)
     try:

@@ -322,6 +322,9 @@ class MetricsLogger:
         parts.append(f"data {r['data_pct']:.1f}%")
         if r.get("skipped_steps"):
             parts.append(f"skipped {int(r['skipped_steps'])}")
+        mixture = [(k.split("/", 1)[1], v) for k, v in r.items() if k.startswith("tokens_seen/")]
+        if mixture:  # a dataset mixture: the tokens taken from each source so far
+            parts.append("tokens " + ", ".join(f"{name} {int(n):,}" for name, n in mixture))
         if "eta_s" in r:
             parts.append(f"eta {_eta_text(r['eta_s'])}")
         return "  ".join(parts)

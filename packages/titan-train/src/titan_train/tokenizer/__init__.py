@@ -1,11 +1,11 @@
-"""Tokenizers: tiktoken BPE files (Llama 3 format), Hugging Face ``tokenizer.json``, and a
-small BPE trainer whose output titan-train ships as its default 2,048-token tokenizer.
+"""Tokenizers: tiktoken BPE files (Llama 3 format) and Hugging Face ``tokenizer.json``;
+titan-train ships a 2,048-token tiktoken file as its default (``tools/train_tokenizer.py``
+in the repository makes it).
 
 ``load_tokenizer(path)`` picks the right class; ``load_tokenizer()`` is the shipped one.
 """
 
 from titan_train.tokenizer.base import Tokenizer, TokenizerError
-from titan_train.tokenizer.bpe_trainer import train_bpe
 from titan_train.tokenizer.hf import HuggingFaceTokenizer
 from titan_train.tokenizer.load import (
     DEFAULT_NUM_SPECIAL_TOKENS,
@@ -31,6 +31,5 @@ __all__ = [
     "llama3_special_tokens",
     "load_tokenizer",
     "read_tiktoken_bpe",
-    "train_bpe",
     "write_tiktoken_bpe",
 ]

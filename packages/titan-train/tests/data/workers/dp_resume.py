@@ -42,8 +42,7 @@ def main() -> None:
     manager = CheckpointManager(
         CheckpointConfig(enable=True, folder=folder),
         model_parts=nn.Linear(2, 2),
-        states={"dataloader": loader},
-        data_parallel_degree=world,
+        states={"dataloader": loader},  # its dp_degree (world) is recorded with the step
     )
     if mode == "load":
         assert manager.load()

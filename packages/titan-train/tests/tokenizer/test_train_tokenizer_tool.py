@@ -1,5 +1,6 @@
-"""train_bpe against a brute-force BPE (recount every pair each merge) on fixed text, and the
-shipped file against a fresh run of tools/train_tokenizer.py."""
+"""tools/train_tokenizer.py, which makes the shipped tokenizer: its train_bpe against a
+brute-force BPE (recount every pair each merge) on fixed text, and the shipped file against a
+fresh run."""
 
 from __future__ import annotations
 
@@ -12,7 +13,19 @@ from pathlib import Path
 import pytest
 import regex
 
-from titan_train.tokenizer import LLAMA3_PATTERN, TiktokenTokenizer, train_bpe, write_tiktoken_bpe
+from titan_train.tokenizer import LLAMA3_PATTERN, TiktokenTokenizer, write_tiktoken_bpe
+
+
+def _load_tool():
+    path = Path(__file__).parents[4] / "tools" / "train_tokenizer.py"
+    spec = importlib.util.spec_from_file_location("train_tokenizer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tool = _load_tool()
+train_bpe = tool.train_bpe
 
 TEXT = [
     "the cat sat on the mat; the cat ate the rat.",
@@ -72,8 +85,4 @@ def test_stops_when_pairs_run_out(tmp_path):
     reason="the shipped file was trained on Python 3.11's pydoc_data; other versions differ",
 )
 def test_shipped_file_is_reproducible():
-    tool = Path(__file__).parents[4] / "tools" / "train_tokenizer.py"
-    spec = importlib.util.spec_from_file_location("train_tokenizer", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--check"]) == 0
+    assert tool.main(["--check"]) == 0

@@ -1,0 +1,164 @@
+"""Refuse a run that cannot fit in memory before anything is allocated or written.
+
+A floor, not an estimate: what a run's model state needs at the least (fp32 weights and
+gradients, the optimizer's moments, divided over the ranks that shard them; embeddings left
+out, since their size follows the tokenizer) plus, on the CPU, what each rank's process holds
+before it builds anything (this process's own resident memory, torch and titan imported,
+shared pages left out).
+Activations and buffers only add to it, so a run refused here cannot fit however it is
+launched on this host; one that passes may still run out (``titan-train estimate`` predicts the
+rest). ``titan-train estimate`` takes seconds to minutes (it builds and steps the model on
+the meta device); this check is arithmetic on the model's arguments and a few reads from
+``/proc``, so it runs in preflight, in the launcher before any rank starts, as well as in
+each rank. ``training.memory_check = false`` (``--training.no_memory_check``) skips it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from titan_train.config import ConfigError, JobConfig
+
+__all__ = ["HostMemory", "check_memory_fits", "host_memory", "model_state_bytes"]
+
+logger = logging.getLogger("titan_train")
+
+GIB = 1 << 30
+
+# Bytes per parameter of what an optimizer keeps (its moments), all in fp32.
+_OPTIMIZER_STATE_BYTES = {"Adam": 8, "AdamW": 8}
+
+
+def model_state_bytes(config: JobConfig, n_params: int) -> int:
+    """Bytes of fp32 weights, gradients and optimizer moments for ``n_params`` parameters."""
+    optimizer = _OPTIMIZER_STATE_BYTES.get(config.optimizer.name, 0)
+    if config.optimizer.name == "SGD" and config.optimizer.momentum > 0:
+        optimizer = 4
+    return n_params * (4 + 4 + optimizer)
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The memory processes on this host can still have, and what limits it."""
+
+    available: int
+    """Bytes, the smallest of the limits below."""
+    source: str
+    """Which limit that is, in words."""
+
+
+def host_memory() -> HostMemory | None:
+    """The host memory a new process can have: the kernel's ``MemAvailable``, capped by this
+    process's cgroup limit (v2 or v1) and by ``ulimit -v`` / ``-d``; ``None`` where none of
+    them can be read (not Linux)."""
+    limits: list[tuple[int, str]] = []
+    meminfo = _read("/proc/meminfo")
+    for line in (meminfo or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            limits.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (v1 + "limit_in_bytes", v1 + "usage_in_bytes"),
+    ):
+        limit, usage = _read(limit_file), _read(usage_file)
+        if limit and usage and limit.strip().isdigit() and int(limit) < 1 << 60:
+            limits.append((int(limit) - int(usage), f"the cgroup limit ({limit_file})"))
+    for name, rlimit in (("ulimit -v", resource.RLIMIT_AS), ("ulimit -d", resource.RLIMIT_DATA)):
+        soft = resource.getrlimit(rlimit)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append((soft, f"{name} (per process)"))
+    if not limits:
+        return None
+    available, source = min(limits)
+    return HostMemory(max(available, 0), source)
+
+
+def check_memory_fits(
+    config: JobConfig,
+    n_params: int,
+    *,
+    shards: int,
+    local_ranks: int,
+    device: torch.device,
+    started: bool,
+) -> None:
+    """Raise ``ConfigError`` when ``local_ranks`` ranks on this host, each holding its
+    ``1/shards`` of the model state, cannot fit (see the module's docstring). ``n_params``:
+    the model's parameters without embeddings; ``started``: the ranks' processes exist already
+    (their memory is no longer available), as in a rank's own preflight, not the launcher's."""
+    if not config.training.memory_check:
+        return
+    state = math.ceil(model_state_bytes(config, n_params) / shards)
+    what = (
+        f"{n_params / 1e9:.2f}B parameters x {model_state_bytes(config, 1)} bytes (fp32 "
+        f"weights, gradients, {config.optimizer.name} state)"
+        + (f" / {shards} shards" if shards > 1 else "")
+    )
+    if device.type == "cpu" or config.parallelize.cpu_offload:
+        host = host_memory()
+        if host is None:
+            logger.debug("memory check: this host's free memory cannot be read; skipped")
+            return
+        process = _resident_bytes() if device.type == "cpu" and not started else 0
+        need = local_ranks * (state + process)
+        if need <= host.available:
+            return
+        per_rank = f"{what} = {state / GIB:.1f} GiB"
+        if process:
+            per_rank += f", plus {process / GIB:.2f} GiB a process holds before building"
+        fits = _what_fits(host.available // local_ranks - process, state, shards, local_ranks)
+        raise ConfigError(
+            f"This run cannot fit in host memory: {local_ranks} rank(s) on this host need at "
+            f"least {need / GIB:.1f} GiB before any activation ({per_rank}, each), and "
+            f"{host.source} leaves {host.available / GIB:.1f} GiB. {fits} "
+            "(--training.no_memory_check starts it anyway)."
+        )
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if state > free:
+            raise ConfigError(
+                f"This run cannot fit in {device} memory: each rank needs at least "
+                f"{state / GIB:.1f} GiB for its model state ({what}) and the device has "
+                f"{free / GIB:.1f} GiB free. "
+                f"{_what_fits(free, state, shards, local_ranks)} "
+                "(--training.no_memory_check starts it anyway)."
+            )
+
+
+def _what_fits(budget: int, state: int, shards: int, local_ranks: int) -> str:
+    if budget <= 0:
+        return (
+            f"Even the processes alone do not fit: start fewer ranks per host (now "
+            f"{local_ranks}, --nproc-per-node) or free memory"
+        )
+    needed = math.ceil(state * shards / budget)
+    return (
+        f"It fits with the model state sharded {needed}-way or more (more ranks, across hosts: "
+        "--parallelism.data_parallel_shard_degree), a smaller model, or CPU offload on an "
+        "accelerator"
+    )
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory of its own: shared pages (libtorch's code, mapped
+    files) are left out, since every rank on the host maps the same ones."""
+    statm = _read("/proc/self/statm")
+    if not statm:
+        return 0
+    resident, shared = (int(field) for field in statm.split()[1:3])
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
