@@ -321,7 +321,7 @@ def parse_job_config(argv: Sequence[str] | None = None, *, prog: str = "titan-tr
                 "%s as titan settings (titan-train config import writes them as TOML); not "
                 "carried: %s",
                 source,
-                "; ".join(notes),
+                "; ".join(notes) or "nothing",
             )
         translations.append(translation)
         return translation.values

@@ -67,7 +67,7 @@ def run_config_import(argv: list[str]) -> int:
     values = compat.unflatten({k: v for k, v in resolved.items() if k in keys})
     source = f"torchtitan's {module}.{name} (torchtitan {torchtitan_head.HEAD_COMMIT})"
     header = [f"# {source}, as titan settings (titan-train config import).", "# Not carried:"]
-    header += [f"#   - {note}" for note in notes]
+    header += [f"#   - {note}" for note in notes] or ["#   nothing"]
     text = "\n".join(header) + "\n\n" + dumps(_ordered(values))
     if not output:
         print(text, end="")
@@ -76,7 +76,7 @@ def run_config_import(argv: list[str]) -> int:
         f.write(text)
     print(
         f"wrote {output}: {source}; train it with titan-train --job.config_file {output}. "
-        f"Not carried: {'; '.join(notes)}.",
+        f"Not carried: {'; '.join(notes) or 'nothing'}.",
         file=sys.stderr,
     )
     return 0

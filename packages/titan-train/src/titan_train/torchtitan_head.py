@@ -96,15 +96,15 @@ HEAD_DEFAULTS: Mapping[str, Any] = {
     "validator.enable": False,
     "validator.freq": 10,
     "validator.steps": -1,
+    # torchtitan's language models attend within each document of a packed sequence, its
+    # positions restarting at each (block-causal masks, whatever the attention backend)
+    "training.document_masking": True,
+    "training.document_positions": "restart",
     **_AC_OP,
 }
 """torchtitan's ``Trainer.Config()`` at ``HEAD_COMMIT``, by its keys, where titan has the
 setting; every entry of ``CONFIGS`` starts from these."""
 
-_BLOCK_CAUSAL = (
-    "attention masks: torchtitan's language models attend within each document of a packed "
-    "sequence (block-causal masks); titan's attention is causal over the whole sequence"
-)
 _SHUFFLED = (
     "data order: torchtitan's dataloader shuffles this dataset (its default); titan reads "
     "documents in order"
@@ -243,7 +243,7 @@ CONFIGS: Mapping[str, Mapping[str, HeadConfig]] = {
         "llama3_debugmodel_varlen_attn": HeadConfig(
             base="llama3_debugmodel",
             sets={"training.disable_cuda_graphs": True},
-            notes=("attn_backend varlen: another kernel for the same block-causal attention",),
+            notes=("attn_backend varlen: another kernel for the same document-masked attention",),
         ),
         "llama3_debugmodel_dist_gemm": HeadConfig(
             base="llama3_debugmodel",
@@ -501,6 +501,6 @@ def preset_values(module: str, name: str) -> tuple[dict[str, Any], list[str]]:
     flat["model.name"], flat["model.flavor"] = root.model, root.flavor
     flat.update({f"model.args.{k}": v for k, v in root.model_args.items()})
     flat = {k: v for k, v in flat.items() if v is not None}  # None: torchtitan's unset
-    notes = [_BLOCK_CAUSAL, *(_SHUFFLED,) * root.shuffled]
+    notes = [_SHUFFLED] if root.shuffled else []
     notes += [note for link in chain for note in link.notes]
     return flat, notes
