@@ -74,7 +74,7 @@ def test_every_config_key_is_in_the_reference(config_page: str) -> None:
     assert not missing, missing
     # a key's row carries its default as titan-train starts with it
     assert "| `training.steps` | <code>int</code> | <code>30</code> |" in page
-    assert "(torchtitan: `model.hf_assets_path`)" in page
+    assert "(torchtitan: `model.hf_assets_path`, `hf_assets_path`)" in page  # 2025, 2026
 
 
 def test_every_titan_train_option_is_in_the_reference(cli_page: str, config_page: str) -> None:

@@ -22,15 +22,17 @@ from pathlib import Path
 import pytest
 
 from titan_train.cli import main
-from titan_train.compat import KEYS, TORCHTITAN_DEFAULTS, lookup, split_argv
+from titan_train.compat import KEYS, TORCHTITAN_DEFAULTS, lookup
+from titan_train.compat_argv import split_argv
 from titan_train.config import JobConfig, parse_job_config
 from titan_train.config_loader import ConfigError
 
 CONFIGS = Path(__file__).parent / "torchtitan_configs"
 
 # Every key a user may set in torchtitan's JobConfig, by section: July 2025
-# (torchtitan/config_manager.py at 6204cdff9) and February 2026 (torchtitan/config/
-# job_config.py at e347b1e5e, the last version before TOML files were replaced).
+# (torchtitan/config_manager.py at 6204cdff9), February 2026 (torchtitan/config/
+# job_config.py at e347b1e5e, the last version before TOML files were replaced) and August
+# 2026 (the flags that still override a --module/--config configuration).
 TORCHTITAN_KEYS = {
     "july_2025": {
         "job": "config_file dump_folder description use_for_integration_test print_args",
@@ -102,6 +104,48 @@ TORCHTITAN_KEYS = {
         "validation.dataloader": "num_workers persistent_workers pin_memory prefetch_factor",
         "debug": "seed deterministic deterministic_warn_only moe_force_load_balance",
     },
+    # The command-line flags of Trainer.Config (torchtitan/trainer.py at b5bcd76c6, August
+    # 2026: `--module llama3 --config llama3_debugmodel --help`); "" holds the top-level ones.
+    "august_2026": {
+        "": "dump_folder hf_assets_path",
+        "checkpoint": "async_mode create_seed_checkpoint enable enable_first_step_checkpoint "
+        "exclude_from_loading export_dtype folder initial_load_in_hf initial_load_in_hf_quantized "
+        "initial_load_model_only initial_load_path interval keep_latest_k last_save_in_hf "
+        "last_save_model_only load_only load_step",
+        "comm": "init_timeout_seconds mode save_traces_file_prefix save_traces_folder "
+        "trace_buf_size train_timeout_seconds",
+        "compile": "backend components enable enable_async_tensor_parallel",
+        "dataloader": "seed",
+        "debug": "batch_invariant detect_anomaly deterministic deterministic_warn_only "
+        "enable_structured_logging moe_force_load_balance print_config save_config_file seed "
+        "spmd_typechecking",
+        "loss": "num_chunks",
+        "loss.loss_fn": "global_vocab_size",
+        "lr_scheduler": "decay_ratio decay_type min_lr_factor total_steps warmup_steps",
+        "metrics": "disable_color_printing enable_tensorboard enable_wandb log_freq "
+        "save_for_all_ranks save_tb_folder",
+        "optimizer": "implementation",
+        "optimizer.param_groups.0": "optimizer_name pattern",
+        "optimizer.param_groups.0.optimizer_kwargs": "betas eps lr weight_decay",
+        "override": "imports",
+        "parallelism": "context_parallel_degree context_parallel_load_balancer "
+        "context_parallel_ptrr_mask_key data_parallel_replicate_degree data_parallel_shard_degree "
+        "enable_fsdp_symm_mem enable_sequence_parallel expert_parallel_degree "
+        "fsdp_reshard_after_forward module_fqns_per_model_part num_pp_microbatches "
+        "pipeline_parallel_degree pipeline_parallel_first_stage_less_layers "
+        "pipeline_parallel_last_stage_less_layers pipeline_parallel_layers_per_stage "
+        "pipeline_parallel_schedule pipeline_parallel_schedule_csv spmd_backend "
+        "tensor_parallel_degree",
+        "profiler": "enable_memory_snapshot enable_profiling memory_snapshot_freq "
+        "memory_snapshot_max_entries profile_freq profiler_active profiler_repeat "
+        "profiler_skip_first profiler_skip_first_wait profiler_warmup save_memory_snapshot_folder "
+        "save_traces_folder",
+        "training": "disable_cuda_graphs dtype enable_cpu_offload gc_debug gc_freq "
+        "max_context_length max_norm mixed_precision_param mixed_precision_reduce "
+        "num_tokens_per_microbatch_per_dp_rank num_tokens_per_train_step steps",
+        "validator": "enable freq steps",
+        "validator.dataloader": "seed",
+    },
 }
 
 
@@ -125,13 +169,12 @@ def _get(values: dict, path: str):
 @pytest.mark.parametrize("version", TORCHTITAN_KEYS)
 def test_every_torchtitan_key_has_a_titan_answer(version):
     titan = _titan_keys()
-    missing = [
-        f"{section}.{key}"
+    paths = [
+        f"{section}.{key}" if section else key
         for section, keys in TORCHTITAN_KEYS[version].items()
         for key in keys.split()
-        if f"{section}.{key}" not in titan and lookup(f"{section}.{key}") is None
     ]
-    assert missing == []
+    assert [p for p in paths if p not in titan and lookup(p) is None] == []
 
 
 def test_the_table_never_shadows_a_titan_key():

@@ -4,13 +4,16 @@
     titan-train train --job.config_file run.toml --training.steps 100
     titan-train --nproc-per-node 2 --parallelism.data_parallel_shard_degree 2
     titan-train config --print [--job.config_file run.toml ...]   # the merged config as TOML
+    titan-train --module llama3 --config llama3_debugmodel     # torchtitan 2026's configurations
+    titan-train config import --torchtitan-module llama3 --config llama3_debugmodel -o run.toml
     titan-train list-models
     titan-train generate --checkpoint.path outputs/checkpoint/step-30 --prompt "Once upon"
     titan-train estimate --world-size 64 --parallelism.tensor_parallel_degree 8 [--json]
 
 Commands (``titan-train COMMAND --help`` documents each; no command means ``train``):
   train          train a model (the default)
-  config         print the merged configuration as TOML (``--print``)
+  config         print the merged configuration as TOML (``--print``); ``config import``
+                 writes a torchtitan 2026 configuration as a titan TOML file
   list-models    list the model families and their flavors
   generate       sample text from a checkpoint, a Hugging Face folder or a random model
   estimate       one rank's memory for a run of any layout and world size
@@ -18,6 +21,10 @@ Commands (``titan-train COMMAND --help`` documents each; no command means ``trai
 The options of ``train`` (below) take torchtitan's spellings too: ``--training.compile``,
 ``--checkpoint.no-enable-checkpoint``, ``--activation_checkpoint.mode full``, lists as
 ``a,b``; torchtitan TOML files load unchanged (titan-train's README has the table).
+torchtitan 2026's ``--module M --config F`` name the llama3, deepseek_v3 and qwen3
+configurations of its registries (other flags still override them). ``--model.args.KEY
+VALUE`` (``[model.args]`` in a file) sets any argument of the model family's args
+(``dim``, ``n_layers``, ``n_heads``, ``vocab_size``...) over its flavor's.
 ``--nproc-per-node N`` (with N > 1, outside torchrun) starts N processes through
 ``torch.distributed.run`` on this machine; under torchrun or SLURM-launched torchrun the
 command trains in place. Launcher flags (torch's elastic agent and c10d rendezvous do the
@@ -75,6 +82,12 @@ _CONFIG_HELP = """titan-train config: print the merged configuration of a run as
 
   --print        print the configuration (what config does; accepted for clarity)
 Every other option is train's (below), checked as a run checks it (exit status 2).
+
+    titan-train config import --torchtitan-module M --config F [--output FILE] [--force]
+
+writes torchtitan 2026's configuration F of module M (llama3, deepseek_v3, qwen3) as a
+titan TOML file (stdout without --output; an existing FILE only with --force), listing what
+is not carried; train's options after it are written too.
 """
 
 _LIST_MODELS_HELP = """titan-train list-models: the model families titan-train can train
@@ -266,6 +279,10 @@ def _print_config(argv: list[str]) -> int:
     from titan_train.config import parse_job_config
     from titan_train.toml_writer import dumps
 
+    if argv and argv[0] == "import":
+        from titan_train.config_import import run_config_import
+
+        return run_config_import(argv[1:])
     if {"-h", "--help"} & set(argv):
         return _help(_CONFIG_HELP, prog="titan-train config")
     # `--print` is accepted for clarity; printing the merged config is what `config` does.

@@ -1,8 +1,10 @@
 """torchtitan's configuration keys in titan: where each one lives here, as a table.
 
-torchtitan (its July 2025 ``config_manager.py``, and the names its later ``job_config.py``
-introduced) keeps some settings in other sections, spells some differently, and has some
-that titan does not. Every torchtitan key a user may set is in ``KEYS``, with one action:
+torchtitan (its July 2025 ``config_manager.py``, the names its later ``job_config.py``
+introduced, and the command-line flags of its 2026 ``Trainer.Config``: ``hf_assets_path``,
+``[validator]``, ``[profiler]``, token-counted batches) keeps some settings in other sections,
+spells some differently, and has some that titan does not. Every torchtitan key a user may
+set is in ``KEYS``, with one action:
 
 - ``move``: the key has a titan place (``checkpoint.enable_checkpoint`` is
   ``checkpoint.enable``); the value moves there, converted where values are spelled
@@ -13,19 +15,27 @@ that titan does not. Every torchtitan key a user may set is in ``KEYS``, with on
 - ``refuse``: the key asks for a feature titan does not have. A value that asks for nothing
   (``inert``, e.g. ``enable_compiled_autograd = false``) is accepted as a no-op; any other
   value stops loading with one message saying why and what to use instead.
+- ``batch``: torchtitan 2026 counts a batch in tokens (``num_tokens_per_microbatch_per_dp_rank``,
+  ``num_tokens_per_train_step``) and pipeline microbatches (``num_pp_microbatches``); titan
+  in sequences. These are kept aside (``Translation.batch``) and become
+  ``training.local_batch_size``, ``training.global_batch_size`` and
+  ``pipeline.microbatch_size`` once the run's ``training.seq_len`` and pipeline degree are
+  known (``titan_train.torchtitan_head.resolve_batch``).
 
 A TOML file that uses any key of the table is read as torchtitan's: where it sets nothing,
 torchtitan's defaults apply wherever they differ from titan's (``TORCHTITAN_DEFAULTS``), so
 the file means what it meant under torchtitan. The same keys work on the command line
-(``--checkpoint.enable_checkpoint``, ``--training.no-compile``, comma lists), where they
-override the file the way any command-line option does; they never make a file torchtitan's.
+(``--checkpoint.enable_checkpoint``, ``--training.no-compile``, comma lists; read by
+``titan_train.compat_argv``), where they override the file the way any command-line option
+does; they never make a file torchtitan's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from titan_optim import OptimizerConfig
@@ -37,9 +47,10 @@ __all__ = [
     "Key",
     "Translation",
     "check_supported",
+    "flatten",
     "lookup",
-    "split_argv",
     "translate",
+    "unflatten",
 ]
 
 logger = logging.getLogger("titan_train")
@@ -49,7 +60,7 @@ logger = logging.getLogger("titan_train")
 class Key:
     """What titan does with one torchtitan key (see the module docstring)."""
 
-    action: Literal["move", "noop", "refuse"]
+    action: Literal["move", "noop", "refuse", "batch"]
     kind: type = str
     """The type of torchtitan's value (``bool``, ``int``, ``float``, ``str``, ``list``):
     how a command-line value is read."""
@@ -79,6 +90,10 @@ def _refuse(why: str, kind: type = bool, inert: tuple[Any, ...] = (False,)) -> K
     return Key(action="refuse", kind=kind, why=why, inert=inert)
 
 
+def _batch(kind: type = int) -> Key:
+    return Key(action="batch", kind=kind)
+
+
 def _ac_option(value: Any) -> Any:
     # torchtitan reads the option as a string; TOML files also write it as a bare number.
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -89,6 +104,15 @@ _QUANTIZED = (
     "refused: titan has no float8/MX training"
 )
 _PERF_ONLY = "changes speed, not results, in torchtitan; titan has no such scheduling"
+_ONE_GROUP = (
+    "titan's optimizer settings apply to every parameter; per-parameter lr and weight decay "
+    "are optimizer.param_group_rules (globs over parameter names), one optimizer for all"
+)
+_UNSHUFFLED = "it seeds torchtitan's data shuffling; titan reads data in order"
+_PROFILE_WINDOW = (
+    "it shapes torchtitan's profiler schedule; titan traces profiler_active steps (after "
+    "profiler_warmup) every profile_freq steps and snapshots memory on the same steps"
+)
 _ENTRY_POINTS = (
     "titan finds models through the titan.models entry-point group: pip install the package "
     "that registers yours, then --model.name"
@@ -235,6 +259,79 @@ KEYS: Mapping[str, Key] = {
     "debug.moe_force_load_balance": _refuse(
         "titan has no forced MoE load balancing (its Llama 3 has no experts)"
     ),
+    # torchtitan 2026: the flags of Trainer.Config (--module/--config runs).
+    "hf_assets_path": _move("model.tokenizer_path"),
+    "dump_folder": _move("job.dump_folder"),
+    "training.max_context_length": _move("training.seq_len", int),
+    "training.num_tokens_per_microbatch_per_dp_rank": _batch(),
+    "training.num_tokens_per_train_step": _batch(),
+    "parallelism.num_pp_microbatches": _batch(),
+    "training.disable_cuda_graphs": _noop(
+        "CUDA graphs change speed, not results; titan captures none"
+    ),
+    "parallelism.enable_fsdp_symm_mem": _noop(_PERF_ONLY),
+    "parallelism.enable_sequence_parallel": _noop(
+        "sequence parallelism saves memory, not results; titan's tensor parallel always uses it"
+    ),
+    "parallelism.spmd_backend": _noop(
+        "it picks how torchtitan tracks sharding; titan's is DTensor", str
+    ),
+    "parallelism.context_parallel_ptrr_mask_key": _noop(_PERF_ONLY, str),
+    "compile.enable_async_tensor_parallel": _noop(
+        "async tensor parallel overlaps TP communication with compute and changes no numbers"
+    ),
+    "optimizer.param_groups.0.optimizer_name": _move("optimizer.name"),
+    "optimizer.param_groups.0.optimizer_kwargs.lr": _move("optimizer.lr", float),
+    "optimizer.param_groups.0.optimizer_kwargs.betas": _move(
+        "optimizer.betas", list, convert=lambda v: [float(x) for x in v]
+    ),
+    "optimizer.param_groups.0.optimizer_kwargs.eps": _move("optimizer.eps", float),
+    "optimizer.param_groups.0.optimizer_kwargs.weight_decay": _move(
+        "optimizer.weight_decay", float
+    ),
+    "optimizer.param_groups.0.pattern": _refuse(_ONE_GROUP, str, inert=(".*",)),
+    "optimizer.param_groups.*": _refuse(_ONE_GROUP, str, inert=()),
+    "loss.num_chunks": _noop("chunking the loss saves memory and gives the same loss", int),
+    "loss.loss_fn.global_vocab_size": _noop("titan's loss spans the model's vocabulary", int),
+    "validator.enable": _move("validation.enable", bool),
+    "validator.freq": _move("validation.freq", int),
+    "validator.steps": _move("validation.steps", int),
+    "validator.dataloader.seed": _noop(_UNSHUFFLED, int),
+    "dataloader.seed": _noop(_UNSHUFFLED, int),
+    "profiler.enable_profiling": _move("profiling.enable_profiling", bool),
+    "profiler.save_traces_folder": _move("profiling.save_traces_folder"),
+    "profiler.profile_freq": _move("profiling.profile_freq", int),
+    "profiler.profiler_active": _move("profiling.profiler_active", int),
+    "profiler.profiler_warmup": _move("profiling.profiler_warmup", int),
+    "profiler.enable_memory_snapshot": _move("profiling.enable_memory_snapshot", bool),
+    "profiler.save_memory_snapshot_folder": _move("profiling.save_memory_snapshot_folder"),
+    "profiler.profiler_repeat": _noop(_PROFILE_WINDOW, int),
+    "profiler.profiler_skip_first": _noop(_PROFILE_WINDOW, int),
+    "profiler.profiler_skip_first_wait": _noop(_PROFILE_WINDOW, int),
+    "profiler.memory_snapshot_freq": _noop(_PROFILE_WINDOW, int),
+    "profiler.memory_snapshot_max_entries": _noop(_PROFILE_WINDOW, int),
+    "debug.print_config": _noop("titan-train config --print shows the merged config"),
+    "debug.enable_structured_logging": _noop("titan writes no structured trace log"),
+    "debug.save_config_file": _refuse(
+        "titan writes no config file during a run: save `titan-train config --print ...` "
+        "output instead",
+        str,
+        inert=(None, ""),
+    ),
+    "debug.spmd_typechecking": _refuse("titan has no SPMD type checking"),
+    "debug.detect_anomaly": _refuse(
+        "titan has no autograd anomaly mode; training.skip_nonfinite_steps stops a run at the "
+        "first inf/nan gradient norm when set to 0"
+    ),
+    "debug.batch_invariant": _refuse(
+        "titan has no batch-invariant kernels (torchtitan refuses them in pretraining too)"
+    ),
+    "override.imports": _refuse(
+        "titan swaps no components at run time: a model of your own registers under the "
+        "titan.models entry-point group",
+        list,
+        inert=([], ""),
+    ),
 }
 """Every torchtitan key that is not also a titan key with the same meaning, by
 ``section.key`` (``section.*``: every key of that table)."""
@@ -303,9 +400,20 @@ class Translation:
     """torchtitan defaults applied (titan key -> value)."""
     evidence: list[str]
     """The torchtitan keys of the file that make it torchtitan's; empty for a titan file."""
+    batch: dict[str, Any] = field(default_factory=dict)
+    """torchtitan's token-counted batch keys (action ``batch``) -> value, the command line's
+    over the file's: for ``torchtitan_head.resolve_batch`` once the config is loaded."""
 
-    def log(self, source: str) -> None:
-        """Say once, in the log, what was translated, ignored and defaulted."""
+    def log(self, source: str, *, only: Collection[str] | None = None) -> None:
+        """Say once, in the log, what was translated, ignored and defaulted; ``only``: just
+        the moved and ignored keys it names (e.g. the command line's, when the file is a
+        named configuration the log has introduced)."""
+        if only is not None:
+            keep = set(only)
+            moved = {k: v for k, v in self.moved.items() if k in keep}
+            ignored = {k: v for k, v in self.ignored.items() if k in keep}
+            dataclasses.replace(self, evidence=[], moved=moved, ignored=ignored).log(source)
+            return
         if self.evidence:
             applied = ", ".join(f"{k} = {_show(v)}" for k, v in self.defaults.items())
             more = ", ..." if len(self.evidence) > 3 else ""
@@ -336,28 +444,31 @@ def translate(
     cli_values: Mapping[str, Any] | None = None,
     *,
     source: str = "the command line",
+    defaults: Mapping[str, Any] = TORCHTITAN_DEFAULTS,
 ) -> Translation:
     """Translate a TOML dict (``file_values``) and torchtitan command-line keys
     (``cli_values``, which win) into titan's keys; raises ``ConfigError`` for a refused key.
 
-    A file that uses any key of ``KEYS`` gets ``TORCHTITAN_DEFAULTS`` where neither it nor
-    the command line sets the titan key.
+    A file that uses any key of ``KEYS`` gets ``defaults`` (torchtitan's of July 2025) where
+    neither it nor the command line sets the titan key.
     """
     moved: dict[str, str] = {}
     ignored: dict[str, str] = {}
-    from_file = _translate_flat(_flatten(file_values), source, moved, ignored)
+    batch: dict[str, Any] = {}
+    from_file = _translate_flat(flatten(file_values), source, moved, ignored, batch)
     from_cli = _translate_flat(
-        _flatten(cli_values or {}), "the command line", moved, ignored, base=from_file
+        flatten(cli_values or {}), "the command line", moved, ignored, batch, base=from_file
     )
     flat = {**from_file, **from_cli}
-    evidence = [path for path in _flatten(file_values) if lookup(path) is not None]
-    defaults = {k: v for k, v in TORCHTITAN_DEFAULTS.items() if evidence and k not in flat}
+    evidence = [path for path in flatten(file_values) if lookup(path) is not None]
+    applied = {k: v for k, v in defaults.items() if evidence and k not in flat}
     return Translation(
-        values=_unflatten({**defaults, **flat}),
+        values=unflatten({**applied, **flat}),
         moved=moved,
         ignored=ignored,
-        defaults=defaults,
+        defaults=applied,
         evidence=evidence,
+        batch=batch,
     )
 
 
@@ -366,6 +477,7 @@ def _translate_flat(
     source: str,
     moved: dict[str, str],
     ignored: dict[str, str],
+    batch: dict[str, Any],
     *,
     base: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -383,6 +495,8 @@ def _translate_flat(
             raise ConfigError(
                 f"{source}: torchtitan's {path} = {_show(value)} cannot be honoured: {key.why}."
             )
+        elif key.action == "batch":
+            batch[path] = value
         else:
             value = _moved_value(key, value, out, base)
             _put(out, origin, key.to, value, path, source)
@@ -426,98 +540,19 @@ def _same_list(a: str, b: str) -> bool:
     return bool(key_a and key_b and key_a.index is not None and key_b.index is not None)
 
 
-def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
-    """Take torchtitan keys out of a command line: ``(the rest, their values as a nested
-    dict)``, for ``translate(..., cli_values=...)``.
-
-    Accepts torchtitan's spellings: dashes or underscores (``--training.mixed-precision-param``),
-    boolean flags with ``no-``/``no_`` (``--training.no-compile``) or with a value
-    (``--training.compile true``), ``--key=value``, and lists as several values or one
-    comma-separated value.
-    """
-    args = list(argv)
-    rest: list[str] = []
-    found: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        name, eq, inline = arg.partition("=")
-        path, key, negated = _cli_key(name)
-        if key is None:
-            rest.append(arg)
-            continue
-        values: list[str] = [inline] if eq else []
-        while not eq and i < len(args) and _takes(key, args[i], values):
-            values.append(args[i])
-            i += 1
-        found[path] = _cli_value(arg, key, values, negated)
-    return rest, _unflatten(found)
-
-
-def _takes(key: Key, arg: str, values: list[str]) -> bool:
-    """Whether ``arg``, after a torchtitan flag and its ``values`` so far, is one more value:
-    a list takes every word up to the next option, a boolean an explicit true or false, any
-    other key one word."""
-    if arg.startswith("--"):
-        return False
-    if key.kind is list:
-        return True
-    if key.kind is bool:
-        return not values and arg.lower() in ("true", "false")
-    return not values
-
-
-def _cli_key(name: str) -> tuple[str, Key | None, bool]:
-    if not name.startswith("--") or "." not in name:
-        return name, None, False
-    section, _, field = name[2:].replace("-", "_").partition(".")
-    path = f"{section}.{field}"
-    key = lookup(path)
-    if key is not None:
-        return path, key, False
-    last = field.rpartition(".")
-    if last[2].startswith("no_"):
-        positive = f"{section}.{last[0] + '.' if last[0] else ''}{last[2][3:]}"
-        key = lookup(positive)
-        if key is not None and (key.kind is bool or key.action == "noop"):
-            return positive, key, True
-    return path, None, False
-
-
-def _cli_value(arg: str, key: Key, values: list[str], negated: bool) -> Any:
-    if key.action == "noop":  # ignored whatever it says; kept only to be named in the log
-        return values[0] if len(values) == 1 else (values or not negated)
-    if key.kind is bool:
-        if negated and values:
-            raise ConfigError(f"{arg} takes no value.")
-        if not values:
-            return not negated
-        word = values[0].lower()
-        if len(values) > 1 or word not in ("true", "false"):
-            raise ConfigError(f"{arg} needs true or false (or no value), got {values}.")
-        return word == "true"
-    if key.kind is list:
-        return [item for v in values for item in v.split(",") if item]
-    if len(values) != 1:
-        raise ConfigError(f"{arg} needs one value, got {len(values)}.")
-    try:
-        return key.kind(values[0])
-    except ValueError:
-        raise ConfigError(f"{arg} needs {key.kind.__name__} value, got {values[0]!r}.") from None
-
-
-def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}`` (an empty table stays a leaf)."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, Mapping) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
 
 
-def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1}`` as ``{"a": {"b": 1}}``."""
     nested: dict[str, Any] = {}
     for path, value in flat.items():
         node = nested

@@ -15,16 +15,20 @@ train the Llama 3 debug model on the embedded corpus, on whatever device exists.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Sequence
+import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from titan_ckpt import CheckpointConfig
 from titan_dims import ParallelismConfig
 from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
-from titan_train import compat
+from titan_train import compat, compat_argv, compat_batch
 from titan_train.config_loader import load_config, to_dict
 from titan_train.data import DataSource
 from titan_train.data.config import SHARD_LAYOUTS, DatasetEntry, check_mixture
@@ -84,6 +88,21 @@ class ModelSection:
     converters: list[str] | None = None
     """torchtitan's model converters (float8, mx). titan has none: training stops at the start
     when any is named; the key exists so that torchtitan's files load and show what they ask."""
+    args: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
+    """The model's own arguments over the flavor's, for a size of your own: a ``[model.args]``
+    table (``dim = 512``, ``n_layers = 4``...) or ``--model.args.KEY VALUE``; any field of the
+    family's args dataclass (``titan-train list-models`` names the families) but
+    ``rope_scaling`` (``model.rope_scaling``). ``vocab_size`` replaces the tokenizer's count
+    (at least it); ``max_seq_len``, the RoPE table's length, at least the longest sequence.
+    Checked before any work. A titan key."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.args, Mapping) or not all(isinstance(k, str) for k in self.args):
+            raise ConfigError(
+                f"model.args={self.args!r} is not allowed; give a table of the model's "
+                "arguments, e.g. [model.args] with dim = 512, or --model.args.dim 512."
+            )
+        self.args = dict(self.args)
 
 
 @dataclass(kw_only=True)
@@ -269,15 +288,84 @@ class JobConfig:
 
 
 def parse_job_config(argv: Sequence[str] | None = None, *, prog: str = "titan-train") -> JobConfig:
-    """The ``JobConfig`` of a command line (TOML file, then ``--section.key`` overrides);
-    torchtitan's keys, in the file or on the command line, are translated (``compat``)."""
-    argv, torchtitan_cli = compat.split_argv(sys.argv[1:] if argv is None else argv)
+    """The ``JobConfig`` of a command line (TOML file, or torchtitan's ``--module M --config
+    F``, then ``--section.key`` overrides); torchtitan's keys, in the file or on the command
+    line, are translated (``compat``); ``--model.args.KEY VALUE`` sets ``model.args``."""
+    argv, preset = compat_argv.pop_preset(sys.argv[1:] if argv is None else argv)
+    argv, model_args = split_model_args(argv)
+    argv, torchtitan_cli = compat_argv.split_argv(argv)
+    named = None
+    notes: list[str] = []
+    if preset is not None:
+        from titan_train import torchtitan_head
+
+        flat, notes = torchtitan_head.preset_values(*preset)
+        named = (
+            f"torchtitan's {preset[0]}.{preset[1]} ({torchtitan_head.HEAD_COMMIT[:9]})",
+            compat.unflatten(flat),
+        )
+    translations: list[compat.Translation] = []
 
     def translate(values: dict[str, Any], source: str) -> dict[str, Any]:
-        translation = compat.translate(values, torchtitan_cli, source=source)
-        translation.log(source)
+        translation = compat.translate(
+            values,
+            torchtitan_cli,
+            source=source,
+            defaults={} if preset else compat.TORCHTITAN_DEFAULTS,
+        )
+        if preset is None:
+            translation.log(source)
+        else:  # the table's keys are titan's doing; the user's own flags are logged
+            translation.log(source, only=compat.flatten(torchtitan_cli))
+            compat.logger.info(
+                "%s as titan settings (titan-train config import writes them as TOML); not "
+                "carried: %s",
+                source,
+                "; ".join(notes) or "nothing",
+            )
+        translations.append(translation)
         return translation.values
 
-    return load_config(
-        JobConfig, argv, prog=prog, description=JobConfig.__doc__, translate=translate
+    config = load_config(
+        JobConfig, argv, prog=prog, description=JobConfig.__doc__, translate=translate, preset=named
     )
+    config = compat_batch.resolve_batch(
+        config, translations[0].batch, cli=argv, follow_validation=preset is not None
+    )
+    if model_args:
+        model = dataclasses.replace(config.model, args={**config.model.args, **model_args})
+        config = dataclasses.replace(config, model=model)
+    return config
+
+
+def split_model_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Take ``--model.args.KEY VALUE`` (or ``=VALUE``) out of ``argv``: ``(the rest, {KEY:
+    value})``. A value is read as TOML (``512``, ``1e-5``, ``true``, ``[1, 2]``), else as a
+    string; ``none`` is None (for a field that may be unset, e.g. ``n_kv_heads``)."""
+    rest: list[str] = []
+    found: dict[str, Any] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        i += 1
+        key = name[2:].replace("-", "_") if name.startswith("--") else ""
+        if not key.startswith("model.args."):
+            rest.append(args[i - 1])
+            continue
+        if not eq:
+            if i >= len(args) or args[i].startswith("--"):
+                raise ConfigError(f"{name} needs a value, e.g. --model.args.n_layers 4.")
+            value = args[i]
+            i += 1
+        found[key.removeprefix("model.args.")] = _cli_value(value)
+    return rest, found
+
+
+def _cli_value(text: str) -> Any:
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text

@@ -26,7 +26,14 @@ from typing import Any, TypeVar
 
 from titan_train.errors import ConfigError
 
-__all__ = ["ConfigError", "check_int_ranges", "load_config", "read_toml", "to_dict"]
+__all__ = [
+    "ConfigError",
+    "check_int_ranges",
+    "check_type",
+    "load_config",
+    "read_toml",
+    "to_dict",
+]
 
 T = TypeVar("T")
 EXTENDS_KEY = "extends"
@@ -64,11 +71,13 @@ def load_config(
     prog: str | None = None,
     description: str | None = None,
     translate: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
+    preset: tuple[str, Mapping[str, Any]] | None = None,
 ) -> T:
     """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named by
     ``config_file_flag`` in ``argv`` (passed through ``translate(values, source)`` first,
     e.g. to move keys of another tool's spelling), and the other ``--section.key value``
-    arguments.
+    arguments. ``preset`` is ``(name, values)`` read in place of a file (a named
+    configuration); giving the file flag too is refused.
 
     Raises ``ConfigError`` for bad TOML content; ``tyro`` exits with status 2 (after one
     message) for bad command-line arguments, and prints ``--help``.
@@ -77,8 +86,13 @@ def load_config(
 
     argv = list(sys.argv[1:] if argv is None else argv)
     config_file = _find_flag(argv, config_file_flag)
-    source = config_file or "defaults"
-    values = read_toml(config_file) if config_file else {}
+    if preset is not None and config_file:
+        raise ConfigError(
+            f"{config_file_flag} {config_file} and {preset[0]} both give the settings to start "
+            f"from; keep one (override either with --section.key options)."
+        )
+    source = preset[0] if preset else config_file or "defaults"
+    values = dict(preset[1]) if preset else read_toml(config_file) if config_file else {}
     if translate is not None:
         values = translate(values, source)
     default = from_dict(cls, values, source=source)
@@ -232,7 +246,7 @@ def from_dict(
             default = getattr(base, key) if base is not None else _declared_default(known[key])
             kwargs[key] = from_dict(hint, value, source=source, prefix=f"{where}.", base=default)
         else:
-            kwargs[key] = _check_type(value, hint, source=source, where=where)
+            kwargs[key] = check_type(value, hint, source=source, where=where)
     try:
         return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
     except (ValueError, TypeError) as error:
@@ -248,7 +262,8 @@ def _declared_default(f: dataclasses.Field) -> Any:
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """A config dataclass tree as plain TOML-ready values (``None`` entries dropped)."""
+    """A config dataclass tree as plain TOML-ready values (``None`` entries and empty tables
+    dropped)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -256,12 +271,15 @@ def to_dict(config: Any) -> dict[str, Any]:
             out[f.name] = to_dict(value)
         elif isinstance(value, list | tuple):
             out[f.name] = [to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
-        elif value is not None:
+        elif value is not None and value != {}:
             out[f.name] = value
     return out
 
 
-def _check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
+def check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
+    """``value`` checked against the type ``hint`` (unions, ``Literal``, lists and tuples of
+    checked items, dataclass tables, ints as floats); raises ``ConfigError`` naming
+    ``source`` and ``where``."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -270,7 +288,7 @@ def _check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
         errors = []
         for option in (a for a in args if a is not type(None)):
             try:
-                return _check_type(value, option, source=source, where=where)
+                return check_type(value, option, source=source, where=where)
             except ConfigError as error:
                 errors.append(str(error))
         raise ConfigError(errors[0])
@@ -284,7 +302,7 @@ def _check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
             raise ConfigError(f"{source}: {where} must be a list, got {value!r}.")
         item = args[0] if args else Any
         checked = [
-            _check_type(v, item, source=source, where=f"{where}[{i}]") for i, v in enumerate(value)
+            check_type(v, item, source=source, where=f"{where}[{i}]") for i, v in enumerate(value)
         ]
         return tuple(checked) if origin is tuple or hint is tuple else checked
     if hint is Any:

@@ -15,12 +15,14 @@ import dataclasses
 import json
 import logging
 import os
+import typing
 from typing import Any
 
 from titan_ckpt import MODEL_RECORD
 from titan_ckpt.adapter import takes_keyword
-from titan_models import ModelSpec
+from titan_models import ModelConfigError, ModelSpec
 from titan_train.config import ModelSection
+from titan_train.config_loader import check_type
 from titan_train.errors import ConfigError, check_number
 
 __all__ = [
@@ -39,14 +41,73 @@ def build_model_args(
 ) -> Any:
     """``spec.args_fn(flavor, **overrides)`` for this run; ``vocab_size=None`` keeps the
     flavor's (preflight checks the layout before any tokenizer is loaded: no layout rule
-    depends on the vocabulary)."""
+    depends on the vocabulary). ``model.args`` (``[model.args]``, ``--model.args.KEY``)
+    override last: a custom size without a flavor of its own; raises ``ConfigError`` for a
+    key the family's args do not have, or a value they refuse."""
     overrides: dict[str, Any] = {"max_seq_len": max_seq_len}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     if model.rope_scaling != "flavor":
         overrides["rope_scaling"] = model.rope_scaling
     overrides.update(_moe_overrides(spec, model))
-    return spec.args_fn(model.flavor, **overrides)
+    if not model.args:
+        return spec.args_fn(model.flavor, **overrides)
+    overrides.update(_given_args(spec, model, vocab_size=vocab_size, max_seq_len=max_seq_len))
+    try:
+        return spec.args_fn(model.flavor, **overrides)
+    except ModelConfigError as error:  # the args' own rules (dim divisible by n_heads, ...)
+        raise ConfigError(
+            f"[model.args] {_show(model.args)} with {spec.name} {model.flavor}: {error}"
+        ) from None
+
+
+def _given_args(
+    spec: ModelSpec, model: ModelSection, *, vocab_size: int | None, max_seq_len: int
+) -> dict[str, Any]:
+    """``model.args`` checked against the family's args dataclass: every key one of its
+    fields (``rope_scaling`` is ``model.rope_scaling``'s), every value of the field's type,
+    ``vocab_size`` no smaller than the tokenizer's, ``max_seq_len`` no shorter than the
+    longest sequence trained."""
+    defaults = spec.args_fn(model.flavor)
+    if not dataclasses.is_dataclass(defaults):
+        raise ConfigError(
+            f"model.args cannot be given for {spec.name}: its args are not a dataclass."
+        )
+    hints = typing.get_type_hints(type(defaults))
+    allowed = sorted(f.name for f in dataclasses.fields(defaults) if f.name != "rope_scaling")
+    unknown = sorted(set(model.args) - set(allowed))
+    if unknown:
+        also = " (RoPE scaling is model.rope_scaling)" if "rope_scaling" in unknown else ""
+        raise ConfigError(
+            f"model.args.{unknown[0]} is not an argument of {spec.name} "
+            f"({type(defaults).__name__}){also}; allowed: {', '.join(allowed)}."
+        )
+    given = {
+        name: check_type(value, hints[name], source="model.args", where=f"model.args.{name}")
+        for name, value in model.args.items()
+    }
+    for name in ("load_balance_coeff", "aux_loss_alpha"):
+        if name in given and getattr(model, name) is not None:
+            raise ConfigError(f"model.{name} and model.args.{name} are both set; keep one.")
+    given_vocab = given.get("vocab_size")
+    if given_vocab is not None and vocab_size is not None and given_vocab < vocab_size:
+        raise ConfigError(
+            f"model.args.vocab_size={given_vocab} is smaller than the tokenizer's {vocab_size} "
+            f"tokens ({model.tokenizer_path or 'the shipped tokenizer'}): its embedding would "
+            f"have no row for some; raise it to at least {vocab_size}, or leave it unset (the "
+            "tokenizer's)."
+        )
+    if given.get("max_seq_len", max_seq_len) < max_seq_len:
+        raise ConfigError(
+            f"model.args.max_seq_len={given['max_seq_len']} is shorter than the longest "
+            f"sequence the run feeds the model ({max_seq_len}, training.seq_len or "
+            "validation.seq_len); raise it, or leave it unset (that length)."
+        )
+    return given
+
+
+def _show(args: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k} = {v!r}" for k, v in args.items()) + "}"
 
 
 def _moe_overrides(spec: ModelSpec, model: ModelSection) -> dict[str, Any]:

@@ -223,7 +223,8 @@ def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
 
 def check_model(config: JobConfig, dims: ParallelDims) -> ModelSpec:
     """The registered spec of ``model.name``; raises unless ``model.flavor`` is one of its
-    flavors and, with pipeline parallelism, the family can be pipelined."""
+    flavors, ``model.args`` are arguments it takes, and, with pipeline parallelism, the
+    family can be pipelined."""
     spec = load_model_spec(config.model.name)
     if config.model.flavor not in spec.flavors:
         raise ConfigError(
@@ -235,6 +236,8 @@ def check_model(config: JobConfig, dims: ParallelDims) -> ModelSpec:
             f"parallelism.pipeline_parallel_degree={dims.pp}: model {spec.name!r} cannot be "
             "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
         )
+    if config.model.args:  # [model.args]: keys, types and the family's own rules
+        build_model_args(spec, config.model, vocab_size=None, max_seq_len=_longest_seq_len(config))
     return spec
 
 
