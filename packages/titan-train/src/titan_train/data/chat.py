@@ -193,8 +193,9 @@ def assistant_span(
 
 
 def _end_after_content(turn: str, text: str, start: int, content: Any) -> int | None:
-    """Where the turn ends in ``text``: after its content (found from ``start``) and what
-    the template writes after the content when the turn is rendered last (``turn``)."""
+    """Where the turn ends in ``text``: after its content (found from ``start``; stripped, as
+    templates may trim it in one place and not the other) and what the template writes after
+    the content when the turn is rendered last (``turn``)."""
     if not isinstance(content, str) or not content.strip():
         return None
     content = content.strip()
@@ -202,8 +203,10 @@ def _end_after_content(turn: str, text: str, start: int, content: Any) -> int | 
     found = text.find(content, start)
     if at < 0 or found < 0:
         return None
-    tail = turn[at + len(content) :]
+    tail = turn[at + len(content) :].lstrip()
     end = found + len(content)
+    while end < len(text) and text[end].isspace():  # the content's own trailing space
+        end += 1
     return end + len(tail) if text.startswith(tail, end) else None
 
 

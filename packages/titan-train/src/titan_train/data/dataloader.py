@@ -298,10 +298,10 @@ class TextDataLoader:
                     marks.append(cut[1] if masked else None)
             window += per_step
             batch = torch.tensor(mine, dtype=torch.long)
-            labels = batch[:, 1:].contiguous()
+            labels = batch[:, 1:].contiguous()  # may share the inputs' storage: not written
             if masked:  # the label of token t + 1 is trained iff that token is
                 trained = torch.tensor(marks, dtype=torch.bool)[:, 1:]
-                labels.masked_fill_(~trained, IGNORE_INDEX)
+                labels = torch.where(trained, labels, IGNORE_INDEX)
             states = reader.source_states() if contiguous else {}
             yield batch[:, :-1].contiguous(), labels, window, reader.positions(), states
 
