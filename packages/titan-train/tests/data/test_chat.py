@@ -257,6 +257,32 @@ def test_a_row_without_the_column_is_refused_naming_the_row_and_its_columns(tmp_
         build_chat_encoder(config, tokenizer).encode({"messages": ["hello"]}, 7)
 
 
+def test_a_json_array_read_by_datasets(tmp_path):
+    """A JSON array (not lines) goes through ``datasets``' reader: its rows hold every
+    field of the messages' struct (``None`` where a message lacks one), dropped as
+    transformers drops them; a row without the column is named by the encoder."""
+    rows = [
+        {"messages": [{"role": "system", "content": "Be brief.", "name": "x"},
+                      *CONVERSATIONS["one_turn"]]},
+        {"messages": CONVERSATIONS["system"]},
+    ]  # fmt: skip
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    tokenizer = load_tokenizer("embedded_chat")
+    config = DataConfig(
+        dataset=str(path), dataset_format="chat", seq_len=8, local_batch_size=1, infinite=False
+    )
+    loader = build_dataloader(config, tokenizer)
+    encoder = build_chat_encoder(config, tokenizer)
+    stream = [t for k, row in enumerate(rows) for t in encoder.encode(row, k)[0]]
+    windows = [w for inputs, _ in loader for w in inputs.tolist()]
+    assert windows == [stream[9 * k : 9 * k + 8] for k in range(len(stream) // 9)]
+    path.write_text(json.dumps([{"chat": []}, *rows]))
+    # datasets fills the column in (null): the message says so.
+    with pytest.raises(DataError, match=r"row 0 of .* has a null 'messages'; .*\['chat', 'mes"):
+        build_dataloader(config, tokenizer)
+
+
 def test_a_template_that_does_not_mark_assistant_turns_is_refused(tmp_path):
     tokenizer = load_tokenizer("embedded_chat")
     plain = tmp_path / "plain.jinja"

@@ -26,6 +26,7 @@ Labels of tokens not trained are ``IGNORE_INDEX`` (-100), which the loss skips.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from titan_train.data.chat_template import ChatTemplate, load_chat_template
@@ -86,6 +87,8 @@ class ChatEncoder:
         ``None`` dropped (as transformers drops them: a parquet row has every field of the
         struct), a message's reasoning under the names templates read."""
         where = f"row {index} of {self.name!r}"
+        if isinstance(row, dict):  # the columns are there (a local file's reader checked them)
+            row = chat_row(row, self.columns, self.section, where)
         if len(self.columns) == 2:
             prompt, response = (row.get(c) if isinstance(row, dict) else None for c in self.columns)
             if not isinstance(prompt, str) or not isinstance(response, str):
@@ -94,7 +97,7 @@ class ChatEncoder:
                     f"{type(response).__name__}, not the prompt and response texts."
                 )
             return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-        value = row.get(self.columns[0]) if isinstance(row, dict) else row
+        value = _from_json(row.get(self.columns[0]) if isinstance(row, dict) else row)
         if not isinstance(value, list) or not value:
             raise DataError(
                 f"{where}: column {self.columns[0]!r} holds {type(value).__name__}"
@@ -103,7 +106,7 @@ class ChatEncoder:
                 f"{self.section}.messages_column to the column of the conversations."
             )
         out = []
-        for k, message in enumerate(value):
+        for k, message in enumerate(map(_from_json, value)):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise DataError(
                     f"{where}: message {k} is {message!r:.80}, not a mapping with a 'role' "
@@ -155,6 +158,17 @@ class ChatEncoder:
             )
             for i in turns
         ]
+
+
+def _from_json(value: Any) -> Any:
+    """``value``, or the list or object a JSON string holds (``datasets`` hands messages of
+    differing fields over as JSON text)."""
+    if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 def assistant_span(
@@ -239,8 +253,9 @@ def chat_row(
         if row.get(column) is None:
             key = ("prompt_column", "response_column")[k] if len(columns) > 1 else None
             what = "the conversations" if key is None else key.split("_")[0] + "s"
+            missing = "a null" if column in row else "no column"
             raise DataError(
-                f"{where} has no column {column!r}; its columns are {sorted(row)}. "
+                f"{where} has {missing} {column!r}; its columns are {sorted(row)}. "
                 f"Set {section}.{key or 'messages_column'} to the column of {what}, or fix it."
             )
     return {column: row[column] for column in columns}

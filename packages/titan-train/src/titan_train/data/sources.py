@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from titan_train.data.chat import chat_row
 from titan_train.data.config import DataConfig, DataError
 from titan_train.data.embedded import (
     CHAT_SAMPLE_DATASET,
@@ -109,7 +108,7 @@ class _ListSource:
 
 class _HFSource:
     """A streaming ``datasets.IterableDataset``; ``text_column`` checked on the first row.
-    With ``columns`` (chat data) a document is a dict of those columns, checked on each row."""
+    With ``columns`` (chat data) a document is the row, a dict (``ChatEncoder`` reads it)."""
 
     def __init__(
         self,
@@ -182,9 +181,8 @@ class _HFSource:
             )
 
     def _texts(self, rows: Any) -> Iterator[str]:
-        if self.columns:  # chat rows (a dict of the columns), not texts
-            where = f"a row of {self.name!r}"
-            yield from (chat_row(row, self.columns, self.section, where) for row in rows)  # type: ignore[misc]
+        if self.columns:  # chat rows, checked by the encoder, which knows their indices
+            yield from (dict(row) for row in rows)  # type: ignore[misc]
             return
         for row in rows:
             try:
