@@ -48,7 +48,7 @@ from titan_train.nonfinite import NonFiniteGuard
 from titan_train.preflight import Plan
 from titan_train.profiling import Profiler
 from titan_train.state import TrainState
-from titan_train.step import Batch, LossFn, build_loss_fn, cross_entropy_loss
+from titan_train.step import Batch, LossFn, build_loss_fn, cross_entropy_sum, mean_loss
 from titan_train.tied_state import tied_optimizer_state
 from titan_train.tokenizer import Tokenizer, load_tokenizer
 from titan_train.validation import Validator
@@ -88,8 +88,9 @@ class TrainingRun:
     """This process's torchft replica group; ``None`` without fault tolerance."""
     output_folder: str
     """Where metrics and traces go (per replica group with fault tolerance)."""
-    loss_fn: LossFn = cross_entropy_loss
-    """The loss of each batch (compiled with ``parallelize.compile``: ``build_loss_fn``)."""
+    loss_fn: LossFn = cross_entropy_sum
+    """The summed loss of each batch's trained tokens (compiled with ``parallelize.compile``:
+    ``build_loss_fn``); a pipeline's schedule takes its mean per token (``mean_loss``)."""
     documents: DocumentMasking | None = None
     """Document masking (``training.document_masking``), by the tokenizer's EOS; ``None``:
     off."""
@@ -373,7 +374,8 @@ def _build_model(
             config.pipeline,
             config.parallelize,
             local_batch_size=batches.local_batch_size * batches.accumulation_steps,
-            loss_fn=loss_fn,
+            # The schedule averages its microbatches' losses: each gives its mean per token.
+            loss_fn=mean_loss(loss_fn),
             device=device,
             seq_len=training.seq_len,
         )

@@ -58,7 +58,7 @@ from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.estimate_pipeline import replay_pipeline_step
 from titan_train.preflight import Plan, World, preflight
-from titan_train.step import batch_loss, cross_entropy_loss
+from titan_train.step import batch_loss, cross_entropy_sum
 
 __all__ = ["MemoryEstimate", "check_estimable", "estimate_memory"]
 
@@ -194,7 +194,7 @@ def estimate_memory(
         vocab = vocab_size if vocab_size is not None else _tokenizer_vocab(config)
         say(f"building {plan.spec.name} {config.model.flavor} on the meta device")
         args, parts, pipeline = _build_model(
-            config, plan, vocab, False, cross_entropy_loss, materialize=False
+            config, plan, vocab, False, cross_entropy_sum, materialize=False
         )
         say("simulating one training step on fake tensors")
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -421,7 +421,9 @@ def _step(
     else:
         for micro in tokens.chunk(steps):
             context = plan.step_context
-            batch_loss(parts, None, context, micro, micro.clone(), backward_scale=steps)
+            # The step scales each summed loss by dp x cp / the trained tokens (counted
+            # with one all-reduce, left out here): every token of these.
+            batch_loss(parts, None, context, micro, micro.clone(), scale=1.0 / tokens.numel())
     if config.training.max_norm > 0:
         _grad_norm(parts, plan.parallel_dims)
 

@@ -153,10 +153,12 @@ def model_metadata(
     spec: ModelSpec, flavor: str, args: Any, *, tokenizer_path: str | None = None
 ) -> dict[str, Any]:
     """``CheckpointManager(metadata=...)``: the model's name, flavor and real args, and the
-    run's tokenizer (an absolute path; absent for the shipped one), which ``titan-train
-    generate`` loads by default."""
+    run's tokenizer (an absolute path; absent for the shipped one, ``embedded_chat`` for the
+    shipped chat one), which ``titan-train generate`` loads by default."""
     record: dict[str, Any] = {"name": spec.name, "flavor": flavor}
-    if tokenizer_path and tokenizer_path != "embedded":
+    if tokenizer_path == "embedded_chat":  # the shipped chat tokenizer, by its name
+        record["tokenizer_path"] = tokenizer_path
+    elif tokenizer_path and tokenizer_path != "embedded":
         record["tokenizer_path"] = os.path.abspath(tokenizer_path)
     as_json = _as_json(args)
     if as_json is None:

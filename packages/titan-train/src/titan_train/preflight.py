@@ -20,6 +20,8 @@ group, no model, no data), in the order a user meets them:
 - optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
 - the memory the model state needs at the least against what this host can give
   (``titan_train.memory_fit``);
+- chat data (``dataset_format = "chat"``): not with pipeline parallelism, and a chat
+  template that renders and marks assistant turns (``titan_train.data.chat``);
 - the context-parallel implementation for this device, resolved once into the plan's
   ``StepContext``.
 
@@ -49,12 +51,15 @@ from titan_models.parallel import check_document_masking
 from titan_optim.build import group_parameters
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
+from titan_train.data.chat import check_chat_template
+from titan_train.data.chat_template import load_chat_template
 from titan_train.fault_tolerance import check_fault_tolerance
 from titan_train.hf_start import check_initial_hf_load
 from titan_train.memory_fit import check_memory_fits
 from titan_train.model_args import build_model_args
 from titan_train.registry import load_model_spec
 from titan_train.semi_sync import check_semi_sync
+from titan_train.tokenizer import load_tokenizer
 
 logger = logging.getLogger("titan_train")
 
@@ -62,6 +67,7 @@ __all__ = [
     "BatchPlan",
     "Plan",
     "World",
+    "check_chat_data",
     "check_checkpoint_folder",
     "check_initial_load",
     "check_model_layout",
@@ -158,6 +164,7 @@ def preflight(config: JobConfig, world: World) -> Plan:
         config.fault_tolerance, n_layers=_n_layers(config, spec), device_type=world.device.type
     )
     check_optimizer_in_backward(config, dims)
+    check_chat_data(config, dims)
     check_memory_fits(
         config,
         build_model_args(
@@ -355,6 +362,32 @@ def check_optimizer_in_backward(config: JobConfig, dims: ParallelDims) -> None:
             f"cannot be combined with {'; '.join(conflicts)}; or set "
             "optimizer.early_step_in_backward=false."
         )
+
+
+def check_chat_data(config: JobConfig, dims: ParallelDims) -> None:
+    """Raise ``ConfigError`` (``DataError``) for chat data this run cannot train on: under
+    pipeline parallelism (its schedule averages microbatch means, which is the mean per
+    trained token only when every token is trained), or with a chat template that fails on
+    a plain conversation or does not mark assistant turns where only they are trained.
+    Loads the tokenizer (no data is read: a row's columns are checked at its first read)."""
+    sections = [config.training]
+    if config.validation.enable:
+        sections.append(config.validation)
+    chat = [source for source in sections if source.dataset_format == "chat"]
+    if not chat:
+        return
+    if dims.pp_enabled:
+        raise ConfigError(
+            f"{chat[0].section}.dataset_format='chat' cannot be trained with pipeline "
+            f"parallelism (pipeline_parallel_degree={dims.pp}): its schedule averages "
+            "microbatch means, not the loss per trained token; set "
+            "parallelism.pipeline_parallel_degree=1."
+        )
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
+    for source in chat:
+        key = f"{source.section}.chat_template"
+        template = load_chat_template(source.chat_template, tokenizer, key=key)
+        check_chat_template(template, source.train_on, key)
 
 
 def checkpoint_settings(config: JobConfig) -> CheckpointConfig:

@@ -7,6 +7,18 @@ container), the non-finite guard, the optimizer and LR steps. It returns a ``Ste
 of tensors and counts: nothing in it waits for the device, except the one finiteness check
 of the gradient norm that deciding to skip an update needs. Reducing the loss over the
 ranks and reading numbers on the host happen only on reporting steps (``report_step``).
+
+The loss is normalized by trained tokens (labels other than ``IGNORE_INDEX``) over the whole
+global batch: the step's loss is the sum of its token losses, over every micro-batch of
+every data-parallel rank, divided by the number of trained tokens among them all
+(``trained_tokens``: counted on the host's batches and all-reduced over the data-parallel
+ranks, once per step, before any backward). Each micro-batch backpropagates its summed loss
+times ``dp x cp / that count``; the gradient averaging of FSDP or DDP over the ``dp x cp``
+ranks then leaves the gradient of the global per-token mean. A conversation's long prompt
+thus weighs no less than a short one's, whichever micro-batch or rank it lands on; with
+every token trained (pretraining) it is the mean over micro-batches of their mean losses,
+as before. Under pipeline parallelism the schedule averages its microbatches' mean losses,
+which is the same only when every token is trained (``preflight`` refuses chat data there).
 """
 
 from __future__ import annotations
@@ -17,10 +29,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from titan_dims import ParallelDims
 from titan_models import ParallelizeConfig, Pipeline, StepContext, plain_loss, reduce_loss
 from titan_models.documents import DocumentMasking
+from titan_train.data.config import IGNORE_INDEX
 from titan_train.metrics import StepTokens, tokens_of_step
 
 if TYPE_CHECKING:
@@ -33,25 +48,51 @@ __all__ = [
     "batch_loss",
     "build_loss_fn",
     "cross_entropy_loss",
+    "cross_entropy_sum",
+    "loss_share",
+    "mean_loss",
     "next_batches",
     "report_step",
     "train_step",
+    "trained_tokens",
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """``(inputs, labels)``, each ``(batch, seq_len)`` token ids."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``loss_fn(logits, labels)``: the mean loss of one batch."""
+"""``loss_fn(logits, labels)``: the summed loss of one batch's trained tokens."""
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of ``(batch, seq, vocab)`` logits, computed in fp32."""
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    """Mean next-token cross entropy of ``(batch, seq, vocab)`` logits over the trained
+    tokens (labels other than ``IGNORE_INDEX``), computed in fp32."""
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+    )
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy of the trained tokens of ``(batch, seq, vocab)``
+    logits (labels other than ``IGNORE_INDEX``), computed in fp32: the training loss,
+    divided by the global batch's trained tokens in the step (``trained_tokens``)."""
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def mean_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` (a summed loss) divided by the batch's trained tokens: the mean loss per
+    trained token a pipeline schedule takes for each microbatch."""
+
+    def mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, labels) / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+    return mean
 
 
 def build_loss_fn(config: ParallelizeConfig, *, loss_parallel: bool = False) -> LossFn:
-    """The training (and validation) loss: ``cross_entropy_loss``, compiled with
+    """The training (and validation) loss: ``cross_entropy_sum``, compiled with
     ``config.compile_backend`` when ``config.compile`` is on, as torchtitan does. Eager, the
     loss writes an fp32 copy of the whole ``(tokens x vocab)`` logits (~4 GB per 8k tokens at
     a 128k vocabulary) and its gradient; compiled, the upcast fuses into the softmax and
@@ -63,8 +104,8 @@ def build_loss_fn(config: ParallelizeConfig, *, loss_parallel: bool = False) -> 
     run (or rank) on the machine would load another rank's offset and a wrong loss (measured
     on 2 gloo ranks: 4.48 for 5.32); this loss is then compiled past that cache."""
     if not config.compile:
-        return cross_entropy_loss
-    compiled = torch.compile(cross_entropy_loss, backend=config.compile_backend)
+        return cross_entropy_sum
+    compiled = torch.compile(cross_entropy_sum, backend=config.compile_backend)
     if not loss_parallel:
         return compiled
 
@@ -83,8 +124,10 @@ class StepResult:
     step: int
     """The step just taken (1-based)."""
     loss: torch.Tensor | None
-    """This rank's mean loss over the step's micro-batches (plain, detached); ``None`` on a
-    pipeline rank without the last stage. ``titan_models.reduce_loss`` gives the job's."""
+    """This rank's share of the step's loss (plain, detached): its trained tokens' summed
+    loss x ``dp x cp`` / the step's trained tokens over all ranks, so that
+    ``titan_models.reduce_loss`` (an average over the ``dp x cp`` ranks) gives the job's
+    loss per trained token. ``None`` on a pipeline rank without the last stage."""
     grad_norm: torch.Tensor | None
     """The global gradient norm before clipping; ``None`` with clipping off."""
     tokens: StepTokens
@@ -100,28 +143,51 @@ def batch_loss(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     *,
-    backward_scale: int | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+    scale: torch.Tensor | float | None = None,
+    loss_fn: LossFn = cross_entropy_sum,
     documents: DocumentMasking | None = None,
 ) -> torch.Tensor | None:
-    """The mean loss of one whole batch (a plain, detached tensor; ``None`` on a pipeline
-    rank without the last stage), run inside the plan's step context.
+    """The summed loss of one whole batch's trained tokens on this rank (its share of the
+    sequence under context parallel): a plain, detached tensor; ``None`` on a pipeline rank
+    without the last stage. Runs inside the plan's step context.
 
-    ``backward_scale`` trains: the backward of ``loss / backward_scale`` runs too (the
-    number of micro-batches the gradients average over; a pipeline scales its own).
-    ``None`` evaluates only (call it under ``torch.no_grad``). ``documents``: document
-    masking, its keywords (``document_ids``, ``positions``) computed from ``inputs`` for
-    the model's forward (every pipeline stage's)."""
+    ``scale`` trains: the backward of ``loss x scale`` runs too (``dp x cp`` / the step's
+    trained tokens, ``train_step``). Under a pipeline its schedule runs the backward of each
+    microbatch's mean loss, averaged over microbatches, and the sum comes back as that mean
+    x the batch's trained tokens. ``None`` evaluates only (call it under ``torch.no_grad``).
+    ``documents``: document masking, its keywords (``document_ids``, ``positions``)
+    computed from ``inputs`` for the model's forward (every pipeline stage's)."""
     with context(inputs, labels) as (inputs, labels):
         kwargs = {} if documents is None else documents.forward_kwargs(inputs)
         if pipeline is not None:
-            run = pipeline.step if backward_scale is not None else pipeline.eval
-            return run(inputs, labels, **kwargs)
+            run = pipeline.step if scale is not None else pipeline.eval
+            mean = run(inputs, labels, **kwargs)
+            return None if mean is None else mean * (labels != IGNORE_INDEX).sum()
         loss = loss_fn(model_parts[0](inputs, **kwargs), labels)
-        if backward_scale is not None:
-            (loss / backward_scale).backward()
+        if scale is not None:
+            (loss * scale).backward()
     # Under loss parallel the loss is a replicated DTensor; hand out its plain value.
     return plain_loss(loss.detach())
+
+
+def trained_tokens(labels: list[torch.Tensor], dims: ParallelDims) -> torch.Tensor:
+    """The trained tokens (labels other than ``IGNORE_INDEX``) of ``labels`` (this rank's
+    batches, whole sequences) summed over the data-parallel ranks: one all-reduce over the
+    ``dp`` mesh. The ranks of a context-parallel group hold the same whole batch, so only
+    ``dp`` is summed."""
+    count = torch.stack([(batch != IGNORE_INDEX).sum() for batch in labels]).sum()
+    if dims.dp_enabled:
+        dist.all_reduce(count, group=dims.get_mesh("dp").get_group())
+    return count
+
+
+def loss_share(dims: ParallelDims, count: torch.Tensor) -> torch.Tensor:
+    """What a rank multiplies its summed loss by: ``dp x cp / count`` (``count``: the trained
+    tokens of the global batch, ``trained_tokens``). The gradients of the ``dp x cp`` ranks
+    are averaged (FSDP, DDP) and ``reduce_loss`` averages losses over them: with this
+    factor both end as the global batch's sum over its trained tokens. A batch without one
+    (``count`` 0) gives 0, not a division by zero."""
+    return dims.dp_degree * dims.cp / count.clamp(min=1).to(torch.float32)
 
 
 def next_batches(
@@ -183,22 +249,26 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
 
 
 def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | None:
-    """Forward and backward of every micro-batch, gradients averaged over them; this rank's
-    mean loss (``None`` on a pipeline rank without the last stage)."""
+    """Forward and backward of every micro-batch, the loss normalized by the global batch's
+    trained tokens (the module docstring); this rank's share of the step's loss (``None``
+    on a pipeline rank without the last stage)."""
+    dims = run.plan.parallel_dims
+    scale = loss_share(dims, trained_tokens([labels for _, labels in batches], dims))
     if run.pipeline is not None:
         # One schedule step over all micro-batches, concatenated: the schedule splits them
         # into its microbatches and divides the gradients by their count.
         inputs = torch.cat([inputs for inputs, _ in batches])
         labels = torch.cat([labels for _, labels in batches])
-        return batch_loss(
+        loss = batch_loss(
             run.model_parts,
             run.pipeline,
             run.step_context,
             inputs,
             labels,
-            backward_scale=1,
+            scale=scale,
             documents=run.documents,
         )
+        return None if loss is None else loss * scale
     loss_sum = torch.zeros((), device=batches[0][1].device)
     for inputs, labels in batches:
         loss_sum += batch_loss(
@@ -207,11 +277,11 @@ def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | 
             run.step_context,
             inputs,
             labels,
-            backward_scale=len(batches),
+            scale=scale,
             loss_fn=run.loss_fn,
             documents=run.documents,
         )
-    return loss_sum / len(batches)
+    return loss_sum * scale
 
 
 def report_step(

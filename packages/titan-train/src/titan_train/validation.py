@@ -1,13 +1,16 @@
-"""Validation every ``freq`` steps: the mean loss of a held-out (finite) dataset, under
-``torch.no_grad``, averaged over the data-parallel and context-parallel ranks.
+"""Validation every ``freq`` steps: the mean loss of a held-out (finite) dataset per trained
+token (labels other than ``IGNORE_INDEX``: every token of text, the chosen turns of chat
+data), over all its batches and all data-parallel and context-parallel ranks, under
+``torch.no_grad``: the summed token losses divided by the trained tokens, as training
+normalizes a step (``titan_train.step``).
 
 Each evaluation starts the validation data from its beginning, so every evaluation of a
 run (and of runs at other parallel layouts) sees the same sequences. Every batch goes
 through the training step's own forward path (``titan_train.step.batch_loss``, inside the
 plan's ``StepContext``), forward only: with pipeline parallelism through the schedule's
 ``eval``, where only the last stage sees the loss; ``titan_models.reduce_loss`` then sums it
-over the pipeline group and averages it over the data- and context-parallel ranks, so every
-rank reports the same number.
+over the pipeline group and averages it over the data- and context-parallel ranks (of each
+rank's summed loss x ``dp x cp`` / the trained tokens), so every rank reports the same number.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titan_dims import ParallelDims
 from titan_models import ParallelizeConfig, Pipeline, StepContext, reduce_loss, step_context
 from titan_models.documents import DocumentMasking
 from titan_train.data import DataSource, build_dataloader
+from titan_train.data.config import IGNORE_INDEX
 from titan_train.errors import ConfigError, check_int
-from titan_train.step import LossFn, batch_loss, cross_entropy_loss
+from titan_train.step import LossFn, batch_loss, cross_entropy_sum, loss_share
 from titan_train.tokenizer import Tokenizer
 
 __all__ = ["ValidationConfig", "Validator"]
@@ -67,7 +72,7 @@ class Validator:
         step_context: the plan's per-step context (context parallel, loss parallel), the
             one training steps run in; ``None`` builds it from ``dims`` with the default
             ``ParallelizeConfig``.
-        loss_fn: the loss of each batch (the training run's, compiled or not).
+        loss_fn: the summed loss of each batch (the training run's, compiled or not).
         documents: document masking (the training run's); ``None``: off.
 
     Under pipeline parallelism the validation batch is split into the schedule's
@@ -83,7 +88,7 @@ class Validator:
         dp_rank: int = 0,
         device: torch.device,
         step_context: StepContext | None = None,
-        loss_fn: LossFn = cross_entropy_loss,
+        loss_fn: LossFn = cross_entropy_sum,
         documents: DocumentMasking | None = None,
     ) -> None:
         self.config = config
@@ -113,8 +118,9 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module], pipeline: Pipeline | None = None) -> float:
-        """The mean validation loss, the same on every rank. ``pipeline`` is the
-        ``titan_models`` Pipeline when the model is pipelined (``model_parts`` its stages)."""
+        """The validation loss per trained token, the same on every rank. ``pipeline`` is
+        the ``titan_models`` Pipeline when the model is pipelined (``model_parts`` its
+        stages)."""
         # Each part goes back to the mode it had, also when an evaluation fails (a caller that
         # catches the error keeps training, which must not go on in eval mode).
         modes = [part.training for part in model_parts]
@@ -123,8 +129,8 @@ class Validator:
         try:
             self.dataloader.load_state_dict(self._start)  # every evaluation sees the same data
             total = torch.zeros((), device=self.device, dtype=torch.float64)
-            batches = 0
-            for inputs, labels in self.dataloader:
+            count = torch.zeros((), device=self.device, dtype=torch.int64)
+            for batches, (inputs, labels) in enumerate(self.dataloader):
                 if self.config.steps != -1 and batches == self.config.steps:
                     break
                 loss = batch_loss(
@@ -138,12 +144,14 @@ class Validator:
                 )
                 if loss is not None:  # only a pipeline's last stage has the loss
                     total += loss.double()
-                batches += 1
+                count += (labels != IGNORE_INDEX).sum().to(self.device)
         finally:
             for part, mode in zip(model_parts, modes, strict=True):
                 part.train(mode)
+        if self.dims.dp_enabled:  # the trained tokens of all data-parallel ranks
+            dist.all_reduce(count, group=self.dims.get_mesh("dp").get_group())
         # Pipeline ranks without the last stage contribute zeros to the sum over stages.
-        return float(reduce_loss(total / batches, self.dims))
+        return float(reduce_loss(total * loss_share(self.dims, count).double(), self.dims))
 
 
 def _default_context(dims: ParallelDims) -> StepContext:

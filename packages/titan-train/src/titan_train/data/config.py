@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, dataclass, fields
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from titan_train.errors import DataError, check_int
+from titan_train.errors import DataError, check_choice, check_int
 
-__all__ = ["DataConfig", "DataError", "DataSource", "DatasetEntry", "check_mixture"]
+__all__ = ["IGNORE_INDEX", "DataConfig", "DataError", "DataSource", "DatasetEntry", "check_mixture"]
+
+IGNORE_INDEX = -100
+"""The label of a token the loss does not train on (a chat prompt's); torch's
+``cross_entropy`` skips it by default."""
+
+DATASET_FORMATS = ("text", "chat")
+TRAIN_ON = ("assistant", "last_assistant", "all")
 
 SHARD_LAYOUTS = ("interleaved", "contiguous")
 """How documents are dealt to the virtual shards (``titan_train.data.shards``): document
@@ -44,19 +51,61 @@ class DataSource:
     a ``text`` field), read as they are."""
     text_column: str = "text"
     """The column holding each document's text."""
+    dataset_format: Literal["text", "chat"] = "text"
+    """``text``: documents to pretrain on, every token trained; ``chat``: conversations
+    (``messages_column``, or ``prompt_column`` and ``response_column``) rendered with
+    ``chat_template``, the loss on the tokens ``train_on`` names. Not a torchtitan key."""
+    chat_template: str | None = None
+    """Chat data: the template; empty: the tokenizer folder's (``chat_template.jinja`` or
+    ``tokenizer_config.json``'s ``chat_template``), else a built-in (``llama3``,
+    ``qwen3``) or a path to a .jinja file."""
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    """Chat data: the tokens the loss trains on: every assistant turn (its end-of-turn token
+    included), the last assistant turn, or all tokens."""
+    messages_column: str = "messages"
+    """Chat data: the column holding each row's conversation, a list of ``{"role": ...,
+    "content": ...}``."""
+    prompt_column: str | None = None
+    """Chat data given as one exchange per row: the column of the user's prompt (set with
+    ``response_column``; then ``messages_column`` is not read)."""
+    response_column: str | None = None
+    """Chat data given as one exchange per row: the column of the assistant's response."""
 
     @property
     def section(self) -> str:
         """The config section these keys are set in (errors name it)."""
         return self.SECTION
 
+    @property
+    def chat_columns(self) -> tuple[str, ...]:
+        """The columns a chat row is read from: ``(messages,)`` or ``(prompt, response)``."""
+        if self.prompt_column is not None:
+            return (self.prompt_column, str(self.response_column))
+        return (self.messages_column,)
+
     def __post_init__(self) -> None:
-        for key in ("dataset", "text_column"):
+        for key in ("dataset", "text_column", "messages_column"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():
                 raise DataError(
                     f"{self.section}.{key}={value!r} is not allowed; it must be a non-empty string."
                 )
+        section = self.section
+        for key, allowed in (("dataset_format", DATASET_FORMATS), ("train_on", TRAIN_ON)):
+            check_choice(f"{section}.{key}", getattr(self, key), allowed, error=DataError)
+        for key in ("chat_template", "prompt_column", "response_column"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise DataError(
+                    f"{section}.{key}={value!r} is not allowed; it must be a non-empty string "
+                    "or unset."
+                )
+        if (self.prompt_column is None) != (self.response_column is None):
+            raise DataError(
+                f"{section}.prompt_column={self.prompt_column!r} and "
+                f"{section}.response_column={self.response_column!r}: set both (rows of one "
+                f"exchange) or neither (rows of {section}.messages_column)."
+            )
 
     def data_config(
         self,
@@ -73,6 +122,12 @@ class DataSource:
             dataset=self.dataset,
             dataset_path=self.dataset_path,
             text_column=self.text_column,
+            dataset_format=self.dataset_format,
+            chat_template=self.chat_template,
+            train_on=self.train_on,
+            messages_column=self.messages_column,
+            prompt_column=self.prompt_column,
+            response_column=self.response_column,
             seq_len=seq_len,
             local_batch_size=local_batch_size,
             infinite=infinite,

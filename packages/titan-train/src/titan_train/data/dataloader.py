@@ -23,6 +23,11 @@ batches ahead of the step.
 instead (``titan_train.data.shards``): a rank then reads only its shards' part of the files.
 Its state keeps the positions under ``regions`` instead of ``shards``, so a checkpoint of
 one layout is never read as the other.
+
+Chat data (``dataset_format = "chat"``, ``titan_train.data.chat``) goes the same way, each
+conversation encoded with the tokens to train on marked; a label whose token is not
+trained is ``IGNORE_INDEX``. The marks travel with the tokens through packing, so
+``labels[t]`` is ``inputs[t + 1]`` or ``IGNORE_INDEX`` everywhere, across cuts too.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from typing import Any
 
 import torch
 
-from titan_train.data.config import SHARD_LAYOUTS, DataConfig, DataError
+from titan_train.data.chat import build_chat_encoder
+from titan_train.data.config import IGNORE_INDEX, SHARD_LAYOUTS, DataConfig, DataError
 from titan_train.data.prefetch import Prefetcher
 from titan_train.data.shards import (
+    Encode,
     Position,
     ShardReader,
     check_first_documents,
@@ -87,6 +94,9 @@ class TextDataLoader:
             ``contiguous`` (shard ``s`` the ``s``-th contiguous run of the corpus, read by
             its owners alone; needs a source with ``iter_region``). No effect with one
             shard.
+        encode: ``(document, index) -> (ids, trained)`` (chat data: a ``ChatEncoder``'s
+            ``encode``): labels of tokens not trained are ``IGNORE_INDEX``. Default:
+            ``[BOS] text [EOS]``, every token trained.
     """
 
     supports_resharding = True
@@ -105,6 +115,7 @@ class TextDataLoader:
         num_shards: int = 1,
         prefetch: int = 0,
         shard_layout: str = "interleaved",
+        encode: Encode | None = None,
     ) -> None:
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
             raise DataError(
@@ -130,6 +141,7 @@ class TextDataLoader:
         self.num_shards = num_shards
         self.prefetch = prefetch
         self.shard_layout = shard_layout
+        self.encode = encode
         self._windows = 0
         # Every shard's position; this rank advances, saves and loads only its own.
         self._positions = {s: Position() for s in range(num_shards)}
@@ -268,29 +280,30 @@ class TextDataLoader:
             size=self.seq_len + 1,
             contiguous=contiguous,
             sources={s: sources[s] for s in self._own if s in sources},
+            encode=self.encode,
         )
+        masked = self.encode is not None
         per_step, window = self.local_batch_size * self.dp_degree, first
         while True:
-            mine = []
+            mine, marks = [], []
             for k in range(per_step):
                 s = (window + k) % self.num_shards
                 if s not in reader.shards:
                     continue  # another rank's shard: it reads it
-                cut = reader.next_window(s)
+                cut = reader.next_masked_window(s) if masked else reader.next_window(s)
                 if cut is None:  # finite data ran out mid-step: drop the partial step
                     return
                 if (window + k) % self.dp_degree == self.dp_rank:
-                    mine.append(cut)
+                    mine.append(cut[0] if masked else cut)
+                    marks.append(cut[1] if masked else None)
             window += per_step
             batch = torch.tensor(mine, dtype=torch.long)
+            labels = batch[:, 1:].contiguous()  # may share the inputs' storage: not written
+            if masked:  # the label of token t + 1 is trained iff that token is
+                trained = torch.tensor(marks, dtype=torch.bool)[:, 1:]
+                labels = torch.where(trained, labels, IGNORE_INDEX)
             states = reader.source_states() if contiguous else {}
-            yield (
-                batch[:, :-1].contiguous(),
-                batch[:, 1:].contiguous(),
-                window,
-                reader.positions(),
-                states,
-            )
+            yield batch[:, :-1].contiguous(), labels, window, reader.positions(), states
 
 
 def _is_json_object(text: str) -> bool:
@@ -412,8 +425,18 @@ def build_dataloader(
             stride,
             dp_degree,
         )
+    documents = open_documents(config)
+    encode = None
+    if config.dataset_format == "chat":
+        encoder = build_chat_encoder(config, tokenizer, name=documents.name)
+        # The first row now, before any training: a missing column or a conversation the
+        # template cannot render stops the run here, naming the row.
+        first = next(iter(documents.iter_from(0)), None)
+        if first is not None:
+            encoder.encode(first, 0)
+        encode = encoder.encode
     return TextDataLoader(
-        open_documents(config),
+        documents,
         tokenizer,
         seq_len=config.seq_len,
         local_batch_size=config.local_batch_size,
@@ -423,4 +446,5 @@ def build_dataloader(
         num_shards=shards,
         prefetch=config.prefetch,
         shard_layout=config.shard_layout,
+        encode=encode,
     )

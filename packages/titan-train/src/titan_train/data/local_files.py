@@ -42,6 +42,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from titan_train.data.chat import chat_row
 from titan_train.data.config import DataError
 
 __all__ = [
@@ -77,23 +78,34 @@ def _one_line_end(text: bytes) -> bytes:
 
 
 def open_local_files(
-    name: str, builder: str, files: list[str], text_column: str, section: str
+    name: str,
+    builder: str,
+    files: list[str],
+    text_column: str,
+    section: str,
+    columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
     """The rank-aware source of local ``files`` of ``builder``'s format, or ``None`` where
-    ``datasets``' streaming reader must stay (see the module docstring)."""
+    ``datasets``' streaming reader must stay (see the module docstring). With ``columns``
+    (chat data) a document is the row's values of those columns, a dict."""
     if any(f.endswith(_COMPRESSED) for f in files):
         return None
     if builder == "parquet":
-        return ParquetSource(name, files, text_column, section)
+        return ParquetSource(name, files, text_column, section, columns)
     if builder == "text":
         return TextSource(name, files, "text", section)
     if builder == "json" and all(_is_json_lines(f) for f in files):
-        return JsonLinesSource(name, files, text_column, section)
+        return JsonLinesSource(name, files, text_column, section, columns)
     return None
 
 
 def open_hub_copy(
-    name: str, path: str, subset: str | None, text_column: str, section: str
+    name: str,
+    path: str,
+    subset: str | None,
+    text_column: str,
+    section: str,
+    columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
     """The rank-aware source ``name`` of a local copy of a hub dataset's repository (the
     folder ``path``, config ``subset``), or ``None`` where ``datasets``' reader must stay.
@@ -116,10 +128,10 @@ def open_hub_copy(
     # Options that change which rows or values datasets gives: keep its reader.
     if any(getattr(config, key, None) for key in ("field", "filters", "columns")):
         return None
-    text = features.get(text_column) if features is not None else None
+    text = features.get(text_column) if features is not None and not columns else None
     if text is not None and getattr(text, "dtype", None) not in ("string", "large_string"):
         return None
-    return open_local_files(name, builder.name, files, text_column, section)
+    return open_local_files(name, builder.name, files, text_column, section, columns)
 
 
 def _is_json_lines(path: str) -> bool:
@@ -145,11 +157,20 @@ class _RowSource:
     """Shared by the two sources: documents ``i = start, start + stride, ...`` of the rows
     over all files in order; subclasses read one file's rows."""
 
-    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        files: list[str],
+        text_column: str,
+        section: str,
+        columns: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.files = files
         self.text_column = text_column
         self.section = section
+        self.columns = columns
+        """Chat data: the columns a document is read from (a dict of them); else text."""
         self.rows_parsed = 0
         """Rows turned into text so far (all iterators together): what this rank parsed."""
         self.bytes_read = 0
@@ -242,9 +263,8 @@ class JsonLinesSource(_RowSource):
     ``datasets``' path raises, naming the columns.
     """
 
-    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
-        super().__init__(name, files, text_column, section)
-        self._columns: list[str] | None = None
+    _columns: list[str] | None = None
+    """The columns ``datasets`` would infer (``_first_columns``), once found."""
 
     def _file_rows(
         self, path: str, first: int, want: int, stride: int
@@ -303,6 +323,9 @@ class JsonLinesSource(_RowSource):
                 f"{type(row).__name__}, not an object; a JSON-lines file holds one object "
                 "per line."
             )
+        if self.columns:
+            where = f"row {index} of {self.name!r} (in {path})"
+            return chat_row(row, self.columns, self.section, where)  # type: ignore[return-value]
         if self.text_column in row:
             return self._text(row[self.text_column])
         columns = self._first_columns()
@@ -369,8 +392,16 @@ class ParquetSource(_RowSource):
     """Local parquet files, one document per row (see the module docstring). A first file
     that is not parquet is an error when the source is made, as ``datasets`` raised it."""
 
-    def __init__(self, name: str, files: list[str], text_column: str, section: str) -> None:
-        super().__init__(name, files, text_column, section)
+    def __init__(
+        self,
+        name: str,
+        files: list[str],
+        text_column: str,
+        section: str,
+        columns: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(name, files, text_column, section, columns)
+        self._read = list(columns) or [text_column]  # the columns read from each file
         if files:
             self._open(files[0])
 
@@ -384,17 +415,28 @@ class ParquetSource(_RowSource):
             raise DataError(f"cannot read {self.name!r} as parquet: {path}: {e}") from e
 
     def _with_text(self, path: str) -> Any:
-        """``path`` opened, checked to hold the text column."""
+        """``path`` opened, checked to hold the text column (the chat columns)."""
         parquet = self._open(path)
         columns = parquet.schema_arrow.names
-        if self.text_column not in columns:
+        for column in self._read:
+            if column in columns:
+                continue
+            if path == self.files[0] and self.columns:
+                where = f"row 0 of {self.name!r} (in {path})"
+                chat_row(dict.fromkeys(columns, 0), self.columns, self.section, where)
             if path == self.files[0]:
                 raise self._no_column(columns)
             raise DataError(
-                f"{path} of {self.name!r} has no column {self.text_column!r} (its columns are "
+                f"{path} of {self.name!r} has no column {column!r} (its columns are "
                 f"{sorted(columns)}), unlike {self.files[0]}; give files of one schema."
             )
         return parquet
+
+    def _documents(self, table: Any, take: Any) -> list[Any]:
+        """Rows ``take`` of ``table`` (holding the columns read): texts, or chat rows."""
+        if self.columns:
+            return table.take(take).to_pylist()  # a dict of the chat columns per row
+        return [self._text(v) for v in table.column(0).take(take).to_pylist()]
 
     def _file_rows(
         self, path: str, first: int, want: int, stride: int
@@ -409,13 +451,12 @@ class ParquetSource(_RowSource):
                 first += count
                 continue
             batches = parquet.iter_batches(
-                batch_size=_BATCH, row_groups=[group], columns=[self.text_column]
+                batch_size=_BATCH, row_groups=[group], columns=self._read
             )
             for batch in batches:
                 rows = batch.num_rows
                 own = range(want - first, rows, stride) if want < first + rows else range(0)
-                values = batch.column(0).take(pa.array(own, pa.int64())).to_pylist() if own else []
-                yield rows, [self._text(v) for v in values]
+                yield rows, self._documents(batch, pa.array(own, pa.int64())) if own else []
                 first, want = first + rows, want + stride * len(own)
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
@@ -438,12 +479,11 @@ class ParquetSource(_RowSource):
                 rows = parquet.metadata.row_group(group).num_rows
                 group_end = group_first + rows
                 if want < group_end and group_first < high:  # rows of the region in it
-                    table = parquet.read_row_group(group, columns=[self.text_column])
+                    table = parquet.read_row_group(group, columns=self._read)
                     take = range(want - group_first, min(high, group_end) - group_first)
-                    values = table.column(0).take(pa.array(take, pa.int64())).to_pylist()
-                    for value in values:
+                    for document in self._documents(table, pa.array(take, pa.int64())):
                         self.rows_parsed += 1
-                        yield want - low, self._text(value)
+                        yield want - low, document
                         want += 1
                 group_first = group_end
             base += count

@@ -49,8 +49,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from titan_train.data.config import DataError
 from titan_train.data.sources import DocumentSource, iter_strided
@@ -89,6 +90,10 @@ def owned_shards(num_shards: int, dp_rank: int, dp_degree: int) -> list[int]:
 _States = tuple[str, str] | None
 """A source's iteration state (JSON) before and after a document (``iter_region_states``)."""
 
+Encode = Callable[[Any, int], tuple[list[int], list[bool]]]
+"""``encode(document, index) -> (ids, trained)``: a document's tokens and which the loss trains
+on (``titan_train.data.chat.ChatEncoder.encode``)."""
+
 
 class _Shard:
     """One virtual shard's packer: queued documents (text) and the tokens not yet cut."""
@@ -99,6 +104,7 @@ class _Shard:
         self.texts: deque[tuple[int, int, str, _States]] = deque()
         # The document being cut: its epoch, index, tokens, and the next unread token.
         self.current: tuple[int, int, list[int]] | None = None
+        self.trained: list[bool] | None = None  # per token of current (an ``encode``'s)
         self.offset = 0
         self.states: _States = None  # the current document's, where the source has them
         self.source = ""  # the source state that goes with ``position`` before any read
@@ -126,6 +132,8 @@ class ShardReader:
         sources: per shard, the source's iteration state saved with its position
             (``source_states``; contiguous layout, sources with ``iter_region_states``):
             a region resumes there instead of reading past its earlier documents.
+        encode: turns a document into ids and the trained ones (chat data; then cut windows
+            with ``next_masked_window``); default: ``[BOS] text [EOS]``, every token trained.
     """
 
     def __init__(
@@ -140,9 +148,11 @@ class ShardReader:
         size: int,
         contiguous: bool = False,
         sources: dict[int, str] | None = None,
+        encode: Encode | None = None,
     ) -> None:
         self.documents = documents
         self.tokenizer = tokenizer
+        self.encode = encode
         self.num_shards = num_shards
         self.shards = {s: _Shard(p) for s, p in shards.items()}
         for s, state in (sources or {}).items():
@@ -182,8 +192,19 @@ class ShardReader:
 
     def next_window(self, s: int) -> list[int] | None:
         """The next window of shard ``s``; ``None`` when finite data ran out."""
+        cut = self._cut(s, masked=False)
+        return None if cut is None else cut[0]
+
+    def next_masked_window(self, s: int) -> tuple[list[int], list[bool]] | None:
+        """The next window of shard ``s`` and, per token, whether it is trained (all are
+        without ``encode``); ``None`` when finite data ran out. A document cut at a window's
+        end goes on in the next window with its marks."""
+        return self._cut(s, masked=True)
+
+    def _cut(self, s: int, *, masked: bool) -> tuple[list[int], list[bool]] | None:
         shard = self.shards[s]
         window: list[int] = []
+        trained: list[bool] = []  # filled when masked
         while len(window) < self.size:
             done = shard.current is None or shard.offset == len(shard.current[2])
             if done and not self._next_document(s, shard):
@@ -191,14 +212,17 @@ class ShardReader:
             assert shard.current is not None
             ids = shard.current[2]
             take = min(self.size - len(window), len(ids) - shard.offset)
-            window += ids[shard.offset : shard.offset + take]
+            cut = slice(shard.offset, shard.offset + take)
+            window += ids[cut]
+            if masked:
+                trained += shard.trained[cut] if shard.trained is not None else [True] * take
             shard.offset += take
         epoch, index, ids = shard.current
         if shard.offset < len(ids):
             shard.position = Position(epoch, index, shard.offset)
         else:  # the window ended with the document: the shard's next one comes after it
             shard.position = Position(epoch, index + self.num_shards, 0)
-        return window
+        return window, trained
 
     def _next_document(self, s: int, shard: _Shard) -> bool:
         """Make shard ``s``'s next document current; False when finite data ran out."""
@@ -206,7 +230,10 @@ class ShardReader:
             if not (self._pull() if self._regions is None else self._pull_region(s, shard)):
                 return False
         epoch, index, text, shard.states = shard.texts.popleft()
-        ids = self.tokenizer.encode(text, bos=True, eos=True)
+        if self.encode is None:
+            ids, shard.trained = self.tokenizer.encode(text, bos=True, eos=True), None
+        else:
+            ids, shard.trained = self.encode(text, index)
         start = shard.position
         skip = start.token_offset if (epoch, index) == (start.epoch, start.document) else 0
         shard.current, shard.offset = (epoch, index, ids), min(skip, len(ids))

@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from titan_train.data.config import DataConfig, DataError
-from titan_train.data.embedded import EMBEDDED_DATASET, embedded_documents
+from titan_train.data.embedded import (
+    CHAT_SAMPLE_DATASET,
+    EMBEDDED_DATASET,
+    chat_sample_path,
+    embedded_documents,
+)
 from titan_train.data.hub import hub_dataset_problem, hub_endpoint
 from titan_train.data.local_files import open_hub_copy, open_local_files
 
@@ -102,15 +107,22 @@ class _ListSource:
 
 
 class _HFSource:
-    """A streaming ``datasets.IterableDataset``; ``text_column`` checked on the first row."""
+    """A streaming ``datasets.IterableDataset``; ``text_column`` checked on the first row.
+    With ``columns`` (chat data) a document is the row, a dict (``ChatEncoder`` reads it)."""
 
     def __init__(
-        self, name: str, dataset: Any, text_column: str, section: str = "training"
+        self,
+        name: str,
+        dataset: Any,
+        text_column: str,
+        section: str = "training",
+        columns: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.dataset = dataset
         self.text_column = text_column
         self.section = section
+        self.columns = columns
 
     def iter_from(self, index: int) -> Iterator[str]:
         rows = self.dataset.skip(index) if index else self.dataset
@@ -169,6 +181,9 @@ class _HFSource:
             )
 
     def _texts(self, rows: Any) -> Iterator[str]:
+        if self.columns:  # chat rows, checked by the encoder, which knows their indices
+            yield from (dict(row) for row in rows)  # type: ignore[misc]
+            return
         for row in rows:
             try:
                 text = row[self.text_column]
@@ -242,8 +257,17 @@ def _by_rank(source: Any) -> Any:
 def open_documents(config: DataConfig) -> DocumentSource:
     """The document source ``config.dataset`` / ``config.dataset_path`` name."""
     name, path = config.dataset, config.dataset_path
+    columns = config.chat_columns if config.dataset_format == "chat" else ()
     if name == EMBEDDED_DATASET and not path:
+        if columns:
+            raise DataError(
+                f"{config.section}.dataset='embedded' is text (Python's documentation), not chat "
+                f"data; use {config.section}.dataset='{CHAT_SAMPLE_DATASET}' (the shipped chat "
+                f"sample) or your own, or {config.section}.dataset_format='text'."
+            )
         return _ListSource(EMBEDDED_DATASET, embedded_documents())
+    if name == CHAT_SAMPLE_DATASET and not path:
+        name = os.fspath(chat_sample_path())
 
     fmt = name if name in set(_FORMATS.values()) else None
     hub_name, subset = _HUB_ALIASES.get(name, (name, None))
@@ -260,17 +284,26 @@ def open_documents(config: DataConfig) -> DocumentSource:
         ):
             subset = None  # plain data files, not a copy of the hub repository's subsets
         # A local copy of a hub dataset's repository: datasets reads its layout and configs.
-        own_rows = open_hub_copy(path, os.fspath(local), subset, config.text_column, config.section)
+        own_rows = open_hub_copy(
+            path, os.fspath(local), subset, config.text_column, config.section, columns
+        )
         if own_rows is not None:  # plain jsonl or parquet files: each rank parses its rows
             return _by_rank(own_rows)
         try:
             dataset = _load_streaming(os.fspath(local), name=subset)
         except Exception as e:
             raise DataError(f"cannot read {path!r} as a copy of {hub_name!r}: {e}") from e
-        return _HFSource(path, dataset, config.text_column, config.section)
+        return _HFSource(path, dataset, config.text_column, config.section, columns)
     if local.exists():
         builder, files = _local_files(local, fmt)
-        own_rows = open_local_files(target, builder, files, config.text_column, config.section)
+        if columns and builder in ("text", "csv"):
+            raise DataError(
+                f"{target!r} is {builder} files; chat data ({config.section}.dataset_format="
+                "'chat') is read from rows with columns: json, jsonl or parquet files."
+            )
+        own_rows = open_local_files(
+            target, builder, files, config.text_column, config.section, columns
+        )
         if own_rows is not None:  # each rank parses only its rows
             return _by_rank(own_rows)
         kwargs: dict[str, Any] = {"data_files": files}
@@ -285,6 +318,7 @@ def open_documents(config: DataConfig) -> DocumentSource:
             dataset,
             "text" if builder == "text" else config.text_column,
             config.section,
+            columns,
         )
     if path or fmt is not None or _format_of(local) or target.startswith((".", "/", "~")):
         raise DataError(
@@ -327,4 +361,4 @@ def open_documents(config: DataConfig) -> DocumentSource:
                 else "."
             )
         ) from e
-    return _HFSource(hub_name, dataset, config.text_column, config.section)
+    return _HFSource(hub_name, dataset, config.text_column, config.section, columns)

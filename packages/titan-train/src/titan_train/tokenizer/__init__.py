@@ -8,7 +8,9 @@ in the repository makes it).
 from titan_train.tokenizer.base import Tokenizer, TokenizerError
 from titan_train.tokenizer.hf import HuggingFaceTokenizer
 from titan_train.tokenizer.load import (
+    CHAT_TOKENIZER,
     DEFAULT_NUM_SPECIAL_TOKENS,
+    chat_tokenizer_path,
     default_tokenizer_path,
     load_tokenizer,
 )
@@ -21,12 +23,14 @@ from titan_train.tokenizer.tiktoken_bpe import (
 )
 
 __all__ = [
+    "CHAT_TOKENIZER",
     "DEFAULT_NUM_SPECIAL_TOKENS",
     "LLAMA3_PATTERN",
     "HuggingFaceTokenizer",
     "TiktokenTokenizer",
     "Tokenizer",
     "TokenizerError",
+    "chat_tokenizer_path",
     "default_tokenizer_path",
     "llama3_special_tokens",
     "load_tokenizer",

@@ -108,6 +108,7 @@ class HuggingFaceTokenizer:
                 self._tokenizer.add_special_tokens(special)
         self._bos_id = self._find(bos_token or _config_token(config, "bos_token"), _BOS_NAMES)
         self._eos_id = self._find(eos_token or _config_token(config, "eos_token"), _EOS_NAMES)
+        self._untrimmed: _HFTokenizer | None = None  # made by encode_with_offsets
 
     def _find(self, name: str | None, fallbacks: tuple[str, ...]) -> int:
         for candidate in (name,) if name else fallbacks:
@@ -140,6 +141,17 @@ class HuggingFaceTokenizer:
         """Ids of ``text`` without the file's post-processor; then BOS/EOS if asked."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ([self._bos_id] if bos else []) + ids + ([self._eos_id] if eos else [])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Ids of ``text`` with special-token names read as the special tokens (as a chat
+        template writes them, and as transformers tokenizes its output), and where in
+        ``text`` each token starts. The offsets come from the model before any
+        post-processor (whose offset trimming would move a whitespace token's start)."""
+        if self._untrimmed is None:
+            self._untrimmed = _HFTokenizer.from_str(self._tokenizer.to_str())
+            self._untrimmed.post_processor = None
+        encoding = self._untrimmed.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``, special tokens kept."""

@@ -10,7 +10,16 @@ from titan_train.tokenizer.base import Tokenizer, TokenizerError
 from titan_train.tokenizer.hf import HuggingFaceTokenizer
 from titan_train.tokenizer.tiktoken_bpe import TiktokenTokenizer, llama3_special_tokens
 
-__all__ = ["DEFAULT_NUM_SPECIAL_TOKENS", "default_tokenizer_path", "load_tokenizer"]
+__all__ = [
+    "CHAT_TOKENIZER",
+    "DEFAULT_NUM_SPECIAL_TOKENS",
+    "chat_tokenizer_path",
+    "default_tokenizer_path",
+    "load_tokenizer",
+]
+
+CHAT_TOKENIZER = "embedded_chat"
+"""The ``model.tokenizer_path`` that selects the shipped chat tokenizer folder."""
 
 DEFAULT_NUM_SPECIAL_TOKENS = 8
 """Special tokens of the shipped tokenizer: Llama 3's first 8 (BOS, EOS, 4 reserved, the two
@@ -22,10 +31,18 @@ def default_tokenizer_path() -> Path:
     return Path(str(resources.files("titan_train") / "assets" / "tokenizer.model"))
 
 
+def chat_tokenizer_path() -> Path:
+    """The shipped chat tokenizer folder (``tools/make_chat_sample.py``): the shipped BPE as a
+    ``tokenizer.json`` with chat special tokens (``<|eot_id|>``, ``<|im_start|>``, ...) in
+    its 2,048 ids, and the built-in ``llama3`` chat template in ``tokenizer_config.json``."""
+    return Path(str(resources.files("titan_train") / "assets" / "chat_tokenizer"))
+
+
 def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     """The tokenizer at ``path``.
 
     - ``None``, ``""`` or ``"embedded"``: the shipped 2,048-token tokenizer.
+    - ``"embedded_chat"``: the shipped chat tokenizer folder (``chat_tokenizer_path``).
     - a ``.json`` file, or a folder holding ``tokenizer.json``: a Hugging Face tokenizer.
     - any other file, or a folder holding ``tokenizer.model`` (also under ``original/``, as in
       Llama 3 downloads): a tiktoken BPE file with Llama 3's 256 special tokens.
@@ -35,6 +52,8 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
             default_tokenizer_path(),
             special_tokens=llama3_special_tokens(DEFAULT_NUM_SPECIAL_TOKENS),
         )
+    if os.fspath(path) == CHAT_TOKENIZER:
+        return load_tokenizer(chat_tokenizer_path())
     p = Path(path)
     if p.is_dir():
         for candidate in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model"):

@@ -147,6 +147,14 @@ class TiktokenTokenizer:
             ids.append(self._eos_id)
         return ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Ids of ``text`` with special-token names read as the special tokens (as a chat
+        template writes them), and where in ``text`` each token starts (a token starting
+        inside a character: that character's start)."""
+        ids = self._encoding.encode(text, allowed_special="all")
+        _, starts = self._encoding.decode_with_offsets(ids)
+        return ids, starts
+
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD."""
         return self._encoding.decode(list(ids))
