@@ -272,8 +272,8 @@ def generate_parser() -> argparse.ArgumentParser:
 
     import tyro.extras
 
-    from titan_train.config_loader import _plain_docstrings
-    from titan_train.generate_cli import GenerateOptions
+    from titan_train.config.loader import _plain_docstrings
+    from titan_train.generate.cli import GenerateOptions
 
     with _plain_docstrings(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # tyro 1.0 keeps it, deprecated
@@ -317,8 +317,10 @@ def docstring_section(doc: str) -> list[str]:
 def titan_train_section() -> list[str]:
     """titan-train's commands: ``train`` and ``config`` take the configuration's keys (the
     Configuration page), ``estimate`` and ``generate`` have options of their own."""
-    from titan_train import cli, estimate_cli, generate_cli
-    from titan_train.registry import list_models, load_model_spec
+    from titan_train import cli
+    from titan_train.config.registry import list_models, load_model_spec
+    from titan_train.estimate import cli as estimate_cli
+    from titan_train.generate import cli as generate_cli
 
     keys = "[Configuration](config.md): a key `section.key` is the flag `--section.key VALUE`"
     lines = ["## `titan-train`", "", *docstring_section(cli.__doc__ or ""), ""]

@@ -39,7 +39,7 @@ import pytest
 from titan_ckpt.layout import scan_steps
 from titan_ckpt.storage import LocalStorage
 from titan_train.launch import SHARED_STORE_VARIABLE
-from titan_train.preemption import PREEMPTED_EXIT
+from titan_train.trainer.preemption import PREEMPTED_EXIT
 
 FAULTS = Path(__file__).parent / "faults"
 STEPS = 8

@@ -144,7 +144,7 @@ if missing:
 from importlib.metadata import entry_points
 import tyro  # noqa: F401 (an old typing_extensions breaks it here, not in a run)
 import titan_train.cli  # noqa: F401
-from titan_train.registry import list_models
+from titan_train.config.registry import list_models
 adapters = sorted(ep.name for ep in entry_points(group="titan.state_dict_adapters"))
 print("models", list_models(), "adapters", adapters)
 if not {"llama3", "deepseek_v3"} <= set(list_models()) or "llama3" not in adapters:

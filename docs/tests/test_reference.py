@@ -80,7 +80,7 @@ def test_every_config_key_is_in_the_reference(config_page: str) -> None:
 def test_every_titan_train_option_is_in_the_reference(cli_page: str, config_page: str) -> None:
     """train's and config's options are the configuration's keys (config.md, each with its
     flag or marked TOML only); estimate's, generate's and the launcher's are on cli.md."""
-    from titan_train.generate_cli import GenerateOptions
+    from titan_train.generate.cli import GenerateOptions
 
     help_ = gen_reference.train_help()
     rows = {line.split("`")[1]: line for line in config_page.splitlines() if line.startswith("| `")}
@@ -255,7 +255,7 @@ def test_the_flags_titan_train_parses_itself_are_in_their_help(capsys) -> None:
     (``parse_estimate_options``, ``pop_launch_options``): each flag they take is an entry of
     the help, so the test above finds it in a table of the page."""
     from titan_train.cli import main
-    from titan_train.estimate_cli import _INT_FLAGS
+    from titan_train.estimate.cli import _INT_FLAGS
     from titan_train.launch import LAUNCH_FLAGS
 
     assert {*_INT_FLAGS, "--json"} <= help_flags(_help_of(main, ["estimate", "--help"], capsys))

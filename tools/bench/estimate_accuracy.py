@@ -3,8 +3,8 @@
 model, in one process and on 2 gloo ranks with FSDP, TP and PP.
 
 The real peak of each rank is the CPU allocator's own count of live bytes (torch's profiler
-with ``profile_memory=True``) over building the run with ``titan_train.build`` and two real
-steps of ``titan_train.step.train_step`` (``titan_train.estimate_check``); the estimate is
+with ``profile_memory=True``) over building the run with ``titan_train.trainer.build`` and two real
+steps of ``titan_train.trainer.step.train_step`` (``titan_train.estimate.check``); the estimate is
 ``titan_train.estimate.estimate_memory`` of the same command line, in this process.
 
     python tools/bench/estimate_accuracy.py                    # both models (~5 min, 2 cores)
@@ -19,7 +19,7 @@ import json
 from titan_models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan_train.config import parse_job_config
 from titan_train.estimate import estimate_memory
-from titan_train.estimate_check import spawn_real_peaks
+from titan_train.estimate.check import spawn_real_peaks
 
 FLAVOR_100M = "bench100M"
 LAYOUTS = {

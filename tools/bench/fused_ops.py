@@ -140,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not args.no_reuse:
-        from titan_train.host_memory import reuse_host_memory
+        from titan_train.trainer.host_memory import reuse_host_memory
 
         reuse_host_memory()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU time, min")

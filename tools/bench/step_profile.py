@@ -66,8 +66,8 @@ def profile_step(batch: int, seq: int, reuse: bool, steps: int) -> dict:
 
     from titan_models import llama3_args
     from titan_models.llama3.model import Llama3
-    from titan_train.host_memory import reuse_host_memory
-    from titan_train.step import cross_entropy_loss
+    from titan_train.trainer.host_memory import reuse_host_memory
+    from titan_train.trainer.step import cross_entropy_loss
 
     applied = reuse_host_memory() if reuse else False
     torch.manual_seed(0)

@@ -23,9 +23,9 @@ import pytest
 
 from titan_train.cli import main
 from titan_train.compat import KEYS, TORCHTITAN_DEFAULTS, lookup
-from titan_train.compat_argv import split_argv
+from titan_train.compat.argv import split_argv
 from titan_train.config import JobConfig, parse_job_config
-from titan_train.config_loader import ConfigError
+from titan_train.config.loader import ConfigError
 
 CONFIGS = Path(__file__).parent / "torchtitan_configs"
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from titan_dims import init_distributed
 from titan_models import ParallelizeConfig
 from titan_train import JobConfig, World, build, close, preflight, train
-from titan_train.step import build_loss_fn, cross_entropy_sum
+from titan_train.trainer.step import build_loss_fn, cross_entropy_sum
 
 # fp32 logits: compiled and eager differ only by the order of fp32 reductions.
 LOSS_ATOL, GRAD_ATOL = 1e-5, 1e-6

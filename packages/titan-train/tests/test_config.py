@@ -8,8 +8,8 @@ import pytest
 from titan_train.cli import main
 from titan_train.compat import translate
 from titan_train.config import JobConfig, parse_job_config
-from titan_train.config_loader import ConfigError, read_toml
-from titan_train.toml_writer import dumps
+from titan_train.config.loader import ConfigError, read_toml
+from titan_train.config.toml_writer import dumps
 
 
 def test_defaults_train_the_debug_model_on_embedded_data():

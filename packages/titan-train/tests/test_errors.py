@@ -38,11 +38,11 @@ def test_every_error_has_the_package_root():
     ("module", "name"),
     [
         ("titan_train.config", "ConfigError"),
-        ("titan_train.config_loader", "ConfigError"),
+        ("titan_train.config.loader", "ConfigError"),
         ("titan_train.data", "DataError"),
         ("titan_train.metrics", "MetricsError"),
-        ("titan_train.nonfinite", "NonFiniteStepsError"),
-        ("titan_train.registry", "UnknownModelError"),
+        ("titan_train.trainer.nonfinite", "NonFiniteStepsError"),
+        ("titan_train.config.registry", "UnknownModelError"),
         ("titan_train.tokenizer", "TokenizerError"),
     ],
 )

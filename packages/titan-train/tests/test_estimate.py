@@ -3,7 +3,7 @@ what the layouts must do to the numbers (FSDP over N ranks divides the parameter
 ~N, tensor parallel the sharded weights, full activation checkpointing lowers activations,
 pipeline stages split the model), one message and exit status 2 for bad input (the same
 errors a real run gives), and the real thing: the CPU allocator's peak of real runs of the
-debug model on gloo (``titan_train.estimate_check``, torch's profiler on the allocator:
+debug model on gloo (``titan_train.estimate.check``, torch's profiler on the allocator:
 nothing shared with the estimator), within 15% for one process and 2-rank FSDP, TP and PP.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from titan_train.cli import main
 from titan_train.config import parse_job_config
 from titan_train.estimate import estimate_memory
-from titan_train.estimate_check import spawn_real_peaks
+from titan_train.estimate.check import spawn_real_peaks
 
 SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2"]
 

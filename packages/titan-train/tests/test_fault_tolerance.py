@@ -26,7 +26,7 @@ import pytest
 from titan_dims import ParallelDims, ParallelismConfig
 from titan_train.cli import main
 from titan_train.config import JobConfig, parse_job_config
-from titan_train.config_loader import ConfigError
+from titan_train.config.loader import ConfigError
 from titan_train.fault_tolerance import (
     LIGHTHOUSE_ENV,
     FaultToleranceConfig,
@@ -34,7 +34,7 @@ from titan_train.fault_tolerance import (
     lighthouse_address,
 )
 from titan_train.preflight import check_seq_lens
-from titan_train.validation import ValidationConfig
+from titan_train.trainer.validation import ValidationConfig
 
 # torchft 0.2.0 logs through the deprecated Logger.warn; that is its business, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated")

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from titan_models import LLAMA3, llama3_args
 from titan_train.cli import main
+from titan_train.config.model_args import model_metadata
 from titan_train.generate import SamplingConfig, generate, sample_next
-from titan_train.generate_cli import build_model, parse_generate_options, prepare
-from titan_train.model_args import model_metadata
+from titan_train.generate.cli import build_model, parse_generate_options, prepare
 
 TINY = [
     "--training.seq_len", "32",

@@ -1,5 +1,5 @@
 """preflight's check of a Hugging Face folder to start from (``checkpoint.initial_load_in_hf``,
-``titan_train.hf_start``), in one process, with Llama 3 (registered by the installed
+``titan_train.trainer.hf_start``), in one process, with Llama 3 (registered by the installed
 titan-models) and folders that transformers writes from a config (no download): a folder of
 the run's model passes, a padded vocabulary included; one of another shape stops with one
 ``CheckpointConfigError`` naming the folder and what differs, and nothing is written. (A
@@ -13,7 +13,7 @@ import torch
 
 from titan_ckpt import CheckpointConfigError
 from titan_train import JobConfig, World, preflight
-from titan_train.hf_start import run_vocab_size
+from titan_train.trainer.hf_start import run_vocab_size
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

@@ -1,4 +1,4 @@
-"""titan_train.host_memory: freed host blocks are reused, so a repeated large allocation no
+"""titan_train.trainer.host_memory: freed host blocks are reused, so a repeated large allocation no
 longer faults its pages in again. Each case runs in its own process (the setting is
 process-wide and cannot be undone)."""
 
@@ -24,7 +24,7 @@ glibc_only = pytest.mark.skipif(
 # four rounds.
 _PROBE = """
 import json, resource, sys, torch
-from titan_train.host_memory import reuse_host_memory
+from titan_train.trainer.host_memory import reuse_host_memory
 applied = reuse_host_memory() if sys.argv[1] == "on" else None
 faults = []
 for _ in range(5):

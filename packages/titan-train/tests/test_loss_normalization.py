@@ -1,5 +1,5 @@
 """The step's loss is the global batch's summed token loss over its trained tokens
-(``titan_train.step``), checked through the real ``train_step`` of a built run against the
+(``titan_train.trainer.step``), checked through the real ``train_step`` of a built run against the
 same model computed by hand: with every token trained the loss and gradients are today's
 (the mean over micro-batches of their mean losses); with masked labels, two accumulated
 micro-batches give the loss and gradients of one batch holding both, which is the sum over
@@ -19,9 +19,9 @@ from titan_dims import ParallelDims, init_distributed
 from titan_models import reduce_loss
 from titan_train import JobConfig, World, build, close, preflight, train_step
 from titan_train.data import IGNORE_INDEX, build_dataloader
-from titan_train.step import cross_entropy_loss, cross_entropy_sum
 from titan_train.tokenizer import load_tokenizer
-from titan_train.validation import ValidationConfig, Validator
+from titan_train.trainer.step import cross_entropy_loss, cross_entropy_sum
+from titan_train.trainer.validation import ValidationConfig, Validator
 
 SEQ, ROWS = 16, 8
 
@@ -86,8 +86,8 @@ def _in_process(config: JobConfig, batches, weights=None):
 def _by_hand(config: JobConfig, weights, batches, per_batch_mean: bool):
     """The loss and gradients of ``batches`` on a model holding ``weights``: each batch's
     mean / len(batches) (titan-train before) or the summed token losses / all trained."""
-    from titan_train.model_args import build_model_args
-    from titan_train.registry import load_model_spec
+    from titan_train.config.model_args import build_model_args
+    from titan_train.config.registry import load_model_spec
 
     spec = load_model_spec("llama3")
     args = build_model_args(spec, config.model, vocab_size=2048, max_seq_len=SEQ)
@@ -197,7 +197,7 @@ def test_validation_divides_the_summed_loss_by_all_trained_tokens(tmp_path):
         config, tokenizer, dims=ParallelDims(world_size=1, device_type="cpu"), device="cpu"
     )
     from titan_models import Llama3
-    from titan_train.registry import load_model_spec
+    from titan_train.config.registry import load_model_spec
 
     args = load_model_spec("llama3").args_fn("debugmodel", vocab_size=tokenizer.vocab_size)
     args.n_layers, args.dim, args.n_heads, args.n_kv_heads = 1, 32, 2, 2

@@ -12,8 +12,8 @@ import pytest
 
 from titan_models import LLAMA3, ModelSpec, RopeScaling
 from titan_train.config import parse_job_config
-from titan_train.config_loader import ConfigError
-from titan_train.model_args import (
+from titan_train.config.loader import ConfigError
+from titan_train.config.model_args import (
     build_model_args,
     check_resumed_model,
     model_metadata,

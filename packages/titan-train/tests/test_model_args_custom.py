@@ -1,5 +1,5 @@
 """A model size of one's own: ``[model.args]`` in TOML and ``--model.args.KEY VALUE`` on the
-command line (``titan_train.model_args``), checked against the real Llama 3, Qwen3 and
+command line (``titan_train.config.model_args``), checked against the real Llama 3, Qwen3 and
 DeepSeek-V3 specs of titan-models: the models they build on the meta device have the asked
 shapes, and every key or value the family's args refuse stops a run in preflight, with one
 line, before anything is written."""
@@ -11,9 +11,9 @@ import torch
 
 from titan_train.cli import main
 from titan_train.config import parse_job_config, split_model_args
+from titan_train.config.model_args import build_model_args
+from titan_train.config.registry import load_model_spec
 from titan_train.errors import ConfigError
-from titan_train.model_args import build_model_args
-from titan_train.registry import load_model_spec
 
 
 def _shapes(config, vocab_size=None):

@@ -92,7 +92,7 @@ def test_a_modules_own_loss_term_is_scaled_like_the_loss_under_accumulation(tmp_
 def test_deterministic_mode_sets_what_cublas_and_cudnn_need(monkeypatch):
     """training.deterministic on a GPU: without CUBLAS_WORKSPACE_CONFIG cuBLAS raises at the
     first matmul; a user's own setting is kept."""
-    from titan_train.build import use_deterministic_algorithms
+    from titan_train.trainer.build import use_deterministic_algorithms
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
@@ -114,7 +114,7 @@ def test_where_parameters_and_buffers_are_built():
     """A seed checkpoint holds the whole unsharded model in one process: on the host, not on
     the GPU (70B in fp32 is 280 GB). With CPU offload FSDP keeps the parameters on the host,
     and the buffers (the RoPE table, read every forward) go to the device."""
-    from titan_train.build import materialization_devices
+    from titan_train.trainer.build import materialization_devices
 
     config = JobConfig()
     gpu, host = torch.device("cuda", 0), torch.device("cpu")

@@ -12,7 +12,7 @@ import torch
 
 from titan_optim import OptimizerConfig, build_optimizers
 from titan_train.config import ConfigError, TrainingConfig
-from titan_train.nonfinite import NonFiniteGuard, NonFiniteStepsError
+from titan_train.trainer.nonfinite import NonFiniteGuard, NonFiniteStepsError
 
 
 def make():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from titan_dims import init_distributed
 from titan_train import JobConfig, World, build, close, preflight, train
-from titan_train.profiling import Profiler, ProfilingConfig, memory_history
+from titan_train.trainer.profiling import Profiler, ProfilingConfig, memory_history
 
 ACCELERATOR = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 

@@ -1,4 +1,4 @@
-"""SIGTERM handling (``titan_train.preemption``), against real signals: the first one is
+"""SIGTERM handling (``titan_train.trainer.preemption``), against real signals: the first one is
 noted and the process trains on, repeats within the window change nothing, and one after it
 ends the process at once with status 143, even while its main thread waits in C++ where no
 Python signal handler runs. The whole 2-rank stop, save and resume is
@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from titan_train.preemption import PREEMPTED_EXIT, REPEAT_WINDOW_S, stop_on_sigterm
+from titan_train.trainer.preemption import PREEMPTED_EXIT, REPEAT_WINDOW_S, stop_on_sigterm
 
 
 def blocked(ready: Connection) -> None:

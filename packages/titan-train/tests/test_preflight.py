@@ -275,7 +275,7 @@ def test_a_model_whose_state_cannot_fit_on_this_host_is_refused_before_any_work(
 
 
 def test_the_ranks_a_launcher_would_start_on_this_host_count_together(tmp_path):
-    from titan_train.memory_fit import _resident_bytes, host_memory
+    from titan_train.trainer.memory_fit import _resident_bytes, host_memory
 
     available = host_memory().available
     ranks = available // _resident_bytes() + 1  # each as big as this process: too many
@@ -290,7 +290,7 @@ def test_the_ranks_a_launcher_would_start_on_this_host_count_together(tmp_path):
     ("name", "momentum", "per_param"), [("AdamW", 0.0, 16), ("SGD", 0.0, 8), ("SGD", 0.9, 12)]
 )
 def test_the_model_state_floor_counts_weights_gradients_and_moments(name, momentum, per_param):
-    from titan_train.memory_fit import model_state_bytes
+    from titan_train.trainer.memory_fit import model_state_bytes
 
     config = JobConfig()
     config.optimizer.name, config.optimizer.momentum = name, momentum

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from titan_train.config import ConfigError
-from titan_train.profiling import Profiler, ProfilingConfig
+from titan_train.trainer.profiling import Profiler, ProfilingConfig
 
 
 def _train(profiler, steps):

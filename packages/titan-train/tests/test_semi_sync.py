@@ -1,5 +1,5 @@
-"""Semi-synchronous fault tolerance (``titan_train.semi_sync``): the keys' checks, the model's
-fragments, and real runs under a real torchft lighthouse:
+"""Semi-synchronous fault tolerance (``titan_train.fault_tolerance.semi_sync``): the keys'
+checks, the model's fragments, and real runs under a real torchft lighthouse:
 
 - two replica groups (threads in this process, each its own torchft ``Manager``) train a
   tiny Llama with Streaming DiLoCo in two fragments: each fragment is equal across the
@@ -31,9 +31,13 @@ from titan_models.llama3 import Llama3, Llama3Args
 from titan_optim import OptimizerConfig, build_optimizers
 from titan_train.cli import main
 from titan_train.config import parse_job_config
-from titan_train.config_loader import ConfigError
+from titan_train.config.loader import ConfigError
 from titan_train.fault_tolerance import LIGHTHOUSE_ENV, FaultToleranceConfig, ReplicaGroup
-from titan_train.semi_sync import check_semi_sync, model_fragments, semi_sync_training
+from titan_train.fault_tolerance.semi_sync import (
+    check_semi_sync,
+    model_fragments,
+    semi_sync_training,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from titan_optim import OptimizerConfig, build_optimizers
-from titan_train.tied_state import TiedOptimizerState, tied_optimizer_state
+from titan_train.trainer.tied_state import TiedOptimizerState, tied_optimizer_state
 
 NAMES = [("emb.weight", "out.weight")]
 

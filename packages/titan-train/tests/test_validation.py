@@ -13,11 +13,11 @@ import torch
 from titan_dims import ParallelDims
 from titan_models import Llama3
 from titan_train.config import ConfigError
+from titan_train.config.registry import load_model_spec
 from titan_train.data import DataConfig, build_dataloader
-from titan_train.registry import load_model_spec
-from titan_train.step import cross_entropy_loss
 from titan_train.tokenizer import load_tokenizer
-from titan_train.validation import ValidationConfig, Validator
+from titan_train.trainer.step import cross_entropy_loss
+from titan_train.trainer.validation import ValidationConfig, Validator
 
 SEQ = 16
 

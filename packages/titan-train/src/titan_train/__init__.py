@@ -11,20 +11,22 @@ The run is four public pieces, so a loop of your own reuses the rest:
     close(training_run)
 
 ``run`` and ``train`` raise ``PreemptedError`` when SIGTERM stopped the run (after saving
-the step, see ``titan_train.preemption``); ``titan-train`` then exits with ``PREEMPTED_EXIT``.
+the step, see ``titan_train.trainer.preemption``); ``titan-train`` then exits with
+``PREEMPTED_EXIT``.
 
 ``generate(model, prompts, SamplingConfig(...))`` samples from a model (what ``titan-train
 generate`` runs).
 """
 
 from titan_train.__about__ import __version__
-from titan_train.build import TrainingRun, build, close
 from titan_train.config import ConfigError, JobConfig, parse_job_config
 from titan_train.generate import SamplingConfig, generate
-from titan_train.preemption import PREEMPTED_EXIT, PreemptedError
 from titan_train.preflight import BatchPlan, Plan, World, preflight
-from titan_train.state import TrainState
-from titan_train.step import (
+from titan_train.trainer import run, train, validate, write_seed_checkpoint
+from titan_train.trainer.build import TrainingRun, build, close
+from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError
+from titan_train.trainer.state import TrainState
+from titan_train.trainer.step import (
     StepResult,
     batch_loss,
     cross_entropy_loss,
@@ -32,7 +34,6 @@ from titan_train.step import (
     report_step,
     train_step,
 )
-from titan_train.trainer import run, train, validate, write_seed_checkpoint
 
 __all__ = [
     "PREEMPTED_EXIT",

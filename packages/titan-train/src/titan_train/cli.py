@@ -65,7 +65,7 @@ from titan_train.launch import (
     pop_launch_options,
     run_agent,
 )
-from titan_train.preemption import PREEMPTED_EXIT, PreemptedError
+from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError
 
 if TYPE_CHECKING:
     from titan_train.config import JobConfig
@@ -134,7 +134,7 @@ def _main(argv: list[str]) -> int:
         if command == "generate":
             return _generate(launch, argv)
         if command == "estimate":  # one process whatever the world size (estimate_cli)
-            from titan_train.estimate_cli import run_estimate
+            from titan_train.estimate.cli import run_estimate
 
             return run_estimate(argv)
         if launch.launches:
@@ -232,7 +232,7 @@ def _run_stops() -> tuple[type[Exception], ...]:
     another run holds, a full disk, a lost folder, training that diverged): no traceback
     needed."""
     from titan_ckpt import CheckpointLockError, CheckpointWriteError
-    from titan_train.nonfinite import NonFiniteStepsError
+    from titan_train.trainer.nonfinite import NonFiniteStepsError
 
     return (CheckpointLockError, CheckpointWriteError, NonFiniteStepsError)
 
@@ -248,7 +248,7 @@ def _train(argv: list[str]) -> int:
         # A process-wide allocator setting: this command owns its process, a program that
         # calls titan_train.run() owns its own and keeps its allocator as it set it.
         from titan_dims import detect_device_type
-        from titan_train.host_memory import reuse_host_memory
+        from titan_train.trainer.host_memory import reuse_host_memory
 
         if detect_device_type() == "cpu":
             reuse_host_memory()
@@ -257,9 +257,9 @@ def _train(argv: list[str]) -> int:
 
 
 def _generate(launch: LaunchOptions, argv: list[str]) -> int:
-    """``titan-train generate`` (``titan_train.generate_cli``): in this process, or, with
+    """``titan-train generate`` (``titan_train.generate.cli``): in this process, or, with
     ``--nproc-per-node N`` outside torchrun, checked here once and then run on N ranks."""
-    from titan_train.generate_cli import parse_generate_options, prepare, run_generate
+    from titan_train.generate.cli import parse_generate_options, prepare, run_generate
 
     options = parse_generate_options(argv)
     if launch.launches:
@@ -277,10 +277,10 @@ def _check_supported(config: JobConfig) -> None:
 
 def _print_config(argv: list[str]) -> int:
     from titan_train.config import parse_job_config
-    from titan_train.toml_writer import dumps
+    from titan_train.config.toml_writer import dumps
 
     if argv and argv[0] == "import":
-        from titan_train.config_import import run_config_import
+        from titan_train.compat.config_import import run_config_import
 
         return run_config_import(argv[1:])
     if {"-h", "--help"} & set(argv):
@@ -292,7 +292,7 @@ def _print_config(argv: list[str]) -> int:
 
 
 def _list_models() -> int:
-    from titan_train.registry import list_models, load_model_spec
+    from titan_train.config.registry import list_models, load_model_spec
 
     for name in list_models():
         spec = load_model_spec(name)
@@ -313,8 +313,9 @@ def _launch(launch: LaunchOptions, argv: list[str]) -> int:
     logging.disable(logging.WARNING)  # rank 0 logs the same warnings once the ranks start
     try:
         # What a rank imports before it builds anything: this process's memory then is the
-        # floor of each rank's that preflight's memory check counts (titan_train.memory_fit).
-        import titan_train.build  # noqa: F401
+        # floor of each rank's that preflight's memory check counts
+        # (titan_train.trainer.memory_fit).
+        import titan_train.trainer.build  # noqa: F401
 
         config = parse_job_config(argv)
         device = torch.device(detect_device_type())

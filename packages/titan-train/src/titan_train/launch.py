@@ -19,7 +19,7 @@ one of them dies (SIGKILL included); each restart resumes from the newest commit
 checkpoint in the run's folder (``titan_ckpt.CheckpointManager.load``).
 
 A SIGTERM to titan-train is passed on to the agent, which passes it on to every worker (each
-saves and stops: ``titan_train.preemption``), and titan-train then exits with status 143.
+saves and stops: ``titan_train.trainer.preemption``), and titan-train then exits with status 143.
 The agent SIGKILLs workers still running 30 s after it passed the signal on; set
 ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (seconds) to give a step and its save longer.
 """
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from titan_train.errors import ConfigError, check_int, check_number
-from titan_train.preemption import PREEMPTED_EXIT
+from titan_train.trainer.preemption import PREEMPTED_EXIT
 
 __all__ = [
     "LAUNCH_FLAGS",

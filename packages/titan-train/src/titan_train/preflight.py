@@ -15,11 +15,11 @@ group, no model, no data), in the order a user meets them:
 - a start point (``checkpoint.initial_load_path``) only with checkpointing on;
 - the checkpoint folder (writable, holding nothing titan would touch wrongly), and a
   Hugging Face folder to start from (``checkpoint.initial_load_in_hf``) against the model
-  (``titan_train.hf_start``);
+  (``titan_train.trainer.hf_start``);
 - fault tolerance (layout, seed checkpoint, lighthouse; semi-sync fragments and device);
 - optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
 - the memory the model state needs at the least against what this host can give
-  (``titan_train.memory_fit``);
+  (``titan_train.trainer.memory_fit``);
 - chat data (``dataset_format = "chat"``): not with pipeline parallelism, and a chat
   template that renders and marks assistant turns (``titan_train.data.chat``);
 - the context-parallel implementation for this device, resolved once into the plan's
@@ -51,15 +51,15 @@ from titan_models.parallel import check_document_masking
 from titan_optim.build import group_parameters
 from titan_train.compat import check_supported
 from titan_train.config import ConfigError, JobConfig
+from titan_train.config.model_args import build_model_args
+from titan_train.config.registry import load_model_spec
 from titan_train.data.chat import check_chat_template
 from titan_train.data.chat_template import load_chat_template
 from titan_train.fault_tolerance import check_fault_tolerance
-from titan_train.hf_start import check_initial_hf_load
-from titan_train.memory_fit import check_memory_fits
-from titan_train.model_args import build_model_args
-from titan_train.registry import load_model_spec
-from titan_train.semi_sync import check_semi_sync
+from titan_train.fault_tolerance.semi_sync import check_semi_sync
 from titan_train.tokenizer import load_tokenizer
+from titan_train.trainer.hf_start import check_initial_hf_load
+from titan_train.trainer.memory_fit import check_memory_fits
 
 logger = logging.getLogger("titan_train")
 

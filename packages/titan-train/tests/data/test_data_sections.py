@@ -11,7 +11,7 @@ import pytest
 from titan_train.config import parse_job_config
 from titan_train.data import DataError, build_dataloader
 from titan_train.tokenizer import load_tokenizer
-from titan_train.validation import ValidationConfig
+from titan_train.trainer.validation import ValidationConfig
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """torchtitan 2026's configurations (``--module M --config F``) in titan-train
-(``titan_train.torchtitan_head``), checked against the settings they load to, a titan
+(``titan_train.compat.head``), checked against the settings they load to, a titan
 preflight of each, a real run of ``llama3_debugmodel`` in a torchtitan-shaped checkout
 (``tt_checkout``), the TOML ``config import`` writes, and, where ``TORCHTITAN_REPO`` names a
 torchtitan checkout, torchtitan's own registry source (read with ``ast``, never imported).
@@ -22,12 +22,12 @@ import torch
 
 from titan_train.cli import main
 from titan_train.compat import flatten
+from titan_train.compat.head import CONFIGS, HEAD_COMMIT, preset_values
 from titan_train.config import parse_job_config
+from titan_train.config.model_args import build_model_args
+from titan_train.config.registry import load_model_spec
 from titan_train.errors import ConfigError
-from titan_train.model_args import build_model_args
 from titan_train.preflight import World, preflight
-from titan_train.registry import load_model_spec
-from titan_train.torchtitan_head import CONFIGS, HEAD_COMMIT, preset_values
 
 _spec = importlib.util.spec_from_file_location(
     "tt_checkout", Path(__file__).with_name("tt_checkout.py")

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, ScheduleGPipe
 
-from titan_train.step import cross_entropy_loss
+from titan_train.trainer.step import cross_entropy_loss
 
 __all__ = ["replay_pipeline_step", "stage_input_shape"]
 

@@ -2,7 +2,7 @@
 of any layout and world size, measured in this process without allocating it.
 
 The run is built the way ``titan-train`` builds it: ``preflight`` checks the configuration
-(the same errors, before any work), then ``titan_train.build``'s own model path makes the
+(the same errors, before any work), then ``titan_train.trainer.build``'s own model path makes the
 model on the meta device and parallelizes it (FSDP/HSDP, TP with sequence and loss
 parallel, CP, EP) or splits it into this rank's pipeline stages, all on a fake process group
 of ``world_size`` ranks seen from ``rank`` (``titan_dims.simulate.fake_process_group``).
@@ -20,7 +20,7 @@ one whole training step runs (forward, backward, the clip's norm, the update) un
 
 Under pipeline parallelism the schedule's own runtime cannot run in one process (it agrees
 tensor metadata with the neighbouring stages by messages), so this rank's actions of the
-real schedule are replayed on its real stage modules (``titan_train.estimate_pipeline``).
+real schedule are replayed on its real stage modules (``titan_train.estimate.pipeline``).
 
 A model that sizes tensors from tensor values (an MoE's tokens per expert) cannot run its
 step on fake tensors: its resident state is still exact, and ``step_simulated`` is False.
@@ -53,12 +53,12 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from titan_dims.simulate import fake_process_group
 from titan_optim import build_optimizers
 from titan_optim.clip import global_grad_norm
-from titan_train.build import _build_model  # training's own model path, never another
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.estimate_pipeline import replay_pipeline_step
+from titan_train.estimate.pipeline import replay_pipeline_step
 from titan_train.preflight import Plan, World, preflight
-from titan_train.step import batch_loss, cross_entropy_sum
+from titan_train.trainer.build import _build_model  # training's own model path, never another
+from titan_train.trainer.step import batch_loss, cross_entropy_sum
 
 __all__ = ["MemoryEstimate", "check_estimable", "estimate_memory"]
 
@@ -237,8 +237,8 @@ def _degrees(plan: Plan) -> dict[str, int]:
 
 
 def _tokenizer_vocab(config: JobConfig) -> int:
-    from titan_train.hf_start import run_vocab_size
     from titan_train.tokenizer import load_tokenizer
+    from titan_train.trainer.hf_start import run_vocab_size
 
     return run_vocab_size(config, load_tokenizer(config.model.tokenizer_path).vocab_size)
 
@@ -414,7 +414,8 @@ def _step(
     dim: int,
 ) -> None:
     """One training step's forward and backward passes over ``tokens`` (this rank's batch,
-    ``steps`` accumulation steps), and the clip's norm: as ``titan_train.step`` runs them."""
+    ``steps`` accumulation steps), and the clip's norm: as ``titan_train.trainer.step`` runs
+    them."""
     if pipeline is not None:
         dtype = getattr(torch, _compute_dtype(parts))
         replay_pipeline_step(pipeline, plan, tokens, tokens.clone(), dim=dim, dtype=dtype)

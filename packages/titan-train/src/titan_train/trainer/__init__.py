@@ -5,17 +5,17 @@ run(config)
   2. preflight(config, world): every check before any work -> Plan
      (titan_train.preflight)
   3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics ->
-     TrainingRun (titan_train.build)
-  4. train(run): until the last step, train_step(run, batches) (titan_train.step), report,
+     TrainingRun (titan_train.trainer.build)
+  4. train(run): until the last step, train_step(run, batches) (titan_train.trainer.step), report,
      validate, checkpoint, under the profiler; on SIGTERM, save the step and stop
-     (titan_train.preemption)
+     (titan_train.trainer.preemption)
 
 With ``fault_tolerance.enable`` the run is one replica group of a torchft job (see
 ``titan_train.fault_tolerance``): the data is sharded over all groups at build time, and the
 optimizer container does the per-step work (quorum, gradient averaging before clipping,
 commit); the loop is the same. With ``fault_tolerance.semi_sync_method`` the loop runs inside
-``titan_train.semi_sync``'s LocalSGD or DiLoCo context: groups step alone and sync every
-``sync_steps`` steps.
+``titan_train.fault_tolerance.semi_sync``'s LocalSGD or DiLoCo context: groups step alone
+and sync every ``sync_steps`` steps.
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ import torch.distributed as dist
 from titan_ckpt import MODEL_RECORD, storage_for
 from titan_ckpt.layout import read_manifest, scan_steps
 from titan_dims import detect_device_type, init_distributed, set_collective_timeout
-from titan_train.build import TrainingRun, build, close
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.fault_tolerance.semi_sync import semi_sync_training
 from titan_train.launch import destroy_group
-from titan_train.preemption import PREEMPTED_EXIT, PreemptedError, stop_on_sigterm
 from titan_train.preflight import (
     Plan,
     World,
@@ -47,9 +46,10 @@ from titan_train.preflight import (
     plan_batches,
     preflight,
 )
-from titan_train.semi_sync import semi_sync_training
-from titan_train.state import TrainState
-from titan_train.step import cross_entropy_loss, next_batches, report_step, train_step
+from titan_train.trainer.build import TrainingRun, build, close
+from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError, stop_on_sigterm
+from titan_train.trainer.state import TrainState
+from titan_train.trainer.step import cross_entropy_loss, next_batches, report_step, train_step
 
 __all__ = [
     "TrainState",

@@ -1,8 +1,8 @@
 """Measure the real memory peak of a training run's steps, to check ``titan-train estimate``.
 
 ``measure_real_peak(config)`` runs in a process of a real, initialized process group (gloo
-on CPU): it builds the run with ``titan_train.build`` (real tensors, real initialization),
-trains two steps with ``titan_train.step.train_step`` and returns the most bytes the CPU
+on CPU): it builds the run with ``titan_train.trainer.build`` (real tensors, real initialization),
+trains two steps with ``titan_train.trainer.step.train_step`` and returns the most bytes the CPU
 allocator held at once, read from the allocator itself: torch's profiler with
 ``profile_memory=True`` records every allocation and free c10's CPU allocator makes while
 it runs (``[memory]`` events with signed sizes), so the running sum of those from before
@@ -38,9 +38,9 @@ __all__ = ["measure_real_peak", "spawn_real_peaks"]
 def measure_real_peak(config: JobConfig) -> int:
     """The CPU allocator's peak (bytes) over building ``config``'s run and two steps of it,
     in this rank of the initialized process group."""
-    from titan_train.build import build, close
     from titan_train.preflight import World, preflight
-    from titan_train.step import next_batches, train_step
+    from titan_train.trainer.build import build, close
+    from titan_train.trainer.step import next_batches, train_step
 
     device = torch.device("cpu")
     plan = preflight(config, World.current(device))

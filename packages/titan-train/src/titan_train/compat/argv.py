@@ -1,7 +1,7 @@
 """torchtitan's command lines: the spellings of the keys of ``titan_train.compat.KEYS``,
 taken out of a command line before titan's own parser sees it, as a nested dict for
 ``compat.translate(..., cli_values=...)``; and torchtitan 2026's ``--module M --config F``
-(``pop_preset``), which name a configuration of ``titan_train.torchtitan_head``.
+(``pop_preset``), which name a configuration of ``titan_train.compat.head``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from titan_train.compat import KEYS, Key, lookup, unflatten
-from titan_train.config_loader import ConfigError
+from titan_train.config.loader import ConfigError
 
 __all__ = ["pop_preset", "split_argv"]
 

@@ -29,7 +29,7 @@ from titan_ckpt.hf import HF_CONFIG, check_hf_folder, require_safetensors
 from titan_ckpt.preflight import open_storage
 from titan_models import ModelSpec
 from titan_train.config import JobConfig
-from titan_train.model_args import build_model_args, state_dict_adapter
+from titan_train.config.model_args import build_model_args, state_dict_adapter
 
 __all__ = ["check_initial_hf_load", "run_vocab_size"]
 

@@ -42,8 +42,8 @@ from torch import nn
 from titan_train.errors import ConfigError, check_int, check_number
 
 if TYPE_CHECKING:
-    from titan_train.build import TrainingRun
     from titan_train.fault_tolerance import FaultToleranceConfig
+    from titan_train.trainer.build import TrainingRun
 
 __all__ = [
     "METHODS",

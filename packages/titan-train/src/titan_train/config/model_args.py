@@ -22,7 +22,7 @@ from titan_ckpt import MODEL_RECORD
 from titan_ckpt.adapter import takes_keyword
 from titan_models import ModelConfigError, ModelSpec
 from titan_train.config import ModelSection
-from titan_train.config_loader import check_type
+from titan_train.config.loader import check_type
 from titan_train.errors import ConfigError, check_number
 
 __all__ = [

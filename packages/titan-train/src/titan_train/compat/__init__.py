@@ -20,13 +20,13 @@ set is in ``KEYS``, with one action:
   in sequences. These are kept aside (``Translation.batch``) and become
   ``training.local_batch_size``, ``training.global_batch_size`` and
   ``pipeline.microbatch_size`` once the run's ``training.seq_len`` and pipeline degree are
-  known (``titan_train.torchtitan_head.resolve_batch``).
+  known (``titan_train.compat.head.resolve_batch``).
 
 A TOML file that uses any key of the table is read as torchtitan's: where it sets nothing,
 torchtitan's defaults apply wherever they differ from titan's (``TORCHTITAN_DEFAULTS``), so
 the file means what it meant under torchtitan. The same keys work on the command line
 (``--checkpoint.enable_checkpoint``, ``--training.no-compile``, comma lists; read by
-``titan_train.compat_argv``), where they override the file the way any command-line option
+``titan_train.compat.argv``), where they override the file the way any command-line option
 does; they never make a file torchtitan's.
 """
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from titan_optim import OptimizerConfig
-from titan_train.config_loader import ConfigError
+from titan_train.config.loader import ConfigError
 
 __all__ = [
     "KEYS",

@@ -13,8 +13,8 @@ from typing import Any
 from titan_ckpt.layout import classify_step, committed_steps, read_manifest, step_name
 from titan_ckpt.storage import LocalStorage
 from titan_models import ModelSpec
+from titan_train.config.registry import load_model_spec
 from titan_train.errors import ConfigError
-from titan_train.registry import load_model_spec
 
 __all__ = ["HF_MODEL_TYPES", "GenerateCheckpoint", "GenerateModel", "Source", "resolve_source"]
 

@@ -39,7 +39,7 @@ from titan_train.data.config import IGNORE_INDEX
 from titan_train.metrics import StepTokens, tokens_of_step
 
 if TYPE_CHECKING:
-    from titan_train.build import TrainingRun
+    from titan_train.trainer.build import TrainingRun
 
 __all__ = [
     "Batch",

@@ -49,7 +49,7 @@ from titan_dims import ParallelDims
 from titan_models import ModelSpec, ParallelizeConfig
 from titan_train.errors import ConfigError
 from titan_train.generate import SamplingConfig, generate
-from titan_train.generate_source import GenerateCheckpoint, GenerateModel, Source, resolve_source
+from titan_train.generate.source import GenerateCheckpoint, GenerateModel, Source, resolve_source
 from titan_train.launch import destroy_group
 from titan_train.tokenizer import Tokenizer, load_tokenizer
 
@@ -113,7 +113,7 @@ def parse_generate_options(argv: list[str]) -> GenerateOptions:
     flag). Flags are shown in kebab-case; tyro takes the snake_case spelling too."""
     import tyro
 
-    from titan_train.config_loader import _plain_docstrings, check_int_ranges
+    from titan_train.config.loader import _plain_docstrings, check_int_ranges
 
     if {"-h", "--help"} & set(argv):
         # Printed as written: tyro would join the lines of each paragraph into one.

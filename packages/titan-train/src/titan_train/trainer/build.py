@@ -32,26 +32,26 @@ from titan_models import Pipeline, StepContext
 from titan_models.documents import DocumentMasking
 from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
 from titan_train.config import JobConfig
-from titan_train.data import TextDataLoader, build_dataloader
-from titan_train.data.dataloader import explain_load_error
-from titan_train.data.mixture import build_mixture_dataloader
-from titan_train.fault_tolerance import ReplicaGroup
-from titan_train.hf_start import run_vocab_size
-from titan_train.metrics import MetricsLogger
-from titan_train.model_args import (
+from titan_train.config.model_args import (
     build_model_args,
     check_resumed_model,
     model_metadata,
     state_dict_adapter,
 )
-from titan_train.nonfinite import NonFiniteGuard
+from titan_train.data import TextDataLoader, build_dataloader
+from titan_train.data.dataloader import explain_load_error
+from titan_train.data.mixture import build_mixture_dataloader
+from titan_train.fault_tolerance import ReplicaGroup
+from titan_train.metrics import MetricsLogger
 from titan_train.preflight import Plan
-from titan_train.profiling import Profiler
-from titan_train.state import TrainState
-from titan_train.step import Batch, LossFn, build_loss_fn, cross_entropy_sum, mean_loss
-from titan_train.tied_state import tied_optimizer_state
 from titan_train.tokenizer import Tokenizer, load_tokenizer
-from titan_train.validation import Validator
+from titan_train.trainer.hf_start import run_vocab_size
+from titan_train.trainer.nonfinite import NonFiniteGuard
+from titan_train.trainer.profiling import Profiler
+from titan_train.trainer.state import TrainState
+from titan_train.trainer.step import Batch, LossFn, build_loss_fn, cross_entropy_sum, mean_loss
+from titan_train.trainer.tied_state import tied_optimizer_state
+from titan_train.trainer.validation import Validator
 
 __all__ = ["TrainingRun", "build", "close"]
 

@@ -22,7 +22,7 @@ optimizer wrapping) and, per step, only inside its optimizer container (titan-op
   ``<dump_folder>/ft-replica-<replica_id>/``.
 
 With ``semi_sync_method`` (``local_sgd`` or ``diloco``) none of the per-step work above
-happens: each group steps alone and ``titan_train.semi_sync`` syncs the groups every
+happens: each group steps alone and ``titan_train.fault_tolerance.semi_sync`` syncs the groups every
 ``sync_steps`` steps, in a synchronous quorum.
 
 Needs the ``torchft`` extra: ``pip install 'titan-train[torchft]'``.
@@ -40,7 +40,7 @@ import torch
 
 from titan_dims import ParallelDims
 from titan_train.errors import ConfigError, check_duration, check_number
-from titan_train.semi_sync import check_semi_sync_fields
+from titan_train.fault_tolerance.semi_sync import check_semi_sync_fields
 
 __all__ = [
     "LIGHTHOUSE_ENV",
@@ -80,10 +80,10 @@ class FaultToleranceConfig:
     """MiB per bucket of the gradient average across replica groups: gradients are flattened
     into buckets, one all-reduce each; 0 all-reduces every gradient on its own (titan's)."""
     semi_sync_method: Literal["local_sgd", "diloco", ""] | None = None
-    """Semi-synchronous training (``titan_train.semi_sync``): each group steps on its own
-    gradients and the groups sync every ``sync_steps`` steps, averaging weights (local_sgd)
-    or through an outer optimizer (diloco); unset averages gradients every step. ``""``
-    (what TOML files that cannot write "unset" hold) is read as unset."""
+    """Semi-synchronous training (``titan_train.fault_tolerance.semi_sync``): each group steps
+    on its own gradients and the groups sync every ``sync_steps`` steps, averaging weights
+    (local_sgd) or through an outer optimizer (diloco); unset averages gradients every step.
+    ``""`` (what TOML files that cannot write "unset" hold) is read as unset."""
     sync_steps: int = 5
     """Optimizer steps between syncs (with semi_sync_method)."""
     should_quantize: bool = False
@@ -261,7 +261,7 @@ class ReplicaGroup:
         from titan_optim import FTOptimizersContainer
 
         if self.config.semi_sync_method is not None:
-            return optimizers  # each group steps alone; titan_train.semi_sync syncs them
+            return optimizers  # each group steps alone; semi_sync syncs them
         return FTOptimizersContainer(
             optimizers, self.manager, state_key=None, bucket_cap_mb=self.config.bucket_cap_mb
         )

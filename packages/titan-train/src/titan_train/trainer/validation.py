@@ -2,11 +2,11 @@
 token (labels other than ``IGNORE_INDEX``: every token of text, the chosen turns of chat
 data), over all its batches and all data-parallel and context-parallel ranks, under
 ``torch.no_grad``: the summed token losses divided by the trained tokens, as training
-normalizes a step (``titan_train.step``).
+normalizes a step (``titan_train.trainer.step``).
 
 Each evaluation starts the validation data from its beginning, so every evaluation of a
 run (and of runs at other parallel layouts) sees the same sequences. Every batch goes
-through the training step's own forward path (``titan_train.step.batch_loss``, inside the
+through the training step's own forward path (``titan_train.trainer.step.batch_loss``, inside the
 plan's ``StepContext``), forward only: with pipeline parallelism through the schedule's
 ``eval``, where only the last stage sees the loss; ``titan_models.reduce_loss`` then sums it
 over the pipeline group and averages it over the data- and context-parallel ranks (of each
@@ -28,8 +28,8 @@ from titan_models.documents import DocumentMasking
 from titan_train.data import DataSource, build_dataloader
 from titan_train.data.config import IGNORE_INDEX
 from titan_train.errors import ConfigError, check_int
-from titan_train.step import LossFn, batch_loss, cross_entropy_sum, loss_share
 from titan_train.tokenizer import Tokenizer
+from titan_train.trainer.step import LossFn, batch_loss, cross_entropy_sum, loss_share
 
 __all__ = ["ValidationConfig", "Validator"]
 

@@ -13,7 +13,7 @@ are divided by the temperature, cut to the ``top_k`` most likely and the smalles
 probability reaches ``top_p``, and a token is drawn with a generator seeded by ``seed``: the
 same seed gives the same tokens. A row stops at the tokenizer's end-of-text token (kept in
 its output) unless ``stop_at_eos`` is off. The command around it is ``titan-train generate``
-(``titan_train.generate_cli``).
+(``titan_train.generate.cli``).
 """
 
 from __future__ import annotations

@@ -28,15 +28,17 @@ from titan_ckpt import CheckpointConfig
 from titan_dims import ParallelismConfig
 from titan_models import ParallelizeConfig, PipelineConfig
 from titan_optim import LRSchedulerConfig, OptimizerConfig
-from titan_train import compat, compat_argv, compat_batch
-from titan_train.config_loader import load_config, to_dict
+from titan_train import compat
+from titan_train.compat import argv as compat_argv
+from titan_train.compat import batch as compat_batch
+from titan_train.config.loader import load_config, to_dict
 from titan_train.data import DataSource
 from titan_train.data.config import SHARD_LAYOUTS, DatasetEntry, check_mixture
 from titan_train.errors import ConfigError, check_duration, check_int, check_number
 from titan_train.fault_tolerance import FaultToleranceConfig
 from titan_train.metrics import MetricsConfig
-from titan_train.profiling import ProfilingConfig
-from titan_train.validation import ValidationConfig
+from titan_train.trainer.profiling import ProfilingConfig
+from titan_train.trainer.validation import ValidationConfig
 
 __all__ = [
     "CheckpointSection",
@@ -145,7 +147,7 @@ class TrainingConfig(DataSource):
     memory_check: bool = True
     """Refuse, before anything is allocated, a run whose model state (fp32 weights, gradients
     and optimizer moments over the ranks that shard them) with each process's start-up memory
-    cannot fit in what this host or device has free (``titan_train.memory_fit``: a floor;
+    cannot fit in what this host or device has free (``titan_train.trainer.memory_fit``: a floor;
     activations come on top). ``--training.no_memory_check`` starts it anyway. Not a
     torchtitan key."""
     data_prefetch: int = 2
@@ -161,9 +163,9 @@ class TrainingConfig(DataSource):
     reuse_host_memory: bool = True
     """The ``titan-train`` command training on the CPU: keep freed host memory for reuse
     instead of returning it to the system each step (glibc's mmap and trim thresholds raised;
-    ``titan_train.host_memory``). Saves the page faults of remapping every activation each
+    ``titan_train.trainer.host_memory``). Saves the page faults of remapping every activation each
     step. A process-wide setting, so ``titan_train.run()`` called from your own program
-    leaves your allocator alone (call ``titan_train.host_memory.reuse_host_memory()`` for
+    leaves your allocator alone (call ``titan_train.trainer.host_memory.reuse_host_memory()`` for
     it). No effect on accelerators or without glibc. Not a torchtitan key."""
     document_masking: bool = False
     """Packed windows whose attention never crosses a document boundary (block-causal): a
@@ -297,7 +299,7 @@ def parse_job_config(argv: Sequence[str] | None = None, *, prog: str = "titan-tr
     named = None
     notes: list[str] = []
     if preset is not None:
-        from titan_train import torchtitan_head
+        from titan_train.compat import head as torchtitan_head
 
         flat, notes = torchtitan_head.preset_values(*preset)
         named = (

@@ -4,7 +4,7 @@
     titan-train config import --torchtitan-module qwen3 --config qwen3_0_6b -o qwen3.toml
     titan-train --job.config_file qwen3.toml            # trains what --module/--config would
 
-The file holds every setting torchtitan's function makes (``titan_train.torchtitan_head``),
+The file holds every setting torchtitan's function makes (``titan_train.compat.head``),
 in titan's keys, plus any option given after it; it loads to the config that ``titan-train
 --module M --config F`` runs. What is not carried is listed in the file's header and on
 stderr. An existing file is kept unless ``--force``. Nothing of torchtitan is imported.
@@ -17,7 +17,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from titan_train import compat, torchtitan_head
+from titan_train import compat
+from titan_train.compat import head as torchtitan_head
 from titan_train.errors import ConfigError
 
 __all__ = ["run_config_import"]
@@ -37,9 +38,9 @@ def run_config_import(argv: list[str]) -> int:
     """Write (or print) the TOML of ``--torchtitan-module M --config F``; returns the exit
     status. Raises ``ConfigError`` for a bad command line or configuration."""
     from titan_train.config import JobConfig, parse_job_config
-    from titan_train.model_args import build_model_args
-    from titan_train.registry import load_model_spec
-    from titan_train.toml_writer import dumps
+    from titan_train.config.model_args import build_model_args
+    from titan_train.config.registry import load_model_spec
+    from titan_train.config.toml_writer import dumps
 
     if {"-h", "--help"} & set(argv):
         print(HELP.replace("``", ""))
