@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-import titan_train.trainer as trainer
+import titan_train.trainer.loop as trainer
 from titan_train.cli import main
 
 HANG_RANK = int(os.environ.get("HANG_RANK", "1"))

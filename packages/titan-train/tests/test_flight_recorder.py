@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from titan_train import JobConfig, parse_job_config
-from titan_train.trainer import flight_recorder_env
+from titan_train.trainer.loop import flight_recorder_env
 
 
 def test_the_flight_recorder_is_set_up_on_accelerators(tmp_path, monkeypatch):

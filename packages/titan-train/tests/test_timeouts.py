@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from titan_dims import init_distributed
 from titan_train import JobConfig, World, build, close, preflight, train
-from titan_train import trainer as trainer_module
-from titan_train.trainer import fail_fast_step
+from titan_train.trainer import loop as trainer_module
+from titan_train.trainer.loop import fail_fast_step
 
 
 def job(tmp_path, steps: int, validation_freq: int | None) -> JobConfig:

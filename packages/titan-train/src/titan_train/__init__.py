@@ -22,8 +22,8 @@ from titan_train.__about__ import __version__
 from titan_train.config import ConfigError, JobConfig, parse_job_config
 from titan_train.generate import SamplingConfig, generate
 from titan_train.preflight import BatchPlan, Plan, World, preflight
-from titan_train.trainer import run, train, validate, write_seed_checkpoint
 from titan_train.trainer.build import TrainingRun, build, close
+from titan_train.trainer.loop import run, train, validate, write_seed_checkpoint
 from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError
 from titan_train.trainer.state import TrainState
 from titan_train.trainer.step import (

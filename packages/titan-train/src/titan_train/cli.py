@@ -239,7 +239,7 @@ def _run_stops() -> tuple[type[Exception], ...]:
 
 def _train(argv: list[str]) -> int:
     from titan_train.config import parse_job_config
-    from titan_train.trainer import run
+    from titan_train.trainer.loop import run
 
     config = parse_job_config(argv)
     _check_supported(config)
