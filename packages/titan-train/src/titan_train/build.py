@@ -352,9 +352,8 @@ def _build_model(
     """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init),
     and the pipeline. The families draw each parameter by ``training.seed`` and its name
     (``titan_models.init.seeded_init``): one process and every layout start from the same
-    weights. ``materialize=False``
-    stops before allocating: the parts stay on the meta device (``titan-train estimate``
-    allocates them as fake tensors)."""
+    weights. ``materialize=False`` stops before allocating: the parts stay on the meta
+    device (``titan-train estimate`` allocates them as fake tensors)."""
     training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
     longest = max(training.seq_len, config.validation.seq_len if validating else 0)
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
