@@ -68,8 +68,10 @@ def test_two_rank_layouts_start_from_the_one_process_weights(tmp_path):
 
 @pytest.mark.slow
 def test_four_rank_mixes_start_from_the_one_process_weights(tmp_path):
-    # FSDP x TP shards dim 0 twice (a strided shard); DeepSeek-V3 adds EP to that.
-    check_layouts(tmp_path, 4, ["llama3-fsdp-tp", "deepseek_v3-fsdp-tp-ep"])
+    # FSDP x TP shards dim 0 twice (a strided shard); DeepSeek-V3 adds EP to that, and
+    # pipeline stages sharded by FSDP and EP.
+    cases = ["llama3-fsdp-tp", "deepseek_v3-fsdp-tp-ep", "deepseek_v3-pp-fsdp-ep"]
+    check_layouts(tmp_path, 4, cases)
 
 
 def test_another_seed_gives_other_weights(tmp_path):

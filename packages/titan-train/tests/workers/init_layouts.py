@@ -41,6 +41,7 @@ CASES = {
     "deepseek_v3-tp": ("deepseek_v3", (1, 2, 1, 1), "none"),
     "deepseek_v3-pp": ("deepseek_v3", (1, 1, 2, 1), "none"),
     "deepseek_v3-fsdp-tp-ep": ("deepseek_v3", (2, 2, 1, 2), "none"),
+    "deepseek_v3-pp-fsdp-ep": ("deepseek_v3", (2, 1, 2, 2), "none"),
     "qwen3-pp": ("qwen3", (1, 1, 2, 1), "none"),
 }
 ONE_PROCESS = (1, 1, 1, 1)
