@@ -131,9 +131,9 @@ def titan_train(*args: str) -> None:
 
 class Runs:
     """The table's runs, each launched the first time a test asks for it (a resuming run
-    launches its source first), all from one seed checkpoint (sharded random init differs
-    between layouts): name -> its dump folder. Launching on demand keeps the runs of the
-    tests marked ``full`` out of CI."""
+    launches its source first), all from one seed checkpoint (the seed path's test; a fresh
+    init is the same in every layout too): name -> its dump folder. Launching on demand keeps
+    the runs of the tests marked ``full`` out of CI."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp = tmp_path_factory

@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from titan_models import init
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.documents import DocumentMask, check_no_documents, document_inputs
 from titan_models.fused import FusedRMSNorm
@@ -150,8 +151,8 @@ class MultiHeadLatentAttention(nn.Module):
         projections = [self.wkv_a, self.wkv_b]
         projections += [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
         for linear in projections:
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
         self.kv_norm.reset_parameters()
         if self.q_lora_rank:
             self.q_norm.reset_parameters()
@@ -266,7 +267,7 @@ class DeepSeekV3(nn.Module):
         device = buffer_device if buffer_device is not None else self.rope.device
         self.rope = yarn_rope_table(self.args, device)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
+            init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights(device)
         if self.norm is not None:
@@ -274,4 +275,4 @@ class DeepSeekV3(nn.Module):
         if self.output is not None:
             # Logits start with unit-ish scale: std dim^-1/2, cut at 3 sigma.
             std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

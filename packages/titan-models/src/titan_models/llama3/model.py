@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from titan_models import init
 from titan_models.documents import (
     DocumentMask,
     check_no_documents,
@@ -175,8 +176,8 @@ class Attention(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
 
 class FeedForward(nn.Module):
@@ -192,9 +193,9 @@ class FeedForward(nn.Module):
         return self.w2(functional.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
         for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
 class TransformerBlock(nn.Module):
@@ -302,7 +303,7 @@ class Llama3(nn.Module):
         device = buffer_device if buffer_device is not None else self.rope.device
         self.rope = self._rope_table(device)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
+            init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights()
         if self.norm is not None:
@@ -310,4 +311,4 @@ class Llama3(nn.Module):
         if self.output is not None:
             # Logits start with unit-ish scale: std dim^-1/2, cut at 3 sigma.
             std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

@@ -27,14 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_models.init import parameter_name
 from titan_models.moe.layer import MoE
 
 __all__ = ["ExpertBalancer", "expert_load", "moe_layers", "update_expert_bias"]
 
 Group = dist.ProcessGroup | DeviceMesh | None
-
-# Wrappers that activation checkpointing, torch.compile and FSDP insert into FQNs.
-_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -43,8 +41,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     found = []
     for name, module in model.named_modules():
         if isinstance(module, MoE):
-            parts = [part for part in name.split(".") if part not in _WRAPPER_NAMES]
-            found.append((".".join(parts), module))
+            found.append((parameter_name(name), module))
     return found
 
 

@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
+from titan_models import init
+
 __all__ = [
     "GroupedExperts",
     "grouped_mm_supported",
@@ -209,6 +211,6 @@ class GroupedExperts(nn.Module):
     def init_weights(self, init_std: float) -> None:
         """``w1`` with std 0.02, ``w2`` and ``w3`` with ``init_std`` (truncated normals), as
         torchtitan initializes them."""
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
+        init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        init.trunc_normal_(self.w3, mean=0.0, std=init_std)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from titan_models import init
 from titan_models.moe.args import MoEArgs
 
 __all__ = ["Routing", "TokenChoiceTopKRouter"]
@@ -90,4 +91,4 @@ class TokenChoiceTopKRouter(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         """Truncated normal gate weights with standard deviation ``init_std``."""
-        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+        init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)

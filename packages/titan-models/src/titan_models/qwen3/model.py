@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_models import init
 from titan_models.documents import DocumentMask, check_no_documents, document_inputs
 from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
@@ -78,8 +79,8 @@ class Qwen3Attention(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 
@@ -219,9 +220,9 @@ class Qwen3(nn.Module):
         if self.tok_embeddings is not None:
             if self.args.enable_weight_tying:
                 w = self.tok_embeddings.weight
-                nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+                init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
             else:
-                nn.init.normal_(self.tok_embeddings.weight)
+                init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights(device)
         if self.norm is not None:
@@ -230,4 +231,4 @@ class Qwen3(nn.Module):
         if self.output is not None and not tied_here:
             # Logits start with unit-ish scale: std dim^-1/2, cut at 3 sigma.
             w = self.output.weight
-            nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)

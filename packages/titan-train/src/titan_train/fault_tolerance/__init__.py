@@ -243,7 +243,7 @@ class ReplicaGroup:
             rank=rank,
             world_size=world_size,
             lighthouse_addr=lighthouse_address(config),
-            # Every group starts from the same weights (same seed and layout, or the same
+            # Every group starts from the same weights (the same seed, or the same
             # checkpoint), so step 0 needs no copy; a group that joins later heals anyway.
             init_sync=False,
         )

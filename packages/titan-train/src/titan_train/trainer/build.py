@@ -30,6 +30,7 @@ from titan_ckpt.lock import FolderLock
 from titan_dims import ParallelDims
 from titan_models import Pipeline, StepContext
 from titan_models.documents import DocumentMasking
+from titan_models.init import seeded_init
 from titan_optim import LRSchedulersContainer, Optimizers, build_lr_schedulers, build_optimizers
 from titan_train.config import JobConfig
 from titan_train.config.model_args import (
@@ -350,10 +351,10 @@ def _build_model(
     materialize: bool = True,
 ) -> tuple[Any, list[nn.Module], Pipeline | None]:
     """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init),
-    and the pipeline. Same seed on every rank of a stage (each initializes its shards of the
-    same model), another per pipeline stage (``seed_model_init``). ``materialize=False``
-    stops before allocating: the parts stay on the meta device (``titan-train estimate``
-    allocates them as fake tensors)."""
+    and the pipeline. The families draw each parameter by ``training.seed`` and its name
+    (``titan_models.init.seeded_init``): one process and every layout start from the same
+    weights. ``materialize=False`` stops before allocating: the parts stay on the meta
+    device (``titan-train estimate`` allocates them as fake tensors)."""
     training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
     longest = max(training.seq_len, config.validation.seq_len if validating else 0)
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
@@ -389,10 +390,11 @@ def _build_model(
     params_on, buffers_on = materialization_devices(config, device)
     for part in model_parts:
         part.to_empty(device=params_on)
-        part.init_weights(buffer_device=buffers_on)
+        with seeded_init(part, training.seed):  # by seed and name: any layout, same weights
+            part.init_weights(buffer_device=buffers_on)
         part.train()
     if pipeline is not None:
-        pipeline.sync_tied_weights()  # stages seed apart: one end's init for both
+        pipeline.sync_tied_weights()  # each end drew by its own name: the first's for both
     logger.info(
         "%s %s: %s parameters, %s; %d x %d tokens per step (%d accumulation steps)",
         spec.name,
@@ -407,10 +409,12 @@ def _build_model(
 
 
 def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None:
-    """Seed the model's random init: ``seed`` on every rank of a pipeline stage, so their
-    shards are of one model, but ``seed + pp rank`` per stage: stages that run the same
-    sequence of init ops (every middle stage, and any stage without the embedding) would
-    otherwise draw identical blocks. On accelerators DTensor's own generator, which torch
+    """Seed torch's generators for a model whose ``init_weights`` draws from them rather
+    than through ``titan_models.init`` (a third-party family; titan's own draw by name and
+    are unaffected): ``seed`` on every rank of a pipeline stage, so their shards are of one
+    model, but ``seed + pp rank`` per stage: stages that run the same sequence of init ops
+    (every middle stage, and any stage without the embedding) would otherwise draw
+    identical blocks. On accelerators DTensor's own generator, which torch
     syncs from rank 0 across the whole world, is seeded the same way over the stage's mesh."""
     pp_rank = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
     torch.manual_seed(seed + pp_rank)

@@ -251,9 +251,9 @@ def validate(run: TrainingRun, step: int) -> None:
 
 
 def write_seed_checkpoint(run: TrainingRun) -> None:
-    """Save the freshly initialized run as step 0. Sharded random init differs between
-    layouts (each rank draws its own shards on CPU); a seed checkpoint written by one
-    process gives every layout the same start."""
+    """Save the freshly initialized run as step 0: the initial weights in a file (every
+    layout of titan's families already starts from the same weights for one seed; a family
+    drawing from torch's generators does not, and starts alike from this file)."""
     run.checkpointer.save(0, force=True, model_only=True)
     run.checkpointer.close()
     logger.info(
