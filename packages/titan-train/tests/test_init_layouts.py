@@ -13,7 +13,7 @@ import torch
 from titan_dims.testing import run_torchrun
 from titan_models import init
 from titan_train import World, preflight
-from titan_train.build import _build_model
+from titan_train.trainer.build import _build_model
 
 WORKER = Path(__file__).parent / "workers" / "init_layouts.py"
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from titan_models import init
 from titan_models.init import parameter_name
 from titan_train import JobConfig, World, preflight
-from titan_train.build import _build_model
-from titan_train.step import cross_entropy_loss
+from titan_train.trainer.build import _build_model
+from titan_train.trainer.step import cross_entropy_loss
 
 VOCAB = 512
 SEED = 7
