@@ -10,7 +10,10 @@ model the row names) for 4 steps of the same global batch (8 x 64 tokens) in fp3
 log the same losses as its reference row, one process, within the row's tolerance: a layout
 that changes the math fails here. Rows that resume continue another row's folder from its
 step 2 and must reproduce its steps 3 and 4. Others check what they leave on disk (an
-export's dtype, a validation loss, generated text, an estimate's JSON).
+export's dtype, a validation loss, generated text, an estimate's JSON). ``sft_chat_qwen3``
+runs a user's fine-tuning story end to end: a tiny Qwen3 made by transformers, SFT with
+document masking on the chat sample, ``titan-ckpt convert --to hf``, ``titan-train generate
+--chat`` from the step and the export, and transformers greedy-decoding the export.
 
 A row prints ``name ranks PASS|FAIL seconds detail``; the exit status is 1 if any failed.
 CI runs a representative subset (``integration_tests/test_matrix.py``, rows with ``ci``).
@@ -147,6 +150,7 @@ ROWS: dict[str, Row] = {
         check="validation",
     ),
     "generate": Row(1, command="generate", needs=("single",), reference=None, check="generate"),
+    "sft_chat_qwen3": Row(1, command="sft_chat", reference=None, ci=True),
     # One process plans rank 0 of FSDP 2 x TP 2 x PP 2 on a fake process group.
     "estimate": Row(
         1,
@@ -212,6 +216,8 @@ class Matrix:
             return CHECKS["generate"](single, _titan_generate(single))
         if row.command == "estimate":
             return CHECKS["estimate"](folder, _titan_estimate(row.args))
+        if row.command == "sft_chat":
+            return _sft_chat(folder)
         model = (
             MOE if set(MOE) <= set(row.args) else QWEN_MOE if set(QWEN_MOE) <= set(row.args) else ()
         )
@@ -287,6 +293,106 @@ def _titan_estimate(args: tuple[str, ...]) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"estimate exit {done.returncode}: {done.stderr[-3000:]}")
     return done.stdout
+
+
+# A tiny Qwen3, described once: titan's Qwen3Args field -> (transformers' Qwen3Config field,
+# value). The flavor (debugmodel: tied embeddings) gives the rest.
+QWEN3_TINY = {
+    "dim": ("hidden_size", 64),
+    "n_layers": ("num_hidden_layers", 2),
+    "n_heads": ("num_attention_heads", 4),
+    "n_kv_heads": ("num_key_value_heads", 2),
+    "head_dim": ("head_dim", 16),
+    "hidden_dim": ("intermediate_size", 128),
+    "rope_theta": ("rope_theta", 10000.0),
+}
+CHAT_PROMPTS = ("What is the capital of Spain?", "How many letters are in 'garden'?")
+CHAT_NEW = 8
+
+
+def _tiny_qwen3(folder: Path) -> None:
+    """A Qwen3 made by transformers (random weights, no download) with the shipped chat
+    tokenizer's vocabulary, its tokenizer files (and chat template) copied beside it."""
+    import torch
+    import transformers
+
+    from titan_train.tokenizer import chat_tokenizer_path, load_tokenizer
+
+    hf = {name: value for name, value in QWEN3_TINY.values() if name != "rope_theta"}
+    config = transformers.Qwen3Config(
+        vocab_size=load_tokenizer("embedded_chat").vocab_size,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": QWEN3_TINY["rope_theta"][1]},
+        **hf,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(chat_tokenizer_path() / name, folder)
+
+
+def _cli(module: str, *args: str) -> str:
+    """stdout of ``python -m module args`` (a RuntimeError with its stderr when it fails)."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=600
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} {args[0]} exit {done.returncode}: {done.stderr[-3000:]}")
+    return done.stdout
+
+
+def _sft_chat(folder: Path) -> tuple[bool, str]:
+    """HF Qwen3 -> SFT (chat sample, document masking) -> HF export -> ``generate --chat``
+    from the step and the export -> transformers on the export: the same prompt ids (its
+    ``apply_chat_template``) and the same greedy tokens."""
+    import torch
+    import transformers
+
+    hf, export = folder / "hf", folder / "export"
+    _tiny_qwen3(hf)
+    _titan_train(1, (
+        "--job.dump_folder", str(folder), *COMMON, "--training.local_batch_size", str(BATCH),
+        "--model.name", "qwen3", "--model.flavor", "debugmodel",
+        *(x for k, (_, v) in QWEN3_TINY.items() for x in (f"--model.args.{k}", str(v))),
+        "--model.tokenizer_path", str(hf),
+        "--training.dataset", "chat_sample", "--training.dataset_format", "chat",
+        "--training.document_masking",
+        "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf",
+    ))  # fmt: skip
+    step = folder / "checkpoint" / f"step-{STEPS}"
+    _cli("titan_ckpt.cli", "convert", str(step), str(export), "--to", "hf")
+    greedy = (
+        "generate", "--chat", "--temperature", "0", "--max-new-tokens", str(CHAT_NEW),
+        "--no-stop-at-eos", "--json", *(x for p in CHAT_PROMPTS for x in ("--prompt", p)),
+    )  # fmt: skip
+    # The step records its tokenizer (the HF folder); the export names none: the user does.
+    runs = {
+        "step": _cli("titan_train.cli", *greedy, "--checkpoint.path", str(step)),
+        "export": _cli("titan_train.cli", *greedy, "--checkpoint.path", str(export),
+                       "--model.tokenizer-path", str(hf)),
+    }  # fmt: skip
+    results = {k: json.loads(out[out.find("{") :])["results"] for k, out in runs.items()}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
+    for prompt, ours, theirs in zip(CHAT_PROMPTS, results["step"], results["export"], strict=True):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=CHAT_NEW,
+                                 min_new_tokens=CHAT_NEW, do_sample=False)  # fmt: skip
+        tokens = {"step": ours["tokens"], "export": theirs["tokens"],
+                  "transformers": out[0, len(ids) :].tolist()}  # fmt: skip
+        if {ours["prompt_tokens"] == ids, theirs["prompt_tokens"] == ids} != {True}:
+            return False, f"{prompt!r}: prompt ids {ours['prompt_tokens']} vs transformers' {ids}"
+        if len({tuple(t) for t in tokens.values()}) != 1:
+            return False, f"{prompt!r}: greedy tokens differ: {tokens}"
+    losses = _losses(folder)
+    return True, (
+        f"loss {losses[1]:.3f} -> {losses[STEPS]:.3f}; {len(CHAT_PROMPTS)} chat prompts, "
+        f"{CHAT_NEW} greedy tokens equal from the step, the export and transformers"
+    )
 
 
 def _losses(folder: Path, key: str = "loss") -> dict[int, float]:

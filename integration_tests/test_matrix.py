@@ -1,7 +1,9 @@
 """CI's share of the integration matrix (``integration_tests/matrix.py``; ``hatch run
 integration`` runs all of it): the rows marked ``ci``, layouts and features that the other
 integration tests do not train through the real command (HSDP, an interleaved pipeline
-schedule, gradient accumulation), each against one process's losses."""
+schedule, gradient accumulation), each against one process's losses; and the SFT story end
+to end (``sft_chat_qwen3``: HF Qwen3 -> SFT with document masking on the chat sample -> HF
+export -> ``titan-train generate --chat`` -> transformers, the same greedy tokens)."""
 
 from __future__ import annotations
 
@@ -44,3 +46,14 @@ FULL_ROWS = {"hsdp"}
 def test_row(matrix, name):
     passed, detail = matrix.run(name, echo=lambda line: None)
     assert passed, f"{name}: {detail}"
+
+
+@pytest.mark.slow
+def test_sft_chat_qwen3_end_to_end(matrix):
+    """A tiny Qwen3 made by transformers, fine-tuned on the chat sample with document masking
+    (one process), exported with ``titan-ckpt convert --to hf``: ``titan-train generate
+    --chat`` from the step and from the export, and transformers' greedy ``generate`` on the
+    export from its ``apply_chat_template`` ids, give the same prompt ids and tokens."""
+    pytest.importorskip("transformers")
+    passed, detail = matrix.run("sft_chat_qwen3", echo=lambda line: None)
+    assert passed, f"sft_chat_qwen3: {detail}"

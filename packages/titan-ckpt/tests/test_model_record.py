@@ -3,7 +3,8 @@
 ``--rope-scaling`` choice and the tensor shapes to the adapter factory, through the real
 entry-point lookup. The factory here is installed for the test as a distribution of its own
 (``test-record``); it writes what it was given into config.json, so the test reads exactly
-what titan-ckpt passed. Older factories (``test-llama``: flavor/hf_config only) keep working.
+what titan-ckpt passed: the recorded args, or the recorded flavor to a factory that takes no
+args (``test-record-old``). Older factories (``test-llama``: flavor/hf_config only) keep working.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def make(*, flavor=None, hf_config=None, model_args=None, overrides=None, tensor
     shapes = {k: list(v) for k, v in (tensor_shapes or {}).items()}
     return Adapter({"flavor": flavor, "model_args": model_args, "overrides": overrides,
                     "tensor_shapes": shapes})
+
+
+def make_old(*, flavor=None, hf_config=None, overrides=None):
+    return make(flavor=flavor, hf_config=hf_config, overrides=overrides)
 """
 
 RECORD = {"name": "test-record", "flavor": "small", "args": {"width": 8, "rope_scaling": None}}
@@ -57,6 +62,7 @@ def record_adapter(tmp_path_factory, monkeypatch):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: titan-test-record\nVersion: 0.0\n")
     (info / "entry_points.txt").write_text(
         "[titan.state_dict_adapters]\ntest-record = titan_test_record:make\n"
+        "test-record-old = titan_test_record:make_old\n"
     )
     monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
@@ -110,7 +116,9 @@ def test_convert_hands_the_record_the_choice_and_the_shapes_to_the_adapter(
     assert code == 0, err
     given = json.loads((hf / "config.json").read_text())["given"]
     assert given["model_args"] == RECORD["args"]
-    assert given["flavor"] == "small"  # the recorded flavor too (for factories without args)
+    # The recorded args are the model: the recorded flavor, whose sizes a run may have
+    # changed ([model.args]), is no second description to contradict them.
+    assert given["flavor"] is None
     assert given["overrides"] is None
     assert given["tensor_shapes"] == {k: list(v.shape) for k, v in model.state_dict().items()}
     assert "records no model args" not in err
@@ -120,6 +128,17 @@ def test_convert_hands_the_record_the_choice_and_the_shapes_to_the_adapter(
     assert code == 0, err
     given = json.loads((tmp_path / "hf2" / "config.json").read_text())["given"]
     assert given["overrides"] == {"rope_scaling": "none"}
+
+
+def test_a_factory_without_model_args_gets_the_recorded_flavor(
+    common, record_adapter, tmp_path, titan_ckpt
+):
+    record = {**RECORD, "name": "test-record-old"}
+    _, step = save(tmp_path / "ckpt", common, metadata={"model": record})
+    code, _, err = titan_ckpt("convert", step, tmp_path / "hf", "--to", "hf")
+    assert code == 0, err
+    given = json.loads((tmp_path / "hf" / "config.json").read_text())["given"]
+    assert (given["flavor"], given["model_args"]) == ("small", None)
 
 
 def test_without_a_record_the_description_must_be_given(

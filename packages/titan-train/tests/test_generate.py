@@ -233,7 +233,7 @@ def test_help_documents_every_option(capsys):
         "--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
         "--seed", "--kv-cache", "--stop-at-eos", "--bos", "--json", "--checkpoint.path",
         "--checkpoint.trust-pickles", "--model.name", "--model.flavor", "--model.tokenizer-path",
-        "--parallelism.tensor-parallel-degree", "--dtype",
+        "--parallelism.tensor-parallel-degree", "--dtype", "--chat", "--chat-template",
     ):  # fmt: skip
         assert flag in out, flag  # kebab-case, as the other commands spell theirs
     assert "\n- titan-train" not in out  # the examples as written, no markdown list

@@ -156,9 +156,15 @@ def load_state_dict_adapter(
     model_args: Any | None = None,
     overrides: Mapping[str, Any] | None = None,
     tensor_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    recorded_flavor: str | None = None,
 ) -> StateDictAdapter:
     """Build the adapter that an installed package registered as ``name``; the keywords
-    that are not ``None`` go to its factory (see the module docstring)."""
+    that are not ``None`` go to its factory (see the module docstring).
+
+    ``recorded_flavor`` is the flavor a checkpoint's model record names beside its args: it
+    goes to the factory as ``flavor`` (unless one is given) only when the factory takes no
+    ``model_args``. The recorded args are the model; a run that changed the flavor's sizes
+    (titan-train's ``[model.args]``) would otherwise be contradicted by its own flavor."""
     found = {ep.name: ep for ep in entry_points(group=ADAPTER_ENTRY_POINT_GROUP)}
     if name not in found:
         known = ", ".join(sorted(found)) or "none installed"
@@ -167,6 +173,8 @@ def load_state_dict_adapter(
             f"available: {known}. Install the package that defines the model."
         )
     factory: Callable[..., Any] = found[name].load()
+    if flavor is None and not (model_args is not None and takes_keyword(factory, "model_args")):
+        flavor = recorded_flavor
     given = {
         "flavor": flavor,
         "hf_config": hf_config,

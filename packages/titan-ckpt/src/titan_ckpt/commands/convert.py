@@ -302,8 +302,8 @@ def _descriptions(
         kwargs["hf_config"] = read_hf_config(options.hf_config)
         names.append(options.hf_config)
     elif record is not None and record.get("flavor"):
-        # Also for an adapter factory that does not take model_args (it gets this alone).
-        kwargs["flavor"] = record["flavor"]
+        # Only for an adapter factory that does not take model_args (it gets this alone).
+        kwargs["recorded_flavor"] = record["flavor"]
     elif options.to != "hf":
         kwargs["hf_config"] = source.info.get("config")
         names.append(f"{source.path}/config.json")

@@ -5,6 +5,7 @@ randomly initialized model.
     titan-train generate --checkpoint.path hf/llama --prompt-file prompts.txt --json
     titan-train generate --model.flavor debugmodel --prompt "smoke test" --max-new-tokens 8
     titan-train generate --nproc-per-node 2 --checkpoint.path ... --prompt ...   # tensor parallel
+    titan-train generate --checkpoint.path hf/qwen3-chat --chat --prompt "What is RoPE?"
 
 The source (``--checkpoint.path``):
 
@@ -20,6 +21,10 @@ The source (``--checkpoint.path``):
 
 The tokenizer is ``--model.tokenizer-path``, else the one the checkpoint's record names
 (titan-train records the run's), else the HF folder's own, else the shipped one.
+With ``--chat`` each prompt is a user message rendered with the tokenizer folder's chat
+template (or ``--chat-template``) and the assistant's generation prompt, tokenized as
+transformers' ``apply_chat_template(..., add_generation_prompt=True)`` tokenizes it (the
+template writes any BOS); the rendered text is the prompt printed and in ``--json``.
 One prompt streams its continuation to stdout token by token; several print one block each
 (``--json``: one JSON document). With ``--nproc-per-node N`` (or under torchrun) the model is
 built on the meta device, tensor-parallelized over the N ranks with the family's plan,
@@ -47,7 +52,7 @@ from tyro.conf import UseAppendAction
 from titan_ckpt import CheckpointConfig, CheckpointManager
 from titan_dims import ParallelDims
 from titan_models import ModelSpec, ParallelizeConfig
-from titan_train.errors import ConfigError
+from titan_train.errors import ConfigError, DataError
 from titan_train.generate import SamplingConfig, generate
 from titan_train.generate.source import GenerateCheckpoint, GenerateModel, Source, resolve_source
 from titan_train.launch import destroy_group
@@ -92,7 +97,16 @@ class GenerateOptions(SamplingConfig):
     prompt_file: str | None = None
     """A text file of prompts, one per line (blank lines skipped), after any --prompt."""
     bos: bool = True
-    """Begin each prompt with the tokenizer's beginning-of-text token, as training does."""
+    """Begin each prompt with the tokenizer's beginning-of-text token, as training does
+    (not with --chat: the chat template writes it)."""
+    chat: bool = False
+    """Render each prompt as a user message with the chat template and the assistant's
+    generation prompt (transformers' apply_chat_template(..., add_generation_prompt=True)),
+    as SFT on chat data renders conversations."""
+    chat_template: str | None = None
+    """The template --chat renders with (setting it implies --chat): a built-in (llama3,
+    qwen3) or a .jinja file; empty: the tokenizer folder's (chat_template.jinja, else the
+    chat_template of its tokenizer_config.json)."""
     json: bool = False
     """Print one JSON document (prompts, token ids, texts, why each stopped) instead of text."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -150,7 +164,10 @@ def prepare(options: GenerateOptions, world_size: int) -> Prepared:
     source = resolve_source(options.checkpoint, options.model)
     tokenizer_path = options.model.tokenizer_path or source.tokenizer_path
     tokenizer = load_tokenizer(tokenizer_path)
-    prompt_ids = [tokenizer.encode(p, bos=options.bos) for p in prompts]
+    if options.chat or options.chat_template is not None:
+        prompts, prompt_ids = _chat_prompts(options.chat_template, tokenizer, prompts)
+    else:
+        prompt_ids = [tokenizer.encode(p, bos=options.bos) for p in prompts]
     empty = [i + 1 for i, ids in enumerate(prompt_ids) if not ids]
     if empty:
         raise ConfigError(f"Prompt(s) {empty} encode to no tokens; give text or keep --bos.")
@@ -227,6 +244,38 @@ def _prompts(options: GenerateOptions) -> list[str]:
             "Nothing to generate from: give --prompt TEXT (repeatable) or --prompt-file."
         )
     return prompts
+
+
+def _chat_prompts(
+    name: str | None, tokenizer: Tokenizer, prompts: list[str]
+) -> tuple[list[str], list[list[int]]]:
+    """Each prompt as a user message rendered with the chat template ``name`` (see
+    ``load_chat_template``) and the generation prompt: the texts and their ids, special-token
+    names read as the special tokens (the ids ``apply_chat_template`` gives)."""
+    from titan_train.data.chat_template import load_chat_template  # jinja2: only for --chat
+
+    try:
+        template = load_chat_template(name, tokenizer, key="--chat-template")
+    except DataError as error:
+        raise ConfigError(f"--chat: {error}") from None
+    if not callable(getattr(tokenizer, "encode_with_offsets", None)):
+        raise ConfigError(
+            f"--chat needs a tokenizer that reads special-token names in text; "
+            f"{type(tokenizer).__name__} cannot. Give a tokenizer.json folder or a tiktoken "
+            "file (--model.tokenizer-path)."
+        )
+    texts = []
+    for prompt in prompts:
+        try:
+            texts.append(
+                template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            )
+        except Exception as error:  # the template's own (raise_exception, a bad key)
+            raise ConfigError(
+                f"--chat: the chat template ({template.origin}) fails on a user message: "
+                f"{type(error).__name__}: {error}"
+            ) from None
+    return texts, [tokenizer.encode_with_offsets(text)[0] for text in texts]
 
 
 def _model_args(source: Source, vocab_size: int, max_seq_len: int) -> Any:
