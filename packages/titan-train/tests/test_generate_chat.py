@@ -16,12 +16,8 @@ import torch
 
 from titan_train.cli import main
 from titan_train.data import BUILTIN_TEMPLATES
+from titan_train.generate.cli import build_model, parse_generate_options, prepare
 from titan_train.tokenizer import chat_tokenizer_path, load_tokenizer
-
-try:  # titan_train.generate.cli since the package's modules moved into folders
-    from titan_train.generate.cli import build_model, parse_generate_options, prepare
-except ImportError:
-    from titan_train.generate_cli import build_model, parse_generate_options, prepare
 
 transformers = pytest.importorskip("transformers")
 
