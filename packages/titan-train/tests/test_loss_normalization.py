@@ -216,3 +216,46 @@ def test_validation_divides_the_summed_loss_by_all_trained_tokens(tmp_path):
     assert 0 < count < tokens
     assert validator.validate([model]) == pytest.approx(total / count, rel=1e-6)
     assert abs(sum(means) / len(means) - total / count) > 1e-3  # not the mean of means
+
+
+def test_packed_windows_with_document_masking_equal_the_documents_run_unpacked(tmp_path):
+    """SFT-shaped data packed two windows deep, document masking on (positions restarting):
+    the step's loss and gradients equal those of every document run alone, unpacked, with
+    its summed token loss over the trained tokens of all of them."""
+    eos = load_tokenizer().eos_id
+    inputs, labels = _batch(masked=True)
+    inputs, labels = inputs[:2].clone(), labels[:2].clone()
+    inputs[inputs == eos] = eos - 1  # the documents end only where the test says
+    for row, ends in ((0, (3, 9)), (1, (6,))):
+        inputs[row, list(ends)] = eos
+    labels[1, 2:5] = torch.randint(0, 2048, (3,))  # a trained span in the first document too
+    config = _config(tmp_path, local=2, global_=2)
+    config.training.document_masking = True
+    loss, grads, before = _in_process(config, [(inputs, labels)])
+
+    from titan_models.documents import document_ids
+    from titan_train.config.model_args import build_model_args
+    from titan_train.config.registry import load_model_spec
+
+    spec = load_model_spec("llama3")
+    model = spec.model_cls(build_model_args(spec, config.model, vocab_size=2048, max_seq_len=SEQ))
+    model.load_state_dict(before)
+    count = int((labels != IGNORE_INDEX).sum())
+    ids = document_ids(inputs, eos)
+    total = 0.0
+    for row in range(2):
+        for doc in ids[row].unique():
+            tokens = ids[row] == doc  # one document alone, from position 0
+            doc_loss = cross_entropy_sum(
+                model(inputs[row, tokens][None]), labels[row, tokens][None]
+            )
+            (doc_loss / count).backward()
+            total += doc_loss.item() / count
+    assert int(ids.max()) == 2  # three documents in row 0, two in row 1
+    assert count > 0
+    assert loss == pytest.approx(total, rel=1e-5)
+    _close(grads, {name: p.grad for name, p in model.named_parameters()}, rtol=1e-4, atol=1e-6)
+    # Without masking the packed window is another computation: the test can tell.
+    config.training.document_masking = False
+    plain, _, _ = _in_process(config, [(inputs, labels)], before)
+    assert abs(plain - total) > 1e-4
