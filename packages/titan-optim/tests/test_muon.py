@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titan_optim import (
@@ -238,3 +239,33 @@ def test_sharded_muon_equals_torch_muon_on_one_process(tmp_path, torchrun, layou
     assert "state.up.weight.momentum_buffer" in result["keys"]
     assert "state.experts.momentum_buffer" in result["keys"]  # per-expert, whole or gathered
     assert "state.output.weight.exp_avg" in result["keys"]
+
+
+def test_an_expert_stack_split_by_fsdp_and_expert_parallel_stays_local():
+    """FSDP2 over expert parallel leaves a stack's dim 0 split twice (``_StridedShard`` then
+    ``Shard``): each rank holds whole experts and orthogonalises them without a gather."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titan_optim import muon
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+        local = torch.randn(2, 6, 5)
+        placements = (_StridedShard(0, split_factor=2), Shard(0))
+        stack = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=(8, 6, 5), stride=(30, 5, 1)
+        )
+        assert muon._whole_matrices(stack)
+        group = {"ns_steps": 5, "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7}
+        out = muon.orthogonalize(stack, group)  # the fake group would return no real gather
+        assert out.placements == placements
+        expected = torch.stack([muon._newton_schulz(m, group) for m in local])
+        torch.testing.assert_close(out.to_local(), expected)
+        split_rows = DTensor.from_local(local, mesh, (Shard(1), Shard(0)), run_check=False)
+        assert not muon._whole_matrices(split_rows)  # experts cut by rows are not whole
+    finally:
+        dist.destroy_process_group()

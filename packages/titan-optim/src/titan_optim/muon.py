@@ -35,6 +35,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+try:  # FSDP2 over expert parallel splits a stack's dim 0 twice: _StridedShard, then Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # a torch without it gives plain Shard placements there
+    _StridedShard = Shard
+
 # torch's own iteration and LR scaling (torch >= 2.9; OptimizerConfig refuses Muon without).
 try:
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -65,9 +70,12 @@ def _newton_schulz(update: Tensor, group: dict[str, Any]) -> Tensor:
 
 
 def _whole_matrices(update: DTensor) -> bool:
-    """Whether each rank's slice of a 3-D stack is made of whole matrices (split by expert)."""
+    """Whether each rank's slice of a 3-D stack is made of whole matrices (split by expert:
+    FSDP2's and expert parallel's splits of dim 0, strided or not), so that each rank
+    orthogonalises its own experts without communicating."""
     return update.ndim == 3 and all(
-        type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in update.placements
+        type(p) is Replicate or (isinstance(p, (Shard, _StridedShard)) and p.dim == 0)
+        for p in update.placements
     )
 
 
