@@ -86,6 +86,7 @@ class Row:
 
 MOE = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
 QWEN_MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+MUON = ("--optimizer.name", "Muon")
 ROWS: dict[str, Row] = {
     "single": Row(1, reference=None, ci=True),
     "fsdp": Row(2, _degrees(dp_shard=2)),
@@ -161,6 +162,10 @@ ROWS: dict[str, Row] = {
     ),
     "moe_single": Row(1, MOE, reference=None),
     "moe_ep": Row(2, (*MOE, *_degrees(dp_shard=2, ep=2)), reference="moe_single", rtol=1e-4),
+    "moe_muon_single": Row(1, (*MOE, *MUON), reference=None),
+    "moe_muon_ep": Row(
+        2, (*MOE, *MUON, *_degrees(dp_shard=2, ep=2)), reference="moe_muon_single", rtol=1e-4
+    ),
     "qwen3_moe_single": Row(1, QWEN_MOE, reference=None),
     "qwen3_moe_ep_tp": Row(
         4, (*QWEN_MOE, *_degrees(dp_shard=2, ep=2, tp=2)), reference="qwen3_moe_single", rtol=1e-4
