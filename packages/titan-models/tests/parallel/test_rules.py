@@ -10,17 +10,10 @@ import math
 import pytest
 
 from titan_dims import ParallelDims
-from titan_models import (
-    DEEPSEEK_V3,
-    LLAMA3,
-    QWEN3,
-    DeepSeekV3Args,
-    Llama3Args,
-    ModelConfigError,
-    ParallelizeConfig,
-    PipelineConfig,
-    Qwen3Args,
-)
+from titan_models import ModelConfigError, ParallelizeConfig, PipelineConfig
+from titan_models.deepseek_v3 import DEEPSEEK_V3, DeepSeekV3Args
+from titan_models.llama3 import LLAMA3, Llama3Args
+from titan_models.qwen3 import QWEN3, Qwen3Args
 
 _QWEN3 = dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96)
 _DEEPSEEK_V3 = dict(

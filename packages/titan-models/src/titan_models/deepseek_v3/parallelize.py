@@ -11,7 +11,7 @@ checkpointing, per-block compile, then FSDP2/HSDP or DDP. What differs:
   routed experts are replicated (with ``ep`` they are spread over the ep ranks instead), the
   shared expert is split over its hidden dimension (input gradient summed and output summed
   over ``tp``): ``titan_models.parallel.moe_parallel.apply_moe_tp``, shared with Qwen3.
-- **Expert parallel.** ``titan_models.apply_expert_parallel`` over the ``ep`` mesh; then
+- **Expert parallel.** ``titan_models.parallel.apply_expert_parallel`` over the ``ep`` mesh; then
   FSDP shards the experts over ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP), the rest
   over ``dp_shard_cp``, and divides the experts' gradients by the same data-parallel degree
   as every other gradient's (their tokens came from all ``dp_shard_cp`` ranks):

@@ -135,7 +135,7 @@ def parallelize_qwen3(
     activation checkpointing, per-block compile and FSDP2 / HSDP / DDP to ``model`` in place
     (build it on the meta device first), as ``parallel_dims`` and ``config`` say; return it.
     Raises ``ModelConfigError`` (the checks of :func:`check_qwen3` but the pipeline's)
-    before touching anything. Use it as ``titan_models.parallelize_llama``: materialize
+    before touching anything. Use it as ``titan_models.llama3.parallelize_llama``: materialize
     afterwards, run steps inside the plan's ``StepContext``."""
     config = config or ParallelizeConfig()
     cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)

@@ -36,7 +36,7 @@ def pipeline_qwen3(
 ) -> Pipeline:
     """This rank's pipeline stages of ``model`` (built on the meta device), each
     parallelized with :func:`parallelize_qwen3` (expert parallel included), and their
-    schedule; arguments as ``titan_models.pipeline_llama``."""
+    schedule; arguments as ``titan_models.llama3.pipeline_llama``."""
     parallelize_config = parallelize_config or ParallelizeConfig()
     if parallel_dims.pp < 2:
         raise ModelConfigError(
