@@ -7,15 +7,17 @@ installed. A spec holds only references; nothing is built until the trainer asks
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from titan_dims import ParallelDims
+from titan_models.errors import ModelConfigError
 
-__all__ = ["ModelSpec"]
+__all__ = ["ModelSpec", "check_fields", "flavor_args"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,3 +71,32 @@ class ModelSpec:
     """``pipeline_fn(model, parallel_dims, pipeline_config, parallelize_config, *,
     local_batch_size, loss_fn, device=None, seq_len=None)`` -> a ``Pipeline``; ``None`` if
     the family cannot be pipelined."""
+
+
+def check_fields(cls: type, names: Iterable[str], what: str | None = None) -> None:
+    """Raise ``ModelConfigError`` naming every one of ``names`` that ``cls`` (an args
+    dataclass) has no field for; ``what`` says where they came from."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(names) - known)
+    if unknown and what is None:
+        raise ModelConfigError(
+            f"Unknown {cls.__name__} field(s) {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(known))}."
+        )
+    if unknown:
+        raise ModelConfigError(
+            f"{what} have field(s) {', '.join(unknown)} that {cls.__name__} lacks; were they "
+            "written by another version or model?"
+        )
+
+
+def flavor_args(family: str, flavors: Mapping[str, Any], flavor: str, overrides: dict) -> Any:
+    """A fresh copy of ``flavors[flavor]`` with ``overrides`` applied (a family's ``args_fn``
+    after it has taken the overrides it reads itself, e.g. ``rope_scaling``)."""
+    if flavor not in flavors:
+        raise ModelConfigError(
+            f"Unknown {family} flavor {flavor!r}; choose one of {', '.join(map(repr, flavors))}."
+        )
+    base = flavors[flavor]
+    check_fields(type(base), overrides)
+    return dataclasses.replace(base, **overrides)

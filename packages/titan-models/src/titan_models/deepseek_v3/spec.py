@@ -13,8 +13,11 @@ from __future__ import annotations
 from titan_models.deepseek_v3.adapter import make_adapter
 from titan_models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, deepseek_v3_args
 from titan_models.deepseek_v3.model import DeepSeekV3
-from titan_models.deepseek_v3.parallelize import check_deepseek_v3, parallelize_deepseek_v3
-from titan_models.deepseek_v3.pipeline import pipeline_deepseek_v3
+from titan_models.deepseek_v3.parallelize import (
+    check_deepseek_v3,
+    parallelize_deepseek_v3,
+    pipeline_deepseek_v3,
+)
 from titan_models.moe.spec_hooks import balance_experts, expert_load_metrics
 from titan_models.spec import ModelSpec
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from titan_models.errors import ModelConfigError, check_int, check_number
+from titan_models.spec import flavor_args
 
 __all__ = [
     "LLAMA3_FLAVORS",
@@ -214,21 +215,11 @@ _LLAMA32_ROPE = RopeScaling(factor=32.0)
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, vocab_size=2048, max_seq_len=2048),
     "1B": Llama3Args(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.5,
-        multiple_of=256,
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
         rope_scaling=_LLAMA32_ROPE,
     ),
     "3B": Llama3Args(
-        dim=3072,
-        n_layers=28,
-        n_heads=24,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.0,
-        multiple_of=256,
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
         rope_scaling=_LLAMA32_ROPE,
     ),
     "8B": Llama3Args(
@@ -238,14 +229,10 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
     ),
     "405B": Llama3Args(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.2,
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
         multiple_of=4096,
     ),
-}
+}  # fmt: skip
 """Published Llama 3 shapes by name. Use :func:`llama3_args` to get an editable copy."""
 
 
@@ -255,17 +242,7 @@ def llama3_args(flavor: str, **overrides: object) -> Llama3Args:
 
     ``rope_scaling`` may be given by name (``ROPE_SCALING_CHOICES``): ``"flavor"`` keeps the
     flavor's, ``"none"`` is plain RoPE, ``"llama3"`` the flavor's factors (or the defaults)."""
-    if flavor not in LLAMA3_FLAVORS:
-        raise ModelConfigError(
-            f"Unknown Llama 3 flavor {flavor!r}; choose one of "
-            f"{', '.join(map(repr, LLAMA3_FLAVORS))}."
-        )
-    known = {f.name for f in dataclasses.fields(Llama3Args)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
-        )
-    base = LLAMA3_FLAVORS[flavor]
-    scaling = rope_scaling_of(overrides.pop("rope_scaling", "flavor"), base.rope_scaling)
-    return dataclasses.replace(base, rope_scaling=scaling, **overrides)
+    base = LLAMA3_FLAVORS.get(flavor)
+    scaling = overrides.pop("rope_scaling", "flavor")
+    args = flavor_args("Llama 3", LLAMA3_FLAVORS, flavor, overrides)
+    return dataclasses.replace(args, rope_scaling=rope_scaling_of(scaling, base.rope_scaling))

@@ -11,8 +11,7 @@ from titan_models.moe.spec_hooks import balance_experts, expert_load_metrics
 from titan_models.qwen3.adapter import make_adapter
 from titan_models.qwen3.args import QWEN3_FLAVORS, qwen3_args
 from titan_models.qwen3.model import Qwen3
-from titan_models.qwen3.parallelize import check_qwen3, parallelize_qwen3
-from titan_models.qwen3.pipeline import pipeline_qwen3
+from titan_models.qwen3.parallelize import check_qwen3, parallelize_qwen3, pipeline_qwen3
 from titan_models.spec import ModelSpec
 
 __all__ = ["QWEN3"]
