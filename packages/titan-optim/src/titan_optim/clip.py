@@ -1,17 +1,10 @@
 """Gradient clipping by the global norm over every rank's shard of every model part.
 
-The global norm must count each gradient element exactly once:
-
-* A DTensor gradient is reduced over its own mesh (sharded dims sum, replicated dims do
-  not), which DTensor does when its local norm is turned into a full tensor. Gradients on
-  different meshes (FSDP-only layers on ``dp_shard``, FSDP + TP layers on ``dp_shard x tp``)
-  are reduced mesh by mesh, because one DTensor op cannot mix meshes.
-* Pipeline stages hold disjoint parameters, so their norms are combined over the pipeline
-  group: ``sum(n_i ** p) ** (1/p)``, or ``max`` for the infinity norm.
-
-Only after that reduction is the norm the same on every rank, so every rank makes the same
-clip / skip / raise decision.
-"""
+Each gradient element counts once: DTensor gradients are reduced over their own mesh (one
+op cannot mix meshes, so mesh by mesh), and pipeline stages, which hold disjoint parameters,
+combine their norms over the pipeline group (``sum(n_i ** p) ** (1/p)``, or ``max`` for the
+infinity norm). Only then is the norm equal on every rank, so every rank makes the same
+clip / skip / raise decision."""
 
 from __future__ import annotations
 

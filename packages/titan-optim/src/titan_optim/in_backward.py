@@ -28,15 +28,11 @@ __all__ = ["OptimizerInBackwardError", "OptimizersInBackwardContainer"]
 class OptimizersInBackwardContainer(OptimizersContainer):
     """An ``OptimizersContainer`` whose optimizers step inside ``backward``.
 
-    ``step`` only runs the post hooks and checks that backward did consume every gradient;
-    ``zero_grad`` has nothing left to clear. The pre hooks run before the first parameter steps
-    in each backward, so they still come before any update (a checkpointer waiting for its
-    background copy of the state relies on that), and ``step`` does not run them again; after a
-    backward that stepped nothing, ``step`` runs them. State dicts are the same flat FQN dicts
-    as the ordinary container's. Parameters must receive their gradients through autograd
-    accumulation (FSDP2 assigns sharded gradients after backward, which bypasses the hook:
-    ``step`` then raises instead of silently not training).
-    """
+    ``step`` runs the post hooks and checks that backward consumed every gradient (FSDP2 assigns
+    sharded gradients after backward, bypassing the hook: ``step`` then raises instead of
+    silently not training); ``zero_grad`` has nothing to clear. The pre hooks run before the
+    first parameter steps in each backward, so they still precede every update (a checkpointer
+    waiting for its background copy relies on that). State dicts are the ordinary container's."""
 
     def __init__(
         self,
