@@ -1,11 +1,7 @@
 """What every family's Hugging Face state-dict adapter shares: the whole-dict form over the
-streaming one, the args a model was recorded with, the descriptions of a model (recorded args,
-an HF ``config.json``, a flavor) checked against each other and against a checkpoint's
-tensors, and HF's per-expert weights gathered into titan's stacks.
-
-A family's adapter adds only its own facts: its names, its tensor layouts (RoPE rows, expert
-stacks) and its ``config.json``.
-"""
+streaming one, recorded args, the descriptions of a model checked against each other and a
+checkpoint's tensors, and HF's per-expert weights to and from titan's stacks. A family's
+adapter adds only its own facts: names, tensor layouts and its ``config.json``."""
 
 from __future__ import annotations
 
@@ -112,7 +108,7 @@ def claims_of(
     example: str,
 ) -> list[Claim]:
     """The descriptions ``make_adapter`` was given, recorded args first; ``example`` completes
-    the error for none: ``"flavor= (e.g. '8B') or hf_config= (a ... config.json as a dict)"``."""
+    the error for none (``"flavor= (e.g. '8B') or hf_config= (...)"``)."""
     if flavor is not None and hf_config is not None:
         raise ModelConfigError("make_adapter takes flavor= or hf_config=, not both.")
     claims: list[Claim] = []
@@ -136,10 +132,9 @@ def fit_by_building(
     *,
     optional: Callable[[Any], set[str]] = lambda args: set(),
 ) -> Any:
-    """The first claim's args with the tensors' vocabulary, after checking that the model
-    each claim describes (built on the meta device: nothing is allocated) has exactly the
-    checkpoint's tensors (``shapes``: titan names -> shapes), but ``optional(args)`` ones it
-    may lack. Raises ``ModelConfigError`` naming, per claim, what differs."""
+    """The first claim's args with the tensors' vocabulary, after checking that the model each
+    claim describes (built on the meta device) has exactly the checkpoint's tensors (``shapes``),
+    but ``optional(args)`` ones it may lack; else ``ModelConfigError`` naming what differs."""
     emb = shapes.get("tok_embeddings.weight") or shapes.get("output.weight")
     vocab = int(emb[0]) if emb is not None else claims[0][1].vocab_size
     problems = []
@@ -169,10 +164,10 @@ def fit_by_building(
 
 
 class ExpertStacks:
-    """HF's per-expert weights (``mlp.experts.<j>.gate_proj.weight``, (hidden, dim), one
-    ``nn.Linear`` each) gathered into titan's stacks (``moe.experts.w1``/``w3``: (experts,
-    dim, hidden); ``w2``: (experts, hidden, dim)); a stack is handed out as soon as all of its
-    experts have been read, so a stream in key order holds at most one block's experts."""
+    """HF's per-expert weights (``mlp.experts.<j>.gate_proj.weight``, (hidden, dim)) gathered
+    into titan's stacks (``moe.experts.w1``/``w3`` (experts, dim, hidden), ``w2`` (experts,
+    hidden, dim)); a stack is handed out once whole, so a stream in key order holds at most one
+    block's experts."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts

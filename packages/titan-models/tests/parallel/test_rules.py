@@ -115,3 +115,12 @@ def test_document_masking_is_refused_with_context_parallel_only() -> None:
         check_document_masking(ParallelDims(world_size=4, cp=2, dp_shard=2, device_type="cpu"))
     for degrees in ({"dp_shard": 2, "tp": 2}, {"pp": 2, "dp_shard": 2}, {"ep": 2, "dp_shard": 4}):
         check_document_masking(ParallelDims(world_size=4, device_type="cpu", **degrees))
+
+
+def test_every_family_this_package_registers_is_checked_here() -> None:
+    """A family added to the ``titan.models`` entry points without a row in ``FAMILIES`` would
+    escape the rules above."""
+    from importlib.metadata import entry_points
+
+    ours = {e.name for e in entry_points(group="titan.models") if e.value.startswith("titan_m")}
+    assert ours == set(FAMILIES)

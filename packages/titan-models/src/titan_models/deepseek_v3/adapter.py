@@ -1,26 +1,17 @@
 """Convert DeepSeek-V3 state dicts between titan (= torchtitan) and Hugging Face naming.
 
-Three things differ. Names: ``layers.3.attention.wkv_a.weight`` is HF's
-``model.layers.3.self_attn.kv_a_proj_with_mqa.weight``, ``layers.3.moe.expert_bias`` is
-``model.layers.3.mlp.gate.e_score_correction_bias``, and so on. Experts: titan stacks each
-MoE block's routed experts into three tensors, ``moe.experts.w1``/``w3`` (experts, dim,
-hidden) and ``w2`` (experts, hidden, dim), multiplied from the right; an HF checkpoint has
-one ``nn.Linear`` weight per expert and projection (``mlp.experts.<j>.gate_proj.weight``,
-(hidden, dim)), so each is a transposed slice. The shared experts (``moe.shared_expert.w1``,
-a stack of one) are ``mlp.shared_experts.gate_proj.weight`` and so on, transposed alike.
-And RoPE's channel order: titan, torchtitan and DeepSeek rotate adjacent pairs ``(2i,
-2i+1)``, which HF calls ``rope_interleave=True`` (the default, and what :meth:`hf_config`
-writes), so no permutation is needed; an HF config with ``rope_interleave: false`` (pairs
-``(i, i + d/2)``) has the rotated rows of ``q_proj``/``q_b_proj`` and
-``kv_a_proj_with_mqa`` permuted on the way in and out.
+Names: ``layers.3.attention.wkv_a.weight`` is HF's
+``model.layers.3.self_attn.kv_a_proj_with_mqa.weight``, ``moe.expert_bias`` is
+``mlp.gate.e_score_correction_bias``, and so on. Experts: titan's stacks are HF's
+per-expert weights transposed (``titan_models.hf_adapter``); the shared expert, a stack of
+one, is ``mlp.shared_experts.*``, transposed alike. RoPE: titan, torchtitan and DeepSeek
+rotate adjacent pairs, HF's ``rope_interleave=True`` (the default, and what
+:meth:`hf_config` writes); a config with ``rope_interleave: false`` has the rotated rows of
+``q_proj``/``q_b_proj`` and ``kv_a_proj_with_mqa`` permuted on the way in and out.
 
-torchtitan's ``freqs_cis`` (its RoPE table, saved with its checkpoints) is dropped.
-``moe.tokens_per_expert`` (the count of tokens routed since the last bias update, zero in a
-checkpoint taken after an optimizer step) has no HF counterpart: it is left out going to HF
-and comes back as zeros. HF's multi-token-prediction layers (``model.layers.<n_layers>``
-and above, in DeepSeek-V3's own checkpoint) are dropped; titan does not train them.
-
-"""
+Dropped: torchtitan's saved RoPE table ``freqs_cis``, and HF's multi-token-prediction layers
+(``model.layers.<n_layers>`` and above), which titan does not train.
+``moe.tokens_per_expert`` (a running count) is left out going to HF and comes back as zeros."""
 
 from __future__ import annotations
 
@@ -219,13 +210,10 @@ def make_adapter(
 ) -> DeepSeekV3StateDictAdapter:
     """The ``titan.state_dict_adapters`` entry point: an adapter for the model described by
     ``model_args`` (the real args, e.g. recorded with a checkpoint), a ``flavor`` or an HF
-    ``config.json`` (``flavor`` and ``hf_config`` exclude each other). An HF config's
-    ``rope_interleave`` sets the HF side's RoPE layout.
-
-    ``overrides`` replaces fields (refused for recorded args, which are what the model was
-    trained with). ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: every
-    description must build exactly those tensors (``ModelConfigError`` naming each that
-    differs), the vocabulary aside for a flavor, which is taken from them."""
+    ``config.json`` (not both); an HF config's ``rope_interleave`` sets the HF side's RoPE
+    layout. ``overrides`` replaces fields (refused where it changes recorded args).
+    ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: each description must agree
+    with them, field by field, and the vocabulary is taken from them."""
     claims = claims_of(
         flavor=flavor,
         hf_config=hf_config,

@@ -1,13 +1,10 @@
 """``DeepSeekV3Args``: the shape of a DeepSeek-V3 model, its published flavors, and what it
 costs (parameters in total and per token, training FLOPs per token).
 
-Field names follow torchtitan's ``DeepSeekV3ModelArgs`` of July 2025 so that its flavors and
-TOML files carry over; the flavors are its shapes: ``16B`` is DeepSeek-V2-Lite, ``236B``
-DeepSeek-V2, ``671B`` DeepSeek-V3, and ``debugmodel`` a small one for tests. Left out are
-torchtitan's fields that configure nothing here (``max_batch_size``, ``dtype``,
-``use_flex_attn``, ``attn_mask_type``); added are ``route_norm`` and ``aux_loss_alpha``
-(see :class:`titan_models.moe.MoEArgs`) and ``rope_scaling``.
-"""
+Field names follow torchtitan's ``DeepSeekV3ModelArgs`` of July 2025, so its flavors and
+TOML files carry over: ``16B`` is DeepSeek-V2-Lite, ``236B`` DeepSeek-V2, ``671B``
+DeepSeek-V3. Left out are torchtitan's fields that configure nothing here; added are
+``route_norm``, ``aux_loss_alpha`` and ``rope_scaling``."""
 
 from __future__ import annotations
 

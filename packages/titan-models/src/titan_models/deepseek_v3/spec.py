@@ -1,12 +1,5 @@
-"""The ``deepseek_v3`` model spec, registered under the ``titan.models`` entry-point group.
-
-Besides the model, plans and adapter it gives a trainer the experts' load balancing
-(``titan_models.moe.spec_hooks``, shared with Qwen3): after each optimizer step the token
-counts of every MoE layer are summed over the data- and context-parallel ranks (``dp_cp``)
-and the selection biases nudged (``ExpertBalancer``); at reporting steps the shares of
-tokens per expert of the last step are logged (``moe/layers.<i>/min_share``,
-``max_share``, ``entropy``).
-"""
+"""The ``deepseek_v3`` model spec, registered under the ``titan.models`` entry-point group;
+with the experts' load balancing and load metrics (``titan_models.moe.spec_hooks``)."""
 
 from __future__ import annotations
 

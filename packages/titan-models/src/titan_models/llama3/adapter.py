@@ -1,16 +1,11 @@
 """Convert Llama 3 state dicts between titan (= torchtitan = Meta) and Hugging Face naming.
 
-Two things differ. Names: ``layers.3.attention.wq.weight`` is HF's
-``model.layers.3.self_attn.q_proj.weight``, and so on. And the order of the query and key
-output channels: titan's RoPE rotates adjacent pairs ``(2i, 2i+1)`` of each head, HF's
-rotates ``(i, i + head_dim/2)``, so ``wq``/``wk`` rows are permuted within every head when
-converting. The adapter needs the model's shape for that (heads, kv heads), which it takes
-from the model's real args (as titan-train records them with a checkpoint), a flavor or an
-HF ``config.json``; given the checkpoint's tensor shapes, it checks the description against
-them and takes the vocabulary from them (``titan_models.llama3.fit``), so the
-``config.json`` it writes loads with the tensors.
-
-"""
+Names differ (``layers.3.attention.wq.weight`` is HF's
+``model.layers.3.self_attn.q_proj.weight``), and so does the order of query and key rows:
+titan's RoPE rotates adjacent pairs of each head, HF's the two halves, so ``wq``/``wk`` rows
+are permuted within every head. For that the adapter needs the head counts, from recorded
+args, a flavor or an HF ``config.json``, checked against the checkpoint's tensors when given
+(``titan_models.llama3.fit``), so the ``config.json`` it writes loads with them."""
 
 from __future__ import annotations
 
@@ -245,13 +240,10 @@ def make_adapter(
 ) -> Llama3StateDictAdapter:
     """The ``titan.state_dict_adapters`` entry point: an adapter for the model described by
     ``model_args`` (the real args, e.g. recorded with a checkpoint), a ``flavor`` or an HF
-    ``config.json`` (``flavor`` and ``hf_config`` exclude each other; with ``model_args``
-    they are checked against it).
-
-    ``overrides`` replaces fields (``{"rope_scaling": "none"}``: see ``rope_scaling_of``).
-    ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: every description must
-    agree with them (``ModelConfigError`` naming each field otherwise), and the vocabulary is
-    taken from them, so the adapter's ``config.json`` describes those tensors."""
+    ``config.json`` (not both); ``rope_scaling`` overrides by name too (``rope_scaling_of``).
+    ``overrides`` replaces fields (refused where it changes recorded args). ``tensor_shapes``
+    (titan names -> shapes) are the checkpoint's: each description must agree with them, field
+    by field, and the vocabulary is taken from them."""
     claims = [
         Claim(*claim)
         for claim in claims_of(

@@ -1,11 +1,9 @@
 """``Llama3Args``: the shape of a Llama 3 model, its published flavors, and what it costs.
 
 Field names follow torchtitan's ``TransformerModelArgs`` so that its flavors and TOML files
-carry over; the flavors reproduce the published shapes (Llama 3.1 8B/70B/405B, Llama 3.2
-1B/3B with untied output weights, and a tiny ``debugmodel`` for tests and smoke runs).
-Every flavor applies Llama 3.1 RoPE frequency scaling, as torchtitan's current flavors do;
-its Llama 3 of July 2025 used plain RoPE, which ``rope_scaling="none"`` selects.
-"""
+carry over (Llama 3.1 8B/70B/405B, Llama 3.2 1B/3B with untied output weights, a tiny
+``debugmodel``). Every flavor applies Llama 3.1 RoPE scaling, as torchtitan's current
+flavors do; ``rope_scaling="none"`` selects its July 2025 plain RoPE."""
 
 from __future__ import annotations
 
@@ -61,14 +59,11 @@ class RopeScaling:
 
 
 def rope_scaling_of(value: object, default: RopeScaling | None) -> RopeScaling | None:
-    """The ``RopeScaling`` (or ``None``: plain RoPE) that ``value`` names, as a fresh copy.
-
-    ``value`` is a ``RopeScaling`` or ``None``; one of ``ROPE_SCALING_CHOICES`` (``"flavor"``
-    is ``default``, ``"none"`` plain RoPE, ``"llama3"`` ``default`` or else ``RopeScaling()``);
-    or a mapping of its fields, as a TOML table or a recorded ``dataclasses.asdict`` gives it,
-    or Hugging Face's ``rope_scaling`` form with ``"rope_type": "llama3"`` (``"default"``
-    means plain RoPE).
-    """
+    """The ``RopeScaling`` (or ``None``: plain RoPE) that ``value`` names, as a fresh copy:
+    a ``RopeScaling`` or ``None``; a name of ``ROPE_SCALING_CHOICES`` (``"flavor"``: ``default``;
+    ``"llama3"``: ``default`` or else ``RopeScaling()``); or a mapping of its fields (a TOML
+    table, recorded args, HF's ``rope_scaling`` with ``"rope_type": "llama3"``, ``"default"``
+    meaning plain RoPE)."""
     if value is None:
         return None
     if isinstance(value, RopeScaling):

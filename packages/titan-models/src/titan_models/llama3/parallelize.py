@@ -70,14 +70,11 @@ def parallelize_llama(
     seq_len: int | None = None,
 ) -> Llama3:
     """Apply tensor/sequence parallel, context parallel, activation checkpointing, per-block
-    compile and FSDP2 / HSDP / DDP to ``model`` in place (build it on the meta device
-    first), as ``parallel_dims`` and ``config`` say; return it.
-
-    ``seq_len`` (default ``model.args.max_seq_len``) is checked against
-    ``parallel_dims.seq_len_divisor``. Call ``to_empty`` and ``init_weights`` (or load a
-    checkpoint) afterwards. Run each step inside the plan's ``StepContext``
-    (``titan_models.step_context``): it opens context parallel and loss parallel.
-    """
+    compile and FSDP2 / HSDP / DDP to ``model`` (built on the meta device) in place, as
+    ``parallel_dims`` and ``config`` say; return it. ``seq_len`` (default
+    ``model.args.max_seq_len``) is checked against the layout. Materialize afterwards
+    (``to_empty`` + ``init_weights``, or a checkpoint) and run each step inside the plan's
+    ``StepContext`` (``titan_models.step_context``)."""
     config = config or ParallelizeConfig()
     cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
     return parallelize_decoder(
@@ -96,14 +93,10 @@ def pipeline_llama(
     device: torch.device | str | None = None,
     seq_len: int | None = None,
 ) -> Pipeline:
-    """This rank's pipeline stages of ``model`` (built on the meta device), each
-    parallelized with :func:`parallelize_llama`, and their schedule.
-
-    ``local_batch_size`` is the batch one data-parallel rank steps with; it is split into
-    microbatches of ``pipeline_config.microbatch_size``. Materialize every
-    ``model_parts`` entry (``to_empty`` + ``init_weights`` or a checkpoint) before the
-    first step. Needs ``parallel_dims.pp > 1`` and an initialized process group.
-    """
+    """This rank's pipeline stages of ``model`` (built on the meta device), each parallelized
+    with :func:`parallelize_llama`, and their schedule; ``local_batch_size`` (one data-parallel
+    rank's) is split into microbatches of ``pipeline_config.microbatch_size``. Needs ``pp > 1``
+    and a process group; materialize every ``model_parts`` entry before the first step."""
     return pipeline_decoder(
         model,
         parallel_dims,

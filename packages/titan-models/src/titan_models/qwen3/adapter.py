@@ -1,19 +1,12 @@
 """Convert Qwen3 state dicts between titan (= torchtitan) and Hugging Face naming
 (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``).
 
-Names: ``layers.3.attention.q_norm.weight`` is HF's ``model.layers.3.self_attn.q_norm.weight``,
-``layers.3.moe.router.gate.weight`` is ``model.layers.3.mlp.gate.weight``, and so on. RoPE
-needs no permutation: titan's Qwen3 rotates the pairs ``(i, i + head_dim/2)`` of each head, as
-HF's ``rotate_half`` does. Experts: titan's stacks are HF's per-expert weights, transposed
-(``titan_models.hf_adapter``).
-
-Tied embeddings: HF writes no ``lm_head.weight`` when ``tie_word_embeddings`` is set, so
-``output.weight`` is left out going to HF, and coming back the embedding is yielded under both
-names. The expert-selection bias ``moe.expert_bias`` and the token counts
-``moe.tokens_per_expert`` have no HF counterpart: left out going to HF, zeros coming back.
-HF's Qwen3-MoE routes without a bias, so a model whose trained bias is nonzero routes some
-tokens differently there (the adapter warns).
-"""
+Names differ (``layers.3.moe.router.gate.weight`` is HF's ``model.layers.3.mlp.gate.weight``);
+RoPE rows need no permutation (both rotate the two halves of each head); expert stacks are
+HF's per-expert weights transposed. Tied: HF has no ``lm_head.weight``, so ``output.weight``
+is left out going to HF and is the embedding coming back. ``moe.expert_bias`` and
+``moe.tokens_per_expert`` have no HF place: left out going, zeros coming back; a model whose
+trained bias is nonzero routes some tokens differently there (the adapter warns)."""
 
 from __future__ import annotations
 
@@ -163,13 +156,10 @@ def make_adapter(
 ) -> Qwen3StateDictAdapter:
     """The ``titan.state_dict_adapters`` entry point: an adapter for the model described by
     ``model_args`` (the real args, e.g. recorded with a checkpoint), a ``flavor`` or an HF
-    ``config.json`` (``flavor`` and ``hf_config`` exclude each other; with ``model_args``
-    they must describe the same architecture, else ``ModelConfigError`` names each field).
-
-    ``overrides`` replaces fields (refused where it contradicts recorded args).
-    ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: every description must
-    build exactly those tensors (``ModelConfigError`` naming each that differs), the
-    vocabulary aside for a flavor, which is taken from them."""
+    ``config.json`` (not both); with ``model_args`` they must describe the same architecture.
+    ``overrides`` replaces fields (refused where it changes recorded args). ``tensor_shapes``
+    (titan names -> shapes) are the checkpoint's: each description must agree with them, field
+    by field, and the vocabulary is taken from them."""
     claims = claims_of(
         flavor=flavor,
         hf_config=hf_config,

@@ -1,14 +1,11 @@
 """``Qwen3Args``: the shape of a Qwen3 model (dense or mixture of experts), its published
 flavors, and what it costs (parameters in total and per token, training FLOPs per token).
 
-Field names follow torchtitan's ``Qwen3ModelArgs`` (as it graduated from its experiments in
-October 2025: ``head_dim``, ``hidden_dim``, ``moe_inter_dim``, ``enable_weight_tying``...),
-so its flavors carry over; the MoE routing is a flat set of fields mapped onto
-:class:`titan_models.moe.MoEArgs` by :meth:`Qwen3Args.moe_args`. The published flavors are
-the shapes of the Qwen3 release's ``config.json`` files (Qwen/Qwen3-0.6B ... Qwen3-32B,
-Qwen3-30B-A3B, Qwen3-235B-A22B); ``debugmodel`` is torchtitan's, ``debugmodel_moe`` a smaller
-one than torchtitan's (8 experts instead of 64, so that it trains on a CPU).
-"""
+Field names follow torchtitan's ``Qwen3ModelArgs`` (October 2025), so its flavors carry
+over; :meth:`Qwen3Args.moe_args` maps the flat routing fields onto
+:class:`titan_models.moe.MoEArgs`. The flavors are the Qwen3 release's ``config.json``
+shapes; ``debugmodel`` is torchtitan's, ``debugmodel_moe`` has 8 experts (torchtitan's 64),
+so that it trains on a CPU."""
 
 from __future__ import annotations
 
