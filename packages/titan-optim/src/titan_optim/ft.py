@@ -38,14 +38,10 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 class FTOptimizersContainer:
-    """Fault-tolerant wrapper over an ``OptimizersContainer`` (a ``Stateful`` too).
-
-    ``state_key`` registers the cached state with the manager for live recovery under that
-    name; pass ``None`` when the caller registers it itself. ``bucket_cap_mb`` caps the
-    buckets gradients are flattened into for the average over replica groups (one
-    all-reduce each); 0 all-reduces each gradient on its own. A bucket is a copy: in
-    flight, the buckets hold one more copy of the gradients.
-    """
+    """Fault-tolerant wrapper over an ``OptimizersContainer`` (a ``Stateful`` too). ``state_key``
+    registers the cached state with the manager (``None``: the caller does). ``bucket_cap_mb``
+    caps the buckets of the replica-group average (0: one all-reduce per gradient); in flight
+    the buckets hold one more copy of the gradients."""
 
     def __init__(
         self,

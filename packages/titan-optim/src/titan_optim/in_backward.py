@@ -1,11 +1,7 @@
-"""Optimizer-in-backward: each parameter steps as soon as its gradient is accumulated.
-
-Every trainable parameter gets its own optimizer, stepped (and its gradient freed) from a
-post-accumulate-grad hook, so at most a few gradients are alive at once. The price: no
-gradient ever coexists with all the others, so a global norm cannot be computed (no
-clipping), and a pipeline schedule's several backward passes per step would step each
-parameter once per microbatch (no pipeline parallelism). Both are refused up front.
-"""
+"""Optimizer-in-backward: each parameter steps (and frees its gradient) from its
+post-accumulate-grad hook, so only a few gradients are alive at once. No gradient then
+coexists with all others (no global norm, so no clipping), and a pipeline's several backward
+passes would step each parameter once per microbatch: both are refused up front."""
 
 from __future__ import annotations
 

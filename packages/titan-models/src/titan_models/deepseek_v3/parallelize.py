@@ -2,16 +2,11 @@
 into pipeline stages: the shared plan (``titan_models.parallel.plan``) with DeepSeek-V3's
 facts. What differs from Llama 3:
 
-- **Tensor parallel.** Attention heads are split: ``wq`` (or ``wq_b``) and ``wkv_b`` are
-  column-parallel, ``wo`` row-parallel; the low-rank projections ``wq_a``/``wkv_a`` and their
-  norms stay whole on every rank. The rotated key slice of ``wkv_a``'s output is shared by
-  all heads, so its gradient is partial on each rank: a hook sums it over ``tp`` in backward.
-  MoE layers: ``titan_models.parallel.moe_parallel.apply_moe_tp``, shared with Qwen3.
-- **Expert parallel.** Experts spread over ``ep``, sharded by FSDP over ``dp_shard_mod_ep``
-  (``apply_fsdp_with_experts``, shared with Qwen3).
-- **Context parallel.** Only titan's all-gather attention: the ring and torch's need equal
-  key and value head sizes (192 and 128 here).
-"""
+- **Tensor parallel.** ``wq`` (or ``wq_b``) and ``wkv_b`` are column-parallel, ``wo``
+  row-parallel; the low-rank ``wq_a``/``wkv_a`` and their norms stay whole. The rotated key
+  slice of ``wkv_a``'s output is shared by all heads, so a hook sums its gradient over ``tp``.
+- **Context parallel.** titan's all-gather attention only: the ring and torch's need equal
+  key and value head sizes (192 and 128 here)."""
 
 from __future__ import annotations
 

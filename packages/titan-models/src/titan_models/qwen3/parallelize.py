@@ -2,19 +2,14 @@
 split it into pipeline stages: the shared plan (``titan_models.parallel.plan``) with Qwen3's
 facts. What differs from Llama 3:
 
-- **QK-norm under tensor parallel.** Queries and keys are normalized per head (an RMSNorm
-  over ``head_dim`` whose one weight every head shares). A tp rank holds whole heads, so the
-  norm runs on its local heads unchanged; its weight is a replicated DTensor and its input is
-  marked sharded over the heads (dim 2), so the weight's gradient, partial on each rank
-  (from its heads only), is summed over ``tp``.
-- **Tied embeddings.** FSDP: the model ties them when built, before sharding, and both ends
-  sit in the root's FSDP unit. TP: the embedding (row-parallel) and the output projection
-  (column-parallel) both shard the weight over the vocabulary (dim 0); after the plan the
-  output takes the embedding's DTensor again, so the two stay one parameter with the sum of
-  both gradients. Pipeline parallel puts the two ends on different stages: each holds a
-  copy, which the pipeline keeps one weight (``titan_models.parallel.pipeline_tied``).
-- **MoE blocks** get DeepSeek-V3's plans (``titan_models.parallel.moe_parallel``).
-"""
+- **QK-norm under tensor parallel.** A tp rank holds whole heads, so the per-head norms run
+  on its local heads; their one weight is a replicated DTensor and their input marked
+  sharded over the heads (dim 2), so its gradient, partial per rank, is summed over ``tp``.
+- **Tied embeddings.** FSDP: tied before sharding, both ends in the root's unit. TP: both ends
+  shard the weight over the vocabulary and the output takes the embedding's DTensor again,
+  one parameter with both gradients. PP: each end's stage holds a copy, kept one weight by
+  ``titan_models.parallel.pipeline_tied``.
+- **MoE blocks** get DeepSeek-V3's plans (``titan_models.parallel.moe_parallel``)."""
 
 from __future__ import annotations
 
