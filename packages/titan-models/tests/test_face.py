@@ -33,3 +33,14 @@ def test_a_moved_name_still_imports_from_the_top_with_a_warning(name: str) -> No
         old = getattr(titan_models, name)
     assert old is getattr(module, name)
     assert name in module.__all__
+
+
+def test_a_family_is_one_attribute_away_after_a_bare_import() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import titan_models; print(titan_models.qwen3.QWEN3.name, titan_models.llama3.LLAMA3.name)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["qwen3", "llama3"]

@@ -7,7 +7,8 @@ Hugging Face adapter, ``parallelize_*``/``pipeline_*``/``check_*`` and the famil
 ``ModelSpec``). The top level holds what every family shares: ``ModelSpec`` (what a trainer
 finds under the ``titan.models`` entry-point group), the parallelize and pipeline configs,
 what a training step runs inside (``step_context``, ``reduce_loss``, ...), ``KVCache`` and
-the errors (``ModelConfigError``, a ``ValueError``, under the root ``ModelError``).
+the errors (``ModelConfigError``, a ``ValueError``, under the root ``ModelError``). After a bare
+``import titan_models`` each family is an attribute away (``titan_models.qwen3.Qwen3``).
 """
 
 import importlib
@@ -67,6 +68,8 @@ _MOVED_TO = {name: module for module, names in _MOVED.items() for name in names.
 
 
 def __getattr__(name: str) -> object:
+    if name in ("llama3", "qwen3", "deepseek_v3"):  # ``titan_models.qwen3`` after a bare import
+        return importlib.import_module(f"titan_models.{name}")
     if name == "ConfigError":  # its name in 0.1.0
         warnings.warn(DEPRECATED_CONFIG_ERROR, DeprecationWarning, stacklevel=2)
         return ModelConfigError
