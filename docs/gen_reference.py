@@ -37,6 +37,8 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 SOURCE_URL = "https://github.com/titan-pretraining/titan/tree/main/"
 PACKAGES = ("titan-dims", "titan-ckpt", "titan-optim", "titan-models", "titan-train")
+# Modules besides its top one whose ``__all__`` a package promises: titan-models' families.
+FACES = {"titan-models": ("llama3", "qwen3", "deepseek_v3")}
 
 
 def _link(match: re.Match[str], base: str) -> str:
@@ -67,7 +69,7 @@ def api_modules(name: str) -> list[str]:
     module = name.replace("-", "_")
     src = ROOT / "packages" / name / "src" / module
     if (src / "__init__.py").is_file():
-        return [module]
+        return [module, *(f"{module}.{face}" for face in FACES.get(name, ()))]
     found = []
     for child in sorted(src.iterdir()):
         file = child if child.suffix == ".py" else child / "__init__.py"
@@ -78,7 +80,8 @@ def api_modules(name: str) -> list[str]:
 
 def api_groups(module: str) -> dict[str, list[str]]:
     """The names of ``module.__all__`` grouped by the submodule each is imported from (its
-    own module for names defined there): a reference page per group. Read from the source."""
+    own module for names defined there): a reference page per group; a family's module
+    (``titan_models.llama3``) is one page. Read from the source."""
     name = module.split(".")[0].replace("_", "-")
     src = ROOT / "packages" / name / "src" / Path(*module.split("."))
     file = src / "__init__.py" if src.is_dir() else src.with_suffix(".py")
@@ -98,7 +101,7 @@ def api_groups(module: str) -> dict[str, list[str]]:
                 origin[alias.asname or alias.name] = "" if private or not src.is_dir() else parts[0]
     groups: dict[str, list[str]] = {}
     for item in (n for n in public if not n.startswith("__")):  # not __version__
-        group = origin.get(item, "")
+        group = origin.get(item, "") if "." not in module else ""
         groups.setdefault(f"{module}.{group}" if group else module, []).append(item)
     return groups
 

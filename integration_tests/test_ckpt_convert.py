@@ -55,7 +55,7 @@ def saved(tmp_path_factory):
     from titan_ckpt import CheckpointConfig, CheckpointManager
 
     torch.manual_seed(0)
-    model = titan_models.Llama3(titan_models.llama3_args(FLAVOR))
+    model = titan_models.llama3.Llama3(titan_models.llama3.llama3_args(FLAVOR))
     model.init_weights()
     folder = tmp_path_factory.mktemp("llama") / "ckpt"
     manager = CheckpointManager(

@@ -35,7 +35,7 @@ titan_models = pytest.importorskip("titan_models")
 
 from titan_ckpt.layout import read_manifest  # noqa: E402
 from titan_ckpt.storage import LocalStorage  # noqa: E402
-from titan_models import RopeScaling, rope_scaling_of  # noqa: E402
+from titan_models.llama3 import RopeScaling, rope_scaling_of  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -68,7 +68,7 @@ def save_step(folder, args, metadata=None):
     from titan_ckpt import CheckpointConfig, CheckpointManager
 
     torch.manual_seed(0)
-    model = titan_models.Llama3(args)
+    model = titan_models.llama3.Llama3(args)
     model.init_weights()
     manager = CheckpointManager(
         CheckpointConfig(enable=True, folder=str(folder), interval=1),
@@ -90,7 +90,7 @@ def reference(model, rope: str) -> torch.nn.Module:
     """``model``'s weights in a titan Llama 3 with ``rope`` and a table of SEQ positions."""
     args = dataclasses.replace(model.args, max_seq_len=SEQ)
     args = dataclasses.replace(args, rope_scaling=rope_scaling_of(rope, RopeScaling()))
-    other = titan_models.Llama3(args)
+    other = titan_models.llama3.Llama3(args)
     other.load_state_dict(model.state_dict())
     return other.eval()
 
@@ -103,7 +103,7 @@ def tokens(vocab: int) -> torch.Tensor:
 def unrecorded(tmp_path_factory):
     """debugmodel with a 2,000-token vocabulary, saved without the model record (as titan
     before it, or any caller of CheckpointManager that passes no metadata)."""
-    args = titan_models.llama3_args("debugmodel", vocab_size=VOCAB, max_seq_len=64)
+    args = titan_models.llama3.llama3_args("debugmodel", vocab_size=VOCAB, max_seq_len=64)
     return save_step(tmp_path_factory.mktemp("unrecorded"), args)
 
 
@@ -161,7 +161,7 @@ def test_contradicting_flavor_or_hf_config_exits_2_naming_each_field(
 ):
     model, step = unrecorded
     wrong = tmp_path / "wrong.json"
-    good = titan_models.Llama3StateDictAdapter(model.args).hf_config()
+    good = titan_models.llama3.Llama3StateDictAdapter(model.args).hf_config()
     wrong.write_text(json.dumps({**good, "vocab_size": 2048, "intermediate_size": 1024}))
     cases = {
         "--flavor": (
@@ -197,7 +197,7 @@ def _disk(*roots):
 
 
 def test_recorded_args_describe_the_export(tmp_path, titan_ckpt_here):
-    args = titan_models.llama3_args("debugmodel", vocab_size=VOCAB, max_seq_len=64,
+    args = titan_models.llama3.llama3_args("debugmodel", vocab_size=VOCAB, max_seq_len=64,
                                     rope_scaling="none")  # fmt: skip
     record = {"name": "llama3", "flavor": "debugmodel", "args": dataclasses.asdict(args)}
     model, step = save_step(tmp_path / "ckpt", args, metadata={"model": record})
@@ -238,7 +238,7 @@ def test_titan_train_last_save_in_hf_with_another_vocabulary_and_plain_rope(tmp_
     bpe = tmp_path / "bpe.model"
     shutil.copy(default_tokenizer_path(), bpe)
     vocab = load_tokenizer(bpe).vocab_size
-    assert vocab != titan_models.LLAMA3_FLAVORS["debugmodel"].vocab_size
+    assert vocab != titan_models.llama3.LLAMA3_FLAVORS["debugmodel"].vocab_size
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "titan_train.cli",
            "--job.dump_folder", str(out),
@@ -263,7 +263,7 @@ def test_titan_train_last_save_in_hf_with_another_vocabulary_and_plain_rope(tmp_
     # titan's model as trained, its weights read back from the DCP step.
     import torch.distributed.checkpoint as dcp
 
-    trained = titan_models.Llama3(titan_models.Llama3Args(**record["args"]))
+    trained = titan_models.llama3.Llama3(titan_models.llama3.Llama3Args(**record["args"]))
     state = trained.state_dict()
     dcp.load(state, checkpoint_id=str(step), no_dist=True)
     trained.load_state_dict(state)

@@ -137,7 +137,7 @@ def check_export(folder: Path, cls_name: str, vocab: int) -> None:
     step = folder / "checkpoint" / "step-2"
     record = read_manifest(LocalStorage(), str(step)).metadata["model"]
     assert (record["name"], record["args"]["vocab_size"]) == ("qwen3", vocab)
-    ours = titan_models.Qwen3(titan_models.Qwen3Args(**record["args"]))
+    ours = titan_models.qwen3.Qwen3(titan_models.qwen3.Qwen3Args(**record["args"]))
     state = ours.state_dict()
     dcp.load(state, checkpoint_id=str(step), no_dist=True)
     ours.load_state_dict(state)

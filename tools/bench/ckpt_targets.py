@@ -2,7 +2,7 @@
 
 Run through ``tools/bench/ckpt_save_load.py --targets`` (which starts the gloo ranks), or as
 ``python tools/bench/run.py ckpt_targets [ARGS]`` (the same). The state is a Llama 3 model
-(``titan_models.Llama3``, ``--llama-dim``/``--llama-layers``, vocab 16384) with its AdamW
+(``titan_models.llama3.Llama3``, ``--llama-dim``/``--llama-layers``, vocab 16384) with its AdamW
 state after one training step, FSDP2-sharded over the ranks. Each repetition runs every
 measure once, the order reversed every other repetition (A,B,C,D then D,C,B,A), after one
 unrecorded warm-up round:
@@ -111,7 +111,7 @@ def build_state(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.
     """A sharded Llama 3 and its AdamW after one step (so the optimizer state exists)."""
     from torch.distributed.fsdp import fully_shard
 
-    from titan_models import Llama3, Llama3Args
+    from titan_models.llama3 import Llama3, Llama3Args
 
     torch.manual_seed(0)
     model_args = Llama3Args(

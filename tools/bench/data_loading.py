@@ -263,7 +263,7 @@ def tokenizing_work(source, tokenizer, args) -> None:
 
 
 def model_step(args):
-    from titan_models import Llama3, llama3_args
+    from titan_models.llama3 import Llama3, llama3_args
 
     model_args = llama3_args("debugmodel", max_seq_len=args.seq)
     torch.manual_seed(0)

@@ -28,8 +28,10 @@ import time
 import torch
 from torch.nn import functional
 
-from titan_models import DeepSeekV3, Llama3, Qwen3, deepseek_v3_args, llama3_args, qwen3_args
+from titan_models.deepseek_v3 import DeepSeekV3, deepseek_v3_args
 from titan_models.documents import DocumentMasking, flex_attention_supported
+from titan_models.llama3 import Llama3, llama3_args
+from titan_models.qwen3 import Qwen3, qwen3_args
 
 MODELS = {
     "llama3": (Llama3, llama3_args),

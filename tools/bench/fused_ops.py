@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from titan_models import Llama3, llama3_args
 from titan_models.fused import FusedRMSNorm, rms_norm, swiglu
+from titan_models.llama3 import Llama3, llama3_args
 from titan_models.llama3.model import FeedForward
 
 

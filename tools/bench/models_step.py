@@ -21,13 +21,8 @@ import torch
 from torch.nn import functional
 
 from titan_dims import ParallelDims
-from titan_models import (
-    ActivationCheckpointConfig,
-    Llama3,
-    ParallelizeConfig,
-    llama3_args,
-    parallelize_llama,
-)
+from titan_models import ActivationCheckpointConfig, ParallelizeConfig
+from titan_models.llama3 import Llama3, llama3_args, parallelize_llama
 from titan_models.parallel import cpu_has_fast_bf16
 
 AC_MODES = {

@@ -1,7 +1,7 @@
 """MoE layer speed by expert implementation: grouped matmuls, the per-expert fallback, and a
 per-expert Python loop over unsorted tokens (transformers' eager way), side by side.
 
-Times forward + backward of one ``titan_models.MoE`` layer (router, experts, shared
+Times forward + backward of one ``titan_models.moe.MoE`` layer (router, experts, shared
 expert) in one process, with the same weights and tokens for all three, taking turns step
 by step (medians shown), on a few shapes:
 ``tiny``, ``debug`` (DeepSeek-V3 debugmodel's MoE: dim 256, 8 experts of 256, top 3, 2
@@ -26,8 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional
 
-from titan_models import MoE, MoEArgs
-from titan_models.moe import grouped_mm_supported
+from titan_models.moe import MoE, MoEArgs, grouped_mm_supported
 
 # name -> (dim, expert hidden dim, MoEArgs fields)
 SHAPES = {

@@ -64,7 +64,7 @@ def profile_step(batch: int, seq: int, reuse: bool, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from titan_models import llama3_args
+    from titan_models.llama3 import llama3_args
     from titan_models.llama3.model import Llama3
     from titan_train.trainer.host_memory import reuse_host_memory
     from titan_train.trainer.step import cross_entropy_loss

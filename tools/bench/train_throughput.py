@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from titan_models import llama3_args
+from titan_models.llama3 import llama3_args
 from titan_train.metrics.flops import measure_cpu_matmul_flops
 
 BATCH, SEQ, VOCAB = 8, 2048, 2048

@@ -29,7 +29,7 @@ def test_the_old_name_still_imports_for_one_release_and_warns(module):
         exec(f"from {module} import ConfigError", {})
     caught = None
     try:
-        titan_models.Llama3Args(n_layers=0)
+        titan_models.llama3.Llama3Args(n_layers=0)
     except old as error:  # what a 0.1.0 caller wrote still catches it
         caught = error
     assert isinstance(caught, ModelConfigError)

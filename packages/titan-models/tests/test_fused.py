@@ -13,15 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn import functional
 
-from titan_models import (
-    DeepSeekV3,
-    Llama3,
-    Qwen3,
-    deepseek_v3_args,
-    llama3_args,
-    qwen3_args,
-)
+from titan_models.deepseek_v3 import DeepSeekV3, deepseek_v3_args
 from titan_models.fused import FusedRMSNorm, rms_norm, swiglu
+from titan_models.llama3 import Llama3, llama3_args
+from titan_models.qwen3 import Qwen3, qwen3_args
 
 
 def _grads(fn, *inputs: torch.Tensor, grad: torch.Tensor):

@@ -10,8 +10,10 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_models import DeepSeekV3, Llama3, ModelConfigError, deepseek_v3_args, llama3_args
+from titan_models import ModelConfigError
+from titan_models.deepseek_v3 import DeepSeekV3, deepseek_v3_args
 from titan_models.kv_cache import KVCache
+from titan_models.llama3 import Llama3, llama3_args
 
 VOCAB = 97
 

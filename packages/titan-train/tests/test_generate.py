@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_models import LLAMA3, llama3_args
+from titan_models.llama3 import LLAMA3, llama3_args
 from titan_train.cli import main
 from titan_train.config.model_args import model_metadata
 from titan_train.generate import SamplingConfig, generate, sample_next

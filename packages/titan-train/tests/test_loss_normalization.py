@@ -196,7 +196,7 @@ def test_validation_divides_the_summed_loss_by_all_trained_tokens(tmp_path):
     validator = Validator(
         config, tokenizer, dims=ParallelDims(world_size=1, device_type="cpu"), device="cpu"
     )
-    from titan_models import Llama3
+    from titan_models.llama3 import Llama3
     from titan_train.config.registry import load_model_spec
 
     args = load_model_spec("llama3").args_fn("debugmodel", vocab_size=tokenizer.vocab_size)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from titan_models import LLAMA3, ModelSpec, RopeScaling
+from titan_models import ModelSpec
+from titan_models.llama3 import LLAMA3, RopeScaling
 from titan_train.config import parse_job_config
 from titan_train.config.loader import ConfigError
 from titan_train.config.model_args import (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from titan_dims import ParallelDims
-from titan_models import Llama3
+from titan_models.llama3 import Llama3
 from titan_train.config import ConfigError
 from titan_train.config.registry import load_model_spec
 from titan_train.data import DataConfig, build_dataloader

@@ -5,7 +5,7 @@ python models_optim.py
 
 import torch
 
-from titan_models import Llama3, llama3_args
+from titan_models.llama3 import Llama3, llama3_args
 from titan_optim import OptimizerConfig, build_optimizers
 
 args = llama3_args("debugmodel", dim=64, n_layers=2, n_heads=4, vocab_size=256)

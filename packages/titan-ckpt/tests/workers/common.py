@@ -155,14 +155,14 @@ class StreamingRenamingAdapter:
 def llama3_args():
     """A tiny titan Llama 3 (dim 64, 2 layers, 4 heads, 2 KV heads, vocab 256); needs
     titan-models."""
-    from titan_models import Llama3Args
+    from titan_models.llama3 import Llama3Args
 
     return Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)
 
 
 def make_llama3(seed: int = 0) -> nn.Module:
     """The tiny Llama 3 with initial weights from ``seed``, the same on every rank."""
-    from titan_models import Llama3
+    from titan_models.llama3 import Llama3
 
     torch.manual_seed(seed)
     model = Llama3(llama3_args())

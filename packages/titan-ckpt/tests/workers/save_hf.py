@@ -46,7 +46,7 @@ def build(kind: str, seed: int):
                 fully_shard(layer, mesh=mesh["dp"])
         fully_shard(stage, mesh=mesh["dp"])
         return stage, StreamingRenamingAdapter()
-    from titan_models import Llama3StateDictAdapter
+    from titan_models.llama3 import Llama3StateDictAdapter
 
     model = make_llama3(seed)
     for block in model.layers.values():

@@ -1,13 +1,10 @@
 """titan-dims: parallel layouts for PyTorch pretraining.
 
-``ParallelDims`` validates the degrees of a run (dp_replicate, dp_shard, cp, tp, pp, ep) and
+``ParallelDims`` validates a run's degrees (dp_replicate, dp_shard, cp, tp, pp, ep) and
 lazily builds its ``DeviceMesh`` with the flattened sub-meshes trainers use; ``simulate``
 builds the same mesh for any world size in one process; ``init_distributed`` starts the
-process group from torchrun's environment on whatever device the machine has.
-
-Every error raised for a bad layout or launch is a ``TitanDimsError``; a layout that cannot
-be built is a ``ParallelDimsError`` (also a ``ValueError``), see ``titan_dims.errors``.
-"""
+process group from torchrun's environment. Errors are ``TitanDimsError``; a layout that
+cannot be built is a ``ParallelDimsError`` (a ``ValueError``)."""
 
 from titan_dims import _quiet_torch  # noqa: F401  (first: it imports torch, see there)
 from titan_dims.__about__ import __version__

@@ -1,9 +1,6 @@
-"""Which device this process computes on, and which collective backend goes with it.
-
-Nothing here names a vendor: the accelerator (if any) comes from ``torch.accelerator`` and
-the backend from torch's own device-to-backend table, so CUDA gets NCCL, XPU gets XCCL and a
-machine without an accelerator gets CPU with gloo, a first-class path.
-"""
+"""Which device this process computes on, and which collective backend goes with it: the
+accelerator from ``torch.accelerator`` and the backend from torch's device-to-backend table
+(no vendor named here), CPU with gloo where there is no accelerator."""
 
 from __future__ import annotations
 

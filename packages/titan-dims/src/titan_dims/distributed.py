@@ -104,19 +104,11 @@ def init_distributed(
     cpu_collectives: bool = False,
     environ: Mapping[str, str] | None = None,
 ) -> torch.device:
-    """Initialize the default process group for this process and return its device.
-
-    Args:
-        device_type: ``cuda``, ``xpu``, ``cpu``...; detected when ``None``.
-        backend: process-group backend; when ``None``, the device's default (gloo on CPU),
-            plus gloo for CPU tensors if ``cpu_collectives``.
-        timeout: how long a collective (and the initial rendezvous) may wait before it
-            fails instead of hanging.
-        cpu_collectives: also give CPU tensors a backend on accelerator machines.
-        environ: the launcher's variables (default ``os.environ``).
-
-    Calling it again once a group exists only returns the device.
-    """
+    """Initialize the default process group for this process and return its device (only the
+    device when a group exists). ``device_type`` is detected when ``None``; ``backend`` defaults
+    to the device's (gloo on CPU), plus gloo for CPU tensors with ``cpu_collectives``;
+    ``timeout`` bounds every collective and the rendezvous, so a lost peer fails instead of
+    hanging; ``environ`` defaults to ``os.environ``."""
     env = DistributedEnv.from_environ(environ)
     device_type = device_type or detect_device_type()
     device = torch.device(device_type)

@@ -1,12 +1,9 @@
 """The arithmetic of a device-mesh layout, with no process group involved.
 
-A ``MeshLayout`` is the recipe a ``DeviceMesh`` is built from: named dimensions in
-row-major order (outermost first) plus flattened sub-meshes, each a merge of some of those
-dimensions. From the recipe alone it answers which coordinates a rank has and which ranks
-share a process group with it, for any world size, in microseconds. ``ParallelDims`` builds
-its real ``DeviceMesh`` from the same recipe, so both always agree; the tests prove it
-against torch at every rank.
-"""
+A ``MeshLayout`` is the recipe a ``DeviceMesh`` is built from: named dimensions (outermost
+first) and flattened sub-meshes merging some of them. It answers which coordinates a rank
+has and which ranks share its groups, for any world size, in microseconds; ``ParallelDims``
+builds its real mesh from the same recipe, and the tests check both agree at every rank."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Build the real ``DeviceMesh`` of any world size in one process, on a fake process group.
-
-torch's fake backend answers every collective without communicating, so the mesh, its
-sub-meshes and their rank groups come out exactly as they would on a real job of that size,
-as seen from one chosen rank. A 131,072-rank mesh builds in about a second on a laptop CPU.
-"""
+"""Build the real ``DeviceMesh`` of any world size in one process, on a fake process group:
+torch's fake backend answers every collective without communicating, so the mesh and its
+rank groups come out as on a real job of that size, seen from one chosen rank (131,072
+ranks in about a second)."""
 
 from __future__ import annotations
 

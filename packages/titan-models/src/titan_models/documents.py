@@ -1,20 +1,14 @@
 """Document masking for packed windows: attention that never crosses a document boundary.
 
-A packed training window holds several documents back to back; a document ends after each
-EOS token. With masking, a token attends only to earlier tokens of its own document
-(block-causal attention), and RoPE may restart at position 0 in each document, so a packed
-window computes what each document run alone computes.
-
-- :func:`document_ids` numbers the documents of each row, :func:`document_positions` gives
-  each token's position within its document.
-- :func:`document_mask` builds the mask once per forward; the models' ``forward(tokens, *,
-  document_ids=..., positions=...)`` calls it and hands it to every attention, and
-  :func:`masked_attention` applies it.
-- The mask is torch's FlexAttention ``BlockMask`` where :func:`flex_attention_supported`
-  (probed once per device type by running it, never by device name) says it works; else,
-  and always on the CPU (the exact path), a boolean ``(batch, 1, seq, seq)`` mask for
-  ``scaled_dot_product_attention``.
-"""
+A document ends after each EOS token. With masking a token attends only to earlier tokens of
+its own document (block-causal), and RoPE may restart at 0 in each document, so a packed
+window computes what each document alone computes. :func:`document_ids` and
+:func:`document_positions` number the documents and the positions within them;
+:func:`document_mask` builds the mask once per forward (the models' ``forward(tokens, *,
+document_ids=..., positions=...)`` calls it) and :func:`masked_attention` applies it. The
+mask is FlexAttention's ``BlockMask`` where :func:`flex_attention_supported` (probed once per
+device type by running it) says it works; else, and always on the CPU (the exact path), a
+boolean ``(batch, 1, seq, seq)`` SDPA mask."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""titan-models' errors: the root of them all, the one configuration error, and the checks
-that raise it.
-
-Every titan package has an ``errors.py`` of this shape: a root error, one configuration
-error that is also a ``ValueError``, and the checks ``check_int``, ``check_number``,
-``check_choice`` and ``check_bool``, which raise that error. The checks have one
-source, bound here to this package's error: ``titan_dims.checks``.
-"""
+"""titan-models' errors: the root of them all, the one configuration error (also a
+``ValueError``), and the shared checks (one source, ``titan_dims.checks``) bound to it."""
 
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
-"""Eager fused RMSNorm and SwiGLU: the same numbers as ``F.rms_norm`` and ``silu(a) * b``
-in fewer passes over memory and with fewer full-size temporaries, for runs without
-``torch.compile`` (whose inductor fuses the decomposed ops itself, but costs seconds per
-process).
+"""Eager fused RMSNorm and SwiGLU: the numbers of ``F.rms_norm`` and ``silu(a) * b`` with
+fewer passes over memory and fewer temporaries, for runs without ``torch.compile`` (whose
+inductor fuses the plain ops itself, for seconds of compile per process).
 
-``rms_norm`` is a custom ``torch.autograd.Function``: one reduction for the forward (a
-vector norm, no ``x ** 2`` temporary), the input and the per-row ``rsqrt`` saved (not the
-normalized input), and a backward from the analytic gradient whose two row sums are a
-matrix-vector product and one column sum. Measured at one thread on the Llama 3 debug
-model's shape (8 x 2048 x 256, fp32): forward + backward ~21 ms against ~41 ms for
-``F.rms_norm`` (``tools/bench/fused_ops.py``). Every model family's norms are ``FusedRMSNorm``.
+``rms_norm``: one reduction forward, the input and per-row ``rsqrt`` saved, the analytic
+gradient backward; ~21 ms against ~41 ms for ``F.rms_norm`` forward + backward at the Llama
+3 debug model's shape on one thread (``tools/bench/fused_ops.py``). Every family's norms are
+``FusedRMSNorm``. ``swiglu`` saves ``a`` and ``b`` only and recomputes ``silu(a)``: one
+activation less per block, but ~15% slower on the CPU, so the models do not use it.
 
-``swiglu`` saves ``a`` and ``b`` only (not ``silu(a)``: one full-size activation less per
-block) and recomputes ``silu(a)`` in the backward: less memory, but on the CPU ~15% slower
-than autograd's own ``silu(a) * b`` once freed host memory is reused (no fused eager kernel
-computes both gradients in one pass), so the models do not use it by default.
-
-Both fall back to the plain ops for DTensor inputs (tensor-parallel plans hand the norms
-sequence-sharded DTensors), under ``torch.compile`` (inductor fuses the plain ops better)
-and for inputs that need no gradient tracking through a custom function (no autograd).
-"""
+Both take the plain ops for DTensor inputs (TP hands norms sequence-sharded DTensors), under
+``torch.compile``, and when no gradient is tracked."""
 
 from __future__ import annotations
 

@@ -1,31 +1,20 @@
 """``KVCache``: the keys and values of tokens already seen, for incremental decoding.
 
-A model that supports it takes ``forward(tokens, cache=...)``: ``tokens`` are the next
-``seq`` tokens of every row (the whole prompt first, then one token a step), and the cache
-supplies what attention needs beyond them:
+A model that supports it takes ``forward(tokens, cache=...)`` (the whole prompt first, then
+one token a step) and asks the cache for: ``rope_rows(table, seq)``, each new token's RoPE
+angles at its own position (rows may be left-padded); ``layer(i).attend(q, k, v)``, which
+stores layer ``i``'s new keys and values and attends over all stored so far with the causal
+and padding mask; and ``advance(seq)`` once all layers ran. ``set_padding(mask)`` marks a
+forward's padding slots: they count no position and no real token attends to them, so
+left-padded rows of different lengths get what each would get alone. Buffers are allocated
+on the first ``attend`` with the keys' heads, dtype and device (under tensor parallel, each
+rank its own heads). Sampling lives with the caller (titan-train's ``generate``).
 
-- ``cache.rope_rows(table, seq)``: each new token's RoPE angles, picked from the model's
-  table at the token's own position (rows may be left-padded, so positions differ per row);
-- ``cache.layer(i).attend(q, k, v)``: stores layer ``i``'s new keys and values and attends
-  the new queries over every key stored so far, with the causal and padding mask;
-- ``cache.advance(seq)`` once all layers ran.
-
-``cache.set_padding(mask)`` before a forward marks some of its slots as padding: no real
-token attends to them and they count no position. Rows of different lengths share a batch
-left-padded (the first real token of every row is at position 0), so each row gets the
-tokens it would get alone. Buffers are allocated
-on the first ``attend`` with the heads, dtype and device of the keys given: under tensor
-parallelism each rank holds its own heads' share. The model side is all here; sampling lives
-with the caller (titan-train's ``generate``).
-
-Adopting it in a model family takes three small edits (``titan_models.llama3.model`` is the
-example): the model's forward picks ``rope_rows`` and passes ``cache.layer(i)`` to block
-``i`` as a keyword (tensor-parallel plans prepare positional inputs only), the attention
-calls ``attend`` instead of its causal attention when given a layer cache, and the model
-calls ``advance``. Without a cache the forward is untouched. DeepSeek-V3's multi-head latent
-attention took the same edits: ``attend`` takes keys and values of their own widths, and a
-``scale`` when the queries do not carry it.
-"""
+A family adopts it in three edits (``titan_models.llama3.model`` is the example): its
+forward picks ``rope_rows`` and passes ``cache.layer(i)`` to block ``i`` as a keyword (TP
+plans prepare positional inputs only), attention calls ``attend`` when given a layer cache,
+and the model calls ``advance``. ``attend`` takes keys and values of different widths and a
+``scale`` (DeepSeek-V3's latent attention)."""
 
 from __future__ import annotations
 
@@ -39,15 +28,10 @@ __all__ = ["KVCache", "LayerKVCache", "cached_forward"]
 
 class KVCache:
     """Keys and values of ``n_layers`` attention layers for ``batch_size`` rows of at most
-    ``max_len`` slots, padding slots included.
-
-    Every forward fills the next ``seq`` slots of every row (``start`` counts the slots
-    filled). ``set_padding(mask)`` before a forward marks some of its slots as padding: they
-    count no position and no later token attends to them. That is how rows of different
-    lengths share a batch (left padding), and how a forward is kept to a length some layout
-    needs (sequence parallel splits every sequence evenly over its ranks) while it carries
-    fewer real tokens.
-    """
+    ``max_len`` slots, padding slots included. Every forward fills the next ``seq`` slots of
+    every row (``start`` counts them); padding slots (``set_padding``) let rows of different
+    lengths share a batch, and keep a forward at a length a layout needs (sequence parallel splits
+    sequences evenly) while it carries fewer real tokens."""
 
     def __init__(
         self,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from titan_dims import ParallelDims
-from titan_models import DeepSeekV3Args, ModelConfigError, ParallelizeConfig
-from titan_models.deepseek_v3 import check_deepseek_v3
+from titan_models import ModelConfigError, ParallelizeConfig
+from titan_models.deepseek_v3 import DeepSeekV3Args, check_deepseek_v3
 
 TWO_RANKS = ("fsdp", "ep", "ep_ac", "tp", "cp", "pp")
 # Per-block compile runs in a launch of its own, `full`: compile on CPU costs ~25-50 s cold;

@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from titan_models import Llama3, Llama3StateDictAdapter, ModelConfigError, llama3_args, make_adapter
+from titan_models import ModelConfigError
+from titan_models.llama3 import Llama3, Llama3StateDictAdapter, llama3_args, make_adapter
 from titan_models.llama3.adapter import args_from_hf_config
 
 

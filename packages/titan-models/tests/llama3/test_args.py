@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_models import (
-    LLAMA3_FLAVORS,
-    Llama3,
-    Llama3Args,
-    ModelConfigError,
-    RopeScaling,
-    llama3_args,
-)
+from titan_models import ModelConfigError
+from titan_models.llama3 import LLAMA3_FLAVORS, Llama3, Llama3Args, RopeScaling, llama3_args
 from titan_models.llama3.args import rope_scaling_of
 
 # Published totals with vocab 128256 and an untied output matrix (1B and 3B ship tied: their

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn import functional
 
-from titan_models import Llama3, Llama3Args, RopeScaling, llama3_args
+from titan_models.llama3 import Llama3, Llama3Args, RopeScaling, llama3_args
 from titan_models.llama3.model import apply_rope, rope_table
 
 TORCHTITAN_NAMES = {

@@ -14,14 +14,8 @@ import pytest
 import torch
 
 from titan_dims import ParallelDims
-from titan_models import (
-    ActivationCheckpointConfig,
-    Llama3,
-    ModelConfigError,
-    ParallelizeConfig,
-    check_llama,
-    parallelize_llama,
-)
+from titan_models import ActivationCheckpointConfig, ModelConfigError, ParallelizeConfig
+from titan_models.llama3 import Llama3, check_llama, parallelize_llama
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_models import ModelConfigError, MoEArgs
+from titan_models import ModelConfigError
+from titan_models.moe import MoEArgs
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from titan_models import MoE, MoEArgs
-from titan_models.moe import expert_load, moe_layers, update_expert_bias
+from titan_models.moe import MoE, MoEArgs, expert_load, moe_layers, update_expert_bias
 
 DIM = 8
 

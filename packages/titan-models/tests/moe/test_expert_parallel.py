@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_models import ModelConfigError, MoEArgs
+from titan_models import ModelConfigError
+from titan_models.moe import MoEArgs
 from titan_models.parallel import check_expert_parallel
 
 CASES = ("grouped_mm", "fallback", "skewed", "checkpointed")

@@ -12,8 +12,9 @@ import torch
 from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 
-from titan_models import MoE, MoEArgs
 from titan_models.moe import (
+    MoE,
+    MoEArgs,
     grouped_mm_supported,
     run_experts_grouped_mm,
     run_experts_loop,

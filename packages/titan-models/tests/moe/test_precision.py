@@ -11,9 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.nn import functional
 
-from titan_models import MoE, MoEArgs
 from titan_models.moe import (
     GroupedExperts,
+    MoE,
+    MoEArgs,
     TokenChoiceTopKRouter,
     grouped_mm_supported,
     run_experts_fallback,

@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 
-from titan_models import MoEArgs
-from titan_models.moe import TokenChoiceTopKRouter
+from titan_models.moe import MoEArgs, TokenChoiceTopKRouter
 
 
 def sigmoid(value: float) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_models import MoE, MoEArgs
+from titan_models.moe import MoE, MoEArgs
 
 transformers = pytest.importorskip("transformers")
 

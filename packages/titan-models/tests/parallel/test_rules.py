@@ -10,17 +10,10 @@ import math
 import pytest
 
 from titan_dims import ParallelDims
-from titan_models import (
-    DEEPSEEK_V3,
-    LLAMA3,
-    QWEN3,
-    DeepSeekV3Args,
-    Llama3Args,
-    ModelConfigError,
-    ParallelizeConfig,
-    PipelineConfig,
-    Qwen3Args,
-)
+from titan_models import ModelConfigError, ParallelizeConfig, PipelineConfig
+from titan_models.deepseek_v3 import DEEPSEEK_V3, DeepSeekV3Args
+from titan_models.llama3 import LLAMA3, Llama3Args
+from titan_models.qwen3 import QWEN3, Qwen3Args
 
 _QWEN3 = dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96)
 _DEEPSEEK_V3 = dict(
@@ -122,3 +115,12 @@ def test_document_masking_is_refused_with_context_parallel_only() -> None:
         check_document_masking(ParallelDims(world_size=4, cp=2, dp_shard=2, device_type="cpu"))
     for degrees in ({"dp_shard": 2, "tp": 2}, {"pp": 2, "dp_shard": 2}, {"ep": 2, "dp_shard": 4}):
         check_document_masking(ParallelDims(world_size=4, device_type="cpu", **degrees))
+
+
+def test_every_family_this_package_registers_is_checked_here() -> None:
+    """A family added to the ``titan.models`` entry points without a row in ``FAMILIES`` would
+    escape the rules above."""
+    from importlib.metadata import entry_points
+
+    ours = {e.name for e in entry_points(group="titan.models") if e.value.startswith("titan_m")}
+    assert ours == set(FAMILIES)

@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from titan_dims import ParallelDims
-from titan_models import (
-    ConfigError,
-    ParallelizeConfig,
-    plain_loss,
-    reduce_loss,
-    repeat_kv,
-    step_context,
-)
+from titan_models import ConfigError, ParallelizeConfig, plain_loss, reduce_loss, step_context
+from titan_models.ops import repeat_kv
 
 
 def test_without_cp_or_tp_the_context_hands_the_batch_through():
@@ -106,7 +100,7 @@ def test_auto_on_a_cpu_without_bf16_instructions_keeps_fp32(monkeypatch):
 def test_a_bf16_step_on_one_device_computes_in_bf16_and_keeps_fp32_weights(tiny, monkeypatch):
     """bf16 forced on CPU: blocks compute in bf16, parameters and gradients stay fp32, and
     the losses track the fp32 run within bf16 rounding without equalling it."""
-    from titan_models import Llama3
+    from titan_models.llama3 import Llama3
     from titan_models.parallel import data_parallel
 
     monkeypatch.setattr(data_parallel, "cpu_has_fast_bf16", lambda: True)  # bf16 forced

@@ -30,12 +30,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional
 
 from titan_dims import ParallelDims, init_distributed
-from titan_models import (
+from titan_models import ParallelizeConfig, PipelineConfig, context_parallel_batch
+from titan_models.deepseek_v3 import (
     DeepSeekV3,
     DeepSeekV3Args,
-    ParallelizeConfig,
-    PipelineConfig,
-    context_parallel_batch,
     parallelize_deepseek_v3,
     pipeline_deepseek_v3,
 )

@@ -21,14 +21,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_dims import ParallelDims, init_distributed
-from titan_models import (
-    Llama3,
-    ParallelizeConfig,
-    PipelineConfig,
-    parallelize_llama,
-    pipeline_llama,
-)
+from titan_models import ParallelizeConfig, PipelineConfig
 from titan_models.documents import DocumentMasking
+from titan_models.llama3 import Llama3, parallelize_llama, pipeline_llama
 
 EOS = 0
 MASKING = DocumentMasking(EOS)

@@ -26,7 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from titan_dims import ParallelDims, init_distributed
-from titan_models import ModelConfigError, MoE, MoEArgs, apply_expert_parallel
+from titan_models import ModelConfigError
+from titan_models.moe import MoE, MoEArgs
+from titan_models.parallel import apply_expert_parallel
 
 DIM, HIDDEN, SEQS_PER_RANK, SEQ = 16, 32, 2, 6
 

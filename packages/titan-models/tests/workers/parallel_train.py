@@ -22,17 +22,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_dims import ParallelDims, init_distributed
-from titan_models import (
-    Llama3,
-    ParallelizeConfig,
-    PipelineConfig,
-    context_parallel_batch,
-    context_parallel_shard,
-    parallelize_llama,
-    pipeline_llama,
-)
+from titan_models import ParallelizeConfig, PipelineConfig, context_parallel_batch
+from titan_models.llama3 import Llama3, parallelize_llama, pipeline_llama
 from titan_models.llama3.model import CausalAttention
-from titan_models.parallel import ContextParallelAttention, RingContextParallelAttention
+from titan_models.parallel import (
+    ContextParallelAttention,
+    RingContextParallelAttention,
+    context_parallel_shard,
+)
 
 _AC_OP = {"activation_checkpoint": {"mode": "selective", "selective_option": "op"}}
 _AC_FULL = {"activation_checkpoint": {"mode": "full"}}

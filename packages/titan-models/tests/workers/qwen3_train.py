@@ -31,10 +31,10 @@ from torch.nn import functional
 from titan_dims import ParallelDims, init_distributed
 from titan_models import ParallelizeConfig, PipelineConfig, context_parallel_batch
 from titan_models.moe import ExpertBalancer
+from titan_models.qwen3 import pipeline_qwen3
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.model import Qwen3
 from titan_models.qwen3.parallelize import parallelize_qwen3
-from titan_models.qwen3.pipeline import pipeline_qwen3
 
 BATCH, SEQ, STEPS, LR = 4, 32, 3, 3e-3
 _AC_FULL = {"activation_checkpoint": {"mode": "full"}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional
 
-from titan_models import Llama3, Llama3Args, RopeScaling
+from titan_models.llama3 import Llama3, Llama3Args, RopeScaling
 
 BATCH = 4
 SEQ = 32

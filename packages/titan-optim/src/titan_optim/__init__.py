@@ -1,14 +1,11 @@
 """titan-optim: optimizers over model parts, gradient clipping and LR schedules.
 
 ``build_optimizers`` turns an ``OptimizerConfig`` into an ``OptimizersContainer``: one
-``torch.optim`` optimizer per model part (pipeline stage; two with ``Muon``, which leaves
-embeddings, head, norms and biases to AdamW), stepped together, clipped by the
-global gradient norm across DTensor meshes and pipeline stages, and checkpointed as one
-flat dict keyed by parameter FQN. ``build_lr_schedulers`` adds a warmup-stable-decay
-schedule per optimizer. Both containers are ``Stateful`` for ``torch.distributed.checkpoint``.
-Every error raised for a bad setting or state is an ``OptimError``; a setting that cannot be
-used is an ``OptimizerConfigError`` (also a ``ValueError``), see ``titan_optim.errors``.
-"""
+``torch.optim`` optimizer per model part (two with ``Muon``, which leaves embeddings, head,
+norms and biases to AdamW), stepped together, clipped by the global gradient norm across
+meshes and pipeline stages, checkpointed as one flat dict keyed by parameter FQN.
+``build_lr_schedulers`` adds a warmup-stable-decay schedule per optimizer. Errors are
+``OptimError``; a bad setting is an ``OptimizerConfigError`` (a ``ValueError``)."""
 
 from titan_optim.__about__ import __version__
 from titan_optim.build import build_optimizers

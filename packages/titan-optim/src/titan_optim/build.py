@@ -1,9 +1,5 @@
-"""``build_optimizers``: the factory that picks a container for an ``OptimizerConfig``.
-
-It sits above both containers (``container.py`` and its subclass in ``in_backward.py``), so
-neither imports the other's module to be built. The parameter-group and implementation
-helpers live in ``param_groups.py`` (re-exported here for callers of their old home).
-"""
+"""``build_optimizers``: the factory that picks a container for an ``OptimizerConfig``, above
+both containers so that neither imports the other (the helpers are in ``param_groups.py``)."""
 
 from __future__ import annotations
 
@@ -14,20 +10,9 @@ from torch import nn
 from titan_optim.config import OptimizerConfig
 from titan_optim.container import OptimizersContainer
 from titan_optim.in_backward import OptimizersInBackwardContainer
-from titan_optim.param_groups import (
-    build_optimizer,
-    build_part_optimizers,
-    group_parameters,
-    implementation_flags,
-    warn_fallback,
-)
+from titan_optim.param_groups import build_part_optimizers, group_parameters, warn_fallback
 
-__all__ = [
-    "build_optimizer",
-    "build_optimizers",
-    "group_parameters",
-    "implementation_flags",
-]
+__all__ = ["build_optimizers", "group_parameters"]
 
 
 def build_optimizers(

@@ -1,17 +1,10 @@
 """Gradient clipping by the global norm over every rank's shard of every model part.
 
-The global norm must count each gradient element exactly once:
-
-* A DTensor gradient is reduced over its own mesh (sharded dims sum, replicated dims do
-  not), which DTensor does when its local norm is turned into a full tensor. Gradients on
-  different meshes (FSDP-only layers on ``dp_shard``, FSDP + TP layers on ``dp_shard x tp``)
-  are reduced mesh by mesh, because one DTensor op cannot mix meshes.
-* Pipeline stages hold disjoint parameters, so their norms are combined over the pipeline
-  group: ``sum(n_i ** p) ** (1/p)``, or ``max`` for the infinity norm.
-
-Only after that reduction is the norm the same on every rank, so every rank makes the same
-clip / skip / raise decision.
-"""
+Each gradient element counts once: DTensor gradients are reduced over their own mesh (one
+op cannot mix meshes, so mesh by mesh), and pipeline stages, which hold disjoint parameters,
+combine their norms over the pipeline group (``sum(n_i ** p) ** (1/p)``, or ``max`` for the
+infinity norm). Only then is the norm equal on every rank, so every rank makes the same
+clip / skip / raise decision."""
 
 from __future__ import annotations
 
@@ -41,16 +34,12 @@ def clip_grad_norm_(
     on_nonfinite: str = "skip",
     mirrored: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """Scale the gradients of ``parameters`` in place so their global norm is <= ``max_norm``.
-
-    ``parameters`` are this rank's parameters (plain tensors or DTensors); ``pp_group`` is the
-    pipeline-parallel group (or 1-D mesh) when the model is split into stages across ranks.
-    ``mirrored`` are parameters among them that repeat one counted elsewhere (the last
-    pipeline stage's copy of a tied embedding): clipped, but left out of the norm.
-    Returns the global norm, a plain tensor equal on every rank. When it is not finite the
-    gradients are left untouched and, with ``on_nonfinite="raise"``, ``NonFiniteGradError``
-    is raised; with ``"skip"`` the caller should skip the step (``OptimizersContainer`` does).
-    """
+    """Scale the gradients of ``parameters`` (this rank's, plain or DTensor) in place so their
+    global norm is <= ``max_norm``; ``pp_group`` is the pipeline group (or 1-D mesh) of a staged
+    model; ``mirrored`` parameters (the last stage's copy of a tied embedding) are clipped but
+    not counted. Returns the norm, a plain tensor equal on every rank. A non-finite norm leaves
+    the gradients alone and raises ``NonFiniteGradError`` with ``on_nonfinite="raise"``; with
+    ``"skip"`` the caller skips the step (``OptimizersContainer`` does)."""
     # Arguments of a call, not settings of a config: plain ValueErrors, in the shared shape.
     check_number("max_norm", max_norm, low=0, error=ValueError)
     norm_type = float(norm_type)

@@ -1,12 +1,9 @@
 """``OptimizersContainer``: the optimizers of all model parts, used as one optimizer.
 
-A pipeline-parallel rank may hold several model parts (stages); each gets its own
-``torch.optim`` optimizer because ``torch.distributed.checkpoint``'s state-dict helpers map
-an optimizer's parameters to names through one module. The container steps them together
-and saves them as one flat dict keyed by parameter FQN (``state.<fqn>.exp_avg``,
-``param_groups.<fqn>.lr``), whose tensors are DTensors under FSDP2/TP, so a checkpoint
-written at one parallel layout loads at another.
-"""
+A pipeline rank may hold several parts (stages), each with its own ``torch.optim``
+optimizer, since DCP's state-dict helpers name an optimizer's parameters through one module.
+They step together and save as one flat dict keyed by parameter FQN, whose tensors are
+DTensors under FSDP2/TP, so a checkpoint written at one layout loads at another."""
 
 from __future__ import annotations
 
@@ -39,16 +36,11 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class OptimizersContainer:
-    """One optimizer per model part, behind the interface of a single optimizer.
-
-    ``state_dict`` / ``load_state_dict`` make it a ``torch.distributed.checkpoint``
-    ``Stateful``: a checkpointer saves it without knowing this class. Parameters must have
-    gradients only from ``backward`` (the usual case); loading into a fresh container first
-    materialises each optimizer's state, as ``set_optimizer_state_dict`` requires.
-
-    After :meth:`clip_grad_norm_` finds a non-finite norm under the ``skip`` policy, the next
-    :meth:`step` is skipped (its hooks too) and counted in :attr:`skipped_steps`.
-    """
+    """One optimizer per model part, behind the interface of a single optimizer, and a DCP
+    ``Stateful`` (loading into a fresh container materialises each optimizer's state first, as
+    ``set_optimizer_state_dict`` requires). After :meth:`clip_grad_norm_` finds a non-finite
+    norm under ``skip``, the next :meth:`step` (hooks too) is skipped and counted in
+    :attr:`skipped_steps`."""
 
     def __init__(
         self,

@@ -1,30 +1,20 @@
 """``FTOptimizersContainer``: an ``OptimizersContainer`` driven by a torchft ``Manager``.
 
-With torchft, replica groups join and leave while training runs. Each step's torchft duties
-live in the container a trainer already calls every step: ``zero_grad`` starts the manager's
-quorum; ``clip_grad_norm_`` first averages every gradient over the participating replica
-groups (so every group clips and steps the same gradient), and ``step`` does so when no
-clipping ran; ``step`` commits only when the manager says every participant's gradients were
-reduced. The average runs as few collectives: gradients are flattened into buckets of
-``bucket_cap_mb`` (per device and dtype), one all-reduce per bucket, all in flight at once,
-instead of one per parameter (hundreds of small, latency-bound calls for an LLM). A
-recovering peer asks a healthy replica for its optimizer state
-from a background thread, possibly mid-step: computing it then from the optimizers could
-initialise empty optimizer state (``get_optimizer_state_dict`` does that by taking a step
-with lr 0, which also shifts Adam's step count) or read a half-updated lr. So the state
-dict is computed on the training thread after every committed step or load, and the
-manager reads that cache. Before the first committed step there is no cache and no state to
-share (replicas all at step 0 do not heal from each other); a read then computes it.
+torchft's per-step duties live in the calls a trainer already makes: ``zero_grad`` starts the
+quorum; ``clip_grad_norm_`` (or ``step``, without clipping) first averages every gradient
+over the participating replica groups, in buckets of ``bucket_cap_mb`` (one all-reduce each,
+all in flight, not hundreds of latency-bound small ones); ``step`` commits only when the
+manager says every participant's gradients were reduced.
 
-Buffers that must agree over the replica groups although no gradient carries them (an MoE
-layer's token counts, from which each group nudges its expert-selection biases after the
-step) are registered with ``sum_over_replica_groups``: they are summed over the participating
-groups with every step's gradient average, before the commit, so every group's after-step
-hooks read the same totals. A step that does not commit (or that the inner container skips
-for a non-finite norm) gets their local values back.
+A recovering peer reads the optimizer state from a background thread, possibly mid-step,
+when computing it could initialise empty state (``get_optimizer_state_dict`` steps with lr 0,
+shifting Adam's step count) or read a half-updated lr. So the state dict is cached on the
+training thread, rebuilt on first read after each committed step or load.
 
-Needs the ``torchft`` extra (``pip install titan-optim[torchft]``).
-"""
+Buffers that must agree over the groups though no gradient carries them (an MoE layer's token
+counts, which each group's after-step hook turns into bias updates) are summed over the
+groups with the gradient average (``sum_over_replica_groups``); a step that does not commit
+restores their local values. Needs the ``torchft`` extra."""
 
 from __future__ import annotations
 
@@ -48,14 +38,10 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 class FTOptimizersContainer:
-    """Fault-tolerant wrapper over an ``OptimizersContainer`` (a ``Stateful`` too).
-
-    ``state_key`` registers the cached state with the manager for live recovery under that
-    name; pass ``None`` when the caller registers it itself. ``bucket_cap_mb`` caps the
-    buckets gradients are flattened into for the average over replica groups (one
-    all-reduce each); 0 all-reduces each gradient on its own. A bucket is a copy: in
-    flight, the buckets hold one more copy of the gradients.
-    """
+    """Fault-tolerant wrapper over an ``OptimizersContainer`` (a ``Stateful`` too). ``state_key``
+    registers the cached state with the manager (``None``: the caller does). ``bucket_cap_mb``
+    caps the buckets of the replica-group average (0: one all-reduce per gradient); in flight
+    the buckets hold one more copy of the gradients."""
 
     def __init__(
         self,

@@ -1,11 +1,7 @@
-"""Optimizer-in-backward: each parameter steps as soon as its gradient is accumulated.
-
-Every trainable parameter gets its own optimizer, stepped (and its gradient freed) from a
-post-accumulate-grad hook, so at most a few gradients are alive at once. The price: no
-gradient ever coexists with all the others, so a global norm cannot be computed (no
-clipping), and a pipeline schedule's several backward passes per step would step each
-parameter once per microbatch (no pipeline parallelism). Both are refused up front.
-"""
+"""Optimizer-in-backward: each parameter steps (and frees its gradient) from its
+post-accumulate-grad hook, so only a few gradients are alive at once. No gradient then
+coexists with all others (no global norm, so no clipping), and a pipeline's several backward
+passes would step each parameter once per microbatch: both are refused up front."""
 
 from __future__ import annotations
 
@@ -28,15 +24,11 @@ __all__ = ["OptimizerInBackwardError", "OptimizersInBackwardContainer"]
 class OptimizersInBackwardContainer(OptimizersContainer):
     """An ``OptimizersContainer`` whose optimizers step inside ``backward``.
 
-    ``step`` only runs the post hooks and checks that backward did consume every gradient;
-    ``zero_grad`` has nothing left to clear. The pre hooks run before the first parameter steps
-    in each backward, so they still come before any update (a checkpointer waiting for its
-    background copy of the state relies on that), and ``step`` does not run them again; after a
-    backward that stepped nothing, ``step`` runs them. State dicts are the same flat FQN dicts
-    as the ordinary container's. Parameters must receive their gradients through autograd
-    accumulation (FSDP2 assigns sharded gradients after backward, which bypasses the hook:
-    ``step`` then raises instead of silently not training).
-    """
+    ``step`` runs the post hooks and checks that backward consumed every gradient (FSDP2 assigns
+    sharded gradients after backward, bypassing the hook: ``step`` then raises instead of
+    silently not training); ``zero_grad`` has nothing to clear. The pre hooks run before the
+    first parameter steps in each backward, so they still precede every update (a checkpointer
+    waiting for its background copy relies on that). State dicts are the ordinary container's."""
 
     def __init__(
         self,

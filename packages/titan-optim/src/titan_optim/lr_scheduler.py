@@ -1,37 +1,23 @@
 """Warmup-stable-decay learning-rate schedules, one per optimizer of a container.
 
-The schedule multiplies each param group's own lr by a factor that depends only on the
-step, so per-group lrs (from ``ParamGroupRule``) keep their ratios. It follows torchtitan's
-``linear_warmup_stable_decay`` step for step (``torchtitan/components/lr_scheduler.py`` in
-July 2025, ``components/optimizer/lr_scheduler.py`` since; the formula is unchanged).
-
-With ``T`` training steps, ``W`` warmup steps (clamped to ``T``), ``D`` decay steps
-(``round(T * decay_ratio)``, or ``T - W`` when ``decay_ratio`` is ``None``; clamped to
-``T - W``) and ``S = T - W - D`` stable steps, the factor of the lr that step ``s`` trains
-with (0-based: ``s`` calls to ``step()`` came before it; the run's step ``s + 1``) is::
+The schedule multiplies each param group's own lr by a factor of the step alone, so per-group
+lrs keep their ratios. It follows torchtitan's ``linear_warmup_stable_decay`` step for step.
+With ``T`` training steps, ``W`` warmup steps (at most ``T``), ``D`` decay steps
+(``round(T * decay_ratio)``, or ``T - W`` when ``decay_ratio`` is ``None``; at most ``T -
+W``) and ``S = T - W - D`` stable steps, the factor of 0-based step ``s`` is::
 
     s <  W              (s + 1) / W                         linear warmup, 1 at s = W - 1
     s <= W + S          1                                   stable (and the first decay step)
     s >  W + S          m + (1 - m) * curve(p),  p = min(1, (s - W - S) / D)
 
 with ``m = min_lr_factor`` and ``curve`` = ``1 - p`` (linear), ``1 - sqrt(p)`` (sqrt) or
-``(1 + cos(pi * p)) / 2`` (cosine). So the ``i``-th of the ``D`` decay steps (``i = 0 ..
-D - 1``) trains at progress ``p = i / D``: decay starts at the peak and reaches ``m`` at
-``s = T``, one step after the last training step. torchtitan calls this "a virtual last
-step to prevent the learning rate from dropping to 0"; its code writes it as ``S + 1``
-stable steps and a ``+ 1`` on the step in the decay formula. The last step trains at
-``m + (1 - m) * curve((D - 1) / D)``, e.g. ``lr / D`` for linear decay to 0.
+``(1 + cos(pi * p)) / 2`` (cosine): decay starts at the peak and reaches ``m`` at ``s = T``,
+one step after the last training step (torchtitan's "virtual last step"). Past ``T``, steps
+no run trains, titan stays at ``m`` (torchtitan's progress runs past 1) and at 1 with ``D =
+0`` (torchtitan divides by zero).
 
-Where titan differs, only past the end of training (``s > T``, steps a run never
-trains): the factor stays at ``m`` (torchtitan's progress runs past 1, so linear and sqrt
-decay go negative and cosine climbs back), and with ``D = 0`` it stays at 1 (torchtitan
-divides by zero). No step trains there: it only shows in the lr a finished run leaves in
-its optimizer.
-
-The schedule is a pure function of the step, and the step count is all that is saved: a
-resume with another ``training.steps``, ``warmup_steps`` or decay carries the position
-over and applies the new schedule from the next step on.
-"""
+Only the step count is saved: a resume with other lengths carries the position over and
+applies the new schedule from the next step on."""
 
 from __future__ import annotations
 
@@ -162,18 +148,11 @@ class WarmupStableDecay:
 
 
 class LRSchedulersContainer:
-    """One ``LambdaLR`` per optimizer of an ``OptimizersContainer``, stepped together.
-
-    All schedulers share one step count, so the saved state is that count alone: it loads
-    into a container with a different number of optimizers (another pipeline layout) and
-    sets every group's lr from its own base lr and *this* container's schedule. A
-    ``Stateful`` for checkpointing.
-
-    The schedule owns the lr: loading an optimizer's state (which carries the lr it was
-    saved with, e.g. the end-of-schedule lr of a finished run) sets every group's lr back
-    to the schedule's value at the current step, whether the optimizer loads before or
-    after this container. A resumed run therefore trains each step at its schedule's lr.
-    """
+    """One ``LambdaLR`` per optimizer of an ``OptimizersContainer``, stepped together; a
+    ``Stateful``. The saved state is the shared step count alone, so it loads at another number
+    of optimizers (another pipeline layout). The schedule owns the lr: loading an optimizer's
+    state (which carries the lr it was saved with) sets every group's lr back to the schedule's
+    at the current step, whichever loads first, so a resumed run trains at its schedule's lr."""
 
     def __init__(self, optimizers: OptimizersContainer, schedule: WarmupStableDecay) -> None:
         self.schedule = schedule

@@ -1,29 +1,23 @@
 """Muon over sharded parameters: ``torch.optim.Muon``'s update for DTensors and expert stacks.
 
-``torch.optim.Muon`` orthogonalises each 2-D gradient with a Newton-Schulz iteration, which
-needs the whole matrix; it refuses anything but plain 2-D parameters. Under FSDP2 (``Shard(0)``)
-and TP a rank holds only a slice, and MoE layers keep their experts as one 3-D ``(experts,
-rows, cols)`` stack. This ``Muon`` keeps torch's update, state and param-group keys (so a
+``torch.optim.Muon`` orthogonalises each whole 2-D gradient by Newton-Schulz and refuses
+anything else; under FSDP2 and TP a rank holds a slice, and MoE experts are one 3-D
+``(experts, rows, cols)`` stack. This ``Muon`` keeps torch's update, state and group keys (a
 checkpoint moves between the two) and orthogonalises whole matrices only:
 
-* matrices whose only split is by rows (FSDP2's ``Shard(0)``, TP's colwise, HSDP's shard
-  dimension beside its replicas) are spread: matrix i belongs to rank ``i % world`` of
-  that mesh dimension, which gathers its rows from the others, runs torch's
-  Newton-Schulz and scatters the rows back, so each rank iterates on its share of the
-  matrices. Measured against gathering every matrix on every rank
-  (``tools/bench/muon_sharded.py``, 24 matrices 256 x 256, gloo on the 2-core CPU machine):
-  63 vs 128 ms a step at 2 ranks, 60 vs 233 at 4 (4 ranks sharing the 2 cores); spread /
-  gather 0.45-0.52 at 2 ranks and 0.23-0.26 at 4 over four runs on a loaded machine;
-* other DTensor layouts (TP's rowwise, FSDP2 + TP) gather the matrix on every rank
-  (``full_tensor()``), iterate and keep this rank's slice;
-* a 3-D stack of expert matrices is orthogonalised expert by expert; sharded only along its
-  expert dimension (expert parallelism, or FSDP2 over experts) each rank holds whole
-  matrices and iterates on its own, with no communication. The LR scaling reads the shape
-  of one expert matrix.
+* matrices split by rows only (FSDP2's ``Shard(0)``, TP colwise, HSDP's shard dimension) are
+  spread: matrix i's rows are gathered on rank ``i % world`` of that dimension, iterated and
+  scattered back. Against gathering every matrix on every rank
+  (``tools/bench/muon_sharded.py``, gloo, 2 cores) it takes 0.45-0.52x the time at 2 ranks
+  and 0.23-0.26x at 4;
+* other DTensor layouts (TP rowwise, FSDP2 + TP) gather the matrix on every rank
+  (``full_tensor()``) and keep this rank's slice;
+* an expert stack is orthogonalised per expert; sharded only along the experts (EP, FSDP2
+  over experts) each rank iterates on its whole matrices with no communication. The LR
+  scaling reads one expert matrix's shape.
 
-Every path runs torch's own ``_zeropower_via_newtonschulz`` on the same whole matrix, so the
-parameters equal ``torch.optim.Muon``'s bit for bit (tests/test_muon.py).
-"""
+Every path runs torch's ``_zeropower_via_newtonschulz`` on the whole matrix, so parameters
+equal ``torch.optim.Muon``'s bit for bit (tests/test_muon.py)."""
 
 from __future__ import annotations
 

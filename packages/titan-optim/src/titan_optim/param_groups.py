@@ -52,16 +52,12 @@ _FOREACH_DEVICES = tuple(_get_foreach_kernels_supported_devices())
 
 
 def group_parameters(model: nn.Module, config: OptimizerConfig) -> list[dict[str, Any]]:
-    """Split ``model``'s trainable parameters into torch param groups by ``config``'s rules.
-
-    Rules are tried in order and the first whose pattern matches a parameter's FQN wins; the
-    remaining parameters form the default group. Groups are ordered rule by rule with the
-    default group last, and empty groups are dropped, so every rank of a pipeline stage
-    builds the same groups. With ``name = "Muon"`` each group also says its optimizer
-    (``"optimizer": "Muon" | "AdamW"``, Muon's first): a rule's ``optimizer`` if it names
-    one, else :func:`muon_default`. A parameter Muon cannot orthogonalise that a rule puts
-    on Muon raises ``OptimizerConfigError``.
-    """
+    """Split ``model``'s trainable parameters into torch param groups: the first rule whose
+    pattern matches a parameter's FQN wins, the rest form the default group (last); empty groups
+    are dropped, so every rank of a stage builds the same groups. With ``name = "Muon"`` each
+    group also names its optimizer (Muon's first): a rule's ``optimizer``, else
+    :func:`muon_default`; a parameter Muon cannot orthogonalise put on Muon raises
+    ``OptimizerConfigError``."""
     rules = config.param_group_rules
     muon = config.name == "Muon"
     kinds = ("Muon", "AdamW") if muon else (None,)
@@ -133,14 +129,9 @@ def implementation_flags(
 def build_optimizer(
     params: list[dict[str, Any]], config: OptimizerConfig
 ) -> tuple[torch.optim.Optimizer, str | None]:
-    """One ``torch.optim`` optimizer over ``params`` (param groups) as ``config`` says.
-
-    Returns the optimizer and the reason ``fused`` fell back, if it did, so that the caller
-    warns once for all the optimizers it builds. With ``name = "Muon"`` every group must name
-    the same ``optimizer`` (see :func:`build_part_optimizers`). Muon groups get
-    ``torch.optim.Muon`` when all their parameters are plain 2-D tensors, else titan's
-    ``Muon`` (DTensor shards, expert stacks).
-    """
+    """One ``torch.optim`` optimizer over ``params`` (param groups) as ``config`` says, and the
+    reason ``fused`` fell back, if it did (the caller warns once for all). Muon groups get
+    ``torch.optim.Muon`` when all their parameters are plain 2-D tensors, else titan's ``Muon``."""
     kinds = {g.get("optimizer") for g in params}
     if len(kinds) != 1:
         raise ValueError(f"build_optimizer takes groups of one optimizer, got {sorted(kinds)}")

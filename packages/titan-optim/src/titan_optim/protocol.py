@@ -1,10 +1,6 @@
-"""``Optimizers``: what a trainer may rely on from an optimizer container.
-
-All three containers satisfy it (``OptimizersContainer``, ``OptimizersInBackwardContainer``,
-``FTOptimizersContainer``), with one ``clip_grad_norm_`` signature, so a trainer holds
-"the optimizers" without knowing which it got. It is also a ``torch.distributed.checkpoint``
-``Stateful``.
-"""
+"""``Optimizers``: what a trainer may rely on from an optimizer container. All three
+containers satisfy it, with one ``clip_grad_norm_`` signature, so a trainer holds "the
+optimizers" without knowing which; it is also a DCP ``Stateful``."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from titan_models.deepseek_v3.parallelize import (
     apply_tp_deepseek_v3,
     check_deepseek_v3,
     parallelize_deepseek_v3,
+    pipeline_deepseek_v3,
 )
-from titan_models.deepseek_v3.pipeline import pipeline_deepseek_v3
 from titan_models.deepseek_v3.spec import DEEPSEEK_V3
 
 __all__ = [

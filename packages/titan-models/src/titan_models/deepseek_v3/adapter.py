@@ -1,35 +1,21 @@
 """Convert DeepSeek-V3 state dicts between titan (= torchtitan) and Hugging Face naming.
 
-Three things differ. Names: ``layers.3.attention.wkv_a.weight`` is HF's
-``model.layers.3.self_attn.kv_a_proj_with_mqa.weight``, ``layers.3.moe.expert_bias`` is
-``model.layers.3.mlp.gate.e_score_correction_bias``, and so on. Experts: titan stacks each
-MoE block's routed experts into three tensors, ``moe.experts.w1``/``w3`` (experts, dim,
-hidden) and ``w2`` (experts, hidden, dim), multiplied from the right; an HF checkpoint has
-one ``nn.Linear`` weight per expert and projection (``mlp.experts.<j>.gate_proj.weight``,
-(hidden, dim)), so each is a transposed slice. The shared experts (``moe.shared_expert.w1``,
-a stack of one) are ``mlp.shared_experts.gate_proj.weight`` and so on, transposed alike.
-And RoPE's channel order: titan, torchtitan and DeepSeek rotate adjacent pairs ``(2i,
-2i+1)``, which HF calls ``rope_interleave=True`` (the default, and what :meth:`hf_config`
-writes), so no permutation is needed; an HF config with ``rope_interleave: false`` (pairs
-``(i, i + d/2)``) has the rotated rows of ``q_proj``/``q_b_proj`` and
-``kv_a_proj_with_mqa`` permuted on the way in and out.
+Names: ``layers.3.attention.wkv_a.weight`` is HF's
+``model.layers.3.self_attn.kv_a_proj_with_mqa.weight``, ``moe.expert_bias`` is
+``mlp.gate.e_score_correction_bias``, and so on. Experts: titan's stacks are HF's
+per-expert weights transposed (``titan_models.hf_adapter``); the shared expert, a stack of
+one, is ``mlp.shared_experts.*``, transposed alike. RoPE: titan, torchtitan and DeepSeek
+rotate adjacent pairs, HF's ``rope_interleave=True`` (the default, and what
+:meth:`hf_config` writes); a config with ``rope_interleave: false`` has the rotated rows of
+``q_proj``/``q_b_proj`` and ``kv_a_proj_with_mqa`` permuted on the way in and out.
 
-torchtitan's ``freqs_cis`` (its RoPE table, saved with its checkpoints) is dropped.
-``moe.tokens_per_expert`` (the count of tokens routed since the last bias update, zero in a
-checkpoint taken after an optimizer step) has no HF counterpart: it is left out going to HF
-and comes back as zeros. HF's multi-token-prediction layers (``model.layers.<n_layers>``
-and above, in DeepSeek-V3's own checkpoint) are dropped; titan does not train them.
-
-The adapter has titan-ckpt's streaming form (one ``(key, tensor)`` pair in, pairs out,
-lazily) and is registered under ``titan.state_dict_adapters`` as ``deepseek_v3``. Going from
-HF, an expert projection is yielded once all of its experts have been read (a stream in key
-order holds at most one block's experts of the three projections).
-"""
+Dropped: torchtitan's saved RoPE table ``freqs_cis``, and HF's multi-token-prediction layers
+(``model.layers.<n_layers>`` and above), which titan does not train.
+``moe.tokens_per_expert`` (a running count) is left out going to HF and comes back as zeros."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,16 +23,28 @@ import torch
 
 from titan_models.deepseek_v3.args import DeepSeekV3Args, deepseek_v3_args
 from titan_models.deepseek_v3.hf_config import args_from_hf_config, hf_config_of
+from titan_models.deepseek_v3.model import DeepSeekV3
 from titan_models.errors import ModelConfigError
-from titan_models.moe.hf import experts_from_fused, stack_experts
+from titan_models.hf_adapter import (
+    HF_EXPERT,
+    HF_FUSED,
+    HF_LAYER,
+    TITAN_EXPERTS,
+    TITAN_LAYER,
+    TOP_NAMES,
+    ExpertStacks,
+    StateDictAdapter,
+    claims_of,
+    experts_from_fused,
+    experts_to_hf,
+    fit_by_building,
+    recorded_args,
+    refuse_changes,
+)
+from titan_models.spec import check_fields
 
 __all__ = ["DeepSeekV3StateDictAdapter", "args_from_hf_config", "make_adapter"]
 
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # titan name within a block -> HF's (model.layers.<i>.<name>); tensors the same.
 _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -70,21 +68,19 @@ _PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _SHARED = {
     f"moe.shared_expert.{w}": f"mlp.shared_experts.{p}.weight" for w, p in _PROJECTIONS.items()
 }
-_TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
-_HF_FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 _ROPE_ROWS = {"wq", "wq_b", "wkv_a"}
 # torchtitan saves its RoPE table with the weights; titan derives it from the args.
 _TORCHTITAN_ROPE = "freqs_cis"
 
 
-class DeepSeekV3StateDictAdapter:
+class DeepSeekV3StateDictAdapter(StateDictAdapter):
     """Maps full (unsharded) DeepSeek-V3 state dicts to and from ``DeepseekV3ForCausalLM``
     naming (see the module docstring). ``rope_interleave`` is the HF side's RoPE layout."""
 
+    args: DeepSeekV3Args
+
     def __init__(self, args: DeepSeekV3Args, *, rope_interleave: bool = True) -> None:
-        self.args = args
+        super().__init__(args)
         self.rope_interleave = rope_interleave
 
     # ------------------------------------------------------------------ RoPE channel order
@@ -109,12 +105,12 @@ class DeepSeekV3StateDictAdapter:
         """titan ``(key, tensor)`` pairs -> HF's; a routed-expert stack becomes one tensor
         per expert. Unknown keys raise ``KeyError``."""
         for key, value in items:
-            if key in _TOP_NAMES:
-                yield _TOP_NAMES[key], value
+            if key in TOP_NAMES:
+                yield TOP_NAMES[key], value
                 continue
             if key == _TORCHTITAN_ROPE:
                 continue  # torchtitan's saved RoPE table: derived from the args
-            match = _TITAN_LAYER.match(key)
+            match = TITAN_LAYER.match(key)
             if match is None:
                 raise KeyError(f"{key!r} is not a DeepSeek-V3 parameter name.")
             layer, rest = match.groups()
@@ -130,10 +126,8 @@ class DeepSeekV3StateDictAdapter:
                     yield prefix + _LAYER_NAMES["moe.expert_bias"], bias
             elif rest in _SHARED:
                 yield prefix + _SHARED[rest], value[0].t().contiguous()
-            elif rest.startswith("moe.experts.") and rest[12:] in _PROJECTIONS:
-                proj = _PROJECTIONS[rest[12:]]
-                for j in range(value.shape[0]):
-                    yield f"{prefix}mlp.experts.{j}.{proj}.weight", value[j].t().contiguous()
+            elif experts := TITAN_EXPERTS.match(rest):
+                yield from experts_to_hf(prefix, experts.group(1), value)
             else:
                 raise KeyError(f"{key!r} is not a DeepSeek-V3 parameter name.")
             del value  # hold nothing while the next input is read
@@ -147,17 +141,17 @@ class DeepSeekV3StateDictAdapter:
         (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). Rotary ``inv_freq``
         buffers and layers from ``n_layers`` on (multi-token prediction) are dropped;
         unknown keys raise ``KeyError``, missing experts ``ModelConfigError``."""
-        top = {hf: titan for titan, hf in _TOP_NAMES.items()}
+        top = {hf: titan for titan, hf in TOP_NAMES.items()}
         layer_names = {hf: titan for titan, hf in _LAYER_NAMES.items()}
         shared = {hf: titan for titan, hf in _SHARED.items()}
-        pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        stacks = ExpertStacks(self.args.n_routed_experts)
         for key, value in items:
             if key.endswith("rotary_emb.inv_freq"):
                 continue
             if key in top:
                 yield top[key], value
                 continue
-            match = _HF_LAYER.match(key)
+            match = HF_LAYER.match(key)
             if match is None:
                 raise KeyError(f"{key!r} is not a DeepseekV3ForCausalLM parameter name.")
             layer, rest = match.groups()
@@ -168,25 +162,14 @@ class DeepSeekV3StateDictAdapter:
                 yield from self._from_hf_layer(prefix, layer_names[rest], value)
             elif rest in shared:
                 yield prefix + shared[rest], value.t().unsqueeze(0).contiguous()
-            elif expert := _HF_EXPERT.match(rest):
-                j, proj = int(expert.group(1)), expert.group(2)
-                stack = pending.setdefault((layer, proj), {})
-                stack[j] = value
-                if len(stack) == self.args.n_routed_experts:
-                    del pending[(layer, proj)]
-                    yield self._stacked(prefix, proj, stack)
-            elif fused := _HF_FUSED.match(rest):
+            elif expert := HF_EXPERT.match(rest):
+                yield from stacks.add(prefix, int(expert.group(1)), expert.group(2), value)
+            elif fused := HF_FUSED.match(rest):
                 yield from experts_from_fused(prefix, fused.group(1), value)
             else:
                 raise KeyError(f"{key!r} is not a DeepseekV3ForCausalLM parameter name.")
             del value  # hold nothing while the next input is read
-        if pending:
-            missing = ", ".join(
-                f"layer {layer} {proj}: {self.args.n_routed_experts - len(got)} of "
-                f"{self.args.n_routed_experts} experts missing"
-                for (layer, proj), got in sorted(pending.items())
-            )
-            raise ModelConfigError(f"The HF checkpoint's experts are incomplete: {missing}.")
+        stacks.check_complete()
 
     def _from_hf_layer(
         self, prefix: str, name: str, value: torch.Tensor
@@ -203,26 +186,6 @@ class DeepSeekV3StateDictAdapter:
         if name == "moe.expert_bias":
             yield prefix + "moe.tokens_per_expert", torch.zeros_like(value, dtype=torch.int64)
 
-    def _stacked(
-        self, prefix: str, proj: str, stack: dict[int, torch.Tensor]
-    ) -> tuple[str, torch.Tensor]:
-        name = {p: w for w, p in _PROJECTIONS.items()}[proj]
-        return f"{prefix}moe.experts.{name}", stack_experts(stack, self.args.n_routed_experts)
-
-    # ------------------------------------------------------------------------ whole dicts
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """titan names and layouts -> HF's. Unknown keys raise ``KeyError``."""
-        return dict(self.to_hf_items(state_dict.items()))
-
-    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF names and layouts -> titan's (see :meth:`from_hf_items`)."""
-        return dict(self.from_hf_items(hf_state_dict.items()))
-
-    def model_args(self) -> dict[str, Any]:
-        """The args as JSON (``dataclasses.asdict``): what titan-ckpt records with a
-        checkpoint converted from HF."""
-        return dataclasses.asdict(self.args)
-
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of the equivalent ``DeepseekV3ForCausalLM`` (see
         :mod:`titan_models.deepseek_v3.hf_config` for RoPE and softmax scoring)."""
@@ -237,60 +200,6 @@ def _reorder(rows: torch.Tensor, to_half_split: bool) -> torch.Tensor:
     return rows.view(*lead, 2, rope // 2, cols).transpose(-3, -2).reshape(rows.shape)
 
 
-def _expected_shapes(args: DeepSeekV3Args) -> dict[str, tuple[int, ...]]:
-    """Every state-dict entry of the model ``args`` builds, with its shape (on the meta
-    device: nothing is allocated)."""
-    from titan_models.deepseek_v3.model import DeepSeekV3
-
-    with torch.device("meta"):
-        model = DeepSeekV3(args)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def _fit(
-    claims: list[tuple[str, DeepSeekV3Args, bool]], shapes: Mapping[str, Sequence[int]]
-) -> DeepSeekV3Args:
-    """The first claim's args with the tensors' vocabulary, after checking every claim's
-    names and shapes against the tensors (``(source, args, fixes_vocab)``)."""
-    shapes = {k: v for k, v in shapes.items() if k != _TORCHTITAN_ROPE}
-    emb = shapes.get("tok_embeddings.weight") or shapes.get("output.weight")
-    vocab = int(emb[0]) if emb is not None else claims[0][1].vocab_size
-    problems = []
-    for source, args, fixes_vocab in claims:
-        described = args if fixes_vocab else dataclasses.replace(args, vocab_size=vocab)
-        expected = _expected_shapes(described)
-        wrong = [
-            f"{name}: expected {list(expected[name])}, found {list(shape)}"
-            for name, shape in shapes.items()
-            if name in expected and tuple(shape) != expected[name]
-        ]
-        wrong += [f"{name}: not in the model" for name in shapes if name not in expected]
-        wrong += [f"{name}: missing" for name in expected if name not in shapes]
-        if wrong:
-            more = f" and {len(wrong) - 6} more" if len(wrong) > 6 else ""
-            problems.append(f"{source}: {'; '.join(wrong[:6])}{more}")
-    if problems:
-        raise ModelConfigError(
-            f"The description contradicts the checkpoint's tensors ({' | '.join(problems)}). "
-            "Describe the model the checkpoint holds (its flavor, or an HF config.json of its "
-            "shape)."
-        )
-    return dataclasses.replace(claims[0][1], vocab_size=vocab)
-
-
-def _recorded_args(model_args: DeepSeekV3Args | Mapping[str, Any]) -> DeepSeekV3Args:
-    if isinstance(model_args, DeepSeekV3Args):
-        return dataclasses.replace(model_args)
-    known = {f.name for f in dataclasses.fields(DeepSeekV3Args)}
-    unknown = sorted(set(model_args) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"The recorded model args have field(s) {', '.join(unknown)} that DeepSeekV3Args "
-            "lacks; were they written by another version or model?"
-        )
-    return DeepSeekV3Args(**model_args)
-
-
 def make_adapter(
     *,
     flavor: str | None = None,
@@ -301,51 +210,29 @@ def make_adapter(
 ) -> DeepSeekV3StateDictAdapter:
     """The ``titan.state_dict_adapters`` entry point: an adapter for the model described by
     ``model_args`` (the real args, e.g. recorded with a checkpoint), a ``flavor`` or an HF
-    ``config.json`` (``flavor`` and ``hf_config`` exclude each other). An HF config's
-    ``rope_interleave`` sets the HF side's RoPE layout.
-
-    ``overrides`` replaces fields (refused for recorded args, which are what the model was
-    trained with). ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: every
-    description must build exactly those tensors (``ModelConfigError`` naming each that
-    differs), the vocabulary aside for a flavor, which is taken from them."""
-    if flavor is not None and hf_config is not None:
-        raise ModelConfigError("make_adapter takes flavor= or hf_config=, not both.")
-    claims: list[tuple[str, DeepSeekV3Args, bool]] = []
-    if model_args is not None:
-        claims.append(("the recorded model args", _recorded_args(model_args), True))
-    if hf_config is not None:
-        claims.append(("the HF config", args_from_hf_config(hf_config), True))
-    if flavor is not None:
-        claims.append((f"flavor {flavor!r}", deepseek_v3_args(flavor), False))
-    if not claims:
-        raise ModelConfigError(
-            "make_adapter needs model_args=, flavor= (e.g. '16B') or hf_config= (a "
-            "DeepseekV3ForCausalLM config.json as a dict) to know the model's shape."
-        )
+    ``config.json`` (not both); an HF config's ``rope_interleave`` sets the HF side's RoPE
+    layout. ``overrides`` replaces fields (refused where it changes recorded args).
+    ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: each description must agree
+    with them, field by field, and the vocabulary is taken from them."""
+    claims = claims_of(
+        flavor=flavor,
+        hf_config=hf_config,
+        model_args=model_args,
+        recorded=lambda recorded: recorded_args(DeepSeekV3Args, recorded),
+        from_hf=args_from_hf_config,
+        from_flavor=deepseek_v3_args,
+        example="flavor= (e.g. '16B') or hf_config= (a DeepseekV3ForCausalLM config.json as a "
+        "dict)",
+    )
     args = claims[0][1]
     if tensor_shapes is not None:
-        args = _fit(claims, tensor_shapes)
+        # torchtitan saves its RoPE table with the weights.
+        shapes = {k: v for k, v in tensor_shapes.items() if k != _TORCHTITAN_ROPE}
+        args = fit_by_building(claims, shapes, DeepSeekV3)
     if overrides:
-        values = dict(overrides)
+        check_fields(DeepSeekV3Args, overrides)
         if model_args is not None:
-            changed = [f"{k}={v!r}" for k, v in values.items() if getattr(args, k, v) != v]
-            if changed:
-                raise ModelConfigError(
-                    f"{', '.join(changed)} contradicts the model args recorded with the "
-                    "checkpoint, which are what it was trained with; leave it out."
-                )
-        args = _with_overrides(args, values)
+            refuse_changes(args, overrides)
+        args = dataclasses.replace(args, **overrides)
     interleave = True if hf_config is None else bool(hf_config.get("rope_interleave", True))
     return DeepSeekV3StateDictAdapter(args, rope_interleave=interleave)
-
-
-def _with_overrides(args: DeepSeekV3Args, values: Mapping[str, Any]) -> DeepSeekV3Args:
-    """``args`` with ``values`` applied; unknown fields raise ``ModelConfigError``."""
-    known = {f.name for f in dataclasses.fields(DeepSeekV3Args)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"Unknown DeepSeekV3Args field(s) {', '.join(unknown)}; known: "
-            f"{', '.join(sorted(known))}."
-        )
-    return dataclasses.replace(args, **values)

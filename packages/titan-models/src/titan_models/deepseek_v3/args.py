@@ -1,23 +1,20 @@
 """``DeepSeekV3Args``: the shape of a DeepSeek-V3 model, its published flavors, and what it
 costs (parameters in total and per token, training FLOPs per token).
 
-Field names follow torchtitan's ``DeepSeekV3ModelArgs`` of July 2025 so that its flavors and
-TOML files carry over; the flavors are its shapes: ``16B`` is DeepSeek-V2-Lite, ``236B``
-DeepSeek-V2, ``671B`` DeepSeek-V3, and ``debugmodel`` a small one for tests. Left out are
-torchtitan's fields that configure nothing here (``max_batch_size``, ``dtype``,
-``use_flex_attn``, ``attn_mask_type``); added are ``route_norm`` and ``aux_loss_alpha``
-(see :class:`titan_models.moe.MoEArgs`) and ``rope_scaling``.
-"""
+Field names follow torchtitan's ``DeepSeekV3ModelArgs`` of July 2025, so its flavors and
+TOML files carry over: ``16B`` is DeepSeek-V2-Lite, ``236B`` DeepSeek-V2, ``671B``
+DeepSeek-V3. Left out are torchtitan's fields that configure nothing here; added are
+``route_norm``, ``aux_loss_alpha`` and ``rope_scaling``."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from titan_models.errors import ModelConfigError, check_bool, check_choice, check_int, check_number
 from titan_models.moe import MoEArgs
+from titan_models.spec import flavor_args
 
 __all__ = [
     "DEEPSEEK_V3_FLAVORS",
@@ -103,29 +100,13 @@ class DeepSeekV3Args:
     plain RoPE and the plain softmax scale at any length."""
 
     def __post_init__(self) -> None:
-        positive = (
-            "vocab_size",
-            "dim",
-            "inter_dim",
-            "moe_inter_dim",
-            "n_layers",
-            "n_heads",
-            "n_routed_experts",
-            "n_activated_experts",
-            "n_expert_groups",
-            "n_limited_groups",
-            "kv_lora_rank",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "max_seq_len",
-            "original_seq_len",
-        )
-        for name in positive:
+        positive = ("vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads")
+        positive += ("n_routed_experts", "n_activated_experts", "n_expert_groups")
+        positive += ("n_limited_groups", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+        for name in (*positive, "max_seq_len", "original_seq_len", "beta_fast", "beta_slow"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("n_dense_layers", "n_shared_experts", "q_lora_rank", "qk_nope_head_dim"):
             check_int(name, getattr(self, name), minimum=0)
-        for name in ("beta_fast", "beta_slow"):
-            check_int(name, getattr(self, name), minimum=1)
         if self.n_dense_layers > self.n_layers:
             raise ModelConfigError(
                 f"n_dense_layers={self.n_dense_layers} is more than n_layers={self.n_layers}; "
@@ -262,91 +243,27 @@ class DeepSeekV3Args:
         return dense + 6 * self.n_layers * heads * seq_len
 
 
+# Fields not given are the defaults: DeepSeek-V2-Lite's (16B) but for its mscale; every
+# flavor has kv_lora_rank 512 and head dims 128 (nope), 64 (rope), 128 (v).
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     "debugmodel": DeepSeekV3Args(
-        vocab_size=102400,
-        dim=256,
-        inter_dim=1024,
-        moe_inter_dim=256,
-        n_layers=3,
-        n_dense_layers=1,
-        n_heads=16,
-        n_routed_experts=8,
-        n_shared_experts=2,
-        n_activated_experts=3,
-        route_scale=1.0,
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        mscale=0.70,
+        dim=256, inter_dim=1024, moe_inter_dim=256, n_layers=3, n_routed_experts=8,
+        n_activated_experts=3, mscale=0.70,
     ),
-    # DeepSeek-V2-Lite.
-    "16B": DeepSeekV3Args(
-        vocab_size=102400,
-        dim=2048,
-        inter_dim=10944,
-        moe_inter_dim=1408,
-        n_layers=27,
-        n_dense_layers=1,
-        n_heads=16,
-        n_routed_experts=64,
-        n_shared_experts=2,
-        n_activated_experts=6,
-        route_scale=1.0,
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        mscale=0.70,
-    ),
-    # DeepSeek-V2.
-    "236B": DeepSeekV3Args(
-        vocab_size=102400,
-        dim=5120,
-        inter_dim=12288,
-        moe_inter_dim=1536,
-        n_layers=60,
-        n_dense_layers=1,
-        n_heads=128,
-        n_routed_experts=160,
-        n_shared_experts=2,
-        n_activated_experts=6,
-        n_expert_groups=8,
-        n_limited_groups=3,
-        route_scale=16.0,
+    "16B": DeepSeekV3Args(mscale=0.70),  # DeepSeek-V2-Lite
+    "236B": DeepSeekV3Args(  # DeepSeek-V2
+        dim=5120, inter_dim=12288, moe_inter_dim=1536, n_layers=60, n_heads=128,
+        n_routed_experts=160, n_expert_groups=8, n_limited_groups=3, route_scale=16.0,
         q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
     ),
     # DeepSeek-V3 (its multi-token-prediction module is not part of the model).
     "671B": DeepSeekV3Args(
-        vocab_size=129280,
-        dim=7168,
-        inter_dim=18432,
-        moe_inter_dim=2048,
-        n_layers=61,
-        n_dense_layers=3,
-        n_heads=128,
-        n_routed_experts=256,
-        n_shared_experts=1,
-        n_activated_experts=8,
-        n_expert_groups=8,
-        n_limited_groups=4,
-        route_scale=2.5,
-        route_norm=True,
-        score_func="sigmoid",
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
+        vocab_size=129280, dim=7168, inter_dim=18432, moe_inter_dim=2048, n_layers=61,
+        n_dense_layers=3, n_heads=128, n_routed_experts=256, n_shared_experts=1,
+        n_activated_experts=8, n_expert_groups=8, n_limited_groups=4, route_scale=2.5,
+        route_norm=True, score_func="sigmoid", q_lora_rank=1536,
     ),
-}
+}  # fmt: skip
 """Published DeepSeek shapes by name (torchtitan's flavors; ``671B`` also normalizes its
 top-k weights, as DeepSeek-V3 does). Use :func:`deepseek_v3_args` for an editable copy."""
 
@@ -358,19 +275,6 @@ def deepseek_v3_args(flavor: str, **overrides: object) -> DeepSeekV3Args:
     ``rope_scaling`` may also be ``"flavor"`` (keep the flavor's). ``"llama3"`` (Llama 3.1
     frequency scaling, which a trainer may pass for any model) is refused: DeepSeek-V3
     scales RoPE with YaRN."""
-    if flavor not in DEEPSEEK_V3_FLAVORS:
-        raise ModelConfigError(
-            f"Unknown DeepSeek-V3 flavor {flavor!r}; choose one of "
-            f"{', '.join(map(repr, DEEPSEEK_V3_FLAVORS))}."
-        )
-    known = {f.name for f in dataclasses.fields(DeepSeekV3Args)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"Unknown DeepSeekV3Args field(s) {', '.join(unknown)}; known: "
-            f"{', '.join(sorted(known))}."
-        )
-    base = DEEPSEEK_V3_FLAVORS[flavor]
     scaling = overrides.pop("rope_scaling", "flavor")
     if scaling == "llama3":
         raise ModelConfigError(
@@ -378,6 +282,6 @@ def deepseek_v3_args(flavor: str, **overrides: object) -> DeepSeekV3Args:
             "which scales RoPE with YaRN above original_seq_len; choose 'flavor' or 'yarn' "
             "(YaRN, the default) or 'none' (plain RoPE at any length)."
         )
-    if scaling == "flavor":
-        scaling = base.rope_scaling
-    return dataclasses.replace(base, rope_scaling=scaling, **overrides)
+    if scaling != "flavor":
+        overrides["rope_scaling"] = scaling
+    return flavor_args("DeepSeek-V3", DEEPSEEK_V3_FLAVORS, flavor, overrides)

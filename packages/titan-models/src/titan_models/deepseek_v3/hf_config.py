@@ -1,18 +1,14 @@
 """DeepSeek-V3 args to and from a Hugging Face ``config.json`` (``DeepseekV3ForCausalLM``).
 
-The mapping of fields is one to one except for RoPE. titan (and torchtitan, and DeepSeek's
-own code) applies YaRN exactly when ``max_seq_len > original_seq_len``; HF applies it when
-``rope_parameters`` (or, in older files, ``rope_scaling``) says ``"yarn"``, and scales the
-softmax by ``mscale(factor, mscale_all_dim)^2`` and the rotated channels by
-``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``. titan's one ``mscale`` is HF's
-``mscale_all_dim``, and both are written equal, so the rotated channels are not rescaled.
+Fields map one to one except RoPE. titan (as torchtitan and DeepSeek's code) applies YaRN
+exactly when ``max_seq_len > original_seq_len``; HF when ``rope_parameters`` (or
+``rope_scaling``) says ``"yarn"``, scaling the softmax by ``mscale(factor,
+mscale_all_dim)^2`` and the rotated channels by ``mscale(factor, mscale) / mscale(factor,
+mscale_all_dim)``. titan's ``mscale`` is HF's ``mscale_all_dim``; both are written equal.
 
-HF's ``DeepseekV3ForCausalLM`` always scores experts with a sigmoid and always has the
-expert-selection bias. A model trained with ``score_func="softmax"`` (the debugmodel, 16B and
-236B flavors, as DeepSeek-V2) is written with ``"scoring_func": "softmax"`` (the field
-DeepSeek's own modeling code reads; transformers' class ignores it), so the file says what
-the tensors mean, but transformers' class computes something else with them.
-"""
+HF's class always scores experts with a sigmoid: a softmax-scored model (debugmodel, 16B,
+236B, as DeepSeek-V2) is written with ``"scoring_func": "softmax"``, which DeepSeek's own
+modeling code reads and transformers' class ignores."""
 
 from __future__ import annotations
 

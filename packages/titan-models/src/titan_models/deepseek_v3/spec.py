@@ -1,20 +1,16 @@
-"""The ``deepseek_v3`` model spec, registered under the ``titan.models`` entry-point group.
-
-Besides the model, plans and adapter it gives a trainer the experts' load balancing
-(``titan_models.moe.spec_hooks``, shared with Qwen3): after each optimizer step the token
-counts of every MoE layer are summed over the data- and context-parallel ranks (``dp_cp``)
-and the selection biases nudged (``ExpertBalancer``); at reporting steps the shares of
-tokens per expert of the last step are logged (``moe/layers.<i>/min_share``,
-``max_share``, ``entropy``).
-"""
+"""The ``deepseek_v3`` model spec, registered under the ``titan.models`` entry-point group;
+with the experts' load balancing and load metrics (``titan_models.moe.spec_hooks``)."""
 
 from __future__ import annotations
 
 from titan_models.deepseek_v3.adapter import make_adapter
 from titan_models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, deepseek_v3_args
 from titan_models.deepseek_v3.model import DeepSeekV3
-from titan_models.deepseek_v3.parallelize import check_deepseek_v3, parallelize_deepseek_v3
-from titan_models.deepseek_v3.pipeline import pipeline_deepseek_v3
+from titan_models.deepseek_v3.parallelize import (
+    check_deepseek_v3,
+    parallelize_deepseek_v3,
+    pipeline_deepseek_v3,
+)
 from titan_models.moe.spec_hooks import balance_experts, expert_load_metrics
 from titan_models.spec import ModelSpec
 

@@ -14,8 +14,8 @@ from titan_models.llama3.parallelize import (
     apply_tp,
     check_llama,
     parallelize_llama,
+    pipeline_llama,
 )
-from titan_models.llama3.pipeline import pipeline_llama
 from titan_models.llama3.spec import LLAMA3
 
 __all__ = [

@@ -1,32 +1,33 @@
 """Convert Llama 3 state dicts between titan (= torchtitan = Meta) and Hugging Face naming.
 
-Two things differ. Names: ``layers.3.attention.wq.weight`` is HF's
-``model.layers.3.self_attn.q_proj.weight``, and so on. And the order of the query and key
-output channels: titan's RoPE rotates adjacent pairs ``(2i, 2i+1)`` of each head, HF's
-rotates ``(i, i + head_dim/2)``, so ``wq``/``wk`` rows are permuted within every head when
-converting. The adapter needs the model's shape for that (heads, kv heads), which it takes
-from the model's real args (as titan-train records them with a checkpoint), a flavor or an
-HF ``config.json``; given the checkpoint's tensor shapes, it checks the description against
-them and takes the vocabulary from them (``titan_models.llama3.fit``), so the
-``config.json`` it writes loads with the tensors.
-
-The adapter is a structural match of titan-ckpt's state-dict-adapter protocol, streaming
-form included (tensor by tensor, so a conversion holds one tensor at a time), and is
-registered under the entry-point group ``titan.state_dict_adapters`` as ``llama3``.
-"""
+Names differ (``layers.3.attention.wq.weight`` is HF's
+``model.layers.3.self_attn.q_proj.weight``), and so does the order of query and key rows:
+titan's RoPE rotates adjacent pairs of each head, HF's the two halves, so ``wq``/``wk`` rows
+are permuted within every head. For that the adapter needs the head counts, from recorded
+args, a flavor or an HF ``config.json``, checked against the checkpoint's tensors when given
+(``titan_models.llama3.fit``), so the ``config.json`` it writes loads with them."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from titan_models.errors import ModelConfigError
+from titan_models.hf_adapter import (
+    HF_LAYER,
+    TITAN_LAYER,
+    TOP_NAMES,
+    StateDictAdapter,
+    claims_of,
+    recorded_args,
+    refuse_changes,
+)
 from titan_models.llama3.args import Llama3Args, llama3_args, rope_scaling_of
 from titan_models.llama3.fit import Claim, fit_to_tensors
+from titan_models.spec import check_fields
 
 __all__ = ["Llama3StateDictAdapter", "make_adapter"]
 
@@ -42,13 +43,6 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def _to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -63,17 +57,10 @@ def _to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-class Llama3StateDictAdapter:
-    """Maps full (unsharded) Llama 3 state dicts to and from ``LlamaForCausalLM`` naming.
+class Llama3StateDictAdapter(StateDictAdapter):
+    """Maps full (unsharded) Llama 3 state dicts to and from ``LlamaForCausalLM`` naming."""
 
-    The mapping is per tensor, so the adapter has titan-ckpt's streaming form
-    (``to_hf_items``/``from_hf_items``: one ``(key, tensor)`` pair in, one out, lazily;
-    the output depends on names and shapes only, so it also runs on ``meta`` tensors);
-    ``to_hf``/``from_hf`` are the same mapping over whole dicts.
-    """
-
-    def __init__(self, args: Llama3Args) -> None:
-        self.args = args
+    args: Llama3Args
 
     def to_hf_items(
         self, items: Iterable[tuple[str, torch.Tensor]]
@@ -82,11 +69,11 @@ class Llama3StateDictAdapter:
         ``KeyError``."""
         heads = {"wq": self.args.n_heads, "wk": self.args.kv_heads}
         for key, value in items:
-            if key in _TOP_NAMES:
-                yield _TOP_NAMES[key], value
+            if key in TOP_NAMES:
+                yield TOP_NAMES[key], value
                 del value
                 continue
-            match = _TITAN_LAYER.match(key)
+            match = TITAN_LAYER.match(key)
             if match is None or match.group(2) not in _LAYER_NAMES:
                 raise KeyError(f"{key!r} is not a Llama 3 parameter name.")
             layer, rest = match.groups()
@@ -105,7 +92,7 @@ class Llama3StateDictAdapter:
         ``lm_head.weight`` has been seen, the embedding is kept for that (HF names sort
         ``lm_head`` first, so a stream in key order keeps nothing)."""
         heads = {"q_proj": self.args.n_heads, "k_proj": self.args.kv_heads}
-        top = {hf: titan for titan, hf in _TOP_NAMES.items()}
+        top = {hf: titan for titan, hf in TOP_NAMES.items()}
         layer_names = {hf: titan for titan, hf in _LAYER_NAMES.items()}
         embedding: torch.Tensor | None = None
         has_output = False
@@ -121,7 +108,7 @@ class Llama3StateDictAdapter:
                 yield name, value
                 del value
                 continue
-            match = _HF_LAYER.match(key)
+            match = HF_LAYER.match(key)
             if match is None or match.group(2) not in layer_names:
                 raise KeyError(f"{key!r} is not a LlamaForCausalLM parameter name.")
             layer, rest = match.groups()
@@ -133,24 +120,15 @@ class Llama3StateDictAdapter:
         if not has_output and embedding is not None:
             yield "output.weight", embedding
 
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """titan names and layouts -> HF's. Unknown keys raise ``KeyError``."""
-        return dict(self.to_hf_items(state_dict.items()))
-
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF names and layouts -> titan's. A checkpoint with tied embeddings (no
         ``lm_head.weight``, e.g. Llama 3.2 1B/3B) gets ``output.weight`` as a copy of the
         embedding; rotary ``inv_freq`` buffers are dropped."""
-        out = dict(self.from_hf_items(hf_state_dict.items()))
+        out = super().from_hf(hf_state_dict)
         tied = out.get("output.weight")
         if tied is not None and tied is out.get("tok_embeddings.weight"):
             out["output.weight"] = tied.clone()
         return out
-
-    def model_args(self) -> dict[str, Any]:
-        """The args as JSON (``dataclasses.asdict``): what titan-ckpt records with a
-        checkpoint converted from HF, so its RoPE and vocabulary travel with it."""
-        return dataclasses.asdict(self.args)
 
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of the equivalent ``LlamaForCausalLM``."""
@@ -252,50 +230,6 @@ def args_from_hf_config(hf_config: Mapping[str, Any]) -> Llama3Args:
     return args
 
 
-def _recorded_args(model_args: Llama3Args | Mapping[str, Any]) -> Llama3Args:
-    """A fresh ``Llama3Args`` from an instance or from its recorded ``asdict`` form."""
-    if isinstance(model_args, Llama3Args):
-        scaling = rope_scaling_of(model_args.rope_scaling, None)
-        return dataclasses.replace(model_args, rope_scaling=scaling)
-    known = {f.name for f in dataclasses.fields(Llama3Args)}
-    unknown = sorted(set(model_args) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"The recorded model args have field(s) {', '.join(unknown)} that Llama3Args lacks; "
-            "were they written by another version or model?"
-        )
-    return Llama3Args(**model_args)
-
-
-def _with_overrides(
-    args: Llama3Args, overrides: Mapping[str, Any], *, recorded: bool
-) -> Llama3Args:
-    """``args`` with ``overrides`` (field -> value; ``rope_scaling`` also by name) applied.
-    Recorded args are what the model was trained with: an override that changes one of them
-    is refused."""
-    known = {f.name for f in dataclasses.fields(Llama3Args)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
-        )
-    values = dict(overrides)
-    if "rope_scaling" in values:
-        values["rope_scaling"] = rope_scaling_of(values["rope_scaling"], args.rope_scaling)
-    if recorded:
-        changed = [
-            f"{k}={overrides[k]!r} (recorded: {getattr(args, k)!r})"
-            for k, v in values.items()
-            if v != getattr(args, k)
-        ]
-        if changed:
-            raise ModelConfigError(
-                f"{', '.join(changed)} contradicts the model args recorded with the checkpoint, "
-                "which are what it was trained with; leave it out."
-            )
-    return dataclasses.replace(args, **values)
-
-
 def make_adapter(
     *,
     flavor: str | None = None,
@@ -306,30 +240,36 @@ def make_adapter(
 ) -> Llama3StateDictAdapter:
     """The ``titan.state_dict_adapters`` entry point: an adapter for the model described by
     ``model_args`` (the real args, e.g. recorded with a checkpoint), a ``flavor`` or an HF
-    ``config.json`` (``flavor`` and ``hf_config`` exclude each other; with ``model_args``
-    they are checked against it).
-
-    ``overrides`` replaces fields (``{"rope_scaling": "none"}``: see ``rope_scaling_of``).
-    ``tensor_shapes`` (titan names -> shapes) are the checkpoint's: every description must
-    agree with them (``ModelConfigError`` naming each field otherwise), and the vocabulary is
-    taken from them, so the adapter's ``config.json`` describes those tensors."""
-    if flavor is not None and hf_config is not None:
-        raise ModelConfigError("make_adapter takes flavor= or hf_config=, not both.")
-    claims: list[Claim] = []
-    if model_args is not None:
-        claims.append(Claim("the recorded model args", _recorded_args(model_args), True))
-    if hf_config is not None:
-        claims.append(Claim("the HF config", args_from_hf_config(hf_config), True))
-    if flavor is not None:
-        claims.append(Claim(f"flavor {flavor!r}", llama3_args(flavor), False))
-    if not claims:
-        raise ModelConfigError(
-            "make_adapter needs model_args=, flavor= (e.g. '8B') or hf_config= (a "
-            "LlamaForCausalLM config.json as a dict) to know the model's head counts."
+    ``config.json`` (not both); ``rope_scaling`` overrides by name too (``rope_scaling_of``).
+    ``overrides`` replaces fields (refused where it changes recorded args). ``tensor_shapes``
+    (titan names -> shapes) are the checkpoint's: each description must agree with them, field
+    by field, and the vocabulary is taken from them."""
+    claims = [
+        Claim(*claim)
+        for claim in claims_of(
+            flavor=flavor,
+            hf_config=hf_config,
+            model_args=model_args,
+            recorded=lambda recorded: _fresh(recorded_args(Llama3Args, recorded)),
+            from_hf=args_from_hf_config,
+            from_flavor=llama3_args,
+            example="flavor= (e.g. '8B') or hf_config= (a LlamaForCausalLM config.json as a dict)",
         )
+    ]
     args = claims[0].args
     if tensor_shapes is not None:
         args = fit_to_tensors(claims, tensor_shapes)
     if overrides:
-        args = _with_overrides(args, overrides, recorded=model_args is not None)
+        check_fields(Llama3Args, overrides)
+        values = dict(overrides)
+        if "rope_scaling" in values:
+            values["rope_scaling"] = rope_scaling_of(values["rope_scaling"], args.rope_scaling)
+        if model_args is not None:
+            refuse_changes(args, values)
+        args = dataclasses.replace(args, **values)
     return Llama3StateDictAdapter(args)
+
+
+def _fresh(args: Llama3Args) -> Llama3Args:
+    """``args`` with a RopeScaling of its own."""
+    return dataclasses.replace(args, rope_scaling=rope_scaling_of(args.rope_scaling, None))

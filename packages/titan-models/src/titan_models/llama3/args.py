@@ -1,11 +1,9 @@
 """``Llama3Args``: the shape of a Llama 3 model, its published flavors, and what it costs.
 
 Field names follow torchtitan's ``TransformerModelArgs`` so that its flavors and TOML files
-carry over; the flavors reproduce the published shapes (Llama 3.1 8B/70B/405B, Llama 3.2
-1B/3B with untied output weights, and a tiny ``debugmodel`` for tests and smoke runs).
-Every flavor applies Llama 3.1 RoPE frequency scaling, as torchtitan's current flavors do;
-its Llama 3 of July 2025 used plain RoPE, which ``rope_scaling="none"`` selects.
-"""
+carry over (Llama 3.1 8B/70B/405B, Llama 3.2 1B/3B with untied output weights, a tiny
+``debugmodel``). Every flavor applies Llama 3.1 RoPE scaling, as torchtitan's current
+flavors do; ``rope_scaling="none"`` selects its July 2025 plain RoPE."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from titan_models.errors import ModelConfigError, check_int, check_number
+from titan_models.spec import flavor_args
 
 __all__ = [
     "LLAMA3_FLAVORS",
@@ -60,14 +59,11 @@ class RopeScaling:
 
 
 def rope_scaling_of(value: object, default: RopeScaling | None) -> RopeScaling | None:
-    """The ``RopeScaling`` (or ``None``: plain RoPE) that ``value`` names, as a fresh copy.
-
-    ``value`` is a ``RopeScaling`` or ``None``; one of ``ROPE_SCALING_CHOICES`` (``"flavor"``
-    is ``default``, ``"none"`` plain RoPE, ``"llama3"`` ``default`` or else ``RopeScaling()``);
-    or a mapping of its fields, as a TOML table or a recorded ``dataclasses.asdict`` gives it,
-    or Hugging Face's ``rope_scaling`` form with ``"rope_type": "llama3"`` (``"default"``
-    means plain RoPE).
-    """
+    """The ``RopeScaling`` (or ``None``: plain RoPE) that ``value`` names, as a fresh copy:
+    a ``RopeScaling`` or ``None``; a name of ``ROPE_SCALING_CHOICES`` (``"flavor"``: ``default``;
+    ``"llama3"``: ``default`` or else ``RopeScaling()``); or a mapping of its fields (a TOML
+    table, recorded args, HF's ``rope_scaling`` with ``"rope_type": "llama3"``, ``"default"``
+    meaning plain RoPE)."""
     if value is None:
         return None
     if isinstance(value, RopeScaling):
@@ -214,21 +210,11 @@ _LLAMA32_ROPE = RopeScaling(factor=32.0)
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, vocab_size=2048, max_seq_len=2048),
     "1B": Llama3Args(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.5,
-        multiple_of=256,
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
         rope_scaling=_LLAMA32_ROPE,
     ),
     "3B": Llama3Args(
-        dim=3072,
-        n_layers=28,
-        n_heads=24,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.0,
-        multiple_of=256,
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
         rope_scaling=_LLAMA32_ROPE,
     ),
     "8B": Llama3Args(
@@ -238,14 +224,10 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
     ),
     "405B": Llama3Args(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.2,
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
         multiple_of=4096,
     ),
-}
+}  # fmt: skip
 """Published Llama 3 shapes by name. Use :func:`llama3_args` to get an editable copy."""
 
 
@@ -255,17 +237,7 @@ def llama3_args(flavor: str, **overrides: object) -> Llama3Args:
 
     ``rope_scaling`` may be given by name (``ROPE_SCALING_CHOICES``): ``"flavor"`` keeps the
     flavor's, ``"none"`` is plain RoPE, ``"llama3"`` the flavor's factors (or the defaults)."""
-    if flavor not in LLAMA3_FLAVORS:
-        raise ModelConfigError(
-            f"Unknown Llama 3 flavor {flavor!r}; choose one of "
-            f"{', '.join(map(repr, LLAMA3_FLAVORS))}."
-        )
-    known = {f.name for f in dataclasses.fields(Llama3Args)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"Unknown Llama3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
-        )
-    base = LLAMA3_FLAVORS[flavor]
-    scaling = rope_scaling_of(overrides.pop("rope_scaling", "flavor"), base.rope_scaling)
-    return dataclasses.replace(base, rope_scaling=scaling, **overrides)
+    base = LLAMA3_FLAVORS.get(flavor)
+    scaling = overrides.pop("rope_scaling", "flavor")
+    args = flavor_args("Llama 3", LLAMA3_FLAVORS, flavor, overrides)
+    return dataclasses.replace(args, rope_scaling=rope_scaling_of(scaling, base.rope_scaling))

@@ -1,15 +1,11 @@
 """Checking a description of a Llama 3 model (a flavor, an HF config, recorded args) against
-the tensors of a checkpoint, so that an HF ``config.json`` tells the truth about them.
+a checkpoint's tensors, so that an HF ``config.json`` tells the truth about them.
 
-A flavor fixes the architecture (width, depth, heads, feed-forward size) but not the
-vocabulary: titan-train sets ``vocab_size`` from the tokenizer, so a debugmodel trained with
-a 2,000-token tokenizer has 2,000 embedding rows, not the flavor's 2,048. An HF config and the
-args titan-train records with a checkpoint state every field, the vocabulary included. What
-the tensors show (``tok_embeddings.weight``, the layer indices, ``wq``/``wk`` and ``w1`` rows)
-must agree with the description; the vocabulary is then taken from the tensors.
-``n_heads`` does not show in the tensors (only ``dim`` does), so it always comes from the
-description.
-"""
+A flavor fixes the architecture but not the vocabulary (titan-train sets ``vocab_size`` from
+the tokenizer); an HF config and recorded args state it too. What the tensors show (the
+embedding, the layer indices, ``wq``/``wk``/``w1`` rows) must agree with the description;
+the vocabulary is then taken from the tensors. ``n_heads`` shows in no tensor, so it comes
+from the descriptions, which must agree on it."""
 
 from __future__ import annotations
 

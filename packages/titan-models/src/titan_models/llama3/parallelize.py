@@ -1,36 +1,26 @@
-"""The plan that parallelizes a Llama 3 model (or one pipeline stage of it).
-
-Order matters and follows torchtitan: tensor parallel first (it replaces parameters by
-DTensors on the ``tp`` mesh), then context parallel (its attention input hook must run
-after TP's, on the gathered sequence), then activation checkpointing and ``torch.compile``
-around each block, then FSDP2/HSDP over ``dp_shard_cp`` (which shards the TP DTensors once
-more) or DDP.
-Every impossible combination is rejected by :func:`check_llama` (but the pipeline's rules)
-before anything is touched.
-"""
+"""The plans that parallelize a Llama 3 model (or one pipeline stage of it) and split it into
+pipeline stages: the shared plan (``titan_models.parallel.plan``) with Llama 3's facts, its
+head counts and its tensor-parallel split. Every impossible combination is rejected by
+:func:`check_llama` before anything is touched."""
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from collections.abc import Callable
 
-from titan_dims import ParallelDims, detect_device_type
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from titan_dims import ParallelDims
 from titan_models.llama3.args import Llama3Args
 from titan_models.llama3.model import Llama3
-from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
-from titan_models.parallel.context_parallel import apply_context_parallel
-from titan_models.parallel.data_parallel import apply_ddp, apply_fsdp
+from titan_models.parallel.pipeline import Pipeline
+from titan_models.parallel.plan import block_tp_plan, parallelize_decoder, pipeline_decoder
 from titan_models.parallel.rules import check_layout, check_pipeline
 from titan_models.parallel.tensor_parallel import apply_tp_ends
 
-__all__ = ["apply_tp", "check_llama", "parallelize_llama"]
+__all__ = ["apply_tp", "check_llama", "parallelize_llama", "pipeline_llama"]
 
 
 def check_llama(
@@ -63,36 +53,13 @@ def _check_layout(
     )
 
 
-def apply_tp(model: Llama3, tp_mesh, *, loss_parallel: bool) -> None:
-    """Megatron-style tensor parallel with sequence parallel.
-
-    Between blocks the residual stream is sharded along the sequence (``Shard(1)``), so norms
-    run on 1/tp of the tokens; each attention and feed-forward gathers the sequence, runs
-    column-parallel input and row-parallel output projections, and reduce-scatters back.
-    The output projection is column-parallel: with ``loss_parallel`` its logits stay
-    sharded over the vocabulary as a DTensor.
-    """
+def apply_tp(model: Llama3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    """Megatron-style tensor parallel with sequence parallel (``block_tp_plan``); with
+    ``loss_parallel`` the logits stay sharded over the vocabulary as a DTensor."""
     apply_tp_ends(model, tp_mesh, loss_parallel=loss_parallel)
-    block_plan = {
-        "attention_norm": SequenceParallel(),
-        # forward(x, rope): gather x along the sequence; rope is a plain, full tensor.
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
+    colwise = {name: ColwiseParallel() for name in ("wq", "wk", "wv")}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, block_tp_plan(dense=True, **colwise))
 
 
 def parallelize_llama(
@@ -103,45 +70,42 @@ def parallelize_llama(
     seq_len: int | None = None,
 ) -> Llama3:
     """Apply tensor/sequence parallel, context parallel, activation checkpointing, per-block
-    compile and FSDP2 / HSDP / DDP to ``model`` in place (build it on the meta device
-    first), as ``parallel_dims`` and ``config`` say; return it.
-
-    ``seq_len`` (default ``model.args.max_seq_len``) is checked against
-    ``parallel_dims.seq_len_divisor``. Call ``to_empty`` and ``init_weights`` (or load a
-    checkpoint) afterwards. With context parallel, run each step's forward and backward
-    inside ``context_parallel_batch``, which hands each rank its share of the inputs and
-    labels. The loss of a tensor-parallel model with ``loss_parallel`` must be computed
-    inside ``torch.distributed.tensor.parallel.loss_parallel()``.
-    """
+    compile and FSDP2 / HSDP / DDP to ``model`` (built on the meta device) in place, as
+    ``parallel_dims`` and ``config`` say; return it. ``seq_len`` (default
+    ``model.args.max_seq_len``) is checked against the layout. Materialize afterwards
+    (``to_empty`` + ``init_weights``, or a checkpoint) and run each step inside the plan's
+    ``StepContext`` (``titan_models.step_context``)."""
     config = config or ParallelizeConfig()
     cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
-    device_type = parallel_dims.device_type or detect_device_type()
+    return parallelize_decoder(
+        model, parallel_dims, config, apply_tp=apply_tp, cp_implementation=cp_implementation
+    )
 
-    if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel)
-    if parallel_dims.cp_enabled:
-        attentions = [block.attention for block in model.layers.values()]
-        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), cp_implementation)
-    apply_activation_checkpointing(model.layers, config.activation_checkpoint)
-    if config.compile:
-        for block in model.layers.values():
-            # In place: the block keeps its name, so parameter names do not change.
-            block.compile(backend=config.compile_backend, fullgraph=True)
 
-    if parallel_dims.fsdp_enabled:
-        mesh_names = (
-            ("dp_replicate", "dp_shard_cp")
-            if parallel_dims.dp_replicate_enabled
-            else ("dp_shard_cp",)
-        )
-        apply_fsdp(
-            model,
-            model.layers,
-            parallel_dims.get_mesh(mesh_names),
-            config,
-            device_type=device_type,
-            pipeline=parallel_dims.pp_enabled,
-        )
-    elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
-    return model
+def pipeline_llama(
+    model: Llama3,
+    parallel_dims: ParallelDims,
+    pipeline_config: PipelineConfig,
+    parallelize_config: ParallelizeConfig | None = None,
+    *,
+    local_batch_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device | str | None = None,
+    seq_len: int | None = None,
+) -> Pipeline:
+    """This rank's pipeline stages of ``model`` (built on the meta device), each parallelized
+    with :func:`parallelize_llama`, and their schedule; ``local_batch_size`` (one data-parallel
+    rank's) is split into microbatches of ``pipeline_config.microbatch_size``. Needs ``pp > 1``
+    and a process group; materialize every ``model_parts`` entry before the first step."""
+    return pipeline_decoder(
+        model,
+        parallel_dims,
+        pipeline_config,
+        parallelize_config,
+        check=check_llama,
+        parallelize=parallelize_llama,
+        local_batch_size=local_batch_size,
+        loss_fn=loss_fn,
+        device=device,
+        seq_len=seq_len,
+    )

@@ -5,8 +5,7 @@ from __future__ import annotations
 from titan_models.llama3.adapter import make_adapter
 from titan_models.llama3.args import LLAMA3_FLAVORS, llama3_args
 from titan_models.llama3.model import Llama3
-from titan_models.llama3.parallelize import check_llama, parallelize_llama
-from titan_models.llama3.pipeline import pipeline_llama
+from titan_models.llama3.parallelize import check_llama, parallelize_llama, pipeline_llama
 from titan_models.spec import ModelSpec
 
 __all__ = ["LLAMA3"]

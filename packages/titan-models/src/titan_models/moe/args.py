@@ -1,11 +1,6 @@
-"""``MoEArgs``: the shape and routing rules of one mixture-of-experts layer.
-
-The fields name what DeepSeek-V3 (and torchtitan's ``deepseek_v3`` of July 2025) call
-``n_routed_experts``, ``n_shared_experts``, ``n_activated_experts``, ``score_func``,
-``route_scale``, ``n_expert_groups``, ``n_limited_groups`` and ``load_balance_coeff``;
-a model's own args map onto them. Every field is checked when the args are built, so a
-layer that cannot route fails before any weight is allocated.
-"""
+"""``MoEArgs``: the shape and routing rules of one mixture-of-experts layer, onto which a
+family's args map (DeepSeek-V3's ``n_routed_experts``, ``n_activated_experts``...). Every
+field is checked when built, so a layer that cannot route fails before any allocation."""
 
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """Load balance across experts: the auxiliary-loss-free bias update and the load metrics.
 
-After each optimizer step a trainer calls, in this order:
+After each optimizer step a trainer calls ``expert_load(model_parts, group)`` (per MoE layer,
+the least and most loaded expert's share of tokens and the normalized entropy, for metrics),
+then ``update_expert_bias(model_parts, group)`` (all-reduce the counts over ``group``, nudge
+each expert's selection bias toward balance, zero the counts): in that order, since the update
+zeroes what the metrics read.
 
-1. ``expert_load(model_parts, group)``: per MoE layer, the share of tokens of the least
-   and the most loaded expert and the normalized entropy of the shares, from the tokens
-   counted since the last update (for metrics);
-2. ``update_expert_bias(model_parts, group)``: all-reduce the counts over ``group``, nudge
-   each expert's selection bias toward balance, and zero the counts.
-
-``expert_load`` must come first: the update zeroes what it reads.
-
-``group`` is the data-parallel (and context-parallel) group whose ranks see different
-tokens of the same layers: a ``ProcessGroup``, a one-dimensional ``DeviceMesh``, or ``None``
-for the default group when ``torch.distributed`` is initialized with more than one rank
-(no communication otherwise). Under pipeline parallelism ranks of the default group hold
-different layers: pass the ``dp_cp`` group. All ranks of ``group`` must call together.
-"""
+``group``: the data- and context-parallel ranks, which see different tokens of the same
+layers (a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None`` for the default group; under
+pipeline parallel pass ``dp_cp``). All its ranks call together."""
 
 from __future__ import annotations
 
@@ -73,14 +66,10 @@ def _summed_counts(layers: list[MoE], group: Group) -> torch.Tensor:
 
 @torch.no_grad()
 def update_expert_bias(model_parts: nn.Module | Iterable[nn.Module], group: Group = None) -> None:
-    """The auxiliary-loss-free load-balancing step (DeepSeek-V3) for every MoE layer.
-
-    For a layer with ``load_balance_coeff`` c and counts n (summed over ``group``):
-    ``delta = c * sign(mean(n) - n)``, centered to mean 0, is added to ``expert_bias``, so
-    underloaded experts become likelier to be chosen and overloaded ones less. Then every
-    layer's counts are zeroed. Layers without a bias only have their counts zeroed; a model
-    without MoE layers is left alone (no communication).
-    """
+    """The auxiliary-loss-free load-balancing step (DeepSeek-V3) for every MoE layer: with
+    ``load_balance_coeff`` c and counts n summed over ``group``, ``c * sign(mean(n) - n)``,
+    centered to mean 0, is added to ``expert_bias`` (underloaded experts become likelier), then
+    the counts are zeroed. A model without MoE layers is left alone (no communication)."""
     layers = [layer for _, layer in _all_layers(model_parts)]
     biased = [layer for layer in layers if layer.expert_bias is not None]
     if biased:
@@ -135,16 +124,12 @@ def _load_metrics(names: list[str], counts: torch.Tensor) -> dict[str, float]:
 
 
 class ExpertBalancer:
-    """What a trainer runs after each optimizer step for the MoE layers of ``model_parts``:
-    one all-reduce of every layer's token counts over ``group``, the bias update of
-    :func:`update_expert_bias` on those counts, and the counts kept for :meth:`metrics`
-    (so a trainer may read the load of the last step at its reporting steps, after the
-    update zeroed the live counts). No host synchronization until :meth:`metrics`.
-
-    Unlike the functions above, ``group=None`` means no reduction: every rank saw the same
-    tokens (tensor parallel) or holds other layers (pipeline parallel) or is alone. Pass the
-    data- and context-parallel group (``parallel_dims.get_mesh("dp_cp")``) otherwise.
-    """
+    """What a trainer runs after each optimizer step for the MoE layers of ``model_parts``: one
+    all-reduce of the token counts over ``group``, :func:`update_expert_bias` on them, and the
+    counts kept for :meth:`metrics` (the last step's load, read at reporting steps, after the
+    update zeroed the live counts). No host sync until :meth:`metrics`. Unlike the functions
+    above, ``group=None`` means no reduction; pass the data- and context-parallel group
+    (``parallel_dims.get_mesh("dp_cp")``) when ranks see different tokens."""
 
     def __init__(
         self,

@@ -1,31 +1,19 @@
 """The routed experts as stacked weights, run as grouped matmuls or by the fallback.
 
 ``GroupedExperts`` holds ``w1``, ``w3`` (num_experts, dim, hidden) and ``w2`` (num_experts,
-hidden, dim), torchtitan's names and layout, and computes the SwiGLU
-``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` for rows of ``x`` already sorted by expert.
+hidden, dim), torchtitan's layout, and computes ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]``
+for rows of ``x`` sorted by expert, by one of two equal implementations:
 
-Two implementations, equal in result (the slice loop bit for bit on CPU in fp32, where
-torch's grouped mm multiplies each group with a plain matmul; the padded batch to rounding):
+- ``torch._grouped_mm`` with int32 cumulative offsets, one call per weight. It needs rows
+  whose byte strides are multiples of 16 and a dtype its kernel (and, under compile, its meta
+  kernel) has: probed once per (device type, dtype) by running it, never by device name.
+- the fallback (counts read to the host once per call): batched matmuls over rows padded to
+  the longest expert while that at most doubles the rows, else one matmul per expert.
 
-- ``torch._grouped_mm`` with int32 cumulative offsets: one call per weight. It needs
-  rows whose byte strides are multiples of 16 (``dim`` and ``hidden`` multiples of
-  16 / element size) and a dtype its kernel has. Whether the device has it is probed once
-  per (device type, dtype) by running it (``grouped_mm_supported``), never by device name;
-  under ``torch.compile`` its meta kernel (what tracing runs) must accept the dtype too.
-- the fallback (the counts are read to the host once per call): batched matmuls over the
-  experts' rows padded to the longest while that at most doubles the rows, else one matmul
-  per expert over its contiguous slice of rows, skipping experts without tokens.
-
-Under autocast the routed experts compute in the autocast dtype: ``x`` and the weights
-are cast to it explicitly, because autocast has no rule for ``_grouped_mm`` and would leave
-fp32 inputs in fp32 (on CUDA that is torch's per-expert fallback, with a device-to-host copy
-of the offsets). The grouped mm (and the fallback's matmuls) accumulate in fp32 internally
-and return the autocast dtype, as autocast's matmuls do; the output is cast back to ``x``'s
-dtype, as torchtitan does.
-
-Expert-parallel and tensor-parallel plans turn the weights into DTensors; the experts
-compute on their local shards (``to_local``) and the plan's hooks move the tokens.
-"""
+Under autocast ``x`` and the weights are cast to the autocast dtype explicitly: autocast has
+no rule for ``_grouped_mm`` and would leave fp32 inputs in fp32 (on CUDA torch's per-expert
+fallback, with a host copy of the offsets). The output is cast back to ``x``'s dtype, as
+torchtitan does. Under EP/TP plans the experts compute on their local shards."""
 
 from __future__ import annotations
 

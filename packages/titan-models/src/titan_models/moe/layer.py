@@ -1,31 +1,19 @@
 """``MoE``: a mixture-of-experts feed-forward layer (router, routed experts, shared expert).
 
-Submodules, parameters and buffers carry torchtitan's names and shapes (its July 2025
-``deepseek_v3`` MoE), so checkpoints move between the two unchanged:
+Names and shapes are torchtitan's (its July 2025 ``deepseek_v3`` MoE), so checkpoints move
+between the two unchanged: ``router.gate`` (``nn.Linear(dim, num_experts)``);
+``experts.w1``/``w3`` (num_experts, dim, hidden_dim) and ``w2`` (num_experts, hidden_dim,
+dim); ``shared_expert`` a one-expert ``GroupedExperts`` of ``hidden_dim * num_shared_experts``
+(``None`` without); buffers ``expert_bias`` (fp32) and ``tokens_per_expert``, persistent with
+``load_balance_coeff`` (without it no bias, and the counts are non-persistent, kept for the
+metrics); ``aux_loss`` holds the last sequence balance loss.
 
-- ``router.gate``: ``nn.Linear(dim, num_experts, bias=False)``;
-- ``experts.w1``, ``experts.w3`` (num_experts, dim, hidden_dim), ``experts.w2``
-  (num_experts, hidden_dim, dim);
-- ``shared_expert.w1``, ``.w3`` (1, dim, hidden_dim * num_shared_experts), ``.w2`` (1,
-  hidden_dim * num_shared_experts, dim): a ``GroupedExperts`` of one expert, as torchtitan
-  stores it; ``None`` without shared experts;
-- buffers ``expert_bias`` (num_experts,) fp32 and ``tokens_per_expert`` (num_experts,),
-  persistent, when ``load_balance_coeff`` is set. Without it there is no ``expert_bias``
-  (``None``) and ``tokens_per_expert`` is a non-persistent buffer, kept for the load metrics
-  only, so the state dict has torchtitan's names and shapes in both cases. ``aux_loss`` (a
-  scalar, non-persistent) holds the last sequence balance loss.
+``tokens_per_expert`` is int64 (torchtitan's is fp32): exact past 2^24 tokens per expert per
+step. fp32 counts in a checkpoint still load (copied into the int64 buffer).
 
-``tokens_per_expert`` is int64 where torchtitan's is fp32: counts stay exact past 2^24
-tokens per expert per step (a large global batch with top-8 over few experts passes it).
-A checkpoint that holds fp32 counts (torchtitan's, or titan's before) still loads: both
-``load_state_dict`` and DCP convert the values on copy into the int64 buffer.
-
-Token counting: every forward adds the tokens each expert received to
-``tokens_per_expert``, except where it would count the same tokens again or tokens that do
-not train: not under ``torch.no_grad()`` / inference mode (evaluation), and not while
-autograd's backward is running, which is where activation checkpointing recomputes the
-forward (``update_expert_bias`` consumes and zeroes the counts after each step).
-"""
+Every forward counts the tokens each expert received, except under ``torch.no_grad()`` or
+inference mode (evaluation) and during autograd's backward, where activation checkpointing
+recomputes the forward: those tokens do not train, or were counted already."""
 
 from __future__ import annotations
 
@@ -104,18 +92,13 @@ class _AddAuxLossGradient(torch.autograd.Function):
 class MoE(nn.Module):
     """Token-choice top-k routed SwiGLU experts plus optional shared experts.
 
-    ``forward`` maps (batch, seq, dim) to the same shape: the router picks ``top_k``
-    experts per token (bias-corrected selection, unbiased weights), tokens are sorted by
-    expert and run through ``experts`` (one grouped matmul per weight, or the fallback),
-    and each token's expert outputs, times their weights, are added in ascending expert
-    order, then the shared expert's output.
+    ``forward`` maps (batch, seq, dim) to the same shape: the router picks ``top_k`` experts per
+    token, tokens sorted by expert run through ``experts``, and each token's weighted expert
+    outputs are added in ascending expert order, then the shared expert's output.
 
     With ``aux_loss_alpha > 0`` the layer adds DeepSeek-V3's sequence balance loss to the
-    backward itself (the trainer's loss does not change): its gradient reaches the router as
-    if ``aux_loss_grad_scale * aux_loss`` were part of the loss. Set ``aux_loss_grad_scale``
-    to the factor the trainer scales its loss by (1 / gradient-accumulation steps) to weigh
-    both alike; the default 1 suits one micro-batch per step.
-    """
+    backward itself, as if ``aux_loss_grad_scale * aux_loss`` were part of the loss: set
+    ``aux_loss_grad_scale`` to the trainer's loss scale (1 / gradient-accumulation steps)."""
 
     def __init__(self, args: MoEArgs, *, dim: int, hidden_dim: int) -> None:
         super().__init__()

@@ -1,23 +1,18 @@
 """Token-choice top-k routing: each token picks its experts by score.
 
-Scores are computed in fp32 whatever the model's dtype or the autocast dtype: the gate's
-matmul too (inputs and weight cast to fp32, autocast off around it), since bf16 logits
-(8 mantissa bits) tie and flip in top-k and make the bias-corrected selection noisy once the
-balancer's bias is about the logits' spacing; then softmax over the experts, or one sigmoid
-each. A per-expert bias (the auxiliary-loss-free load balancer's) is added to the
-scores only to *select* experts; the weights a token gives its experts come from the
+Scores are computed in fp32 whatever the dtype, the gate's matmul included: bf16 logits tie
+and flip in top-k once the balancer's bias is about their spacing. A per-expert bias (the
+auxiliary-loss-free balancer's) is added only to *select* experts; the weights come from the
 unbiased scores. Grouped routing follows DeepSeek-V3 as transformers implements it, step for
-step, so that both select the same experts bit for bit in fp32:
+step, so both select the same experts bit for bit in fp32:
 
 1. group score = sum of the two highest bias-corrected scores in each group;
-2. keep the ``n_limited_groups`` best groups (``topk(sorted=False)``), mask the rest to -inf;
+2. keep the ``n_limited_groups`` best groups (``topk(sorted=False)``), mask the rest;
 3. ``topk(sorted=False)`` of the masked bias-corrected scores picks the experts;
-4. weights = unbiased scores of those experts, divided by their sum (+1e-20) when
-   ``route_norm``, then multiplied by ``route_scale``.
+4. weights = their unbiased scores, divided by their sum (+1e-20) with ``route_norm``, times
+   ``route_scale``.
 
-The router then orders each token's experts by index (weights along), so that the layer
-adds a token's expert outputs in ascending expert order, as transformers does.
-"""
+Each token's experts are then ordered by index, so outputs add in transformers' order."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The trainer hooks of a model family with MoE blocks (``ModelSpec.post_step_fn`` and
-``metrics_fn``), shared by DeepSeek-V3 and Qwen3: after each optimizer step the token counts
-of every MoE layer are summed over the data- and context-parallel ranks (``dp_cp``) and the
-selection biases nudged (``ExpertBalancer``); at reporting steps the shares of tokens per
-expert of the last step are logged (``moe/layers.<i>/min_share``, ``max_share``,
-``entropy``). A model without MoE layers (a dense flavor) gets ``None`` and no metrics.
-"""
+"""The trainer hooks of a family with MoE blocks (``ModelSpec.post_step_fn`` and
+``metrics_fn``): after each optimizer step the token counts are summed over ``dp_cp`` and the
+selection biases nudged (``ExpertBalancer``); at reporting steps the last step's shares are
+logged (``moe/layers.<i>/min_share``, ``max_share``, ``entropy``). A dense model gets none."""
 
 from __future__ import annotations
 

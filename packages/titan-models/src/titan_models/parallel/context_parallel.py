@@ -1,28 +1,19 @@
 """Context parallel: load-balanced sequence sharding and causal attention across the ``cp``
 ranks, by one of three implementations (``ParallelizeConfig.cp_attention``).
 
-``titan`` trains on any device. torch 2.13's ``context_parallel`` has no CPU sharding rule
-for SDPA and FlexAttention has no CPU backward, so this one is our own. The sequence is cut
-into ``2 x cp`` chunks and rank r holds chunks r and ``2 cp - 1 - r``: under a causal mask
-an early chunk is cheap and a late one expensive, so every rank gets the same amount of
-work. In attention, each rank all-gathers K and V from the ``cp`` group (backward:
-reduce-scatter of their gradients) and attends its own queries to every key at an earlier
-or equal global position. Memory: each rank holds the full sequence's K/V per layer for the
-duration of one attention.
-
-``titan_ring`` is ours with a ring instead of the all-gather (see
-:mod:`titan_models.parallel.ring_attention`).
-
-``torch`` is torch's ``context_parallel`` (CUDA only): while its context is open it shards
-the batch in place, with the same chunk order as ours, and replaces SDPA by ring attention
-on the flash/efficient kernels, overlapping the K/V exchange with compute. ``auto`` picks
-it on CUDA. All three rotate each token by the RoPE angle of its global position through
-the same attention input hook, so no model buffer needs sharding.
+``titan`` trains on any device (torch 2.13's ``context_parallel`` has no CPU sharding rule
+for SDPA, FlexAttention no CPU backward). Rank r holds chunks r and ``2 cp - 1 - r`` of
+``2 cp``, so under the causal mask every rank does the same work; attention all-gathers K
+and V over ``cp`` (backward: reduce-scatter) and attends its queries to every earlier key.
+Memory: the full sequence's K/V per layer, for one attention. ``titan_ring`` passes K/V
+around a ring instead (:mod:`titan_models.parallel.ring_attention`). ``torch`` is torch's
+``context_parallel`` (CUDA only; ``auto`` picks it there): it shards the batch in place, in
+the same chunk order, and runs ring attention on the flash/efficient kernels, overlapping the
+exchange with compute. All three rotate each token by its global position's RoPE angle
+through the same attention input hook, so no model buffer needs sharding.
 
 A trainer runs each step inside its :class:`~titan_models.StepContext` (or
-:func:`context_parallel_batch`), which does what the chosen implementation needs, so it never
-branches on it. The sharding itself is :mod:`titan_models.parallel.cp_sharding`.
-"""
+:func:`context_parallel_batch`), which does what the implementation needs."""
 
 from __future__ import annotations
 
@@ -199,18 +190,12 @@ def context_parallel_batch(
     parallel_dims: ParallelDims,
     config: ParallelizeConfig,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Open context parallel for one step's forward and backward, and yield this rank's
-    ``(inputs, labels)``: the load-balanced share of their sequence (dim 1). Run the forward
-    and the backward (or a pipeline's ``step``) inside the ``with`` block.
-
-    Give every rank of a ``cp`` group the same full-length batch. With our attentions this
-    only shards it; with torch's it also opens torch's ``context_parallel`` (which shards
-    in place, so it gets copies) for the duration. Without context parallel this yields
-    ``inputs, labels`` unchanged. The caller's tensors are never modified.
-
-    This resolves ``config.cp_attention`` at every call; a trainer takes a
-    :class:`~titan_models.StepContext` (``step_context``), which resolves it once.
-    """
+    """Open context parallel for one step's forward and backward (run both, or a pipeline's
+    ``step``, inside the ``with`` block) and yield this rank's ``(inputs, labels)``: the
+    load-balanced share of their sequence (dim 1). Give every rank of a ``cp`` group the same
+    full batch; the caller's tensors are never modified. Without context parallel it yields them
+    unchanged. It resolves ``config.cp_attention`` at every call; ``step_context`` resolves it
+    once."""
     if not parallel_dims.cp_enabled:
         yield inputs, labels
         return

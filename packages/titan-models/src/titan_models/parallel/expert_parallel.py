@@ -1,34 +1,21 @@
 """Expert parallelism: each rank of an ``ep`` mesh holds ``num_experts / ep`` of every MoE
 layer's experts, and tokens travel to the rank that owns their expert and back.
 
-``apply_expert_parallel(model, ep_mesh)`` turns every MoE layer's ``experts.w1/w2/w3`` into
-DTensors sharded on dim 0 (the expert dimension) over ``ep_mesh`` (a DCP checkpoint holds
-the full stacked tensors, so it loads at any ep degree) and hooks the experts' forward:
+``apply_expert_parallel(model, ep_mesh)`` shards every MoE layer's ``experts.w1/w2/w3`` on
+dim 0 (the experts) over ``ep_mesh`` (a DCP checkpoint holds the full stacks, so it loads at
+any ep degree) and hooks the experts' forward. Dispatch: the per-expert counts are exchanged
+first (both split lists reach the host in one copy, the layer's only host sync), then the
+tokens, sorted by expert, by an all-to-all with those splits, reordered expert-major (source
+ranks in order), the layout the experts compute on. Combine: the reverse all-to-all. Both are
+autograd functions. Router, shared expert and buffers stay local: each rank routes and
+counts its own tokens, as data parallelism expects; tokens arriving in a single process's
+order give bit-identical expert outputs and gradients.
 
-- dispatch: the per-expert token counts are exchanged first (an all-to-all of
-  ``num_experts`` integers; both split lists then reach the host in one device-to-host
-  copy, the layer's only host sync), then the tokens, sorted by expert, go to their
-  experts' ranks by an all-to-all with those variable split sizes. A rank receives, from
-  each source rank in turn, that rank's tokens for each of its local experts; it reorders
-  them expert-major (source ranks in order within an expert), which is the layout the
-  experts compute on.
-- combine: the outputs are put back in arrival order and returned to their source ranks by
-  the reverse all-to-all.
-
-Both all-to-alls are autograd functions (``all_to_all_single_autograd``): the backward sends
-the gradients the opposite way. The router, the shared expert and the buffers stay plain
-and local: each rank routes its own tokens and counts them, as data parallelism expects.
-A rank whose tokens an expert receives in the same order as a single process would (source
-ranks in rank order) computes bit-identical expert outputs and weight gradients.
-
-Gradients: a local expert's gradient sums over the tokens of every rank in its ep group.
-Where data parallelism averages the other gradients over all ``dp_shard x cp`` ranks, the
-experts' FSDP (over ``dp_shard_mod_ep``) must divide by that whole count too
-(``set_gradient_divide_factor(parallel_dims.fsdp_gradient_divide_factor)``). gloo has no
-PREMUL_SUM, so add ``set_force_sum_reduction_for_comms(True)`` there, but only on a mesh of
-more than one rank: torch 2.13 divides twice on a one-rank mesh with it
-(``tests/workers/moe_expert_parallel.py``, case ``fsdp``, checks both).
-"""
+Gradients: a local expert's gradient sums over the tokens of its whole ep group, so the
+experts' FSDP (over ``dp_shard_mod_ep``) divides by all ``dp_shard x cp`` ranks, like every
+other gradient. gloo has no PREMUL_SUM: force sum reduction there, but only on a mesh of more
+than one rank (torch 2.13 divides twice on a one-rank mesh; the ``fsdp`` case of
+``tests/workers/moe_expert_parallel.py`` checks both)."""
 
 from __future__ import annotations
 

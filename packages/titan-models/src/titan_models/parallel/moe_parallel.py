@@ -1,18 +1,14 @@
-"""The parallel plans of a mixture-of-experts layer, shared by every family with MoE blocks
-(DeepSeek-V3, Qwen3 MoE): tensor parallel around a ``titan_models.moe.MoE`` and FSDP with
-the experts sharded over the data-parallel ranks that hold the same experts.
+"""The parallel plans of an MoE layer, shared by the families with MoE blocks (DeepSeek-V3,
+Qwen3 MoE).
 
-- **Tensor parallel** (:func:`apply_moe_tp`). An MoE layer runs on the whole (gathered)
-  sequence on every tp rank: routing and the routed experts are replicated (with ``ep`` they
-  are spread over the ep ranks instead), the shared expert, when there is one, is split over
-  its hidden dimension (its input's gradient and its output summed over ``tp``). The
-  layer's output, whole on every rank, is cut back to this rank's part of the sequence.
-- **FSDP** (:func:`apply_fsdp_with_experts`). Under expert parallel the experts are sharded
-  over ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP) before the blocks are sharded over
-  ``dp_shard_cp`` (which then leaves the experts out); their gradients are divided by the
-  same data-parallel degree as every other gradient's, since their tokens came from all
-  ``dp_shard_cp`` ranks (see ``titan_models.parallel.expert_parallel``).
-"""
+- **Tensor parallel** (:func:`apply_moe_tp`): the layer runs on the gathered sequence on
+  every tp rank, routing and routed experts replicated (spread over ``ep`` with expert
+  parallel), the shared expert split over its hidden dimension (input gradient and output
+  summed over ``tp``); the output is cut back to this rank's part of the sequence.
+- **FSDP** (:func:`apply_fsdp_with_experts`): under expert parallel the experts are sharded
+  over ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP) before the blocks over
+  ``dp_shard_cp``, their gradients divided by the same data-parallel degree as every other's
+  (see ``titan_models.parallel.expert_parallel``)."""
 
 from __future__ import annotations
 

@@ -165,14 +165,11 @@ class Pipeline:
         targets: torch.Tensor | None = None,
         **model_kwargs: torch.Tensor,
     ) -> torch.Tensor | None:
-        """Forward and backward of one batch. Ranks with the first stage pass ``inputs``,
-        ranks with the last pass ``targets`` (others may pass them too: they are ignored).
-        ``model_kwargs`` (every rank passes them: e.g. ``document_ids``, ``positions``, each
-        (batch, ...)) go to every stage's forward, split into microbatches as the inputs.
-        Returns the mean microbatch loss (a plain tensor) on the last stage's rank, ``None``
-        elsewhere. With tensor parallel and ``loss_parallel``, call it inside
-        ``torch.distributed.tensor.parallel.loss_parallel()`` (or the plan's
-        ``StepContext``)."""
+        """Forward and backward of one batch. Ranks with the first stage pass ``inputs``, ranks with
+        the last ``targets`` (others' are ignored); ``model_kwargs`` (e.g. ``document_ids``,
+        ``positions``) reach every stage, split into microbatches like the inputs. Returns the mean
+        microbatch loss on the last stage's rank, ``None`` elsewhere. Under TP with
+        ``loss_parallel``, call it inside the plan's ``StepContext``."""
         return self._run(self.schedule.step, inputs, targets, model_kwargs)
 
     def eval(
@@ -248,18 +245,14 @@ def build_pipeline(
     inference_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     tied: Sequence[tuple[str, str]] = (),
 ) -> Pipeline:
-    """This rank's pipeline stages of ``model`` and their schedule, for any model family
-    laid out as titan's are: ``tok_embeddings``, ``layers`` (a ``ModuleDict`` keyed by the
-    block's index, so every parameter keeps its full-model name and checkpoints do not
-    depend on the pipeline layout), ``norm`` and ``output``, a forward that skips the ones
-    set to ``None``. Each stage is a copy of ``model`` (built on the meta device) without the
-    other stages' blocks, then ``parallelize(stage)``-ed (the family's plan: FSDP, TP, ...).
-    The family checks its layout first (``split_blocks`` raises for a split that cannot work).
-    ``inference_context`` wraps torch's one-time metadata inference forward (see ``_Stage``).
-    ``tied`` names the weights the first and the last stage share, ``(name on the first,
-    name on the last)`` (tied embeddings: ``("tok_embeddings.weight", "output.weight")``);
-    see :class:`~titan_models.parallel.pipeline_tied.TiedWeights`.
-    """
+    """This rank's pipeline stages of ``model`` and their schedule, for any family laid out as
+    titan's: ``tok_embeddings``, ``layers`` (a ``ModuleDict`` keyed by block index, so
+    parameters keep their full-model names and checkpoints do not depend on the split), ``norm``
+    and ``output``, and a forward that skips those set to ``None``. Each stage is a copy of the
+    meta-device ``model`` without the other stages' blocks, then ``parallelize(stage)``-ed.
+    ``inference_context`` wraps torch's one-time metadata forward (see ``_Stage``); ``tied``
+    names the weights the first and last stage share, ``(on the first, on the last)`` (see
+    :class:`~titan_models.parallel.pipeline_tied.TiedWeights`)."""
     pp = parallel_dims.pp
     stage_blocks = split_blocks(n_layers, pp, pipeline_config)
     num_stages = len(stage_blocks)

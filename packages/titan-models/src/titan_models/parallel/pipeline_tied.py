@@ -1,21 +1,13 @@
 """Weights shared by the first and the last pipeline stage: tied input and output embeddings.
 
-A model that ties its output projection to its token embedding holds one matrix at both ends;
-a pipeline puts the ends on different stages, usually on different ranks. Each of those
-stages then holds its own copy, and :class:`TiedWeights` keeps the copies one weight:
-
-- after initialization, the last stage takes the first stage's values (``sync_weights``);
-- after each backward, both copies get the sum of the two gradients (``sync_grads``), which
-  is the gradient of the one tied matrix, so identical optimizer updates keep them equal;
-- the last stage's copy is ``mirrored``: a global gradient norm counts it once (at the first
-  stage), as it counts the tied matrix of an unsplit model.
-
-The ranks holding the two ends exchange their local tensors point to point over the pipeline
-group; a rank holding both (the V-shaped schedules put the first and the last stage on pp
-rank 0) adds them in place. The two ends must be sharded alike by the rest of the plan (both
-over the vocabulary, by FSDP and tensor parallel): their local shards then hold the same
-rows, and their shapes are checked once, at ``sync_weights``.
-"""
+A pipeline puts the two ends of a tied model on different stages, each holding a copy;
+:class:`TiedWeights` keeps the copies one weight: the last stage takes the first's values
+after init (``sync_weights``); after each backward both get the sum of the two gradients
+(``sync_grads``), the tied matrix's gradient, so equal updates keep them equal; the last
+stage's copy is ``mirrored``, counted once in a global gradient norm. The two ranks exchange
+local tensors point to point over the pipeline group (a rank holding both ends, as in the V
+schedules, adds in place). Both ends must be sharded alike (over the vocabulary, by FSDP and
+TP), so their local shards hold the same rows; shapes are checked at ``sync_weights``."""
 
 from __future__ import annotations
 
@@ -49,18 +41,10 @@ def _grad_as_placed(param: nn.Parameter) -> torch.Tensor:
 
 
 class TiedWeights:
-    """The tied parameter pairs of this rank's pipeline stages (see the module docstring).
-
-    Args:
-        names: ``(name on the first stage, name on the last stage)`` per tied pair, e.g.
-            ``[("tok_embeddings.weight", "output.weight")]``.
-        parts: this rank's stage modules, in the order of ``stage_ids``.
-        stage_ids: the stages this rank runs.
-        num_stages: stages in the whole pipeline.
-        last_stage_pp_rank: the pipeline rank that runs the last stage (the first stage is
-            always on pipeline rank 0).
-        pp_group: the pipeline-parallel process group of this rank.
-    """
+    """The tied parameter pairs of this rank's pipeline stages (see the module docstring):
+    ``names`` ``(on the first stage, on the last)`` per pair, this rank's stage modules
+    ``parts`` (in the order of ``stage_ids``), the pipeline's ``num_stages``, the pipeline rank
+    of the last stage (the first is on rank 0) and the pipeline ``pp_group``."""
 
     def __init__(
         self,

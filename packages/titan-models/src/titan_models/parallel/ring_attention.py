@@ -1,19 +1,12 @@
-"""Ring context-parallel attention: keys and values travel around the ``cp`` ranks in
-blocks, and each rank merges its queries' attention over every block with an online
-softmax, so a rank never holds more than two blocks of K/V (its own and the one in flight)
-instead of the whole sequence (``cp_attention="titan_ring"``).
+"""Ring context-parallel attention (``cp_attention="titan_ring"``): K/V blocks travel around
+the ``cp`` ranks and each rank merges its queries' attention over every block with an online
+softmax, holding two blocks (its own and the one in flight), not the whole sequence.
 
-Sharding is the load-balanced one of :mod:`titan_models.parallel.cp_sharding`: rank r
-holds chunks r and ``2 cp - 1 - r`` of ``2 cp``. Step s of the ring attends this rank's
-queries to the block of rank ``r - s``, masked by global positions (causal), while the next
-block is already on its way (send to ``r + 1``, receive from ``r - 1``). Blocks merge by
-their log-sum-exp: ``out = sum_b exp(lse_b - lse) out_b`` with ``lse = logsumexp_b lse_b``.
-
-The backward sends the blocks around the ring once more, now with their gradient
-accumulators: each rank adds its queries' contribution to dK/dV of the block it holds, and
-after ``cp`` hops every accumulator is back with the block's owner. Attention
-probabilities are recomputed from the saved log-sum-exp, as flash attention does.
-"""
+Sharding as :mod:`titan_models.parallel.cp_sharding`. Step s attends this rank's queries to
+rank ``r - s``'s block, causally masked by global positions, while the next block is on its
+way; blocks merge by log-sum-exp. The backward sends the blocks around once more with their
+gradient accumulators, recomputing probabilities from the saved log-sum-exp, as flash
+attention does."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The layout rules every model family shares, in one place so that the families cannot drift
-apart: a family's check (``check_llama``, ``check_qwen3``, ``check_deepseek_v3``, a spec's
-``check_fn``) states its facts (head counts, experts, blocks) and adds only the rules of its
-own architecture.
-
-:func:`check_layout` is what one model, or one pipeline stage, is parallelized against;
-:func:`check_pipeline` what a pipeline adds. Neither needs a process group or a model, so a
-trainer calls them before any work; each raises one ``ModelConfigError``.
-"""
+apart: a family's check (a spec's ``check_fn``) states its facts (head counts, experts,
+blocks) and adds only its own architecture's rules. :func:`check_layout` is what one model
+(or pipeline stage) is parallelized against, :func:`check_pipeline` what a pipeline adds;
+neither needs a process group or a model, so a trainer calls them before any work."""
 
 from __future__ import annotations
 
@@ -32,14 +28,10 @@ def check_layout(
     no_experts: str = "the model has no experts",
 ) -> str | None:
     """Raise ``ModelConfigError`` unless a model can be parallelized as ``parallel_dims`` and
-    ``config`` say; return the context-parallel implementation ``config.cp_attention``
-    resolves to on this device (``None`` without context parallel).
-
-    The model's facts: ``heads``, every head count a tensor-parallel rank splits, by its
-    argument's name (``{"n_heads": 32, "n_kv_heads": 8}``); ``seq_len``, the sequence length
-    it runs with; ``experts``, its MoE blocks' args, or ``None`` without MoE blocks, and then
-    ``no_experts`` says why (``"Llama 3 is a dense model without experts"``) when ``ep > 1``.
-    """
+    ``config`` say; return the context-parallel implementation ``config.cp_attention`` resolves
+    to here (``None`` without context parallel). The model's facts: ``heads``, each head count a
+    tp rank splits, by name (``{"n_heads": 32, "n_kv_heads": 8}``); ``seq_len``; ``experts``,
+    its MoE args, or ``None``, and then ``no_experts`` says why when ``ep > 1``."""
     tp = parallel_dims.tp
     for name, count in heads.items():
         if count % tp:

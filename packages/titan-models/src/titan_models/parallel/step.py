@@ -1,13 +1,10 @@
 """How a parallel plan is driven at every step, handed out beside the plan.
 
-``step_context(parallel_dims, config, seq_len=...)`` checks the plan's per-step rules once and
+``step_context(parallel_dims, config, seq_len=...)`` checks the per-step rules once and
 returns a :class:`StepContext`: ``with context(inputs, labels) as (inputs, labels):`` opens
-context parallel (the implementation resolved here, once), loss parallel and, for mixed
-precision without FSDP, ``torch.autocast`` together, so a
-trainer runs every forward and backward (or pipeline step) the same way whatever the layout.
-:func:`reduce_loss` turns a rank's loss into the job's: summed over pipeline stages (only
-the last stage has it), averaged over data- and context-parallel ranks.
-"""
+context parallel (resolved once), loss parallel and, for mixed precision without FSDP,
+autocast, so a trainer steps alike whatever the layout. :func:`reduce_loss` makes a rank's
+loss the job's: summed over pipeline stages, averaged over data- and context-parallel ranks."""
 
 from __future__ import annotations
 
@@ -54,14 +51,11 @@ def check_seq_len(seq_len: int, parallel_dims: ParallelDims, *, name: str = "seq
 
 @dataclass(frozen=True)
 class StepContext:
-    """The per-step context of one parallel plan (build it with :func:`step_context`).
-
-    Call it around each step's forward and backward (or ``Pipeline.step`` / ``eval``):
-    ``with context(inputs, labels) as (inputs, labels):`` yields this rank's share of the
-    whole batch (its load-balanced part of the sequence under context parallel, else the
-    batch itself), with torch's ``context_parallel`` open when that implementation was
-    chosen, and ``loss_parallel`` open when the logits stay sharded over the vocabulary.
-    """
+    """The per-step context of one parallel plan (build it with :func:`step_context`):
+    ``with context(inputs, labels) as (inputs, labels):`` around each step's forward and backward
+    (or ``Pipeline.step``/``eval``) yields this rank's share of the batch (its part of the
+    sequence under context parallel), with torch's ``context_parallel`` and ``loss_parallel``
+    open where the plan needs them."""
 
     parallel_dims: ParallelDims
     cp_attention: str | None
@@ -133,14 +127,10 @@ def step_context(
 
 
 def autocast_dtype(parallel_dims: ParallelDims, config: ParallelizeConfig) -> torch.dtype | None:
-    """The dtype to autocast a step to: ``config.param_dtype`` as the device resolves it
-    (``auto``: bf16 on accelerators and on CPUs with bf16 instructions, else fp32), when it
-    is not fp32 and FSDP is off (single device, DDP, TP, PP without FSDP). With FSDP its
-    mixed-precision policy computes in that dtype already (no autocast, as torchtitan).
-
-    A CPU without bf16 instructions keeps fp32 even when ``bfloat16`` is asked for (e.g. by
-    torchtitan's default for its TOML files): there bf16 matmuls run hundreds of times
-    slower, and before this autocast existed such runs computed in fp32 too."""
+    """The dtype to autocast a step to: ``config.param_dtype`` as the device resolves it, when
+    it is not fp32 and FSDP is off (with FSDP its mixed-precision policy computes in that dtype,
+    as torchtitan). A CPU without bf16 instructions keeps fp32 even when ``bfloat16`` is asked
+    for (torchtitan's TOML default): there bf16 matmuls run hundreds of times slower."""
     if parallel_dims.fsdp_enabled:
         return None
     device_type = parallel_dims.device_type or detect_device_type()

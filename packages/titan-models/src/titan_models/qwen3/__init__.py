@@ -7,8 +7,12 @@ from titan_models.qwen3.adapter import Qwen3StateDictAdapter, make_adapter
 from titan_models.qwen3.args import QWEN3_FLAVORS, QWEN3_ROPE_SCALINGS, Qwen3Args, qwen3_args
 from titan_models.qwen3.hf_config import HF_ARCHITECTURES, args_from_hf_config, hf_config_of
 from titan_models.qwen3.model import Qwen3, Qwen3Attention, Qwen3Block
-from titan_models.qwen3.parallelize import apply_tp_qwen3, check_qwen3, parallelize_qwen3
-from titan_models.qwen3.pipeline import pipeline_qwen3
+from titan_models.qwen3.parallelize import (
+    apply_tp_qwen3,
+    check_qwen3,
+    parallelize_qwen3,
+    pipeline_qwen3,
+)
 from titan_models.qwen3.spec import QWEN3
 
 __all__ = [

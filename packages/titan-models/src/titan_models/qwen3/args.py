@@ -1,22 +1,19 @@
 """``Qwen3Args``: the shape of a Qwen3 model (dense or mixture of experts), its published
 flavors, and what it costs (parameters in total and per token, training FLOPs per token).
 
-Field names follow torchtitan's ``Qwen3ModelArgs`` (as it graduated from its experiments in
-October 2025: ``head_dim``, ``hidden_dim``, ``moe_inter_dim``, ``enable_weight_tying``...),
-so its flavors carry over; the MoE routing is a flat set of fields mapped onto
-:class:`titan_models.moe.MoEArgs` by :meth:`Qwen3Args.moe_args`. The published flavors are
-the shapes of the Qwen3 release's ``config.json`` files (Qwen/Qwen3-0.6B ... Qwen3-32B,
-Qwen3-30B-A3B, Qwen3-235B-A22B); ``debugmodel`` is torchtitan's, ``debugmodel_moe`` a smaller
-one than torchtitan's (8 experts instead of 64, so that it trains on a CPU).
-"""
+Field names follow torchtitan's ``Qwen3ModelArgs`` (October 2025), so its flavors carry
+over; :meth:`Qwen3Args.moe_args` maps the flat routing fields onto
+:class:`titan_models.moe.MoEArgs`. The flavors are the Qwen3 release's ``config.json``
+shapes; ``debugmodel`` is torchtitan's, ``debugmodel_moe`` has 8 experts (torchtitan's 64),
+so that it trains on a CPU."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from titan_models.errors import ModelConfigError, check_bool, check_int, check_number
 from titan_models.moe import MoEArgs
+from titan_models.spec import flavor_args
 
 __all__ = ["QWEN3_FLAVORS", "QWEN3_ROPE_SCALINGS", "Qwen3Args", "qwen3_args"]
 
@@ -185,39 +182,16 @@ class Qwen3Args:
 
 def _dense(dim: int, n_layers: int, n_heads: int, hidden_dim: int, tied: bool) -> Qwen3Args:
     return Qwen3Args(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=8,
-        hidden_dim=hidden_dim,
+        dim=dim, n_layers=n_layers, n_heads=n_heads, hidden_dim=hidden_dim,
         enable_weight_tying=tied,
-    )
+    )  # fmt: skip
 
+
+_DEBUG = dict(dim=256, n_layers=8, n_heads=16, hidden_dim=3072, vocab_size=2048, max_seq_len=4096)
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
-    "debugmodel": Qwen3Args(
-        dim=256,
-        n_layers=8,
-        n_heads=16,
-        n_kv_heads=8,
-        hidden_dim=3072,
-        vocab_size=2048,
-        max_seq_len=4096,
-        enable_weight_tying=True,
-    ),
-    "debugmodel_moe": Qwen3Args(
-        dim=256,
-        n_layers=8,
-        n_heads=16,
-        n_kv_heads=8,
-        hidden_dim=3072,
-        vocab_size=2048,
-        max_seq_len=4096,
-        moe_enabled=True,
-        moe_inter_dim=768,
-        num_experts=8,
-        top_k=2,
-    ),
+    "debugmodel": Qwen3Args(**_DEBUG, enable_weight_tying=True),
+    "debugmodel_moe": Qwen3Args(**_DEBUG, moe_enabled=True, num_experts=8, top_k=2),
     "0.6B": _dense(1024, 28, 16, 3072, tied=True),
     "1.7B": _dense(2048, 28, 16, 6144, tied=True),
     "4B": _dense(2560, 36, 32, 9728, tied=True),
@@ -225,28 +199,13 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     "14B": _dense(5120, 40, 40, 17408, tied=False),
     "32B": _dense(5120, 64, 64, 25600, tied=False),
     "30B-A3B": Qwen3Args(
-        dim=2048,
-        n_layers=48,
-        n_heads=32,
-        n_kv_heads=4,
-        hidden_dim=6144,
-        moe_enabled=True,
-        moe_inter_dim=768,
-        num_experts=128,
-        top_k=8,
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144, moe_enabled=True,
     ),
     "235B-A22B": Qwen3Args(
-        dim=4096,
-        n_layers=94,
-        n_heads=64,
-        n_kv_heads=4,
-        hidden_dim=12288,
-        moe_enabled=True,
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288, moe_enabled=True,
         moe_inter_dim=1536,
-        num_experts=128,
-        top_k=8,
     ),
-}
+}  # fmt: skip
 """Published Qwen3 shapes by name (every one: head_dim 128, RoPE theta 1e6, RMSNorm eps
 1e-6, vocabulary 151936, 40960 positions). Use :func:`qwen3_args` for an editable copy."""
 
@@ -257,22 +216,11 @@ def qwen3_args(flavor: str, **overrides: object) -> Qwen3Args:
 
     ``rope_scaling`` (what a trainer passes when its user names one) may be ``"flavor"`` or
     ``"none"``: Qwen3 uses plain RoPE. ``"llama3"`` is refused."""
-    if flavor not in QWEN3_FLAVORS:
+    scaling = overrides.pop("rope_scaling", "flavor")
+    if scaling not in QWEN3_ROPE_SCALINGS:
         raise ModelConfigError(
-            f"Unknown Qwen3 flavor {flavor!r}; choose one of {', '.join(map(repr, QWEN3_FLAVORS))}."
+            f"rope_scaling={scaling!r} does not apply to Qwen3, which uses plain RoPE "
+            "(theta rope_theta, no frequency scaling); choose 'none' or 'flavor' (the same), "
+            "or leave model.rope_scaling unset."
         )
-    if "rope_scaling" in overrides:
-        scaling = overrides.pop("rope_scaling")
-        if scaling not in QWEN3_ROPE_SCALINGS:
-            raise ModelConfigError(
-                f"rope_scaling={scaling!r} does not apply to Qwen3, which uses plain RoPE "
-                "(theta rope_theta, no frequency scaling); choose 'none' or 'flavor' (the same), "
-                "or leave model.rope_scaling unset."
-            )
-    known = {f.name for f in dataclasses.fields(Qwen3Args)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ModelConfigError(
-            f"Unknown Qwen3Args field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
-        )
-    return dataclasses.replace(QWEN3_FLAVORS[flavor], **overrides)
+    return flavor_args("Qwen3", QWEN3_FLAVORS, flavor, overrides)

@@ -1,13 +1,10 @@
-"""Qwen3 args to and from a Hugging Face ``config.json`` (``Qwen3ForCausalLM`` for the dense
-models, ``Qwen3MoeForCausalLM`` for the mixtures of experts).
+"""Qwen3 args to and from a Hugging Face ``config.json`` (``Qwen3ForCausalLM``, or
+``Qwen3MoeForCausalLM`` with experts).
 
-The fields map one to one. What titan's Qwen3 cannot express is refused with one
-``ModelConfigError`` naming every such field: another architecture, RoPE scaling (Qwen3
-ships plain RoPE; YaRN is a run-time option of other frameworks), sliding-window attention,
-attention biases, an activation other than SiLU. ``load_balance_coeff`` has no HF
-counterpart (HF's Qwen3-MoE routes without a selection bias); a config read from HF gets
-torchtitan's default.
-"""
+Fields map one to one. What titan's Qwen3 cannot express is refused in one
+``ModelConfigError`` naming each field: another architecture, RoPE scaling, sliding-window
+attention, attention biases, an activation other than SiLU. ``load_balance_coeff`` has no HF
+counterpart; a config read from HF gets torchtitan's default."""
 
 from __future__ import annotations
 

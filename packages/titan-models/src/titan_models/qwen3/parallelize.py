@@ -1,53 +1,41 @@
-"""The plans that parallelize a Qwen3 model, dense or MoE (or one pipeline stage of it).
+"""The plans that parallelize a Qwen3 model, dense or MoE (or one pipeline stage of it), and
+split it into pipeline stages: the shared plan (``titan_models.parallel.plan``) with Qwen3's
+facts. What differs from Llama 3:
 
-Order as for Llama 3: tensor parallel, expert parallel, context parallel, activation
-checkpointing, per-block compile, then FSDP2/HSDP or DDP. What differs:
-
-- **QK-norm under tensor parallel.** Queries and keys are normalized per head (an RMSNorm
-  over ``head_dim`` whose one weight every head shares). A tp rank holds whole heads, so the
-  norm runs on its local heads unchanged; its weight is a replicated DTensor and its input is
-  marked sharded over the heads (dim 2), so the weight's gradient, partial on each rank
-  (from its heads only), is summed over ``tp``.
-- **Tied embeddings** (the flavors that tie ``output.weight`` to ``tok_embeddings.weight``).
-  FSDP: the model ties them when built, before sharding, and both ends sit in the root's
-  FSDP unit, so the one parameter is sharded, gathered and reduced once. TP: the embedding
-  (row-parallel) and the output projection (column-parallel) both shard the weight over the
-  vocabulary (dim 0); after the plan the output takes the embedding's DTensor again, so the
-  two stay one parameter with the sum of both gradients. Pipeline parallel puts the two ends
-  on different stages: each holds a copy, which the pipeline keeps one weight
-  (``titan_models.parallel.pipeline_tied``: the same initial values, summed gradients, the
-  copy counted once in the gradient norm).
-- **MoE blocks** get DeepSeek-V3's plans (``titan_models.parallel.moe_parallel``): the layer
-  runs on the gathered sequence on every tp rank, experts spread over ``ep`` by
-  ``apply_expert_parallel``, FSDP of the experts over ``dp_shard_mod_ep``.
-"""
+- **QK-norm under tensor parallel.** A tp rank holds whole heads, so the per-head norms run
+  on its local heads; their one weight is a replicated DTensor and their input marked
+  sharded over the heads (dim 2), so its gradient, partial per rank, is summed over ``tp``.
+- **Tied embeddings.** FSDP: tied before sharding, both ends in the root's unit. TP: both ends
+  shard the weight over the vocabulary and the output takes the embedding's DTensor again,
+  one parameter with both gradients. PP: each end's stage holds a copy, kept one weight by
+  ``titan_models.parallel.pipeline_tied``.
+- **MoE blocks** get DeepSeek-V3's plans (``titan_models.parallel.moe_parallel``)."""
 
 from __future__ import annotations
 
-from torch import nn
+import contextlib
+from collections.abc import Callable
+
+import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from titan_dims import ParallelDims
-from titan_models.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_models.moe import tokens_not_counted
 from titan_models.parallel.config import ParallelizeConfig, PipelineConfig
-from titan_models.parallel.context_parallel import apply_context_parallel
-from titan_models.parallel.data_parallel import apply_ddp
-from titan_models.parallel.expert_parallel import apply_expert_parallel
-from titan_models.parallel.moe_parallel import apply_fsdp_with_experts, apply_moe_tp
+from titan_models.parallel.moe_parallel import apply_moe_tp
+from titan_models.parallel.pipeline import Pipeline
+from titan_models.parallel.plan import block_tp_plan, parallelize_decoder, pipeline_decoder
 from titan_models.parallel.rules import check_layout, check_pipeline
 from titan_models.parallel.tensor_parallel import apply_tp_ends
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.model import Qwen3
 
-__all__ = ["apply_tp_qwen3", "check_qwen3", "parallelize_qwen3"]
+__all__ = ["apply_tp_qwen3", "check_qwen3", "parallelize_qwen3", "pipeline_qwen3"]
 
 
 def check_qwen3(
@@ -81,36 +69,6 @@ def _check_layout(
     )
 
 
-def _block_plan(block: nn.Module) -> dict[str, object]:
-    plan: dict[str, object] = {
-        "attention_norm": SequenceParallel(),
-        # forward(x, rope): gather x along the sequence; rope is a plain, full tensor.
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        # Per-head norms on (batch, seq, local heads, head_dim): heads are dim 2.
-        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-    }
-    if not block.moe_enabled:
-        plan.update(
-            {
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            }
-        )
-    return plan
-
-
 def apply_tp_qwen3(model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     """Tensor and sequence parallel over ``tp_mesh`` (see the module docstring): Llama 3's
     plan with per-head QK-norms, MoE blocks as DeepSeek-V3's, tied ends kept tied."""
@@ -118,8 +76,12 @@ def apply_tp_qwen3(model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool) ->
     # Each end's plan made its own DTensor of a tied weight, both Shard(0) (the vocabulary):
     # make them one parameter again.
     model.tie_weights()
+    attention = {name: ColwiseParallel() for name in ("wq", "wk", "wv")}
+    for name in ("q_norm", "k_norm"):
+        # Per-head norms on (batch, seq, local heads, head_dim): heads are dim 2.
+        attention[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(block))
+        parallelize_module(block, tp_mesh, block_tp_plan(dense=not block.moe_enabled, **attention))
         if block.moe_enabled:
             apply_moe_tp(block.moe, tp_mesh)
 
@@ -135,25 +97,43 @@ def parallelize_qwen3(
     activation checkpointing, per-block compile and FSDP2 / HSDP / DDP to ``model`` in place
     (build it on the meta device first), as ``parallel_dims`` and ``config`` say; return it.
     Raises ``ModelConfigError`` (the checks of :func:`check_qwen3` but the pipeline's)
-    before touching anything. Use it as ``titan_models.parallelize_llama``: materialize
-    afterwards, run steps inside the plan's ``StepContext``."""
+    before touching anything. Use it as ``titan_models.llama3.parallelize_llama``."""
     config = config or ParallelizeConfig()
     cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
-    if parallel_dims.tp_enabled:
-        apply_tp_qwen3(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel)
-    if parallel_dims.ep_enabled:
-        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
-    if parallel_dims.cp_enabled:
-        attentions = [block.attention for block in model.layers.values()]
-        apply_context_parallel(attentions, parallel_dims.get_mesh("cp"), cp_implementation)
-    apply_activation_checkpointing(model.layers, config.activation_checkpoint)
-    if config.compile:
-        for block in model.layers.values():
-            # MoE blocks break the graph where they count tokens and, under expert
-            # parallel, where they read the all-to-all split sizes (as DeepSeek-V3's).
-            block.compile(backend=config.compile_backend, fullgraph=not block.moe_enabled)
-    if parallel_dims.fsdp_enabled:
-        apply_fsdp_with_experts(model, parallel_dims, config)
-    elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, parallel_dims.get_mesh("dp_replicate"))
-    return model
+    return parallelize_decoder(
+        model, parallel_dims, config, apply_tp=apply_tp_qwen3, cp_implementation=cp_implementation
+    )
+
+
+def pipeline_qwen3(
+    model: Qwen3,
+    parallel_dims: ParallelDims,
+    pipeline_config: PipelineConfig,
+    parallelize_config: ParallelizeConfig | None = None,
+    *,
+    local_batch_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device | str | None = None,
+    seq_len: int | None = None,
+) -> Pipeline:
+    """This rank's pipeline stages of ``model`` (built on the meta device), each
+    parallelized with :func:`parallelize_qwen3`, and their schedule; arguments as
+    ``titan_models.llama3.pipeline_llama``. With tied embeddings the first stage's embedding
+    and the last stage's output projection are kept one weight (``Pipeline.tied``)."""
+    args = model.args
+    return pipeline_decoder(
+        model,
+        parallel_dims,
+        pipeline_config,
+        parallelize_config,
+        check=check_qwen3,
+        parallelize=parallelize_qwen3,
+        local_batch_size=local_batch_size,
+        loss_fn=loss_fn,
+        device=device,
+        seq_len=seq_len,
+        # torch's one-time metadata forward is not a training step: MoE blocks leave their
+        # token counts alone (dense flavors have nothing to count).
+        inference_context=tokens_not_counted if args.moe_enabled else contextlib.nullcontext,
+        tied=(("tok_embeddings.weight", "output.weight"),) if args.enable_weight_tying else (),
+    )

@@ -1,9 +1,5 @@
-"""The ``qwen3`` model spec, registered under the ``titan.models`` entry-point group.
-
-For the MoE flavors it gives a trainer the experts' load balancing and load metrics, the
-hooks DeepSeek-V3 uses (``titan_models.moe.spec_hooks``); for a dense flavor
-``post_step_fn`` returns ``None`` and ``metrics_fn`` nothing, since it finds no MoE layer.
-"""
+"""The ``qwen3`` model spec, registered under the ``titan.models`` entry-point group; the MoE
+flavors get DeepSeek-V3's expert balancing and metrics (a dense one finds no MoE layer)."""
 
 from __future__ import annotations
 
@@ -11,8 +7,7 @@ from titan_models.moe.spec_hooks import balance_experts, expert_load_metrics
 from titan_models.qwen3.adapter import make_adapter
 from titan_models.qwen3.args import QWEN3_FLAVORS, qwen3_args
 from titan_models.qwen3.model import Qwen3
-from titan_models.qwen3.parallelize import check_qwen3, parallelize_qwen3
-from titan_models.qwen3.pipeline import pipeline_qwen3
+from titan_models.qwen3.parallelize import check_qwen3, parallelize_qwen3, pipeline_qwen3
 from titan_models.spec import ModelSpec
 
 __all__ = ["QWEN3"]
