@@ -1,17 +1,10 @@
 """torchft integration: replica groups that train on, heal from peers, and checkpoint once.
 
-With ``CheckpointManager(ft=FaultToleranceOptions(...))``, a torchft ``Manager`` (or anything
-with its ``participating_rank()`` and ``register_state_dict_fn()``, or the older
-``set_state_dict_fns()``), the CheckpointManager
-
-- registers state-dict callbacks, so a recovering replica group copies model, optimizer, LR
-  scheduler and train state live from a healthy peer (the dataloader is each group's own);
-- writes the shared checkpoint from one replica group only (participating rank 0);
-- with ``FaultToleranceOptions.dataloader_checkpoints``, has every replica group save its own
-  dataloader state in ``<folder>/ft-replica-<id>/step-<N>/``, so no group replays data after
-  a restart.
-
-torchft itself is never imported here: the manager object is passed in.
+With ``CheckpointManager(ft=FaultToleranceOptions(...))`` the manager registers state-dict
+callbacks (a recovering group copies model, optimizer, LR scheduler and train state from a
+healthy peer), writes the shared checkpoint from participating rank 0 only, and with
+``dataloader_checkpoints`` saves each group's dataloader in ``<folder>/ft-replica-<id>/``.
+torchft itself is never imported: the manager object is passed in.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """The on-disk layout: ``<folder>/step-<N>/``, its commit marker and manifest, and discovery.
 
-A step directory is a DCP checkpoint. It becomes loadable only when rank 0 writes
-``titan-commit.json`` into it, after DCP finished (DCP's coordinator writes ``.metadata`` only
-once every rank reported its files written, so the marker implies every rank's data is on
-storage). The marker is also the manifest: every other file's size and checksum
-(``titan_ckpt.checksums``: xxh3_128, or sha256), so a damaged
-step is reported by file name instead of failing deep inside a tensor read. The digests are
-computed while the files are written, by each rank for its own files
-(``titan_ckpt.formats.hashing``); the commit merges them and reads nothing back.
-
-Before any DCP file of a step is written, rank 0 writes ``titan-owner.json`` into its
-directory; it stays there. So every step directory is one of (``classify_step``):
-
-- ``committed``: ours and complete (commit marker);
-- ``interrupted``: ours, never committed (owner marker only: a crashed or running save), or
-  holding no file but our temporaries (a save killed while marking it, a deletion killed
-  near its end): may be deleted and written again;
-- ``torchtitan``: a torchtitan full-state checkpoint (by its DCP metadata keys): loadable;
-- ``foreign``: anything else (plain DCP, a titan step that lost its markers, unknown files).
-
-titan-ckpt never deletes, overwrites or writes into a directory that is not ``committed`` or
-``interrupted``, and deletes its own in an order (``remove_step``) that keeps a directory
-killed halfway through ``interrupted``.
+A step directory is a DCP checkpoint, loadable only once rank 0 wrote ``titan-commit.json``
+after DCP finished on every rank. The marker is the manifest: every file's size and checksum,
+computed by the writers as they wrote (``formats.hashing``). Before any DCP file, rank 0
+writes ``titan-owner.json``. So a step directory is (``classify_step``) ``committed``,
+``interrupted`` (ours, never committed), ``torchtitan`` (loadable) or ``foreign``. titan
+never deletes, overwrites or writes into one that is neither committed nor interrupted, and
+deletes its own in an order (``remove_step``) that a crash leaves ``interrupted``.
 """
 
 from __future__ import annotations

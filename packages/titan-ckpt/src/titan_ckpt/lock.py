@@ -1,29 +1,17 @@
 """One writer per checkpoint folder: an advisory lock a saving run holds for its lifetime.
 
-Two runs saving into one folder (a requeued job overlapping the one it replaces) resume each
-other's steps, replace them and delete them through retention, and both exit 0. So a manager
-that saves (``enable`` and not ``load_only``) takes the folder's lock before any work and
-keeps it until ``close()``; a second writer is refused with one ``CheckpointLockError``
-naming the holder. Readers take no lock: a ``load_only`` manager and ``titan-ckpt inspect``
-run beside a writer. With torchft, replica groups share the checkpoint folder by design:
-each locks its own ``ft-replica-<id>`` folder instead.
+Two runs saving into one folder replace and delete each other's steps and both exit 0. So a
+saving manager takes ``<folder>/.titan-ckpt.lock`` before any work and keeps it until
+``close()``; a second writer gets one ``CheckpointLockError`` naming the holder. Readers take
+no lock. With torchft each replica group locks its own ``ft-replica-<id>`` folder.
 
-The lock file ``<folder>/.titan-ckpt.lock`` holds its holder as JSON (host, pid, since when).
+- Local storage: ``fcntl.flock``, which the kernel drops when the holder dies, so a file left
+  behind is taken over. Where flock is refused (some network filesystems), a heartbeat.
+- Other fsspec storage: a heartbeat every ``HEARTBEAT_SECONDS``; a lock not rewritten for
+  ``STALE_SECONDS`` is taken over. Best effort (object stores have no atomic create).
 
-- **Local storage** (and fsspec's ``file://``): ``fcntl.flock`` on that file. The kernel
-  drops the lock when the holder's process ends, however it ends (``kill -9`` included), so
-  a file left behind by a dead holder is taken over, with one log line naming it. Across
-  hosts this needs a filesystem that shares flock locks (NFSv4, Lustre mounted with ``-o
-  flock``); where flock is refused (``ENOLCK``, ``ENOSYS``, ...) the heartbeat below is used.
-- **Other fsspec storage** (object stores, ``memory://``): a heartbeat. The holder
-  rewrites the file every ``HEARTBEAT_SECONDS``; a lock not rewritten for ``STALE_SECONDS``
-  (by the reader's clock: the hosts' clocks must agree to well within that) is stale and
-  taken over. Best effort, as object stores have no atomic create: each taker writes the
-  file and reads it back, and one whose write was overwritten is refused; two takers that
-  both read the lock free and write at the same moment can both win.
-
-A save also refuses to replace a committed step that another writer committed after this
-manager started (``check_replaceable``): the last guard where a lock cannot be shared.
+A save also refuses to replace a step another writer committed after this manager started
+(``check_replaceable``).
 """
 
 from __future__ import annotations

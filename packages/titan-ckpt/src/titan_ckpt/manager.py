@@ -1,29 +1,16 @@
 """``CheckpointManager``: save and resume a training run with DCP, atomically and verifiably.
 
-The checkpoint of a step is one DCP state dict: the model's tensors flattened by
-fully-qualified name at the top level (over all model parts), beside one entry per other
-state (``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, ...). That is
-torchtitan's layout, so checkpoints move between the two, and a model-only checkpoint has the
-same keys as the model part of a full one.
-
-Invariants the code below keeps:
-- A step is loadable only once ``titan-commit.json`` exists in it; rank 0 writes it after DCP
-  finished on every rank (DCP's ``.metadata`` is written after all ranks reported), with the
-  manifest of every file: sizes and checksums (``config.checksum``) that each rank's writer
-  computed while writing (they reach rank 0 with DCP's own gather of the write results), so
-  no byte is read back.
-  Discovery, integrity checks and errors are decided on rank 0 and
-  broadcast, so every rank loads the same step or raises the same error.
-- At most one save is in flight: a new save, a load and ``close()`` first finish the previous
-  one (including its commit).
+A step is one DCP state dict: the model's tensors by FQN at the top level (torchtitan's
+layout) beside one entry per other state. Invariants:
+- A step is loadable only once ``titan-commit.json`` exists; rank 0 writes it after DCP
+  finished on every rank, with the manifest the writers hashed (no byte read back). Loads
+  are planned on rank 0 and broadcast: every rank loads the same step or raises the same error.
+- At most one save is in flight; a save, a load and ``close()`` finish the previous one.
 - Retention deletes committed steps only, in a background thread on rank 0.
-- Only directories titan-ckpt created are ever deleted or written into: a save marks its
-  directory (``titan-owner.json``) before DCP writes, and refuses a step directory that is
-  someone else's (``titan_ckpt.layout.classify_step``). A torchtitan checkpoint in the folder
-  is resumed from, through ``titan_ckpt.torchtitan``; any other foreign one stops the load.
-- One writer per folder: a saving manager holds the folder's lock (``titan_ckpt.lock``) from
-  its construction, before any work, to ``close()``, and never replaces a step that another
-  writer committed after it started.
+- Only directories titan created are deleted or written into (``titan-owner.json`` goes in
+  first; ``layout.classify_step``). A torchtitan checkpoint is resumed from.
+- One writer per folder: a saving manager holds the folder's lock from construction to
+  ``close()`` and never replaces a step another writer committed after it started.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Stateful views of model parts and their optimizers, keyed by fully-qualified name.
 
-``ModelState`` flattens the state of every model part (e.g. pipeline stages) into one dict of
-FQN -> tensor (DTensor under FSDP/TP), so a checkpoint written under one parallel layout loads
-under another: DCP matches tensors by FQN and reshards them. ``OptimizerState`` does the same
-for optimizers, one per model part, with torch's flattened optimizer state dict.
-``as_states`` gives the manager's ``states`` these views where a plain loop passes a bare
-module or optimizer.
+``ModelState`` flattens every model part (pipeline stages) into one FQN -> tensor dict, so a
+checkpoint reshards across parallel layouts; ``OptimizerState`` does the same for optimizers
+(torch's flattened optimizer state dict). ``as_states`` wraps a bare module or optimizer.
 """
 
 from __future__ import annotations

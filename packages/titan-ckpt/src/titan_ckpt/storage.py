@@ -1,9 +1,6 @@
-"""The storage seam: where checkpoint directories live.
-
-Everything the manager does to storage outside DCP itself (listing steps, the commit marker,
-the manifest, retention) goes through a ``Storage``: a local filesystem by default, or any
-fsspec filesystem for a ``scheme://`` URL. DCP's own reader and writer come from the same
-object, so a new backend is one subclass.
+"""The storage seam: where checkpoint directories live (a local filesystem, or any fsspec
+filesystem for a ``scheme://`` URL). DCP's reader and writer come from the same object, so a
+new backend is one subclass.
 """
 
 from __future__ import annotations

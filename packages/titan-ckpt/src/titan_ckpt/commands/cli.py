@@ -1,18 +1,12 @@
 """The ``titan-ckpt`` command: inspect, verify, diff and convert checkpoints.
 
     titan-ckpt inspect outputs/checkpoint              # every step: committed?, size, age
-    titan-ckpt inspect outputs/checkpoint/step-1000 --json
     titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged/uncommitted
     titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
-    titan-ckpt diff step-1000 step-2000 --include 'model.*' --rtol 1e-3
-    titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
     titan-ckpt convert step-1000 hf-out --to hf        # a titan-train step records its model
 
-Works on DCP step directories (ours, with a commit marker, or torchtitan's plain ones),
-safetensors files and folders (Hugging Face included) and torch.save files. Bad usage prints
-one ``titan-ckpt: error: ...`` line and exits with status 2. Pickles inside a DCP checkpoint
-are unpickled under an allowlist (``titan_ckpt.formats.pickles``); one that asks for anything else
-is refused with one message and exit status 1, unless ``--trust-pickles``.
+Bad usage prints one ``titan-ckpt: error: ...`` line and exits 2; a pickle asking for a
+global outside the allowlist is refused with exit 1 unless ``--trust-pickles``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """``titan-ckpt convert``: between DCP, torch.save, safetensors and Hugging Face folders.
 
-Tensors stream from the source a bounded batch at a time (about the largest tensor's bytes)
-into every output format, so a conversion holds about one largest tensor besides the
-interpreter, whatever the checkpoint's size:
-
-- safetensors: the header is written from the tensors' shapes and dtypes, then the data;
-- DCP and torch.save: the file layout is planned by torch over stand-in tensors without data,
-  and each tensor's bytes are written when it arrives (``titan_ckpt.formats``).
-
-Model-aware HF conversion goes through a registered ``StateDictAdapter`` (``model``), built
-from the model args a titan checkpoint records (``titan_ckpt.model_record``), ``flavor`` or
-a Hugging Face config (``hf_config`` or the HF folder's config.json). To HF, the adapter
-checks these against the checkpoint's tensor shapes (a contradiction is a usage error, before
-anything is written), so the written config.json describes the tensors.
-An adapter with the streaming methods (``to_hf_items`` / ``from_hf_items``) converts tensor by
-tensor: its output layout is planned by a run over tensors without data, then the tensors
-stream through it into the writer. An adapter without them converts the whole state dict at
-once, and the conversion then holds the model's weights once.
-
-The output is written into a temporary sibling of the destination and renamed into place at
-the end: a failed conversion leaves nothing behind (the destination's parent directories are
-removed again when this conversion made them and they are still empty).
-
-Errors (``CheckpointConfigError``) name the ``ConvertOptions`` fields as ``options.<field>``
-(``options.to='hf' needs options.model``); the ``titan-ckpt`` command shows them as its flags
-(``--to hf needs --model``).
+Tensors stream from the source a bounded batch at a time into every writer, so a conversion
+holds about one largest tensor whatever the checkpoint's size. HF conversion goes through a
+registered ``StateDictAdapter`` built from the model record a titan step carries, a flavor,
+or a ``config.json``; to HF the adapter checks them against the tensor shapes before
+anything is written. The output goes to a temporary sibling renamed into place at the end,
+so a failed conversion leaves nothing behind. Errors name ``options.<field>``; the command
+shows them as its flags.
 """
 
 from __future__ import annotations

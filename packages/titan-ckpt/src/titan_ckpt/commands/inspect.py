@@ -1,9 +1,6 @@
-"""``titan-ckpt inspect``: what a checkpoint holds, from its metadata alone.
-
-A checkpoint folder lists its steps (committed or not, size, age); a single checkpoint lists
-every key with shape, dtype and bytes (for DCP: shards and the ranks that wrote them), grouped
-by top-level state with totals. Non-tensor state is loaded (it is small) and shown readably.
-``--stats`` loads tensors, a bounded batch at a time, for min/max/mean/std and NaN/Inf counts.
+"""``titan-ckpt inspect``: what a checkpoint holds, from its metadata alone: a folder's steps
+(committed?, size, age), or a checkpoint's keys with shape, dtype, bytes (and DCP shards),
+grouped by state. ``--stats`` loads tensors a bounded batch at a time for min/max/mean/std.
 """
 
 from __future__ import annotations

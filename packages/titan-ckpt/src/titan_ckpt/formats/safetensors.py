@@ -1,26 +1,14 @@
-"""The safetensors format: dtype names, one checked header reader, one lazy tensor reader,
-the (sharded) writer, and the codec for non-tensor entries.
+"""The safetensors format: dtype names, a checked header reader, a lazy tensor reader, the
+(sharded) writer and the codec for non-tensor entries.
 
-A safetensors file is an 8-byte little-endian header length N, N bytes of JSON, then the data
-section. The JSON maps each tensor's name to ``{"dtype", "shape", "data_offsets": [begin,
-end]}`` (offsets relative to the data section), plus an optional ``__metadata__`` of strings.
-
-``read_header`` trusts none of it: before anything is allocated, the header must fit in the
-file (a header claiming terabytes is refused without reading it), and every tensor must have a
-known dtype, a shape of non-negative whole numbers, and a byte range inside the data section
-whose length is shape x dtype size, not overlapping another tensor's. A reader that then
-allocates ``entry.nbytes`` allocates at most the file's size. ``SafetensorsFiles`` reads
-tensors lazily on top of it, through a ``Storage``; the command's ``SafetensorsSource`` and
-the manager's Hugging Face import (``titan_ckpt.hf``) both read through it.
-
-Writing: the header (every tensor's dtype, shape and byte range) comes first, so
-``write_safetensors_shards`` takes every tensor's (shape, dtype) up front and the data as a
-stream of ``(key, tensor)`` pairs in that order; it holds one tensor at a time. Tensors go
-into files of at most ``max_shard_size`` bytes (a larger tensor gets a file of its own), named
-as Hugging Face names them: ``model.safetensors`` when one file holds everything, else
-``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
-(``metadata.total_size`` and a ``weight_map`` from each key to its file). Both ``titan-ckpt
-convert`` and the manager's Hugging Face export write through here.
+Hand-written rather than the ``safetensors`` package, which is optional: the commands read
+and write without it, and its writer takes a whole dict where ours streams one tensor at a
+time. ``read_header`` trusts nothing: the header must fit in the file, and every tensor needs
+a known dtype, a shape of non-negative ints and a byte range inside the data section of
+exactly its size, overlapping no other; a reader then allocates at most the file's size.
+``write_safetensors_shards`` writes files of at most ``max_shard_size`` bytes, named as
+Hugging Face names them (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and
+``model.safetensors.index.json``).
 """
 
 from __future__ import annotations
