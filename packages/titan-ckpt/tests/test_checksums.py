@@ -20,7 +20,7 @@ from titan_ckpt import (
     CheckpointManager,
     LocalStorage,
 )
-from titan_ckpt.checksums import entry_algorithm, resolve_checksum
+from titan_ckpt.formats.checksums import entry_algorithm, resolve_checksum
 from titan_ckpt.layout import COMMIT_MARKER, file_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -11,8 +11,8 @@ from typing import Literal
 
 import torch
 
-from titan_ckpt.checksums import CHECKSUMS, resolve_checksum
 from titan_ckpt.errors import CheckpointConfigError, check_bool, check_choice, check_int
+from titan_ckpt.formats.checksums import CHECKSUMS, resolve_checksum
 
 __all__ = ["ASYNC_MODES", "EXPORT_DTYPES", "CheckpointConfig", "CheckpointConfigError"]
 

@@ -114,7 +114,9 @@ def save_hf(
         values = iter(hf.items())
         del hf
     storage.makedirs(directory)
-    write_safetensors_shards(storage, directory, planned, values, max_shard_size=max_shard_size)
+    write_safetensors_shards(
+        directory, planned, values, max_shard_size=max_shard_size, opener=storage.open
+    )
     config = adapter.hf_config()
     config["torch_dtype"] = dtype_name(dtype)
     text = json.dumps(config, indent=2, sort_keys=True).encode()
@@ -205,7 +207,7 @@ def hf_files(storage: Storage, directory: str) -> SafetensorsFiles:
             f"checkpoint.initial_load_path={directory!r} holds no *.safetensors files; "
             "with initial_load_in_hf=true it must be a Hugging Face model folder."
         )
-    return SafetensorsFiles(storage, [storage.join(directory, name) for name in files])
+    return SafetensorsFiles([storage.join(directory, n) for n in files], storage.open)
 
 
 def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateDictAdapter) -> None:

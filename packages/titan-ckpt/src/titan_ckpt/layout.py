@@ -23,8 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_ckpt.checksums import entry_algorithm, new_hasher, require_algorithms, resolve_checksum
 from titan_ckpt.errors import CheckpointIntegrityError
+from titan_ckpt.formats.checksums import (
+    entry_algorithm,
+    new_hasher,
+    require_algorithms,
+    resolve_checksum,
+)
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import is_torchtitan_checkpoint, read_state_keys
 
@@ -103,7 +108,7 @@ class Manifest:
     None in older markers, where ``world_size`` stands in."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Relative path -> {"size": bytes, <algorithm>: hex digest}, the algorithm one of
-    ``titan_ckpt.checksums.ALGORITHMS`` ("xxh3_128" or "sha256")."""
+    ``titan_ckpt.formats.checksums.ALGORITHMS`` ("xxh3_128" or "sha256")."""
     created: float = 0.0
     """Unix time of the commit."""
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -289,7 +294,7 @@ def marker_problem(storage: Storage, directory: str) -> str | None:
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:
     """Raise ``CheckpointIntegrityError`` naming every file that differs from the manifest;
     with ``checksums``, first ``CheckpointConfigError`` if an entry's algorithm cannot be
-    computed here (``titan_ckpt.checksums.require_algorithms``), before any file is read."""
+    computed here (``titan_ckpt.formats.checksums.require_algorithms``), before any file is read."""
     if checksums:
         require_algorithms(manifest.files.values(), directory)
     problems = file_problems(storage, directory, manifest.files, checksums=checksums)

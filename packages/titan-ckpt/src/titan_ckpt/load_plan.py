@@ -16,9 +16,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titan_ckpt.checksums import require_algorithms
 from titan_ckpt.config import DATALOADER, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError, CheckpointIntegrityError
+from titan_ckpt.formats.checksums import require_algorithms
 from titan_ckpt.layout import (
     Manifest,
     file_problems,

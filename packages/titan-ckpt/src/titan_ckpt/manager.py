@@ -27,9 +27,9 @@ from torch import nn
 
 from titan_ckpt.adapter import StateDictAdapter
 from titan_ckpt.asyncmode import AsyncSaver, check_main_guard
-from titan_ckpt.checksums import resolve_checksum
 from titan_ckpt.config import DATALOADER, MODEL, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.formats.checksums import resolve_checksum
 from titan_ckpt.formats.dcp import unwrap_read_errors
 from titan_ckpt.formats.hashing import set_checksum, written_files
 from titan_ckpt.ft import FaultTolerance, FaultToleranceOptions

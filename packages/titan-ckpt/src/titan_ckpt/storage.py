@@ -14,7 +14,7 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from titan_ckpt.checksums import new_hasher, resolve_checksum
+from titan_ckpt.formats.checksums import new_hasher, resolve_checksum
 from titan_ckpt.formats.dcp import SafeFileSystemReader, safe_fsspec_reader
 from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, hashing_fsspec_writer
 

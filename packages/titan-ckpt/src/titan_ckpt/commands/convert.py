@@ -32,11 +32,11 @@ from titan_ckpt.adapter import (
     streams,
     to_hf_items,
 )
+from titan_ckpt.commands.source import open_source
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, TensorSpec, batches, dtype_name, group_of, select_keys
 from titan_ckpt.formats.dcp import save_dcp_streaming, unwrap_read_errors
 from titan_ckpt.formats.safetensors import encode_object, write_safetensors_shards
-from titan_ckpt.formats.source import open_source
 from titan_ckpt.formats.torch_save import save_torch_streaming
 from titan_ckpt.layout import Manifest, commit_step, read_manifest
 from titan_ckpt.model_record import (
@@ -387,7 +387,6 @@ def _write_safetensors(
     single = out if out.endswith(".safetensors") else None
     values = _stream(source, tensor_keys, options)
     return write_safetensors_shards(
-        LocalStorage(),
         out,
         specs,
         values,
@@ -438,9 +437,7 @@ def _write_hf(
         specs = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
         values = iter(hf.items())
         del hf
-    written = write_safetensors_shards(
-        LocalStorage(), out, specs, values, max_shard_size=options.max_shard_size
-    )
+    written = write_safetensors_shards(out, specs, values, max_shard_size=options.max_shard_size)
     with open(os.path.join(out, "config.json"), "w") as f:
         # From hf_config: its keys that the adapter does not set (token ids, ...) stay.
         given = read_hf_config(options.hf_config) if options.hf_config is not None else {}

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from titan_ckpt.commands.source import open_source
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, batches, dtype_name, select_keys
-from titan_ckpt.formats.source import open_source
 
 __all__ = ["diff_paths", "render_diff"]
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from titan_ckpt.commands.source import detect, open_source
 from titan_ckpt.formats.base import (
     STATE_GROUPS,
     Entry,
@@ -19,7 +20,6 @@ from titan_ckpt.formats.base import (
     dtype_name,
     group_of,
 )
-from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import (
     UNREADABLE_MARKER_MEANS,
     marker_problem,

@@ -12,11 +12,11 @@ import math
 import os
 from typing import Any
 
-from titan_ckpt.checksums import entry_algorithm
+from titan_ckpt.commands.source import detect, open_source
 from titan_ckpt.errors import CheckpointIntegrityError, UnsafeCheckpointError
 from titan_ckpt.formats.base import Source, batches
+from titan_ckpt.formats.checksums import entry_algorithm
 from titan_ckpt.formats.dcp import DCP_METADATA, DcpSource
-from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import (
     COMMIT_MARKER,
     OWNER_MARKER,

@@ -1,7 +1,7 @@
 """DCP writers that hash every file while writing it, so that a commit never reads a step back.
 
 DCP's filesystem writers create every file through ``self.fs.create_stream``; the writers
-here wrap that ``fs`` so each write stream feeds a checksum (``titan_ckpt.checksums``). Each
+here wrap that ``fs`` so each write stream feeds a checksum (``titan_ckpt.formats.checksums``). Each
 rank appends its digests to the write results DCP gathers to the coordinator; ``finish``
 takes them out before the metadata is built (``.metadata`` stays DCP's own) and attaches
 them to the ``Metadata`` that ``dcp.save`` returns (``written_files``). A stream written out of
@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from titan_ckpt.checksums import new_hasher, resolve_checksum
+from titan_ckpt.formats.checksums import new_hasher, resolve_checksum
 
 __all__ = [
     "HashingFileSystemWriter",
@@ -65,7 +65,7 @@ def _helper_has_a_core() -> bool:
 
 class HashingStream:
     """A write stream that passes every byte to ``raw`` and to an ``algorithm`` checksum
-    (one of ``titan_ckpt.checksums.ALGORITHMS``).
+    (one of ``titan_ckpt.formats.checksums.ALGORITHMS``).
 
     ``tell``, ``flush``, ``fileno`` and ``close`` are the raw stream's. ``digest()`` is the
     file's {"size", <algorithm>} once it was written front to back, else None.

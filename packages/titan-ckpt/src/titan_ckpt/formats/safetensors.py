@@ -21,7 +21,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -30,7 +30,6 @@ import torch
 from titan_ckpt.errors import CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, read_exactly
 from titan_ckpt.formats.pickles import refusal
-from titan_ckpt.storage import LocalStorage, Storage
 
 __all__ = [
     "INDEX_NAME",
@@ -54,6 +53,8 @@ MAX_HEADER_BYTES = 100 << 20
 OBJECT_PREFIX = "titan.object:"  # safetensors __metadata__ key of a non-tensor entry
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+Opener = Callable[[str, str], IO]
+"""Opens a path in a mode: ``open``, or a ``Storage``'s ``open``."""
 _ALIGN = 8  # safetensors pads its header so tensor data starts 8-byte aligned
 
 # safetensors dtype names <-> torch dtypes (the format's own spelling).
@@ -183,7 +184,8 @@ def _check_disjoint(name: str, tensors: Any) -> None:
 
 
 class SafetensorsFiles:
-    """The tensors of safetensors files, read lazily through ``storage``: every header is
+    """The tensors of safetensors files, read lazily through ``opener`` (``open``, or a
+    storage's ``open``): every header is
     read and checked first (``read_header``), the data of a key only when asked for, into
     memory of its own (not mapped: mapped pages would stay resident).
 
@@ -191,13 +193,13 @@ class SafetensorsFiles:
     file's ``__metadata__`` merged (the non-tensor entries titan writes live there).
     """
 
-    def __init__(self, storage: Storage, paths: Iterable[str]) -> None:
-        self.storage = storage
+    def __init__(self, paths: Iterable[str], opener: Opener = open) -> None:
+        self.opener = opener
         self.tensors: dict[str, tuple[str, StTensor]] = {}
         self.metadata: dict[str, str] = {}
         for path in paths:
-            with storage.open(path, "rb") as f:
-                header = read_header(f, storage.size(path), path)
+            with opener(path, "rb") as f:
+                header = read_header(f, f.seek(0, os.SEEK_END), path)
             self.metadata.update(header.metadata)
             for key, t in header.tensors.items():
                 self.tensors[key] = (path, t)
@@ -216,7 +218,7 @@ class SafetensorsFiles:
             for key in self.tensors if keys is None else keys:
                 path, t = self.tensors[key]
                 if path not in opened:
-                    opened[path] = stack.enter_context(self.storage.open(path, "rb"))
+                    opened[path] = stack.enter_context(self.opener(path, "rb"))
                 # read_header checked that [begin, end) is inside the file and is the
                 # tensor's size, so this allocates no more than the file holds.
                 tensor = torch.empty(t.shape, dtype=t.dtype)
@@ -243,7 +245,7 @@ class SafetensorsSource(Source):
             names = [os.path.basename(path)]
             self.root = os.path.dirname(path) or "."
         self._files = names
-        self._data = SafetensorsFiles(LocalStorage(), [os.path.join(self.root, n) for n in names])
+        self._data = SafetensorsFiles([os.path.join(self.root, n) for n in names])
         self.objects: dict[str, str] = {}
         for k, v in self._data.metadata.items():
             if k.startswith(OBJECT_PREFIX):
@@ -302,7 +304,6 @@ def _sync(f: IO) -> None:
 
 
 def write_safetensors_shards(
-    storage: Storage,
     folder: str,
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
     values: Iterable[tuple[str, torch.Tensor]],
@@ -310,6 +311,7 @@ def write_safetensors_shards(
     max_shard_size: int,
     objects: dict[str, str] | None = None,
     single: str | None = None,
+    opener: Opener = open,
 ) -> int:
     """Write the tensors ``specs`` (key -> (shape, dtype), in file order), whose data
     ``values`` yields in the same order, into ``folder`` as safetensors shards plus an index
@@ -328,8 +330,8 @@ def write_safetensors_shards(
         for key in shard_keys:
             weight_map[key] = name
         raw = _shard_header(specs, shard_keys, objects if shard_index == 0 else None)
-        path = single or storage.join(folder, name)
-        with storage.open(path, "wb") as f:
+        path = single or f"{folder.rstrip('/')}/{name}"
+        with opener(path, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             written += _write_shard_data(f, specs, shard_keys, it)
@@ -339,7 +341,7 @@ def write_safetensors_shards(
     if len(shards) > 1:
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         text = json.dumps(index, indent=2, sort_keys=True)
-        with storage.open(storage.join(folder, INDEX_NAME), "wb") as f:
+        with opener(f"{folder.rstrip('/')}/{INDEX_NAME}", "wb") as f:
             f.write(text.encode())
             _sync(f)
     return written
