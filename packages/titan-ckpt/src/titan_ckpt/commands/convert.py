@@ -375,24 +375,14 @@ def _out_dtype(source: Source, key: str, dtype: torch.dtype | None) -> torch.dty
 def _write_safetensors(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    objects = {}
-    tensor_keys = [k for k in keys if source.entries[k].is_tensor]
-    object_keys = [k for k in keys if not source.entries[k].is_tensor]
-    if object_keys:
-        objects = {k: encode_object(v) for k, v in source.read(object_keys).items()}
-    specs = {
-        k: (source.entries[k].shape or (), _out_dtype(source, k, options.dtype))
-        for k in tensor_keys
-    }
-    single = out if out.endswith(".safetensors") else None
-    values = _stream(source, tensor_keys, options)
+    specs, objects, values = _planned(source, keys, options, None)
     return write_safetensors_shards(
         out,
         specs,
         values,
         max_shard_size=options.max_shard_size,
-        objects=objects,
-        single=single,
+        objects={k: encode_object(v) for k, v in objects.items()},
+        single=out if out.endswith(".safetensors") else None,
     )
 
 
@@ -424,19 +414,22 @@ def _plan(
         ) from None
 
 
+def _converted(
+    convert: Any, adapter: Any, source: Source, keys: list[str], options: ConvertOptions
+) -> tuple[dict[str, TensorSpec], Iterator[tuple[str, Any]]]:
+    """The output layout and the stream of a model conversion; an adapter that does not
+    stream converts the whole dict at once (the model is held once)."""
+    if streams(adapter):
+        return _plan(convert, source, keys, options), convert(_stream(source, keys, options))
+    _model_specs(source, keys, options)
+    whole = dict(convert(_stream(source, keys, options)))
+    return {k: (tuple(v.shape), v.dtype) for k, v in whole.items()}, iter(whole.items())
+
+
 def _write_hf(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    convert = partial(to_hf_items, adapter)
-    if streams(adapter):
-        specs = _plan(convert, source, keys, options)
-        values: Iterator[tuple[str, Any]] = convert(_stream(source, keys, options))
-    else:  # the whole-dict fallback: the model is held once
-        _model_specs(source, keys, options)
-        hf = dict(convert(_stream(source, keys, options)))
-        specs = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
-        values = iter(hf.items())
-        del hf
+    specs, values = _converted(partial(to_hf_items, adapter), adapter, source, keys, options)
     written = write_safetensors_shards(out, specs, values, max_shard_size=options.max_shard_size)
     with open(os.path.join(out, "config.json"), "w") as f:
         # From hf_config: its keys that the adapter does not set (token ids, ...) stay.
@@ -462,14 +455,8 @@ def _planned(
     non-tensor values (small), and the tensors as a bounded stream."""
     if adapter is not None:
         convert = partial(from_hf_items, adapter)
-        if streams(adapter):
-            specs = _plan(convert, source, keys, options)
-            return specs, {}, convert(_stream(source, keys, options))
-        # The whole-dict fallback: the model is held once (HF -> native).
-        _model_specs(source, keys, options)
-        native = dict(convert(_stream(source, keys, options)))
-        specs = {k: (tuple(v.shape), v.dtype) for k, v in native.items()}
-        return specs, {}, iter(native.items())
+        specs, values = _converted(convert, adapter, source, keys, options)
+        return specs, {}, values
     object_keys = [k for k in keys if not source.entries[k].is_tensor]
     objects = source.read(object_keys) if object_keys else {}
     tensor_keys = [k for k in keys if source.entries[k].is_tensor]
