@@ -22,7 +22,6 @@ __all__ = [
     "CheckpointLockError",
     "CheckpointReadError",
     "CheckpointWriteError",
-    "ConvertError",
     "DiskFullError",
     "UnsafeCheckpointError",
     "check_bool",
@@ -49,10 +48,6 @@ def _rebuild(cls: type, args: tuple, attrs: dict) -> BaseException:
 
 class CheckpointConfigError(CheckpointError, ValueError):
     """A checkpoint setting that cannot work, naming the key, the value and what is allowed."""
-
-
-ConvertError = CheckpointConfigError
-"""The former name of a conversion asked for that cannot be done (a usage error)."""
 
 
 class CheckpointFormatError(CheckpointError, ValueError):

@@ -66,34 +66,25 @@ class CheckpointManager:
     Args:
         config: the checkpoint policy.
         model_parts: the model, or its pipeline stages (each keeps its original FQNs).
-        states: other state to save, by name: a module, an optimizer (of one model part's
-            parameters; saved by FQN as an ``OptimizerState``), or anything with
-            ``state_dict()`` and ``load_state_dict()`` (LR schedulers, dataloader, train
-            state). ``None`` values are skipped, so an optional dataloader can be passed as is.
-            The ``dataloader`` state may say how many ways it shards the data (its
-            data-parallel degree) with an attribute ``dp_degree``; default: the world size.
-            Each step records that degree, and a resume at another degree loads the
-            dataloader only if it has an attribute ``supports_resharding = True``.
-        state_dict_adapter: converts the model to and from Hugging Face names; needed for
-            ``last_save_in_hf`` and ``initial_load_in_hf``.
-        storage: where checkpoints live; default from ``config.folder`` (local, or fsspec URL).
-        process_group: the ranks that checkpoint together; default all. Async modes create a
-            dedicated gloo group so background collectives never interleave with training's.
-        metadata: JSON-serializable facts recorded in every step's commit manifest
-            (``Manifest.metadata``), e.g. ``{"model": {"name": ..., "flavor": ..., "args":
-            {...}}}``, which ``titan-ckpt convert`` uses to describe the model.
-        folder_lock: the folder's writer lock, taken earlier by the caller
-            (``titan_ckpt.lock.lock_checkpoint_folder``) to hold it before any work; the
-            manager releases it on ``close()``. Default: a saving manager takes it here, and
-            another writer's hold raises ``CheckpointLockError`` on every rank.
-        ft: a torchft run's replica group (``FaultToleranceOptions``): registers state-dict
-            callbacks for live recovery; only participating rank 0 writes the shared
-            checkpoint (see ``titan_ckpt.ft``).
+        states: other state by name: a module, an optimizer (saved by FQN as an
+            ``OptimizerState``), or anything with ``state_dict()`` and ``load_state_dict()``;
+            ``None`` values are skipped. A ``dataloader`` may carry ``dp_degree`` (default:
+            the world size); a resume at another degree loads it only if it has
+            ``supports_resharding = True``.
+        state_dict_adapter: Hugging Face conversion, for ``last_save_in_hf`` and
+            ``initial_load_in_hf``.
+        storage: where checkpoints live; default from ``config.folder``.
+        process_group: the ranks that checkpoint together (async modes make their own gloo
+            group so background collectives never interleave with training's).
+        metadata: JSON facts recorded in every manifest, e.g. ``{"model": {"name", "flavor",
+            "args"}}``, which ``titan-ckpt convert`` uses.
+        folder_lock: the folder's lock taken earlier (``lock_checkpoint_folder``), released on
+            ``close()``; default: a saving manager takes it here.
+        ft: a torchft replica group (``FaultToleranceOptions``, see ``titan_ckpt.ft``).
 
-    A save that fails (the disk full, a permission lost) raises ``CheckpointWriteError``
-    (``DiskFullError`` when space ran out) on every rank, naming the path, the bytes the step
-    needs and those free; its partial step is removed and committed steps stay as they were.
-    An async save's failure is raised by the next ``wait``, ``save`` or ``close``.
+    A failed save raises ``CheckpointWriteError`` (``DiskFullError`` when space ran out) on
+    every rank, naming the path, the bytes needed and free; its partial step is removed. An
+    async save's failure is raised by the next ``wait``, ``save`` or ``close``.
     """
 
     def __init__(
@@ -119,15 +110,13 @@ class CheckpointManager:
         self.adapter = state_dict_adapter
         self.storage = storage if storage is not None else open_storage(config.folder)
         self.checksum = resolve_checksum(config.checksum)
-        """The algorithm the manifests of this manager's saves use (``config.checksum``
-        resolved: ``auto`` is ``xxh3_128`` where ``xxhash`` is installed, else ``sha256``)."""
+        """The algorithm of this manager's manifests (``config.checksum`` resolved)."""
         self.folder = config.folder
         self.last_loaded_step: int | None = None
         self.loaded_metadata: dict[str, Any] | None = None
-        self.loaded_source: str | None = None
-        """Who wrote what ``load`` restored: "titan", "torchtitan", "dcp" (another DCP
-        writer) or "hf" (a Hugging Face folder); None before a load."""
         """The metadata recorded with the step ``load`` restored (None: none loaded)."""
+        self.loaded_source: str | None = None
+        """Who wrote what ``load`` restored: "titan", "torchtitan", "dcp" or "hf"."""
         self._purger: Purger | None = None
         self._ft_purger: Purger | None = None
         self._async: AsyncSaver | None = None
