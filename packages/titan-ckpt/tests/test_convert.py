@@ -178,7 +178,7 @@ def test_damaged_source_to_dcp_is_one_line_and_leaves_nothing(
 
 def test_console_script_module_and_help(tmp_path):
     # One real process: the entry point as installed (python -m: same function).
-    proc = subprocess.run([sys.executable, "-m", "titan_ckpt.cli", "convert", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "titan_ckpt.commands.cli", "convert", "--help"],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0
     assert "--max-shard-size" in proc.stdout

@@ -154,13 +154,6 @@ def test_progress_reaches_the_total_once_more_at_the_end(tmp_path, saved_folder)
     assert done[-1] == total
 
 
-def test_the_old_command_module_runs_the_new_command():
-    from titan_ckpt import cli
-    from titan_ckpt.commands import cli as commands_cli
-
-    assert cli.main is commands_cli.main
-
-
 @pytest.mark.parametrize(
     ("call", "message"),
     [
