@@ -136,20 +136,11 @@ class FaultTolerance:
         decide: Callable[[Callable[[], T]], T],
         trust_pickles: bool = False,
     ) -> None:
-        """Load this replica group's dataloader state for a resume of step ``step``, merged
-        with the other groups' states of that step, so that the replica group count may
-        change between save and resume (each group's state holds the data shards it read;
-        the merge holds them all, and the dataloader picks its own).
-
-        This group's own state wins where states differ: its state at ``step``, or, when it
-        has none there (it was down then and has just restarted), its newest older one
-        (its data goes on from there, as torchtitan's does). A key only other groups hold,
-        and on which they disagree, cannot be resumed exactly: ``CheckpointConfigError``. A
-        group with no state of its own that the others' do not fit (the dataloader refuses
-        it: ``ValueError`` or ``KeyError``) starts its data over, as does one with nothing.
-        ``decide(plan)`` runs the plan on the checkpointing group's rank 0 and hands its
-        result (or error) to every rank; then every rank reads the states it names itself.
-        """
+        """Load this replica group's dataloader state for a resume of ``step``, merged with the
+        other groups' states of that step (the replica count may change). This group's own state
+        wins: at ``step``, or its newest older one if it was down then. A key only other groups
+        hold, on which they disagree, raises ``CheckpointConfigError``; a group with no state of its
+        own that the others' do not fit starts its data over. ``decide`` runs the plan on rank 0."""
         own, others = decide(partial(self._plan_dataloader, storage, folder, step, checksums))
         if own is None and not others:
             logger.warning(

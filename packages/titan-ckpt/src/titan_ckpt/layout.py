@@ -217,15 +217,10 @@ def commit_step(
     *,
     checksum: str = "auto",
 ) -> Manifest:
-    """Commit the step in ``directory``: fill the manifest with every file's size and
-    checksum, then write the commit marker, last.
-
-    ``written`` holds the size and checksum of the files the save hashed as it wrote them (every
-    rank's DCP files, ``titan_ckpt.formats.hashing``); they are taken as they are, after a
-    size check against storage (a stat, no read). Only a file the directory holds beyond
-    those is hashed here by reading it. A file of ``written`` missing from the directory, or
-    of another size there, fails the commit (``OSError``): the step stays uncommitted. A file
-    hashed here gets the ``checksum`` algorithm (``checkpoint.checksum``'s values)."""
+    """Commit the step in ``directory``: fill the manifest with every file's size and checksum,
+    then write the commit marker, last. ``written`` (what the writers hashed) is taken after a
+    size check; only other files are hashed here, by reading. A file of ``written`` missing or
+    of another size fails the commit (``OSError``): the step stays uncommitted."""
     algorithm = resolve_checksum(checksum)
     written = dict(written or {})
     read_back = []
@@ -375,17 +370,11 @@ def _holds_no_data(storage: Storage, directory: str) -> bool:
 
 
 def remove_step(storage: Storage, directory: str) -> bool:
-    """Delete a step directory of ours (committed or interrupted) in an order that a crash
-    at any moment cannot turn into a foreign directory, which would stop the next run: the
-    commit marker first (the step is no longer loadable), then the data, then the owner
-    marker, then the directory. Returns whether the directory is gone.
-
-    Only what titan wrote goes, and no symbolic link is followed. A directory that is itself
-    a link, or that does not carry our owner marker (unless it holds nothing but our
-    temporaries), is left whole. Inside one, a link is left, and so is a file that a
-    committed step's manifest does not list (an interrupted step has no list: each of its
-    files is the save's); then the owner marker and the directory stay too, an
-    interrupted step. Either way one warning names what was left."""
+    """Delete a step directory of ours in an order a crash cannot turn into a foreign one:
+    commit marker, data, owner marker, directory. Returns whether it is gone. Only what titan
+    wrote goes and no link is followed: a directory that is a link or lacks our owner marker is
+    left whole; inside one, a link or a file the manifest does not list is left (with the owner
+    marker: an interrupted step). One warning names what was left."""
     if storage.is_link(directory):
         _leave(
             f"Not deleting {directory}: it is a symbolic link, and titan-ckpt never deletes "

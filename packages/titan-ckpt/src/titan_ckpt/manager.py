@@ -437,15 +437,9 @@ class CheckpointManager:
             purger.request()
 
     def maybe_wait_for_staging(self) -> None:
-        """Block until the last async save no longer reads the training tensors.
-
-        Call before the optimizer step that follows a save: the copy may still be running,
-        of the whole state (``async_with_pinned_mem``) or of the optimizers' states and the
-        model's parameters (``async``). The optimizers among the manager's states call it
-        themselves before they step (a step pre-hook), and so does a torchft heal before it
-        loads a peer's state; anything else that changes the saved tensors in place must call
-        it first.
-        """
+        """Block until the last async save no longer reads the training tensors. The manager's
+        optimizers (a step pre-hook) and a torchft heal call it themselves; anything else that
+        changes the saved tensors in place must call it first."""
         if self._async is not None:
             self._async.maybe_wait_for_staging()
 

@@ -152,14 +152,8 @@ def check_folder_contents(
     config: CheckpointConfig, *, final_step: int | None = None, storage: Storage | None = None
 ) -> StepScan | None:
     """Raise ``CheckpointConfigError`` if the run would have to touch a directory that is not
-    its own (see the module docstring); returns the scan, or None when checkpointing is off.
-
-    Args:
-        config: the run's checkpoint policy; ``config.folder`` is the folder checked.
-        final_step: the run's last training step; with it, saves that would land on a
-            torchtitan step are refused too.
-        storage: where the folder lives; default from ``config.folder``.
-    """
+    its own; returns the scan (None when checkpointing is off). With ``final_step``, saves that
+    would land on a torchtitan step are refused too."""
     if not config.enable:
         return None
     storage = storage if storage is not None else open_storage(config.folder)

@@ -249,15 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _unmap_freed_buffers() -> None:
-    """Make freed tensor buffers leave the process (glibc only; elsewhere a no-op).
-
-    glibc serves an allocation from its own heap, not a fresh mapping, once it is below a
-    threshold that it raises to the largest block freed so far (up to 32 MiB), and a freed
-    heap block need not go back to the OS. Streaming many same-sized tensors then grows the
-    resident memory by several tensors that are no longer held. A fixed 1 MiB threshold
-    gives every larger buffer its own mapping, unmapped when the tensor is freed, so the
-    command's peak memory is what it holds: one batch of tensors, not the allocator's slack.
-    """
+    """Give every buffer over 1 MiB its own mapping, unmapped when freed (glibc; elsewhere a
+    no-op): glibc's adaptive threshold would keep freed tensors in its heap, so streaming many
+    same-sized tensors would grow the resident memory by several tensors no longer held."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -100,24 +100,13 @@ class _RefusedError(Exception):
 
 
 class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    """Python's pure-Python unpickler, limited so that a pickle can build values and
-    nothing else.
-
-    - ``find_class`` resolves only ``ALLOWED_GLOBALS`` (and torch's constants), by the exact
-      ``str`` names in the pickle; ``STACK_GLOBAL``'s names must be ``str`` as well.
-    - ``BUILD`` (set an object's state) applies only to an instance that this load made by
-      calling an allowlisted class (``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``OBJ``, ``INST``);
-      enum members are shared, so they are never fresh. A ``BUILD`` on a global, a function,
-      a class or a constant is refused as unsafe: it would change the process for every
-      later use of that object.
-    - ``APPEND(S)``, ``SETITEM(S)`` and ``ADDITEMS`` add only to a ``list``, ``dict`` (or a
-      fresh ``OrderedDict``) and ``set``; Python's unpickler would call the target's own
-      ``append``/``extend``/``add``/``__setitem__``, whatever it is.
-
-    The C unpickler cannot be limited this way (it has no per-opcode hooks); the Python one
-    is slower: 8.2 s against the C unpickler's 3.0 s for a 15 MB ``.metadata`` of 100,000
-    chunks (measured on a 2-core CPU).
-    """
+    """Python's pure-Python unpickler, limited so that a pickle can build values and nothing
+    else: ``find_class`` resolves only ``ALLOWED_GLOBALS`` (and torch's constants) by exact
+    ``str`` names; ``BUILD`` applies only to an instance this load made by calling an allowlisted
+    class (never an enum member, global, function or class); ``APPEND(S)``, ``SETITEM(S)`` and
+    ``ADDITEMS`` add only to a ``list``, ``dict`` (or a fresh ``OrderedDict``) and ``set``. The C
+    unpickler has no per-opcode hooks; this one is slower (8.2 s against 3.0 s for a 15 MB
+    ``.metadata`` of 100,000 chunks)."""
 
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
