@@ -157,7 +157,7 @@ def unwrap_read_errors(where: str | None = None) -> Iterator[None]:
     try:
         yield
     except CheckpointException as error:
-        failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+        failures = _failures(error)
         for exc in failures:
             if isinstance(exc, CheckpointReadError):
                 raise exc from None
@@ -168,6 +168,11 @@ def unwrap_read_errors(where: str | None = None) -> Iterator[None]:
             f"{where}: DCP could not load this checkpoint ({causes}); is it damaged? Run "
             "titan-ckpt verify on it."
         ) from None
+
+
+def _failures(error: CheckpointException) -> list[BaseException]:
+    """The per-rank errors inside DCP's ``CheckpointException``."""
+    return [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
 
 
 def check_stored(directory: str, entries: list[Any]) -> None:
@@ -386,8 +391,7 @@ class DcpSource(Source):
                 with unwrap_read_errors():  # our own errors (an unsafe record) as they are
                     dcp.load(state, storage_reader=self._reader, no_dist=True)
             except CheckpointException as error:  # a BaseException: make it an ordinary one
-                failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
-                causes = [f"{type(e).__name__}: {e}" for e in failures]
+                causes = [f"{type(e).__name__}: {e}" for e in _failures(error)]
                 shown = ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "")
                 raise CheckpointReadError(
                     f"{self.path}: DCP could not read {shown}: {'; '.join(causes)[:300]}"
