@@ -28,7 +28,7 @@ from typing import IO, Any
 import torch
 
 from titan_ckpt.errors import CheckpointReadError
-from titan_ckpt.formats.base import Entry, Source, TensorSpec, read_exactly
+from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
 from titan_ckpt.formats.pickles import refusal
 
 __all__ = [
@@ -298,8 +298,7 @@ def decode_object(text: str) -> Any:
 def _sync(f: IO) -> None:
     """Flush ``f`` to disk where it is a local file (remote files sync on close)."""
     f.flush()
-    # io.UnsupportedOperation (no file descriptor) is an OSError.
-    with contextlib.suppress(OSError, AttributeError, ValueError):
+    with contextlib.suppress(OSError, AttributeError, ValueError):  # no descriptor
         os.fsync(f.fileno())
 
 
@@ -398,7 +397,7 @@ def _write_shard_data(
     shard_keys: list[str],
     it: Iterator[tuple[str, torch.Tensor]],
 ) -> int:
-    """Write the shard's tensors from the stream ``it`` into ``f``; returns the bytes."""
+    """Write the shard's tensors from the stream ``it`` into ``f``, one held at a time."""
     written = 0
     for key in shard_keys:
         got, value = next(it, (None, None))
@@ -407,15 +406,9 @@ def _write_shard_data(
                 f"The tensor stream gave {got!r} where the layout planned {key!r}: a "
                 "state-dict adapter's output must not depend on tensor values."
             )
-        shape, dtype = specs[key]
-        if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-            raise RuntimeError(
-                f"{key}: got {list(value.shape)} {value.dtype}, the header says "
-                f"{list(shape)} {dtype}"
-            )
-        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        data = check_streamed(key, value, specs[key]).contiguous().reshape(-1).view(torch.uint8)
+        del value
         f.write(memoryview(data.numpy()))
         written += data.numel()
-        # Drop the tensor before the next one is read: the writer holds one at a time.
-        del value, data
+        del data
     return written
