@@ -26,13 +26,13 @@ FLAVOR = "debugmodel"  # dim 256, 6 layers, 16 heads, vocab 2048: ~6M parameters
 
 def titan_ckpt(*args: object) -> subprocess.CompletedProcess:
     """The command as a user runs it (``python -m`` runs the console script's function)."""
-    cmd = [sys.executable, "-m", "titan_ckpt.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "titan_ckpt.commands.cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def run_in_process(capsys, *args: object) -> tuple[int, str]:
     """``titan-ckpt ARGS`` in this process (saves a torch import per call)."""
-    from titan_ckpt.cli import main
+    from titan_ckpt.commands.cli import main
 
     code = main([str(a) for a in args])
     return code, capsys.readouterr().out

@@ -139,7 +139,7 @@ def test_bad_expert_layouts_exit_2_before_any_work(tmp_path, nproc, args, messag
 
 
 def titan_ckpt(*args: object) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "titan_ckpt.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "titan_ckpt.commands.cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 

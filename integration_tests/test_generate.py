@@ -30,7 +30,7 @@ def generate(capsys, *args: str) -> dict:
 
 
 def test_a_trained_step_and_its_hf_export_generate_the_same_tokens(tmp_path, capsys):
-    from titan_ckpt.cli import main as titan_ckpt
+    from titan_ckpt.commands.cli import main as titan_ckpt
     from titan_train.cli import main as titan_train
 
     dump = tmp_path / "run"

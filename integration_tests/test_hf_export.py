@@ -45,7 +45,7 @@ SEQ = 1024
 
 def titan_ckpt(*args: object) -> subprocess.CompletedProcess:
     """The command as a user runs it, in its own process."""
-    cmd = [sys.executable, "-m", "titan_ckpt.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "titan_ckpt.commands.cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -53,7 +53,7 @@ def titan_ckpt(*args: object) -> subprocess.CompletedProcess:
 def titan_ckpt_here(capsys):
     """``titan-ckpt ARGS`` in this process (saves a torch import per call): returns a
     ``CompletedProcess``-like result with returncode and stderr."""
-    from titan_ckpt.cli import main
+    from titan_ckpt.commands.cli import main
 
     def run(*args: object) -> subprocess.CompletedProcess:
         code = main([str(a) for a in args])

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from titan_ckpt import CheckpointConfig, CheckpointManager, LocalStorage, OptimizerState
-from titan_ckpt.checksums import resolve_checksum
+from titan_ckpt.formats.checksums import resolve_checksum
 from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, _HashingFileSystem
 
 SAVES = (

@@ -18,7 +18,9 @@ def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
     # ~3,000 tensors make a report of ~200 KB: more than the 64 KiB a pipe holds, so the
     # command is still writing when `head` exits.
     save_file({f"layers.{i}.a_long_tensor_name": torch.zeros(2) for i in range(3000)}, path)
-    command = f"{shlex.quote(sys.executable)} -m titan_ckpt.cli inspect {shlex.quote(str(path))}"
+    command = (
+        f"{shlex.quote(sys.executable)} -m titan_ckpt.commands.cli inspect {shlex.quote(str(path))}"
+    )
     result = subprocess.run(
         ["bash", "-c", f'{command} | head -1; echo "status=${{PIPESTATUS[0]}}" >&2'],
         capture_output=True,

@@ -41,7 +41,7 @@ def test_dcp_torch_dcp_is_bit_exact(saved_folder, tmp_path, titan_ckpt):
     assert state["0.weight"].shape == (32, 16)
     assert titan_ckpt("convert", tmp_path / "c.pt", tmp_path / "back", "--to", "dcp")[0] == 0
     code, out, _ = titan_ckpt("diff", src, tmp_path / "back")
-    assert code == 0
+    assert code == 0, out
     assert out.splitlines()[-1].startswith("equal (atol=0, rtol=0; compared 24 tensors")
 
 
@@ -178,7 +178,7 @@ def test_damaged_source_to_dcp_is_one_line_and_leaves_nothing(
 
 def test_console_script_module_and_help(tmp_path):
     # One real process: the entry point as installed (python -m: same function).
-    proc = subprocess.run([sys.executable, "-m", "titan_ckpt.cli", "convert", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "titan_ckpt.commands.cli", "convert", "--help"],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0
     assert "--max-shard-size" in proc.stdout

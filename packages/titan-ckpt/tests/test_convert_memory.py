@@ -49,7 +49,7 @@ pytestmark = pytest.mark.skipif(
 CHILD = r"""
 import json, sys, warnings
 warnings.simplefilter("ignore")
-from titan_ckpt.cli import main
+from titan_ckpt.commands.cli import main
 
 def peak():
     with open("/proc/self/status") as f:

@@ -87,11 +87,9 @@ def test_fsdp2_round_trips_crash_and_reshard_4_2_1(common, torchrun, results, tm
         assert r["params"] == saved[0]["params"]
         assert r["opt"] == saved[0]["opt"]
         # Both async modes wrote what the model held at save time, while training went on.
-        # The second save refilled the first one's staged copy (titan_ckpt.staging).
         for mode in ("async", "async_with_pinned_mem"):
             assert r[mode]["loaded"] == r[mode]["expected"]
             assert r[mode]["loaded_opt"] == r[mode]["expected_opt"]
-            assert r[mode]["reused"] == 1
             assert r[mode]["same_as_torch"]  # the FQN keys reused from the first save
     for mode in ("async", "async_with_pinned_mem"):
         async_folder = str(tmp_path / "async" / mode)

@@ -29,7 +29,7 @@ from titan_ckpt import (
 )
 from titan_ckpt.commands.cli import flag_text
 from titan_ckpt.commands.convert import ConvertOptions, convert
-from titan_ckpt.errors import ConvertError, check_bool, check_choice, check_int, check_number
+from titan_ckpt.errors import check_bool, check_choice, check_int, check_number
 from titan_ckpt.formats.base import select_keys
 from titan_ckpt.layout import commit_step, hash_files, read_manifest, verify_step
 
@@ -45,7 +45,6 @@ def test_one_root_and_the_old_bases():
         assert issubclass(cls, RuntimeError)
     assert issubclass(UnsafeCheckpointError, CheckpointReadError)
     assert issubclass(DiskFullError, CheckpointWriteError)
-    assert ConvertError is CheckpointConfigError
 
 
 def test_errors_keep_their_fields_between_ranks():
@@ -153,13 +152,6 @@ def test_progress_reaches_the_total_once_more_at_the_end(tmp_path, saved_folder)
     done = [d for d, _ in calls[:-1]]
     assert done == sorted(done)
     assert done[-1] == total
-
-
-def test_the_old_command_module_runs_the_new_command():
-    from titan_ckpt import cli
-    from titan_ckpt.commands import cli as commands_cli
-
-    assert cli.main is commands_cli.main
 
 
 @pytest.mark.parametrize(

@@ -1,50 +1,22 @@
 """The state-dict adapter seam: model-aware conversion to and from Hugging Face checkpoints.
 
-titan-ckpt knows no model. A model package implements ``StateDictAdapter`` structurally (it
-need not import this module) and registers a factory under the entry-point group
-``titan.state_dict_adapters``: name = model name (e.g. ``llama3``), value = a callable
-``(*, flavor=None, hf_config=None, model_args=None, overrides=None, tensor_shapes=None)
--> StateDictAdapter``.
+titan-ckpt knows no model. A model package implements ``StateDictAdapter`` structurally and
+registers a factory under the entry-point group ``titan.state_dict_adapters`` (name = model
+name, e.g. ``llama3``): ``(*, flavor=None, hf_config=None, model_args=None, overrides=None,
+tensor_shapes=None) -> StateDictAdapter``. ``flavor`` is a name the model package defines;
+``hf_config`` a ``config.json`` as a dict; ``model_args`` the model's recorded arguments
+(JSON); ``overrides`` (e.g. ``{"rope_scaling": "none"}``) win over them; ``tensor_shapes``
+(native key -> shape, to HF) are the checkpoint's, which the factory checks the descriptions
+against. A factory may lack ``model_args`` and ``tensor_shapes``. One that cannot build an
+adapter raises ``ValueError`` (or ``KeyError``) saying why: ``convert`` exits 2. An adapter
+may have ``model_args()``, which ``convert`` records in a DCP checkpoint it writes from HF.
 
-The factory gets descriptions of the model: ``flavor``, a name the model package defines;
-``hf_config``, a Hugging Face ``config.json`` as a dict (from an HF folder, or from
-``titan-ckpt convert --hf-config FILE`` for shapes no flavor has); ``model_args``, the
-model's real arguments as recorded with a checkpoint (``Manifest.metadata["model"]["args"]``,
-JSON) or as the trainer holds them. ``overrides`` (field -> value, e.g. ``{"rope_scaling":
-"none"}`` from ``convert --rope-scaling``) replaces what the descriptions say.
-``tensor_shapes`` (native key -> shape, when converting a checkpoint to HF) are the
-checkpoint's: the factory checks the descriptions against them and takes what they show
-(e.g. the vocabulary) from them, so the ``config.json`` the adapter writes describes those
-tensors. ``model_args`` and ``tensor_shapes`` are optional for a factory: one that does not
-take them is called without them. A factory that cannot build an adapter from what it got
-(or whose description contradicts the tensors) raises ``ValueError`` (or ``KeyError``)
-saying why, field by field; ``titan-ckpt convert`` reports that as a usage error (exit 2).
-An adapter may also have ``model_args()``, its model's args as a JSON object: ``convert``
-records them (``titan_ckpt.model_record``) with a DCP checkpoint it writes from HF.
-
-Two forms of conversion:
-
-- Whole dicts (required): ``to_hf(state_dict)`` and ``from_hf(hf_state_dict)`` take and
-  return complete state dicts, so whoever calls them holds the whole model once.
-- Streams (optional, ``StreamingStateDictAdapter``): ``to_hf_items(items)`` and
-  ``from_hf_items(items)`` take an iterable of ``(key, full tensor)`` pairs and yield the
-  converted pairs, so a conversion holds one tensor at a time. An output may need several
-  inputs (experts stacked into one tensor, a tied weight): the adapter keeps what it needs
-  until the output is complete, and yields it then. Two rules make the stream plannable:
-
-  1. the output (keys, shapes, dtypes, order) depends only on the input keys, shapes,
-     dtypes and order, never on tensor values;
-  2. the conversion works on ``meta`` tensors (views, permutes, reshapes, ``cat``: no
-     ``.item()``, no ``.numpy()``).
-
-  Writers need every output's shape before the first byte (a safetensors header, DCP's
-  plan), so titan-ckpt first runs the stream over ``meta`` tensors shaped like the input
-  (no data) and then over the real tensors, in the same order.
-
-``to_hf_items`` / ``from_hf_items`` below are what titan-ckpt calls: the adapter's own
-streaming methods when it has them, else the documented fallback, which collects the whole
-stream into a dict, calls ``to_hf`` / ``from_hf`` once and yields the result (one model copy
-in memory). ``streams(adapter)`` tells which applies.
+``to_hf`` / ``from_hf`` convert whole dicts (the caller holds the model once). The optional
+``to_hf_items`` / ``from_hf_items`` (``StreamingStateDictAdapter``) map ``(key, full tensor)``
+pairs lazily, holding what an output needs (stacked experts) until it is complete. Their
+output (keys, shapes, dtypes, order) must depend only on the input's, never on values, and
+they must work on ``meta`` tensors: writers need every shape first, so titan-ckpt runs the
+stream over ``meta`` tensors (``plan_items``) and then over the real ones, in the same order.
 """
 
 from __future__ import annotations

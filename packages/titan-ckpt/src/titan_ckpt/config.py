@@ -1,9 +1,7 @@
-"""``CheckpointConfig``: when and what the CheckpointManager saves and loads, as a config section.
+"""``CheckpointConfig``: when and what the CheckpointManager saves and loads.
 
-Field names follow torchtitan's ``[checkpoint]`` section so that its TOML files carry over;
-``verify_checksums`` and ``checksum`` are ours. Defaults are a library's: ``CheckpointConfig()``
-saves (``enable`` is true, torchtitan's is false). torchtitan's torchft key
-``enable_ft_dataloader_checkpoints`` is ``FaultToleranceOptions.dataloader_checkpoints``.
+Field names follow torchtitan's ``[checkpoint]`` section so its TOML files carry over;
+``verify_checksums`` and ``checksum`` are ours. ``CheckpointConfig()`` saves (``enable`` true).
 """
 
 from __future__ import annotations
@@ -13,8 +11,8 @@ from typing import Literal
 
 import torch
 
-from titan_ckpt.checksums import CHECKSUMS, resolve_checksum
 from titan_ckpt.errors import CheckpointConfigError, check_bool, check_choice, check_int
+from titan_ckpt.formats.checksums import CHECKSUMS, resolve_checksum
 
 __all__ = ["ASYNC_MODES", "EXPORT_DTYPES", "CheckpointConfig", "CheckpointConfigError"]
 

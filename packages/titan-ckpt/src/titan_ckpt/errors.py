@@ -1,27 +1,10 @@
 """Every error titan-ckpt raises on purpose, under one root: ``CheckpointError``.
 
-- ``CheckpointConfigError`` (also a ``ValueError``): a setting or argument that cannot work,
-  naming the option, the value and what is allowed; also a checkpoint that does not fit the
-  model it is loaded into (the fix is the configuration: another path or another model).
-- ``CheckpointFormatError`` (also a ``ValueError``): a path that is not a checkpoint a reader
-  understands (bad usage: the command exits 2).
-- ``CheckpointReadError`` (also a ``RuntimeError``): stored data that cannot be read back (a
-  damaged file: exit 1); ``UnsafeCheckpointError``, a pickle asking for something outside the
-  allowlist, is one (nothing of it was run).
-- ``CheckpointIntegrityError`` (also a ``RuntimeError``): a committed step whose files differ
-  from its manifest; ``problems`` lists each damaged file.
-- ``CheckpointWriteError`` (also a ``RuntimeError``): a save failed, its partial step removed;
-  ``DiskFullError`` when space ran out.
-- ``CheckpointLockError`` (also a ``RuntimeError``): another writer holds the checkpoint
-  folder (``titan_ckpt.lock``); refused before any work.
-
-The second bases keep ``except ValueError`` / ``except RuntimeError`` callers working.
-
-Every titan package's ``errors.py`` also holds ``check_int``, ``check_number``,
-``check_choice`` and ``check_bool`` with the same signatures and messages (``"<name>=<value>
-is not allowed; it must be ..."``); here they raise ``CheckpointConfigError``. Their one
-source is ``titan_dims.checks``; ``_checks.py`` is a byte-identical copy of it, as titan-ckpt
-depends on torch alone.
+The second bases (``ValueError`` for usage, ``RuntimeError`` for data and writes) keep
+``except ValueError`` / ``except RuntimeError`` callers working. ``check_int``,
+``check_number``, ``check_choice`` and ``check_bool`` are every titan package's config checks
+(one source, ``titan_dims.checks``; ``_checks.py`` is its byte-identical copy, as titan-ckpt
+depends on torch alone), raising ``CheckpointConfigError`` here.
 """
 
 from __future__ import annotations
@@ -39,7 +22,6 @@ __all__ = [
     "CheckpointLockError",
     "CheckpointReadError",
     "CheckpointWriteError",
-    "ConvertError",
     "DiskFullError",
     "UnsafeCheckpointError",
     "check_bool",
@@ -66,10 +48,6 @@ def _rebuild(cls: type, args: tuple, attrs: dict) -> BaseException:
 
 class CheckpointConfigError(CheckpointError, ValueError):
     """A checkpoint setting that cannot work, naming the key, the value and what is allowed."""
-
-
-ConvertError = CheckpointConfigError
-"""The former name of a conversion asked for that cannot be done (a usage error)."""
 
 
 class CheckpointFormatError(CheckpointError, ValueError):

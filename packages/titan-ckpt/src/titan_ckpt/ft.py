@@ -1,17 +1,10 @@
 """torchft integration: replica groups that train on, heal from peers, and checkpoint once.
 
-With ``CheckpointManager(ft=FaultToleranceOptions(...))``, a torchft ``Manager`` (or anything
-with its ``participating_rank()`` and ``register_state_dict_fn()``, or the older
-``set_state_dict_fns()``), the CheckpointManager
-
-- registers state-dict callbacks, so a recovering replica group copies model, optimizer, LR
-  scheduler and train state live from a healthy peer (the dataloader is each group's own);
-- writes the shared checkpoint from one replica group only (participating rank 0);
-- with ``FaultToleranceOptions.dataloader_checkpoints``, has every replica group save its own
-  dataloader state in ``<folder>/ft-replica-<id>/step-<N>/``, so no group replays data after
-  a restart.
-
-torchft itself is never imported here: the manager object is passed in.
+With ``CheckpointManager(ft=FaultToleranceOptions(...))`` the manager registers state-dict
+callbacks (a recovering group copies model, optimizer, LR scheduler and train state from a
+healthy peer), writes the shared checkpoint from participating rank 0 only, and with
+``dataloader_checkpoints`` saves each group's dataloader in ``<folder>/ft-replica-<id>/``.
+torchft itself is never imported: the manager object is passed in.
 """
 
 from __future__ import annotations
@@ -143,20 +136,11 @@ class FaultTolerance:
         decide: Callable[[Callable[[], T]], T],
         trust_pickles: bool = False,
     ) -> None:
-        """Load this replica group's dataloader state for a resume of step ``step``, merged
-        with the other groups' states of that step, so that the replica group count may
-        change between save and resume (each group's state holds the data shards it read;
-        the merge holds them all, and the dataloader picks its own).
-
-        This group's own state wins where states differ: its state at ``step``, or, when it
-        has none there (it was down then and has just restarted), its newest older one
-        (its data goes on from there, as torchtitan's does). A key only other groups hold,
-        and on which they disagree, cannot be resumed exactly: ``CheckpointConfigError``. A
-        group with no state of its own that the others' do not fit (the dataloader refuses
-        it: ``ValueError`` or ``KeyError``) starts its data over, as does one with nothing.
-        ``decide(plan)`` runs the plan on the checkpointing group's rank 0 and hands its
-        result (or error) to every rank; then every rank reads the states it names itself.
-        """
+        """Load this replica group's dataloader state for a resume of ``step``, merged with the
+        other groups' states of that step (the replica count may change). This group's own state
+        wins: at ``step``, or its newest older one if it was down then. A key only other groups
+        hold, on which they disagree, raises ``CheckpointConfigError``; a group with no state of its
+        own that the others' do not fit starts its data over. ``decide`` runs the plan on rank 0."""
         own, others = decide(partial(self._plan_dataloader, storage, folder, step, checksums))
         if own is None and not others:
             logger.warning(

@@ -1,26 +1,14 @@
 """Hugging Face safetensors export and import of the model, through a ``StateDictAdapter``.
 
-Export goes one parameter at a time: every rank takes part in gathering each parameter in
-turn (``DTensor.full_tensor()``, cast to the export dtype first, so the gather moves export
-bytes); rank 0 streams the full tensors through the adapter into safetensors files of at
-most ``max_shard_size`` bytes (``model-0000k-of-0000n.safetensors`` plus
-``model.safetensors.index.json``, or one ``model.safetensors``), and writes ``config.json``.
-Rank 0 holds about one tensor beyond its own shards, the other ranks one gathered tensor.
-Under pipeline parallelism ranks hold different parameters: the lowest rank holding a
-parameter sends its gathered copy to rank 0, so the export still holds every parameter.
+Export goes one parameter at a time: every rank gathers it (``full_tensor()``, cast to the
+export dtype first); rank 0 streams the full tensors through the adapter into safetensors
+shards of at most ``max_shard_size`` bytes and writes ``config.json``. Under pipeline
+parallelism the lowest rank holding a parameter sends it to rank 0.
 
-Import reads the folder lazily (the index when there is one, else every ``*.safetensors``):
-each tensor is read from its byte range, converted by the adapter, and each rank copies its
-own slice of it into its (possibly FSDP/TP-sharded) parameter before the next tensor is
-read. The slice is cut on the host, where the tensor was read, and only it is copied (and
-cast) to the parameter's device: a rank never holds a whole tensor on its accelerator. The
-keys and shapes are checked against the model before any tensor data is read (under
-pipeline parallelism, against the parameters of all stages together; each rank keeps the
-ones its stages hold).
-
-An adapter without the streaming methods (see ``titan_ckpt.adapter``) goes through its
-whole-dict ``to_hf``/``from_hf``: rank 0 (export) or every rank (import) then holds the
-whole model once.
+Import reads the folder lazily: each tensor is read, converted, and each rank copies its own
+slice (cut on the host) into its possibly sharded parameter before the next is read. Keys and
+shapes are checked against the model (all stages together) before any data is read. An
+adapter without the streaming methods holds the whole model once.
 """
 
 from __future__ import annotations
@@ -126,7 +114,9 @@ def save_hf(
         values = iter(hf.items())
         del hf
     storage.makedirs(directory)
-    write_safetensors_shards(storage, directory, planned, values, max_shard_size=max_shard_size)
+    write_safetensors_shards(
+        directory, planned, values, max_shard_size=max_shard_size, opener=storage.open
+    )
     config = adapter.hf_config()
     config["torch_dtype"] = dtype_name(dtype)
     text = json.dumps(config, indent=2, sort_keys=True).encode()
@@ -217,7 +207,7 @@ def hf_files(storage: Storage, directory: str) -> SafetensorsFiles:
             f"checkpoint.initial_load_path={directory!r} holds no *.safetensors files; "
             "with initial_load_in_hf=true it must be a Hugging Face model folder."
         )
-    return SafetensorsFiles(storage, [storage.join(directory, name) for name in files])
+    return SafetensorsFiles([storage.join(directory, n) for n in files], storage.open)
 
 
 def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateDictAdapter) -> None:

@@ -1,47 +1,35 @@
 """The on-disk layout: ``<folder>/step-<N>/``, its commit marker and manifest, and discovery.
 
-A step directory is a DCP checkpoint. It becomes loadable only when rank 0 writes
-``titan-commit.json`` into it, after DCP finished (DCP's coordinator writes ``.metadata`` only
-once every rank reported its files written, so the marker implies every rank's data is on
-storage). The marker is also the manifest: every other file's size and checksum
-(``titan_ckpt.checksums``: xxh3_128, or sha256), so a damaged
-step is reported by file name instead of failing deep inside a tensor read. The digests are
-computed while the files are written, by each rank for its own files
-(``titan_ckpt.formats.hashing``); the commit merges them and reads nothing back.
-
-Before any DCP file of a step is written, rank 0 writes ``titan-owner.json`` into its
-directory; it stays there. So every step directory is one of (``classify_step``):
-
-- ``committed``: ours and complete (commit marker);
-- ``interrupted``: ours, never committed (owner marker only: a crashed or running save), or
-  holding no file but our temporaries (a save killed while marking it, a deletion killed
-  near its end): may be deleted and written again;
-- ``torchtitan``: a torchtitan full-state checkpoint (by its DCP metadata keys): loadable;
-- ``foreign``: anything else (plain DCP, a titan step that lost its markers, unknown files).
-
-titan-ckpt never deletes, overwrites or writes into a directory that is not ``committed`` or
-``interrupted``, and deletes its own in an order (``remove_step``) that keeps a directory
-killed halfway through ``interrupted``.
+A step directory is a DCP checkpoint, loadable only once rank 0 wrote ``titan-commit.json``
+after DCP finished on every rank. The marker is the manifest: every file's size and checksum,
+computed by the writers as they wrote (``formats.hashing``). Before any DCP file, rank 0
+writes ``titan-owner.json``. So a step directory is (``classify_step``) ``committed``,
+``interrupted`` (ours, never committed), ``torchtitan`` (loadable) or ``foreign``. titan
+never deletes, overwrites or writes into one that is neither committed nor interrupted, and
+deletes its own in an order (``remove_step``) that a crash leaves ``interrupted``.
 """
 
 from __future__ import annotations
 
 import errno
-import io
+import hashlib
 import json
 import logging
-import mmap
 import os
 import re
-import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_ckpt.checksums import entry_algorithm, new_hasher, require_algorithms, resolve_checksum
 from titan_ckpt.errors import CheckpointIntegrityError
+from titan_ckpt.formats.checksums import (
+    entry_algorithm,
+    new_hasher,
+    require_algorithms,
+    resolve_checksum,
+)
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import is_torchtitan_checkpoint, read_state_keys
 
@@ -85,7 +73,6 @@ _MARKERS = (COMMIT_MARKER, OWNER_MARKER)  # ours, not checkpoint data: not in th
 FORMAT = "titan-ckpt/1"
 STEP_RE = re.compile(r"^step-(\d+)$")
 """A step directory's name (the one pattern: discovery, detection, the commands)."""
-_HASH_CHUNK = 1 << 20
 
 
 def step_name(step: int) -> str:
@@ -121,7 +108,7 @@ class Manifest:
     None in older markers, where ``world_size`` stands in."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Relative path -> {"size": bytes, <algorithm>: hex digest}, the algorithm one of
-    ``titan_ckpt.checksums.ALGORITHMS`` ("xxh3_128" or "sha256")."""
+    ``titan_ckpt.formats.checksums.ALGORITHMS`` ("xxh3_128" or "sha256")."""
     created: float = 0.0
     """Unix time of the commit."""
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -188,45 +175,9 @@ def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def file_digest(storage: Storage, path: str, algorithm: str) -> str:
-    """The ``algorithm`` checksum (hex) of the file ``path``, by reading it through
-    ``storage.open``: a local file is hashed from read-only memory maps of it, one
-    ``_HASH_CHUNK`` window at a time (no copy into a buffer: 0.042 s against 0.058 s for
-    213 MiB with xxh3_128 on tmpfs; mapping the whole file was no faster, and would hold it
-    all in the process's resident memory); any other stream is read in chunks."""
-    digest = new_hasher(algorithm)
+    """The ``algorithm`` checksum (hex) of the file ``path``, read through ``storage.open``."""
     with storage.open(path, "rb") as f:
-        fd = _mappable(f)
-        if fd is not None:
-            size, offset = os.fstat(fd).st_size, 0
-            while offset < size:
-                length = min(_HASH_CHUNK, size - offset)
-                with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=offset) as window:
-                    digest.update(window)
-                offset += length
-            return digest.hexdigest()
-        # One reused buffer: hashing a large file costs _HASH_CHUNK bytes, not two chunks.
-        buffer = bytearray(_HASH_CHUNK)
-        view = memoryview(buffer)
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
-def _mappable(f: Any) -> int | None:
-    """The descriptor of the regular, non-empty local file ``f`` is open on (at its start),
-    if it can be memory-mapped; None for a non-file stream (fsspec's, a pipe), an empty
-    file, or where mapping fails."""
-    if not isinstance(f, io.BufferedReader) or f.tell() != 0:
-        return None
-    try:
-        fd = f.fileno()
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
-            return None
-        mmap.mmap(fd, min(info.st_size, _HASH_CHUNK), access=mmap.ACCESS_READ).close()
-    except (OSError, ValueError):
-        return None
-    return fd
+        return hashlib.file_digest(f, lambda: new_hasher(algorithm)).hexdigest()  # type: ignore[arg-type]
 
 
 def _data_files(storage: Storage, directory: str, prefix: str = "") -> list[str]:
@@ -266,15 +217,10 @@ def commit_step(
     *,
     checksum: str = "auto",
 ) -> Manifest:
-    """Commit the step in ``directory``: fill the manifest with every file's size and
-    checksum, then write the commit marker, last.
-
-    ``written`` holds the size and checksum of the files the save hashed as it wrote them (every
-    rank's DCP files, ``titan_ckpt.formats.hashing``); they are taken as they are, after a
-    size check against storage (a stat, no read). Only a file the directory holds beyond
-    those is hashed here by reading it. A file of ``written`` missing from the directory, or
-    of another size there, fails the commit (``OSError``): the step stays uncommitted. A file
-    hashed here gets the ``checksum`` algorithm (``checkpoint.checksum``'s values)."""
+    """Commit the step in ``directory``: fill the manifest with every file's size and checksum,
+    then write the commit marker, last. ``written`` (what the writers hashed) is taken after a
+    size check; only other files are hashed here, by reading. A file of ``written`` missing or
+    of another size fails the commit (``OSError``): the step stays uncommitted."""
     algorithm = resolve_checksum(checksum)
     written = dict(written or {})
     read_back = []
@@ -343,7 +289,7 @@ def marker_problem(storage: Storage, directory: str) -> str | None:
 def verify_step(storage: Storage, directory: str, manifest: Manifest, *, checksums: bool) -> None:
     """Raise ``CheckpointIntegrityError`` naming every file that differs from the manifest;
     with ``checksums``, first ``CheckpointConfigError`` if an entry's algorithm cannot be
-    computed here (``titan_ckpt.checksums.require_algorithms``), before any file is read."""
+    computed here (``titan_ckpt.formats.checksums.require_algorithms``), before any file is read."""
     if checksums:
         require_algorithms(manifest.files.values(), directory)
     problems = file_problems(storage, directory, manifest.files, checksums=checksums)
@@ -424,17 +370,11 @@ def _holds_no_data(storage: Storage, directory: str) -> bool:
 
 
 def remove_step(storage: Storage, directory: str) -> bool:
-    """Delete a step directory of ours (committed or interrupted) in an order that a crash
-    at any moment cannot turn into a foreign directory, which would stop the next run: the
-    commit marker first (the step is no longer loadable), then the data, then the owner
-    marker, then the directory. Returns whether the directory is gone.
-
-    Only what titan wrote goes, and no symbolic link is followed. A directory that is itself
-    a link, or that does not carry our owner marker (unless it holds nothing but our
-    temporaries), is left whole. Inside one, a link is left, and so is a file that a
-    committed step's manifest does not list (an interrupted step has no list: each of its
-    files is the save's); then the owner marker and the directory stay too, an
-    interrupted step. Either way one warning names what was left."""
+    """Delete a step directory of ours in an order a crash cannot turn into a foreign one:
+    commit marker, data, owner marker, directory. Returns whether it is gone. Only what titan
+    wrote goes and no link is followed: a directory that is a link or lacks our owner marker is
+    left whole; inside one, a link or a file the manifest does not list is left (with the owner
+    marker: an interrupted step). One warning names what was left."""
     if storage.is_link(directory):
         _leave(
             f"Not deleting {directory}: it is a symbolic link, and titan-ckpt never deletes "

@@ -1,15 +1,10 @@
 """Deciding what ``CheckpointManager.load`` reads, on rank 0, before anything is read.
 
-The order: the newest step of the run's own folder that titan can resume from (ours,
-committed, or a torchtitan checkpoint; or ``load_step``); else ``initial_load_path`` (a step
-directory, a folder of steps, or a Hugging Face folder); else a fresh start. A folder holding
-a step directory titan did not write and cannot read stops the run (``titan_ckpt.preflight``).
-The chosen step is checked against its manifest (sizes, checksums on request) and against the
-model (every FQN present, same shapes), so a wrong or damaged checkpoint is refused with its
-name before any rank reads a tensor. With several ranks, the checksums are not computed on
-rank 0 alone: every rank hashes its share of the step's files (``verify_shared``; shares
-balanced by bytes), all before any rank reads a tensor, so a damaged step leaves the model and
-optimizer as they were.
+The newest resumable step of the run's folder (ours committed, or torchtitan's; or
+``load_step``), else ``initial_load_path``, else a fresh start. The step is checked against its
+manifest and the model (every FQN, same shapes) before any rank reads a tensor; with several
+ranks each hashes its share of the files (``verify_shared``), so a damaged step leaves the
+model and optimizer as they were.
 """
 
 from __future__ import annotations
@@ -21,9 +16,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titan_ckpt.checksums import require_algorithms
 from titan_ckpt.config import DATALOADER, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError, CheckpointIntegrityError
+from titan_ckpt.formats.checksums import require_algorithms
 from titan_ckpt.layout import (
     Manifest,
     file_problems,

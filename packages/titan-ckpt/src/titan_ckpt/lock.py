@@ -1,29 +1,17 @@
 """One writer per checkpoint folder: an advisory lock a saving run holds for its lifetime.
 
-Two runs saving into one folder (a requeued job overlapping the one it replaces) resume each
-other's steps, replace them and delete them through retention, and both exit 0. So a manager
-that saves (``enable`` and not ``load_only``) takes the folder's lock before any work and
-keeps it until ``close()``; a second writer is refused with one ``CheckpointLockError``
-naming the holder. Readers take no lock: a ``load_only`` manager and ``titan-ckpt inspect``
-run beside a writer. With torchft, replica groups share the checkpoint folder by design:
-each locks its own ``ft-replica-<id>`` folder instead.
+Two runs saving into one folder replace and delete each other's steps and both exit 0. So a
+saving manager takes ``<folder>/.titan-ckpt.lock`` before any work and keeps it until
+``close()``; a second writer gets one ``CheckpointLockError`` naming the holder. Readers take
+no lock. With torchft each replica group locks its own ``ft-replica-<id>`` folder.
 
-The lock file ``<folder>/.titan-ckpt.lock`` holds its holder as JSON (host, pid, since when).
+- Local storage: ``fcntl.flock``, which the kernel drops when the holder dies, so a file left
+  behind is taken over. Where flock is refused (some network filesystems), a heartbeat.
+- Other fsspec storage: a heartbeat every ``HEARTBEAT_SECONDS``; a lock not rewritten for
+  ``STALE_SECONDS`` is taken over. Best effort (object stores have no atomic create).
 
-- **Local storage** (and fsspec's ``file://``): ``fcntl.flock`` on that file. The kernel
-  drops the lock when the holder's process ends, however it ends (``kill -9`` included), so
-  a file left behind by a dead holder is taken over, with one log line naming it. Across
-  hosts this needs a filesystem that shares flock locks (NFSv4, Lustre mounted with ``-o
-  flock``); where flock is refused (``ENOLCK``, ``ENOSYS``, ...) the heartbeat below is used.
-- **Other fsspec storage** (object stores, ``memory://``): a heartbeat. The holder
-  rewrites the file every ``HEARTBEAT_SECONDS``; a lock not rewritten for ``STALE_SECONDS``
-  (by the reader's clock: the hosts' clocks must agree to well within that) is stale and
-  taken over. Best effort, as object stores have no atomic create: each taker writes the
-  file and reads it back, and one whose write was overwritten is refused; two takers that
-  both read the lock free and write at the same moment can both win.
-
-A save also refuses to replace a committed step that another writer committed after this
-manager started (``check_replaceable``): the last guard where a lock cannot be shared.
+A save also refuses to replace a step another writer committed after this manager started
+(``check_replaceable``).
 """
 
 from __future__ import annotations
@@ -36,8 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch.distributed as dist
 
@@ -53,7 +40,6 @@ __all__ = [
     "LOCK_FILE",
     "STALE_SECONDS",
     "FolderLock",
-    "Holder",
     "acquire",
     "check_replaceable",
     "lock_checkpoint_folder",
@@ -73,86 +59,49 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
-@dataclass(frozen=True, kw_only=True)
-class Holder:
-    """The process that holds a folder's lock, as its lock file records it."""
+def _me(*, heartbeat: bool) -> dict[str, Any]:
+    """This process as its lock file names it (host, pid, since, heartbeat, token)."""
+    now = time.time()
+    beat = now if heartbeat else None
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": now, "heartbeat": beat,
+            "token": uuid.uuid4().hex}  # fmt: skip
 
-    host: str
-    pid: int
-    since: float
-    """Unix time the lock was taken."""
-    heartbeat: float | None = None
-    """Unix time of the holder's last heartbeat (heartbeat locks only)."""
-    token: str = ""
-    """Tells two takers of a heartbeat lock apart."""
 
-    @classmethod
-    def me(cls, *, heartbeat: bool) -> Holder:
-        now = time.time()
-        return cls(
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            since=now,
-            heartbeat=now if heartbeat else None,
-            token=uuid.uuid4().hex,
-        )
+def _parse(data: bytes) -> dict[str, Any] | None:
+    """The holder a lock file records; None for an empty or unreadable one."""
+    try:
+        holder = json.loads(data)
+        str(holder["host"]), int(holder["pid"]), float(holder["since"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return holder if isinstance(holder, dict) else None
 
-    @classmethod
-    def parse(cls, data: bytes) -> Holder | None:
-        """The holder ``data`` records; None for an empty or unreadable file."""
-        try:
-            holder = cls(**json.loads(data))
-        except (ValueError, TypeError):  # not JSON, not an object, other fields
-            return None
-        number = (int, float)
-        typed = (
-            isinstance(holder.host, str)
-            and isinstance(holder.pid, int)
-            and isinstance(holder.since, number)
-            and isinstance(holder.heartbeat, (*number, type(None)))
-        )
-        return holder if typed else None
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    def __str__(self) -> str:
-        beat = (
-            ""
-            if self.heartbeat is None
-            else f", last heartbeat {time.time() - self.heartbeat:.0f} s ago"
-        )
-        return f"process {self.pid} on host {self.host} (since {_when(self.since)}{beat})"
+def _describe(holder: dict[str, Any]) -> str:
+    beat = holder.get("heartbeat")
+    ago = "" if beat is None else f", last heartbeat {time.time() - beat:.0f} s ago"
+    return f"process {holder['pid']} on host {holder['host']} (since {_when(holder['since'])}{ago})"
 
 
 class FolderLock:
-    """The writer's lock on one checkpoint folder, held until ``release()``.
-
-    One that holds nothing (``held`` false) stands for it where no lock is needed: on ranks
-    other than 0, and for a run that does not save.
-    """
+    """The writer's lock on one checkpoint folder, held until ``release()``. One that holds
+    nothing (``held`` false) stands for it on other ranks and for a run that does not save."""
 
     def __init__(
         self,
         folder: str,
         *,
         path: str = "",
-        holder: Holder | None = None,
+        holder: dict[str, Any] | None = None,
         file: BinaryIO | None = None,
         storage: Storage | None = None,
         created: tuple[str, ...] = (),
     ) -> None:
-        self.folder = folder
-        self.path = path
-        """The lock file ("" when nothing is held)."""
-        self.holder = holder
-        """This process, as the lock file names it; None when nothing is held."""
-        # A flock lock: the open file (closed, so released, also when this object is
-        # garbage); else a heartbeat lock on ``storage``.
-        self._file = file
-        self._storage = storage
+        self.folder, self.path, self.holder = folder, path, holder
+        self._file = file  # a flock lock (closed, so released, also when garbage)
+        self._storage = storage  # else a heartbeat lock on this storage
         self._created = created  # folders made for the lock, deepest first
-        self._lost: Holder | None = None
+        self._lost = False
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         if holder is not None and file is None:
@@ -185,37 +134,33 @@ class FolderLock:
         self._stop.set()
         if self._beat is not None:
             self._beat.join()
-        assert self._storage is not None  # a heartbeat lock
         try:
-            if self._lost is None:
+            if not self._lost and self._storage is not None:
                 self._storage.remove(self.path)
         except OSError as e:  # stale in STALE_SECONDS: the next writer takes it over
             logger.warning("Could not remove the lock file %s: %s", self.path, e)
 
     def _heartbeats(self) -> None:
-        assert self._storage is not None  # a heartbeat lock
-        assert self.holder is not None
-        path, me = self.path, self.holder
+        storage, me = self._storage, self.holder
+        assert storage is not None  # a heartbeat lock
+        assert me is not None
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
-                current = _read(self._storage, path)
-                if current is not None and current.token != me.token:
-                    self._lost = current
+                current = _read(storage, self.path)
+                if current is not None and current.get("token") != me["token"]:
+                    self._lost = True
                     logger.error(
                         "Lost the lock of checkpoint folder %s to %s: this run's heartbeat "
                         "stalled past %.0f s, and two runs now write the folder; stop one.",
                         self.folder,
-                        current,
+                        _describe(current),
                         STALE_SECONDS,
                     )
                     return
-                self._storage.write_atomic(path, replace(me, heartbeat=time.time()).to_json())
+                me = {**me, "heartbeat": time.time()}
+                storage.write_atomic(self.path, json.dumps(me).encode())
             except Exception as e:  # a storage hiccup: the next beat tries again
                 logger.warning("Checkpoint folder lock heartbeat failed: %s", e)
-
-
-def _lock_path(storage: Storage, folder: str) -> str:
-    return storage.join(folder, LOCK_FILE)
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -226,25 +171,29 @@ def _same_file(fd: int, path: str) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _read(storage: Storage, path: str) -> Holder | None:
+def _read(storage: Storage, path: str) -> dict[str, Any] | None:
     try:
         with storage.open(path, "rb") as f:
-            return Holder.parse(f.read())
+            return _parse(f.read())
     except FileNotFoundError:
         return None
 
 
-def _busy_error(folder: str, holder: Holder | None) -> CheckpointLockError:
+def _busy_error(folder: str, holder: dict[str, Any] | None) -> CheckpointLockError:
     """The one message for a folder another writer holds."""
-    who = str(holder) if holder is not None else "another process (not yet named in the file)"
+    who = _describe(holder) if holder else "another process (not yet named in the file)"
     return CheckpointLockError(
         f"Checkpoint folder {folder} is in use by another run: {who} holds its lock "
         f"({LOCK_FILE}). Two runs saving into one folder replace and delete each other's "
         "checkpoints, so this one stops before any work. Wait for that run to end or stop it, "
         "point checkpoint.folder (or job.dump_folder) elsewhere, or read the folder without "
         f"saving: checkpoint.load_only=true, or titan-ckpt inspect {folder}.",
-        holder=str(holder or ""),
+        holder=_describe(holder) if holder else "",
     )
+
+
+def _took_over(folder: str, previous: dict[str, Any], why: str) -> None:
+    logger.warning("Took over checkpoint folder %s from %s, %s", folder, _describe(previous), why)
 
 
 def acquire(storage: Storage, folder: str) -> FolderLock:
@@ -252,24 +201,29 @@ def acquire(storage: Storage, folder: str) -> FolderLock:
     ``CheckpointLockError`` naming the holder if another process holds it."""
     local = _local_path(storage, folder)  # LocalStorage, or fsspec's file://
     if local is not None:
-        created = _missing_folders(local)
+        created, path = [], os.path.abspath(local)
+        while not os.path.exists(path):
+            created.append(path)
+            path = os.path.dirname(path)
         storage.makedirs(folder)
-        lock = _flock(folder, os.path.join(local, LOCK_FILE), created)
+        lock = _flock(folder, os.path.join(local, LOCK_FILE), tuple(created))
         if lock is not None:
             return lock
         logger.info("%s refuses flock: locking checkpoint folder by heartbeat", folder)
     storage.makedirs(folder)
-    return _heartbeat_lock(storage, folder)
-
-
-def _missing_folders(path: str) -> tuple[str, ...]:
-    """``path`` and its ancestors that do not exist yet, deepest first."""
-    missing = []
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return tuple(missing)
+    path = storage.join(folder, LOCK_FILE)
+    previous = _read(storage, path)
+    beat = previous and (previous.get("heartbeat") or previous["since"])
+    if previous is not None and time.time() - beat < STALE_SECONDS:
+        raise _busy_error(folder, previous)
+    me = _me(heartbeat=True)
+    storage.write_atomic(path, json.dumps(me).encode())
+    back = _read(storage, path)  # no atomic create on object stores: best effort
+    if back is None or back.get("token") != me["token"]:
+        raise _busy_error(folder, back)  # another taker wrote after us
+    if previous is not None:
+        _took_over(folder, previous, f"whose heartbeat stopped over {STALE_SECONDS:.0f} s ago")
+    return FolderLock(folder, path=path, holder=me, storage=storage)
 
 
 def _flock(folder: str, path: str, created: tuple[str, ...]) -> FolderLock | None:
@@ -280,7 +234,7 @@ def _flock(folder: str, path: str, created: tuple[str, ...]) -> FolderLock | Non
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
-            holder = Holder.parse(os.pread(fd, 1 << 16, 0))
+            holder = _parse(os.pread(fd, 1 << 16, 0))
             os.close(fd)
             if isinstance(error, BlockingIOError):
                 raise _busy_error(folder, holder) from None
@@ -290,41 +244,15 @@ def _flock(folder: str, path: str, created: tuple[str, ...]) -> FolderLock | Non
         if _same_file(fd, path):
             break
         os.close(fd)  # its holder removed it between our open and flock: open it anew
-    previous = Holder.parse(os.pread(fd, 1 << 16, 0))
-    me = Holder.me(heartbeat=False)
+    previous = _parse(os.pread(fd, 1 << 16, 0))
+    me = _me(heartbeat=False)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, me.to_json(), 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
     os.fsync(fd)
     if previous is not None:
-        logger.warning(
-            "Took over checkpoint folder %s from %s, which had not released it (its process "
-            "ended, or its manager was dropped without close())",
-            folder,
-            previous,
-        )
+        _took_over(folder, previous, "which had not released it (its process ended, or its "
+                   "manager was dropped without close())")  # fmt: skip
     return FolderLock(folder, path=path, holder=me, file=os.fdopen(fd, "r+b"), created=created)
-
-
-def _heartbeat_lock(storage: Storage, folder: str) -> FolderLock:
-    path = _lock_path(storage, folder)
-    previous = _read(storage, path)
-    if previous is not None:
-        age = time.time() - (previous.heartbeat or previous.since)
-        if age < STALE_SECONDS:
-            raise _busy_error(folder, previous)
-    me = Holder.me(heartbeat=True)
-    storage.write_atomic(path, me.to_json())
-    back = _read(storage, path)
-    if back is None or back.token != me.token:
-        raise _busy_error(folder, back)  # another taker wrote after us
-    if previous is not None:
-        logger.warning(
-            "Took over checkpoint folder %s from %s: its heartbeat stopped over %.0f s ago",
-            folder,
-            previous,
-            STALE_SECONDS,
-        )
-    return FolderLock(folder, path=path, holder=me, storage=storage)
 
 
 def lock_checkpoint_folder(

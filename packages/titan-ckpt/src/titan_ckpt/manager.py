@@ -1,29 +1,16 @@
 """``CheckpointManager``: save and resume a training run with DCP, atomically and verifiably.
 
-The checkpoint of a step is one DCP state dict: the model's tensors flattened by
-fully-qualified name at the top level (over all model parts), beside one entry per other
-state (``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, ...). That is
-torchtitan's layout, so checkpoints move between the two, and a model-only checkpoint has the
-same keys as the model part of a full one.
-
-Invariants the code below keeps:
-- A step is loadable only once ``titan-commit.json`` exists in it; rank 0 writes it after DCP
-  finished on every rank (DCP's ``.metadata`` is written after all ranks reported), with the
-  manifest of every file: sizes and checksums (``config.checksum``) that each rank's writer
-  computed while writing (they reach rank 0 with DCP's own gather of the write results), so
-  no byte is read back.
-  Discovery, integrity checks and errors are decided on rank 0 and
-  broadcast, so every rank loads the same step or raises the same error.
-- At most one save is in flight: a new save, a load and ``close()`` first finish the previous
-  one (including its commit).
+A step is one DCP state dict: the model's tensors by FQN at the top level (torchtitan's
+layout) beside one entry per other state. Invariants:
+- A step is loadable only once ``titan-commit.json`` exists; rank 0 writes it after DCP
+  finished on every rank, with the manifest the writers hashed (no byte read back). Loads
+  are planned on rank 0 and broadcast: every rank loads the same step or raises the same error.
+- At most one save is in flight; a save, a load and ``close()`` finish the previous one.
 - Retention deletes committed steps only, in a background thread on rank 0.
-- Only directories titan-ckpt created are ever deleted or written into: a save marks its
-  directory (``titan-owner.json``) before DCP writes, and refuses a step directory that is
-  someone else's (``titan_ckpt.layout.classify_step``). A torchtitan checkpoint in the folder
-  is resumed from, through ``titan_ckpt.torchtitan``; any other foreign one stops the load.
-- One writer per folder: a saving manager holds the folder's lock (``titan_ckpt.lock``) from
-  its construction, before any work, to ``close()``, and never replaces a step that another
-  writer committed after it started.
+- Only directories titan created are deleted or written into (``titan-owner.json`` goes in
+  first; ``layout.classify_step``). A torchtitan checkpoint is resumed from.
+- One writer per folder: a saving manager holds the folder's lock from construction to
+  ``close()`` and never replaces a step another writer committed after it started.
 """
 
 from __future__ import annotations
@@ -40,9 +27,9 @@ from torch import nn
 
 from titan_ckpt.adapter import StateDictAdapter
 from titan_ckpt.asyncmode import AsyncSaver, check_main_guard
-from titan_ckpt.checksums import resolve_checksum
 from titan_ckpt.config import DATALOADER, MODEL, CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError
+from titan_ckpt.formats.checksums import resolve_checksum
 from titan_ckpt.formats.dcp import unwrap_read_errors
 from titan_ckpt.formats.hashing import set_checksum, written_files
 from titan_ckpt.ft import FaultTolerance, FaultToleranceOptions
@@ -79,34 +66,25 @@ class CheckpointManager:
     Args:
         config: the checkpoint policy.
         model_parts: the model, or its pipeline stages (each keeps its original FQNs).
-        states: other state to save, by name: a module, an optimizer (of one model part's
-            parameters; saved by FQN as an ``OptimizerState``), or anything with
-            ``state_dict()`` and ``load_state_dict()`` (LR schedulers, dataloader, train
-            state). ``None`` values are skipped, so an optional dataloader can be passed as is.
-            The ``dataloader`` state may say how many ways it shards the data (its
-            data-parallel degree) with an attribute ``dp_degree``; default: the world size.
-            Each step records that degree, and a resume at another degree loads the
-            dataloader only if it has an attribute ``supports_resharding = True``.
-        state_dict_adapter: converts the model to and from Hugging Face names; needed for
-            ``last_save_in_hf`` and ``initial_load_in_hf``.
-        storage: where checkpoints live; default from ``config.folder`` (local, or fsspec URL).
-        process_group: the ranks that checkpoint together; default all. Async modes create a
-            dedicated gloo group so background collectives never interleave with training's.
-        metadata: JSON-serializable facts recorded in every step's commit manifest
-            (``Manifest.metadata``), e.g. ``{"model": {"name": ..., "flavor": ..., "args":
-            {...}}}``, which ``titan-ckpt convert`` uses to describe the model.
-        folder_lock: the folder's writer lock, taken earlier by the caller
-            (``titan_ckpt.lock.lock_checkpoint_folder``) to hold it before any work; the
-            manager releases it on ``close()``. Default: a saving manager takes it here, and
-            another writer's hold raises ``CheckpointLockError`` on every rank.
-        ft: a torchft run's replica group (``FaultToleranceOptions``): registers state-dict
-            callbacks for live recovery; only participating rank 0 writes the shared
-            checkpoint (see ``titan_ckpt.ft``).
+        states: other state by name: a module, an optimizer (saved by FQN as an
+            ``OptimizerState``), or anything with ``state_dict()`` and ``load_state_dict()``;
+            ``None`` values are skipped. A ``dataloader`` may carry ``dp_degree`` (default:
+            the world size); a resume at another degree loads it only if it has
+            ``supports_resharding = True``.
+        state_dict_adapter: Hugging Face conversion, for ``last_save_in_hf`` and
+            ``initial_load_in_hf``.
+        storage: where checkpoints live; default from ``config.folder``.
+        process_group: the ranks that checkpoint together (async modes make their own gloo
+            group so background collectives never interleave with training's).
+        metadata: JSON facts recorded in every manifest, e.g. ``{"model": {"name", "flavor",
+            "args"}}``, which ``titan-ckpt convert`` uses.
+        folder_lock: the folder's lock taken earlier (``lock_checkpoint_folder``), released on
+            ``close()``; default: a saving manager takes it here.
+        ft: a torchft replica group (``FaultToleranceOptions``, see ``titan_ckpt.ft``).
 
-    A save that fails (the disk full, a permission lost) raises ``CheckpointWriteError``
-    (``DiskFullError`` when space ran out) on every rank, naming the path, the bytes the step
-    needs and those free; its partial step is removed and committed steps stay as they were.
-    An async save's failure is raised by the next ``wait``, ``save`` or ``close``.
+    A failed save raises ``CheckpointWriteError`` (``DiskFullError`` when space ran out) on
+    every rank, naming the path, the bytes needed and free; its partial step is removed. An
+    async save's failure is raised by the next ``wait``, ``save`` or ``close``.
     """
 
     def __init__(
@@ -132,15 +110,13 @@ class CheckpointManager:
         self.adapter = state_dict_adapter
         self.storage = storage if storage is not None else open_storage(config.folder)
         self.checksum = resolve_checksum(config.checksum)
-        """The algorithm the manifests of this manager's saves use (``config.checksum``
-        resolved: ``auto`` is ``xxh3_128`` where ``xxhash`` is installed, else ``sha256``)."""
+        """The algorithm of this manager's manifests (``config.checksum`` resolved)."""
         self.folder = config.folder
         self.last_loaded_step: int | None = None
         self.loaded_metadata: dict[str, Any] | None = None
-        self.loaded_source: str | None = None
-        """Who wrote what ``load`` restored: "titan", "torchtitan", "dcp" (another DCP
-        writer) or "hf" (a Hugging Face folder); None before a load."""
         """The metadata recorded with the step ``load`` restored (None: none loaded)."""
+        self.loaded_source: str | None = None
+        """Who wrote what ``load`` restored: "titan", "torchtitan", "dcp" or "hf"."""
         self._purger: Purger | None = None
         self._ft_purger: Purger | None = None
         self._async: AsyncSaver | None = None
@@ -461,15 +437,9 @@ class CheckpointManager:
             purger.request()
 
     def maybe_wait_for_staging(self) -> None:
-        """Block until the last async save no longer reads the training tensors.
-
-        Call before the optimizer step that follows a save: the copy may still be running,
-        of the whole state (``async_with_pinned_mem``) or of the optimizers' states and the
-        model's parameters (``async``). The optimizers among the manager's states call it
-        themselves before they step (a step pre-hook), and so does a torchft heal before it
-        loads a peer's state; anything else that changes the saved tensors in place must call
-        it first.
-        """
+        """Block until the last async save no longer reads the training tensors. The manager's
+        optimizers (a step pre-hook) and a torchft heal call it themselves; anything else that
+        changes the saved tensors in place must call it first."""
         if self._async is not None:
             self._async.maybe_wait_for_staging()
 

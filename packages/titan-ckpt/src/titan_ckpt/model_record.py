@@ -1,15 +1,10 @@
-"""What a checkpoint says about its model: the record a trainer attaches to every step, and
-the shapes of its model tensors.
-
-The record lives in the commit manifest (``Manifest.metadata["model"]``, written through
-``CheckpointManager(metadata={"model": ...})``) as JSON::
+"""What a checkpoint says about its model: the record a trainer attaches to every step
+(``Manifest.metadata["model"]``), and the shapes of its model tensors::
 
     {"name": "llama3", "flavor": "debugmodel", "args": {"dim": 256, ..., "rope_scaling": null}}
 
-``name`` is the model's state-dict adapter (``titan.state_dict_adapters``), ``flavor`` the
-flavor it started from, ``args`` the model's real arguments (vocabulary from the tokenizer,
-RoPE as trained). titan-ckpt reads the record without knowing the model; ``titan-ckpt
-convert`` hands ``args`` to the adapter, so an HF export describes what was trained.
+``name`` is the state-dict adapter, ``args`` the model's real arguments, which ``titan-ckpt
+convert`` hands to the adapter so an HF export describes what was trained.
 """
 
 from __future__ import annotations

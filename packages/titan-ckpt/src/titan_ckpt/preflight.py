@@ -1,27 +1,11 @@
-"""The checkpoint folder, checked before a run does any work: the first save must not be the
-first sign of trouble.
+"""The checkpoint folder, checked before a run does any work.
 
-**Can saves work at all?** ``check_folder_writable`` refuses, with one
-``CheckpointConfigError``, a folder that no save could write: a path component that is a file,
-a folder (or its nearest existing ancestor, where the folder would be created) without write
-permission or on a read-only filesystem, and a URL whose fsspec filesystem is not installed
-(``s3://`` without ``s3fs``). The ``CheckpointManager`` runs it on construction; ``titan-
-train`` runs it before it builds the model. A folder that vanishes later, mid-run, is recreated
-by the next save (with a warning: the steps it held are gone), as DCP's writer creates the step
-directory with its parents.
-
-**Is every step directory ours to touch?** titan-ckpt never deletes, overwrites or writes into
-a step directory it did not create (see ``titan_ckpt.layout``). ``check_folder_contents`` turns that
-rule into one early, actionable error:
-
-- a ``foreign`` step directory (plain DCP, unknown files, a titan step that lost its markers)
-  stops the run: titan can neither resume from it nor save beside it safely;
-- a torchtitan checkpoint is fine to resume from, but a step this run would save (from the
-  step it resumes at to ``final_step``, by the save policy) must not be one of them.
-
-``CheckpointManager`` applies the first rule when it loads, and refuses at save time to write
-into a directory that is not its own; a trainer calls ``check_folder_contents`` first, so
-the run stops before it builds anything.
+``check_folder_writable`` refuses (``CheckpointConfigError``) a folder no save could write: a
+path component that is a file, no write permission or a read-only filesystem (of the folder
+or its nearest existing ancestor), a URL whose fsspec filesystem is not installed.
+``check_folder_contents`` refuses a ``foreign`` step directory (titan can neither resume from
+it nor save beside it), and a torchtitan step that this run would save over. The manager
+applies both; a trainer calls them first so the run stops before it builds anything.
 """
 
 from __future__ import annotations
@@ -168,14 +152,8 @@ def check_folder_contents(
     config: CheckpointConfig, *, final_step: int | None = None, storage: Storage | None = None
 ) -> StepScan | None:
     """Raise ``CheckpointConfigError`` if the run would have to touch a directory that is not
-    its own (see the module docstring); returns the scan, or None when checkpointing is off.
-
-    Args:
-        config: the run's checkpoint policy; ``config.folder`` is the folder checked.
-        final_step: the run's last training step; with it, saves that would land on a
-            torchtitan step are refused too.
-        storage: where the folder lives; default from ``config.folder``.
-    """
+    its own; returns the scan (None when checkpointing is off). With ``final_step``, saves that
+    would land on a torchtitan step are refused too."""
     if not config.enable:
         return None
     storage = storage if storage is not None else open_storage(config.folder)

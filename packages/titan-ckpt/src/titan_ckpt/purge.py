@@ -1,14 +1,8 @@
 """Retention: delete committed steps beyond the newest ``keep_latest_k``, off the training path.
 
-Only titan's committed steps are counted and deleted; any other directory in the folder
-(torchtitan's, foreign, an interrupted save) is left alone, and so is whatever a step holds
-that titan did not write, a symbolic link above all (``remove_step``): such a step is warned
-about once and not tried again.
-
-Runs on one rank, in a daemon thread fed by a queue. A deletion removes the commit marker
-first and the owner marker last (``titan_ckpt.layout.remove_step``), so a step that is half
-deleted (crash, permission error) is uncommitted, never a damaged "committed" step nor a
-foreign one. A failure is logged and the thread carries on with the next request.
+Only titan's committed steps are deleted, through ``layout.remove_step`` (no link followed,
+nothing titan did not write); a step it must leave is warned about once. Runs in a daemon
+thread on one rank; a failure is logged and the next request carries on.
 """
 
 from __future__ import annotations

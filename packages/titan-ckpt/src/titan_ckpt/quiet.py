@@ -32,14 +32,8 @@ def quiet_dcp(distributed: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _unheard_dcp_events() -> Iterator[None]:
-    """Skip making DCP's debug events while nobody can receive them.
-
-    DCP logs a start and an end event for each of its calls and for every entry of the state
-    it saves (two records per model tensor, each with its caller looked up on the stack): a
-    few milliseconds of every save, inside an async save's ``save()`` too. torch gives that
-    logger a NullHandler and no propagation, so the records go nowhere unless someone
-    attached a handler of their own; only then are they made.
-    """
+    """Skip making DCP's debug events (two per state entry, each looking up its caller: a few
+    ms of every save) while only torch's NullHandler would receive them."""
     events = getattr(dcp_logger, "_dcp_logger", None)
     unheard = (
         isinstance(events, logging.Logger)

@@ -1,9 +1,6 @@
-"""The storage seam: where checkpoint directories live.
-
-Everything the manager does to storage outside DCP itself (listing steps, the commit marker,
-the manifest, retention) goes through a ``Storage``: a local filesystem by default, or any
-fsspec filesystem for a ``scheme://`` URL. DCP's own reader and writer come from the same
-object, so a new backend is one subclass.
+"""The storage seam: where checkpoint directories live (a local filesystem, or any fsspec
+filesystem for a ``scheme://`` URL). DCP's reader and writer come from the same object, so a
+new backend is one subclass.
 """
 
 from __future__ import annotations
@@ -13,11 +10,11 @@ import shutil
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
-from typing import IO
+from typing import IO, Any
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from titan_ckpt.checksums import new_hasher, resolve_checksum
+from titan_ckpt.formats.checksums import new_hasher, resolve_checksum
 from titan_ckpt.formats.dcp import SafeFileSystemReader, safe_fsspec_reader
 from titan_ckpt.formats.hashing import HashingFileSystemWriter, HashingStream, hashing_fsspec_writer
 
@@ -233,17 +230,19 @@ class FsspecStorage(Storage):
         return safe_fsspec_reader(self._url(path), trust_pickles=trust_pickles)
 
 
-class RecordingStorage(Storage):
+class RecordingStorage:
     """``inner``, recording the size and checksum of every file written through ``open(path,
-    "wb")`` or ``write_atomic`` (``written``: path -> {"size", <algorithm>}), computed from
-    the bytes on their way out: titan's own files of a step (the Hugging Face export) reach
-    the manifest without a second read. A file written out of order is left out (read
-    later). ``checksum``: ``checkpoint.checksum``'s values."""
+    "wb")`` or ``write_atomic`` (``written``: path -> {"size", <algorithm>}) from the bytes on
+    their way out, so the Hugging Face export of a step reaches the manifest unread. A file
+    written out of order is left out (read later)."""
 
     def __init__(self, inner: Storage, *, checksum: str = "auto") -> None:
         self.inner = inner
         self.algorithm = resolve_checksum(checksum)
         self.written: dict[str, dict] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     def open(self, path: str, mode: str = "rb") -> IO:
         f = self.inner.open(path, mode)
@@ -254,17 +253,11 @@ class RecordingStorage(Storage):
 
         def close_and_record() -> None:
             close()
-            digest = stream.digest()
-            if digest is not None:
+            if (digest := stream.digest()) is not None:
                 self.written[path] = digest
 
         stream.close = close_and_record  # type: ignore[method-assign]
         return stream  # type: ignore[return-value]
-
-    def written_under(self, directory: str) -> dict[str, dict]:
-        """``written`` for the files under ``directory``, by path relative to it."""
-        base = self.join(directory, "")
-        return {p[len(base) :]: d for p, d in self.written.items() if p.startswith(base)}
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self.inner.write_atomic(path, data)
@@ -272,38 +265,10 @@ class RecordingStorage(Storage):
         digest.update(data)
         self.written[path] = {"size": len(data), self.algorithm: digest.hexdigest()}
 
-    def list(self, path: str) -> list[str]:
-        return self.inner.list(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def remove(self, path: str) -> None:
-        self.inner.remove(path)
-
-    def is_link(self, path: str) -> bool:
-        return self.inner.is_link(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def is_dir(self, path: str) -> bool:
-        return self.inner.is_dir(path)
-
-    def makedirs(self, path: str) -> None:
-        self.inner.makedirs(path)
-
-    def join(self, *parts: str) -> str:
-        return self.inner.join(*parts)
-
-    def walk_files(self, path: str) -> list[str]:
-        return self.inner.walk_files(path)
-
-    def dcp_writer(self, path: str) -> StorageWriter:
-        return self.inner.dcp_writer(path)
-
-    def dcp_reader(self, path: str, *, trust_pickles: bool = False) -> StorageReader:
-        return self.inner.dcp_reader(path, trust_pickles=trust_pickles)
+    def written_under(self, directory: str) -> dict[str, dict]:
+        """``written`` for the files under ``directory``, by path relative to it."""
+        base = self.inner.join(directory, "")
+        return {p[len(base) :]: d for p, d in self.written.items() if p.startswith(base)}
 
 
 def storage_for(path: str) -> Storage:

@@ -1,33 +1,12 @@
 """torchtitan's checkpoints: recognising one, and reading its training state into titan's.
 
-torchtitan writes a step as one DCP state dict laid out like ours: the model's tensors by
-FQN at the top level, beside ``optimizer``, ``lr_scheduler``, ``dataloader`` and
-``train_state``. What differs is inside those states:
-
-============  ==========================================  ==================================
-state         torchtitan, July 2025 (6204cdff9)           torchtitan, current main
-============  ==========================================  ==================================
-optimizer     flattened, FQN-keyed (torch's                same
-              ``flatten_optimizer_state_dict``): as ours
-lr_scheduler  ``LambdaLR.state_dict()`` of the first      ``{"last_epoch": n}``
-              scheduler: ``last_epoch``, ``base_lrs``,
-              ``_step_count``, ``_last_lr``, ...
-train_state   ``{"step": n}``                              ``{"step": n, "ntokens_seen": t}``
-                                                           (``t`` counted on one rank)
-dataloader    ``{"dp_rank_<r>": pickled torchdata          ``{"version", "dp_world_size",
-              StatefulDataLoader state, "world_size"}``    "dp_rank_<r>": grain state}``
-============  ==========================================  ==================================
-
-So a checkpoint is torchtitan's when its DCP metadata has ``train_state.step`` and
-``lr_scheduler.last_epoch`` next to model tensors (titan's own schedule state is
-``lr_scheduler.step``, and titan's steps carry a commit marker anyway).
-
-Loading one: the optimizer loads as is; ``last_epoch`` (the number of schedule steps taken)
-becomes titan's ``{"step": n}`` schedule position; ``train_state`` is handed over with
-torchtitan's own keys (``step``, and ``ntokens_seen`` where saved), which titan-train's train
-state accepts. The dataloader state is not portable (another loader, another data format):
-it is skipped with one warning, and the run's data stream starts from its own beginning,
-unless ``dataloader`` is in ``checkpoint.exclude_from_loading``, which skips it silently.
+torchtitan lays a step out like ours (model FQNs at the top, ``optimizer``, ``lr_scheduler``,
+``dataloader``, ``train_state``); a step is torchtitan's when its metadata has
+``train_state.step`` and ``lr_scheduler.last_epoch`` (titan's is ``lr_scheduler.step``). The
+optimizer (flattened by FQN) loads as is; ``last_epoch`` becomes titan's ``{"step": n}``;
+``train_state`` (``step``, and ``ntokens_seen`` on current main) is handed over as is. Its
+dataloader state (torchdata or grain) is not portable: skipped with one warning (silently
+when ``dataloader`` is in ``checkpoint.exclude_from_loading``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The ``titan-ckpt`` command and the library functions behind its subcommands.
-
-``inspect_path``, ``verify_path``, ``diff_paths`` and ``convert`` (with ``ConvertOptions``)
-read any checkpoint through ``titan_ckpt.formats``; ``cli.main`` is the command.
+"""The ``titan-ckpt`` command and the library functions behind its subcommands:
+``inspect_path``, ``verify_path``, ``diff_paths`` and ``convert`` read any checkpoint through
+``source.open_source``; ``cli.main`` is the command.
 """

@@ -1,18 +1,12 @@
 """The ``titan-ckpt`` command: inspect, verify, diff and convert checkpoints.
 
     titan-ckpt inspect outputs/checkpoint              # every step: committed?, size, age
-    titan-ckpt inspect outputs/checkpoint/step-1000 --json
     titan-ckpt verify outputs/checkpoint/step-1000     # exit 0 clean, 1 damaged/uncommitted
     titan-ckpt diff step-1000 converted.safetensors    # exit 0 equal, 1 different
-    titan-ckpt diff step-1000 step-2000 --include 'model.*' --rtol 1e-3
-    titan-ckpt convert step-1000 hf-out --to hf --model llama3 --flavor 8B --dtype bfloat16
     titan-ckpt convert step-1000 hf-out --to hf        # a titan-train step records its model
 
-Works on DCP step directories (ours, with a commit marker, or torchtitan's plain ones),
-safetensors files and folders (Hugging Face included) and torch.save files. Bad usage prints
-one ``titan-ckpt: error: ...`` line and exits with status 2. Pickles inside a DCP checkpoint
-are unpickled under an allowlist (``titan_ckpt.formats.pickles``); one that asks for anything else
-is refused with one message and exit status 1, unless ``--trust-pickles``.
+Bad usage prints one ``titan-ckpt: error: ...`` line and exits 2; a pickle asking for a
+global outside the allowlist is refused with exit 1 unless ``--trust-pickles``.
 """
 
 from __future__ import annotations
@@ -255,15 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _unmap_freed_buffers() -> None:
-    """Make freed tensor buffers leave the process (glibc only; elsewhere a no-op).
-
-    glibc serves an allocation from its own heap, not a fresh mapping, once it is below a
-    threshold that it raises to the largest block freed so far (up to 32 MiB), and a freed
-    heap block need not go back to the OS. Streaming many same-sized tensors then grows the
-    resident memory by several tensors that are no longer held. A fixed 1 MiB threshold
-    gives every larger buffer its own mapping, unmapped when the tensor is freed, so the
-    command's peak memory is what it holds: one batch of tensors, not the allocator's slack.
-    """
+    """Give every buffer over 1 MiB its own mapping, unmapped when freed (glibc; elsewhere a
+    no-op): glibc's adaptive threshold would keep freed tensors in its heap, so streaming many
+    same-sized tensors would grow the resident memory by several tensors no longer held."""
     if not sys.platform.startswith("linux"):
         return
     try:

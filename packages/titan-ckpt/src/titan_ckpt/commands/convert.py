@@ -1,30 +1,12 @@
 """``titan-ckpt convert``: between DCP, torch.save, safetensors and Hugging Face folders.
 
-Tensors stream from the source a bounded batch at a time (about the largest tensor's bytes)
-into every output format, so a conversion holds about one largest tensor besides the
-interpreter, whatever the checkpoint's size:
-
-- safetensors: the header is written from the tensors' shapes and dtypes, then the data;
-- DCP and torch.save: the file layout is planned by torch over stand-in tensors without data,
-  and each tensor's bytes are written when it arrives (``titan_ckpt.formats``).
-
-Model-aware HF conversion goes through a registered ``StateDictAdapter`` (``model``), built
-from the model args a titan checkpoint records (``titan_ckpt.model_record``), ``flavor`` or
-a Hugging Face config (``hf_config`` or the HF folder's config.json). To HF, the adapter
-checks these against the checkpoint's tensor shapes (a contradiction is a usage error, before
-anything is written), so the written config.json describes the tensors.
-An adapter with the streaming methods (``to_hf_items`` / ``from_hf_items``) converts tensor by
-tensor: its output layout is planned by a run over tensors without data, then the tensors
-stream through it into the writer. An adapter without them converts the whole state dict at
-once, and the conversion then holds the model's weights once.
-
-The output is written into a temporary sibling of the destination and renamed into place at
-the end: a failed conversion leaves nothing behind (the destination's parent directories are
-removed again when this conversion made them and they are still empty).
-
-Errors (``CheckpointConfigError``) name the ``ConvertOptions`` fields as ``options.<field>``
-(``options.to='hf' needs options.model``); the ``titan-ckpt`` command shows them as its flags
-(``--to hf needs --model``).
+Tensors stream from the source a bounded batch at a time into every writer, so a conversion
+holds about one largest tensor whatever the checkpoint's size. HF conversion goes through a
+registered ``StateDictAdapter`` built from the model record a titan step carries, a flavor,
+or a ``config.json``; to HF the adapter checks them against the tensor shapes before
+anything is written. The output goes to a temporary sibling renamed into place at the end,
+so a failed conversion leaves nothing behind. Errors name ``options.<field>``; the command
+shows them as its flags.
 """
 
 from __future__ import annotations
@@ -50,11 +32,11 @@ from titan_ckpt.adapter import (
     streams,
     to_hf_items,
 )
+from titan_ckpt.commands.source import open_source
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, TensorSpec, batches, dtype_name, group_of, select_keys
 from titan_ckpt.formats.dcp import save_dcp_streaming, unwrap_read_errors
 from titan_ckpt.formats.safetensors import encode_object, write_safetensors_shards
-from titan_ckpt.formats.source import open_source
 from titan_ckpt.formats.torch_save import save_torch_streaming
 from titan_ckpt.layout import Manifest, commit_step, read_manifest
 from titan_ckpt.model_record import (
@@ -393,25 +375,14 @@ def _out_dtype(source: Source, key: str, dtype: torch.dtype | None) -> torch.dty
 def _write_safetensors(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    objects = {}
-    tensor_keys = [k for k in keys if source.entries[k].is_tensor]
-    object_keys = [k for k in keys if not source.entries[k].is_tensor]
-    if object_keys:
-        objects = {k: encode_object(v) for k, v in source.read(object_keys).items()}
-    specs = {
-        k: (source.entries[k].shape or (), _out_dtype(source, k, options.dtype))
-        for k in tensor_keys
-    }
-    single = out if out.endswith(".safetensors") else None
-    values = _stream(source, tensor_keys, options)
+    specs, objects, values = _planned(source, keys, options, None)
     return write_safetensors_shards(
-        LocalStorage(),
         out,
         specs,
         values,
         max_shard_size=options.max_shard_size,
-        objects=objects,
-        single=single,
+        objects={k: encode_object(v) for k, v in objects.items()},
+        single=out if out.endswith(".safetensors") else None,
     )
 
 
@@ -443,22 +414,23 @@ def _plan(
         ) from None
 
 
+def _converted(
+    convert: Any, adapter: Any, source: Source, keys: list[str], options: ConvertOptions
+) -> tuple[dict[str, TensorSpec], Iterator[tuple[str, Any]]]:
+    """The output layout and the stream of a model conversion; an adapter that does not
+    stream converts the whole dict at once (the model is held once)."""
+    if streams(adapter):
+        return _plan(convert, source, keys, options), convert(_stream(source, keys, options))
+    _model_specs(source, keys, options)
+    whole = dict(convert(_stream(source, keys, options)))
+    return {k: (tuple(v.shape), v.dtype) for k, v in whole.items()}, iter(whole.items())
+
+
 def _write_hf(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    convert = partial(to_hf_items, adapter)
-    if streams(adapter):
-        specs = _plan(convert, source, keys, options)
-        values: Iterator[tuple[str, Any]] = convert(_stream(source, keys, options))
-    else:  # the whole-dict fallback: the model is held once
-        _model_specs(source, keys, options)
-        hf = dict(convert(_stream(source, keys, options)))
-        specs = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
-        values = iter(hf.items())
-        del hf
-    written = write_safetensors_shards(
-        LocalStorage(), out, specs, values, max_shard_size=options.max_shard_size
-    )
+    specs, values = _converted(partial(to_hf_items, adapter), adapter, source, keys, options)
+    written = write_safetensors_shards(out, specs, values, max_shard_size=options.max_shard_size)
     with open(os.path.join(out, "config.json"), "w") as f:
         # From hf_config: its keys that the adapter does not set (token ids, ...) stay.
         given = read_hf_config(options.hf_config) if options.hf_config is not None else {}
@@ -483,14 +455,8 @@ def _planned(
     non-tensor values (small), and the tensors as a bounded stream."""
     if adapter is not None:
         convert = partial(from_hf_items, adapter)
-        if streams(adapter):
-            specs = _plan(convert, source, keys, options)
-            return specs, {}, convert(_stream(source, keys, options))
-        # The whole-dict fallback: the model is held once (HF -> native).
-        _model_specs(source, keys, options)
-        native = dict(convert(_stream(source, keys, options)))
-        specs = {k: (tuple(v.shape), v.dtype) for k, v in native.items()}
-        return specs, {}, iter(native.items())
+        specs, values = _converted(convert, adapter, source, keys, options)
+        return specs, {}, values
     object_keys = [k for k in keys if not source.entries[k].is_tensor]
     objects = source.read(object_keys) if object_keys else {}
     tensor_keys = [k for k in keys if source.entries[k].is_tensor]

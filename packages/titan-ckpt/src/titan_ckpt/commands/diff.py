@@ -1,10 +1,8 @@
 """``titan-ckpt diff``: how two checkpoints differ, key by key, in any pair of formats.
 
-Keys only on one side, shape or dtype changes, and for tensors present on both sides the
-maximum absolute and relative difference. The checkpoints are equal when every key is on both
-sides with the same shape and dtype and ``|a - b| <= atol + rtol * |b|`` everywhere (NaN equals
-NaN); with the default ``atol = rtol = 0`` that means bit-for-bit equal values. Tensors are
-read a bounded batch at a time from each side.
+Equal when every key is on both sides with the same shape and dtype and ``|a - b| <= atol +
+rtol * |b|`` everywhere (NaN equals NaN; the default 0, 0 is bit-for-bit). Tensors are read a
+bounded batch at a time.
 """
 
 from __future__ import annotations
@@ -13,9 +11,9 @@ from typing import Any
 
 import torch
 
+from titan_ckpt.commands.source import open_source
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, batches, dtype_name, select_keys
-from titan_ckpt.formats.source import open_source
 
 __all__ = ["diff_paths", "render_diff"]
 

@@ -1,9 +1,6 @@
-"""``titan-ckpt inspect``: what a checkpoint holds, from its metadata alone.
-
-A checkpoint folder lists its steps (committed or not, size, age); a single checkpoint lists
-every key with shape, dtype and bytes (for DCP: shards and the ranks that wrote them), grouped
-by top-level state with totals. Non-tensor state is loaded (it is small) and shown readably.
-``--stats`` loads tensors, a bounded batch at a time, for min/max/mean/std and NaN/Inf counts.
+"""``titan-ckpt inspect``: what a checkpoint holds, from its metadata alone: a folder's steps
+(committed?, size, age), or a checkpoint's keys with shape, dtype, bytes (and DCP shards),
+grouped by state. ``--stats`` loads tensors a bounded batch at a time for min/max/mean/std.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from typing import Any
 
 import torch
 
+from titan_ckpt.commands.source import detect, open_source
 from titan_ckpt.formats.base import (
     STATE_GROUPS,
     Entry,
@@ -22,7 +20,6 @@ from titan_ckpt.formats.base import (
     dtype_name,
     group_of,
 )
-from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import (
     UNREADABLE_MARKER_MEANS,
     marker_problem,

@@ -1,12 +1,9 @@
 """``titan-ckpt verify``: is a checkpoint intact, and if not, which files and keys are damaged.
 
-For a DCP step: the titan commit marker and its manifest (every file's size and checksum, via
-``layout.verify_step``); DCP's ``.metadata`` itself; that every tensor's chunks cover it exactly
-once (no gap, no overlap, none out of bounds); that every chunk's bytes lie inside an existing
-file; and that every entry loads. A plain DCP directory without a marker (torchtitan's) gets
-all but the manifest check. A step of ours whose save never committed (titan's owner marker,
-no commit marker) is not checked further: a run will not load it, so it is not OK (exit 1).
-Safetensors and torch.save files are checked for readability.
+A DCP step: the manifest (sizes, checksums), ``.metadata``, every tensor's chunks covering it
+exactly once, every chunk inside an existing file, every entry loading. A torchtitan step gets
+all but the manifest; an uncommitted step of ours is not OK (exit 1). Safetensors and
+torch.save files are checked for readability.
 """
 
 from __future__ import annotations
@@ -15,11 +12,11 @@ import math
 import os
 from typing import Any
 
-from titan_ckpt.checksums import entry_algorithm
+from titan_ckpt.commands.source import detect, open_source
 from titan_ckpt.errors import CheckpointIntegrityError, UnsafeCheckpointError
 from titan_ckpt.formats.base import Source, batches
+from titan_ckpt.formats.checksums import entry_algorithm
 from titan_ckpt.formats.dcp import DCP_METADATA, DcpSource
-from titan_ckpt.formats.source import detect, open_source
 from titan_ckpt.layout import (
     COMMIT_MARKER,
     OWNER_MARKER,

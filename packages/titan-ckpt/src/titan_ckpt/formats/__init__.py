@@ -1,10 +1,6 @@
-"""Checkpoint formats, each in one module used by both its readers and its writers.
+"""Checkpoint formats, each one module of readers and writers over paths and file objects;
+nothing here imports the runtime above it (only ``titan_ckpt.errors``).
 
-- ``base``: ``Entry``, ``Source``, ``batches`` and the helpers every format shares;
-- ``source``: ``detect`` a path's format and ``open_source`` a reader for it;
-- ``dcp``: DCP's restricted readers, ``DcpSource`` and the streaming DCP writer;
-- ``safetensors``: the header reader, the lazy tensor reader, ``SafetensorsSource``, the
-  sharded writer and the non-tensor codec;
-- ``torch_save``: ``TorchSource`` and the streaming ``torch.save`` writer;
-- ``pickles``: the restricted unpickler for the pickles inside checkpoints.
+``base`` (``Entry``, ``Source``, ``batches``), ``dcp``, ``safetensors``, ``torch_save``,
+``pickles`` (the restricted unpickler), ``checksums`` and ``hashing`` (hashing DCP writers).
 """

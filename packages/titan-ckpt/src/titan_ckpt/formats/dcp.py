@@ -1,28 +1,11 @@
 """The DCP format: restricted readers, ``DcpSource`` for the commands, and a streaming writer.
 
-Reading. ``SafeFileSystemReader`` (and the fsspec form from ``safe_fsspec_reader``) is torch's
-reader with two changes, both skipped with ``trust_pickles=True``:
-
-- ``read_metadata`` unpickles ``.metadata`` through ``pickles.load_metadata`` (an allowlist of
-  DCP's types) and checks the result's structure: every field the readers use has the type
-  DCP gives it, so a damaged file ends in ``CheckpointReadError`` rather than an
-  ``AttributeError`` somewhere later.
-- ``read_data`` hands DCP's planner a wrapper whose ``load_bytes`` unpickles each non-tensor
-  record (a ``torch.save`` the default planner would load with ``weights_only=False``) once,
-  through ``pickles.load_record``, and stores that object as the default planner would. A
-  planner with a ``load_bytes`` of its own is refused (it would unpickle the bytes itself).
-
-``unwrap_read_errors`` turns DCP's ``CheckpointException`` (a ``BaseException`` that wraps
-whatever a reader raised) back into the titan error inside it, or into one that names the
-checkpoint. ``DcpSource`` reads a step directory entry by entry for the commands.
-
-Writing. ``save_dcp_streaming`` runs ``dcp.save``'s own planner over stand-in tensors (the
-right shape and dtype, one element of memory each) and a ``FileSystemWriter`` whose
-``write_data`` takes each tensor from a stream and writes DCP's record for it (a
-``torch.save`` record, as ``FileSystemWriter`` writes it) into one ``__0_0.distcp``; DCP's
-``finish`` writes ``.metadata``. The result is what ``dcp.save`` writes in one process, while
-the caller holds one tensor at a time. (DCP's own writer keeps every tensor of a file
-referenced until the file is done, so it cannot stream.)
+``SafeFileSystemReader`` (and ``safe_fsspec_reader``) is torch's reader that unpickles
+``.metadata`` and non-tensor records once, under the allowlists of ``formats.pickles``, and
+checks the metadata's structure, so damage ends in ``CheckpointReadError``; both skipped with
+``trust_pickles``. ``save_dcp_streaming`` runs DCP's own planner over stand-in tensors and
+writes each tensor's record as it arrives from a stream (DCP's writer keeps every tensor of a
+file referenced until the file is done, so it cannot stream).
 """
 
 from __future__ import annotations
@@ -174,7 +157,7 @@ def unwrap_read_errors(where: str | None = None) -> Iterator[None]:
     try:
         yield
     except CheckpointException as error:
-        failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+        failures = _failures(error)
         for exc in failures:
             if isinstance(exc, CheckpointReadError):
                 raise exc from None
@@ -185,6 +168,11 @@ def unwrap_read_errors(where: str | None = None) -> Iterator[None]:
             f"{where}: DCP could not load this checkpoint ({causes}); is it damaged? Run "
             "titan-ckpt verify on it."
         ) from None
+
+
+def _failures(error: CheckpointException) -> list[BaseException]:
+    """The per-rank errors inside DCP's ``CheckpointException``."""
+    return [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
 
 
 def check_stored(directory: str, entries: list[Any]) -> None:
@@ -403,8 +391,7 @@ class DcpSource(Source):
                 with unwrap_read_errors():  # our own errors (an unsafe record) as they are
                     dcp.load(state, storage_reader=self._reader, no_dist=True)
             except CheckpointException as error:  # a BaseException: make it an ordinary one
-                failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
-                causes = [f"{type(e).__name__}: {e}" for e in failures]
+                causes = [f"{type(e).__name__}: {e}" for e in _failures(error)]
                 shown = ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "")
                 raise CheckpointReadError(
                     f"{self.path}: DCP could not read {shown}: {'; '.join(causes)[:300]}"

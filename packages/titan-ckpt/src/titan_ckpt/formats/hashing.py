@@ -1,31 +1,15 @@
 """DCP writers that hash every file while writing it, so that a commit never reads a step back.
 
-DCP's filesystem writers (``FileSystemWriter`` and fsspec's ``FsspecWriter``) create every
-file through ``self.fs.create_stream(path, "wb")``: each rank its data files
-(``__<rank>_<n>.distcp``, under their final names), the coordinator ``.metadata`` (through a
-temporary file it renames). The writers here wrap that ``fs`` so that each write stream is a
-pass-through which feeds the bytes to a checksum (``titan_ckpt.checksums``: xxh3_128, or
-sha256) and counts them; a file's digest is final when its stream closed without error.
+DCP's filesystem writers create every file through ``self.fs.create_stream``; the writers
+here wrap that ``fs`` so each write stream feeds a checksum (``titan_ckpt.formats.checksums``). Each
+rank appends its digests to the write results DCP gathers to the coordinator; ``finish``
+takes them out before the metadata is built (``.metadata`` stays DCP's own) and attaches
+them to the ``Metadata`` that ``dcp.save`` returns (``written_files``). A stream written out of
+order gives no digest: the commit then hashes that file by reading it.
 
-How the digests reach the committing rank: each rank appends its files' digests to the write
-results ``write_data`` returns, which DCP itself gathers to the coordinator for ``finish``;
-``finish`` takes them out again before DCP's metadata is built (``.metadata`` is byte-for-byte
-what the plain writer writes) and attaches the merged {file: {"size", <algorithm>}} to the
-``Metadata`` object that ``dcp.save`` returns, and that an async save's upload future yields,
-also from DCP's writer process (``written_files``). No extra collective, no second read.
-
-A stream that was written out of order (a seek back, a truncate, a short write) gives no digest
-for its file; the commit then hashes that file by reading it, as it does for any file the
-writer did not report (a custom ``Storage``'s own DCP writer, say).
-
-No zip CRC32s. DCP writes every tensor with ``torch.save``, whose zip container computes a
-CRC32 of each record that ``torch.load`` never checks (a flipped byte loads silently; the
-manifest's checksum is what catches it). Computing them took 60% of a DCP save: 0.22 s
-against 0.089 s for 200 MiB on tmpfs, one process. Our writers turn the computation off
-(``torch.serialization.set_crc32_options``) while they write and restore it after; the
-records then carry a zero CRC, which ``torch.load`` reads as always (torch >= 2.6), while
-``unzip -t`` on a data file would complain. The option is process-wide: a ``torch.save`` of
-another thread during an async save's write also goes without CRC32s.
+No zip CRC-32s: ``torch.load`` never checks them (the manifest catches damage), and they
+took 60% of a DCP save (0.22 s against 0.089 s for 200 MiB on tmpfs). The option is
+process-wide while a writer runs (``records_without_crc32``).
 """
 
 from __future__ import annotations
@@ -43,7 +27,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from titan_ckpt.checksums import new_hasher, resolve_checksum
+from titan_ckpt.formats.checksums import new_hasher, resolve_checksum
 
 __all__ = [
     "HashingFileSystemWriter",
@@ -55,13 +39,9 @@ __all__ = [
 
 _WRITTEN_ATTR = "_titan_written_files"
 _OVERLAP_MIN = 1 << 20
-"""Writes at least this large are hashed in a helper thread while the bytes go to storage
-(the write releases the GIL, and so do sha256 and xxhash), where the process has a core to
-spare for it (``_helper_has_a_core``); smaller ones, and all on a machine without spare
-cores, are hashed inline. Measured writing 424 MiB in 4 MiB writes to tmpfs with xxh3_128:
-with a core to spare the helper hides the hash (0.132 s against 0.149 s inline, 0.124 s
-unhashed); with every core busy it costs ~5% more than inline (two such writers on two
-cores: 213 MiB in 8 MiB writes, 0.092 s against 0.089 s inline, 0.072 s unhashed)."""
+"""Writes this large are hashed in a helper thread while the bytes go to storage (both
+release the GIL) where each rank has a spare core: 424 MiB in 4 MiB writes to tmpfs took
+0.132 s against 0.149 s inline (0.124 s unhashed); with every core busy it costs ~5%."""
 
 
 @functools.cache
@@ -81,7 +61,7 @@ def _helper_has_a_core() -> bool:
 
 class HashingStream:
     """A write stream that passes every byte to ``raw`` and to an ``algorithm`` checksum
-    (one of ``titan_ckpt.checksums.ALGORITHMS``).
+    (one of ``titan_ckpt.formats.checksums.ALGORITHMS``).
 
     ``tell``, ``flush``, ``fileno`` and ``close`` are the raw stream's. ``digest()`` is the
     file's {"size", <algorithm>} once it was written front to back, else None.

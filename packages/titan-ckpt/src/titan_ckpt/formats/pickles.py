@@ -1,33 +1,21 @@
 """The pickles inside checkpoints, unpickled once and under an allowlist.
 
-torch's DCP reader unpickles ``.metadata`` with plain ``pickle.load`` and every non-tensor
-record (a step counter, a dataloader position) with ``torch.load(weights_only=False)``, so
-whoever wrote a checkpoint could run code in whoever opens it. Here each pickle is unpickled
-**once**, by a restricted unpickler, and the object it produces is the one used: no other
-unpickler ever sees the same bytes. (A "check first, then let DCP's planner load the bytes"
-design is a hole: the check runs the pickle's opcodes too, and an allowlisted global it
-mutates changes what the second load resolves.)
+torch's DCP reader unpickles ``.metadata`` with ``pickle.load`` and non-tensor records with
+``torch.load(weights_only=False)``: whoever wrote a checkpoint could run code in whoever
+opens it. Here each pickle is unpickled **once**, restricted, and that object is the one
+used (checking first and letting DCP load the same bytes again is a hole: the check runs the
+opcodes too, and a mutated allowlisted global changes what the second load resolves).
 
-- **Records** (``load_record``) go through torch's own weights-only unpickler
-  (``torch.load(weights_only=True)``): torch's allowlist (tensors, storages, dtypes,
-  ``torch.Size``, ``OrderedDict``, ``set``, ...) plus ``RECORD_GLOBALS``.
-- **``.metadata``** (``load_metadata``) is a protocol-4 pickle of DCP's dataclasses, which
-  torch's unpickler does not read (no ``STACK_GLOBAL``, ``FRAME``, ``MEMOIZE``), so it goes
-  through ``RestrictedUnpickler``: Python's own pure-Python unpickler with ``find_class``
-  limited to ``ALLOWED_GLOBALS`` and every opcode that changes an existing object limited to
-  objects this load made (see the class). It is hand-written because nothing in torch or the
-  standard library reads that protocol with such limits.
+- Records (``load_record``): torch's weights-only unpickler plus ``RECORD_GLOBALS``.
+- ``.metadata`` (``load_metadata``): a protocol-4 pickle of DCP's dataclasses, which torch's
+  unpickler cannot read, so ``RestrictedUnpickler`` (Python's pure-Python unpickler with
+  ``find_class`` limited to ``ALLOWED_GLOBALS`` and every opcode that changes an object
+  limited to objects this load made). Hand-written: nothing in torch or the standard library
+  reads that protocol with such limits.
 
-Both refuse, before anything runs: a global outside their list (``UnsafeCheckpointError``
-naming it and the file), and a state change (``BUILD``) on anything but a fresh instance
-of an allowlisted class, so no global, function, class or shared constant can be changed
-by opening a checkpoint. ``trust_pickles`` (``--trust-pickles``) is the only way to
-unpickle freely.
-
-Before unpickling, the bytes are walked with ``prescan`` (which executes nothing): every
-length-prefixed argument must fit in the data, and memo indices stay below the pickle's
-length, so a damaged or hostile pickle cannot make an unpickler allocate beyond a small
-multiple of the file's size.
+A refused global raises ``UnsafeCheckpointError`` before anything runs; ``trust_pickles`` is
+the only way to unpickle freely. ``prescan`` first walks the bytes (executing nothing) so a
+hostile pickle cannot make an unpickler allocate beyond a small multiple of its size.
 """
 
 from __future__ import annotations
@@ -112,24 +100,13 @@ class _RefusedError(Exception):
 
 
 class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    """Python's pure-Python unpickler, limited so that a pickle can build values and
-    nothing else.
-
-    - ``find_class`` resolves only ``ALLOWED_GLOBALS`` (and torch's constants), by the exact
-      ``str`` names in the pickle; ``STACK_GLOBAL``'s names must be ``str`` as well.
-    - ``BUILD`` (set an object's state) applies only to an instance that this load made by
-      calling an allowlisted class (``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``OBJ``, ``INST``);
-      enum members are shared, so they are never fresh. A ``BUILD`` on a global, a function,
-      a class or a constant is refused as unsafe: it would change the process for every
-      later use of that object.
-    - ``APPEND(S)``, ``SETITEM(S)`` and ``ADDITEMS`` add only to a ``list``, ``dict`` (or a
-      fresh ``OrderedDict``) and ``set``; Python's unpickler would call the target's own
-      ``append``/``extend``/``add``/``__setitem__``, whatever it is.
-
-    The C unpickler cannot be limited this way (it has no per-opcode hooks); the Python one
-    is slower: 8.2 s against the C unpickler's 3.0 s for a 15 MB ``.metadata`` of 100,000
-    chunks (measured on a 2-core CPU).
-    """
+    """Python's pure-Python unpickler, limited so that a pickle can build values and nothing
+    else: ``find_class`` resolves only ``ALLOWED_GLOBALS`` (and torch's constants) by exact
+    ``str`` names; ``BUILD`` applies only to an instance this load made by calling an allowlisted
+    class (never an enum member, global, function or class); ``APPEND(S)``, ``SETITEM(S)`` and
+    ``ADDITEMS`` add only to a ``list``, ``dict`` (or a fresh ``OrderedDict``) and ``set``. The C
+    unpickler has no per-opcode hooks; this one is slower (8.2 s against 3.0 s for a 15 MB
+    ``.metadata`` of 100,000 chunks)."""
 
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 

@@ -1,26 +1,14 @@
-"""The safetensors format: dtype names, one checked header reader, one lazy tensor reader,
-the (sharded) writer, and the codec for non-tensor entries.
+"""The safetensors format: dtype names, a checked header reader, a lazy tensor reader, the
+(sharded) writer and the codec for non-tensor entries.
 
-A safetensors file is an 8-byte little-endian header length N, N bytes of JSON, then the data
-section. The JSON maps each tensor's name to ``{"dtype", "shape", "data_offsets": [begin,
-end]}`` (offsets relative to the data section), plus an optional ``__metadata__`` of strings.
-
-``read_header`` trusts none of it: before anything is allocated, the header must fit in the
-file (a header claiming terabytes is refused without reading it), and every tensor must have a
-known dtype, a shape of non-negative whole numbers, and a byte range inside the data section
-whose length is shape x dtype size, not overlapping another tensor's. A reader that then
-allocates ``entry.nbytes`` allocates at most the file's size. ``SafetensorsFiles`` reads
-tensors lazily on top of it, through a ``Storage``; the command's ``SafetensorsSource`` and
-the manager's Hugging Face import (``titan_ckpt.hf``) both read through it.
-
-Writing: the header (every tensor's dtype, shape and byte range) comes first, so
-``write_safetensors_shards`` takes every tensor's (shape, dtype) up front and the data as a
-stream of ``(key, tensor)`` pairs in that order; it holds one tensor at a time. Tensors go
-into files of at most ``max_shard_size`` bytes (a larger tensor gets a file of its own), named
-as Hugging Face names them: ``model.safetensors`` when one file holds everything, else
-``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
-(``metadata.total_size`` and a ``weight_map`` from each key to its file). Both ``titan-ckpt
-convert`` and the manager's Hugging Face export write through here.
+Hand-written rather than the ``safetensors`` package, which is optional: the commands read
+and write without it, and its writer takes a whole dict where ours streams one tensor at a
+time. ``read_header`` trusts nothing: the header must fit in the file, and every tensor needs
+a known dtype, a shape of non-negative ints and a byte range inside the data section of
+exactly its size, overlapping no other; a reader then allocates at most the file's size.
+``write_safetensors_shards`` writes files of at most ``max_shard_size`` bytes, named as
+Hugging Face names them (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and
+``model.safetensors.index.json``).
 """
 
 from __future__ import annotations
@@ -33,16 +21,15 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
 
 from titan_ckpt.errors import CheckpointReadError
-from titan_ckpt.formats.base import Entry, Source, TensorSpec, read_exactly
+from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
 from titan_ckpt.formats.pickles import refusal
-from titan_ckpt.storage import LocalStorage, Storage
 
 __all__ = [
     "INDEX_NAME",
@@ -66,6 +53,8 @@ MAX_HEADER_BYTES = 100 << 20
 OBJECT_PREFIX = "titan.object:"  # safetensors __metadata__ key of a non-tensor entry
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+Opener = Callable[[str, str], IO]
+"""Opens a path in a mode: ``open``, or a ``Storage``'s ``open``."""
 _ALIGN = 8  # safetensors pads its header so tensor data starts 8-byte aligned
 
 # safetensors dtype names <-> torch dtypes (the format's own spelling).
@@ -195,7 +184,8 @@ def _check_disjoint(name: str, tensors: Any) -> None:
 
 
 class SafetensorsFiles:
-    """The tensors of safetensors files, read lazily through ``storage``: every header is
+    """The tensors of safetensors files, read lazily through ``opener`` (``open``, or a
+    storage's ``open``): every header is
     read and checked first (``read_header``), the data of a key only when asked for, into
     memory of its own (not mapped: mapped pages would stay resident).
 
@@ -203,13 +193,13 @@ class SafetensorsFiles:
     file's ``__metadata__`` merged (the non-tensor entries titan writes live there).
     """
 
-    def __init__(self, storage: Storage, paths: Iterable[str]) -> None:
-        self.storage = storage
+    def __init__(self, paths: Iterable[str], opener: Opener = open) -> None:
+        self.opener = opener
         self.tensors: dict[str, tuple[str, StTensor]] = {}
         self.metadata: dict[str, str] = {}
         for path in paths:
-            with storage.open(path, "rb") as f:
-                header = read_header(f, storage.size(path), path)
+            with opener(path, "rb") as f:
+                header = read_header(f, f.seek(0, os.SEEK_END), path)
             self.metadata.update(header.metadata)
             for key, t in header.tensors.items():
                 self.tensors[key] = (path, t)
@@ -228,7 +218,7 @@ class SafetensorsFiles:
             for key in self.tensors if keys is None else keys:
                 path, t = self.tensors[key]
                 if path not in opened:
-                    opened[path] = stack.enter_context(self.storage.open(path, "rb"))
+                    opened[path] = stack.enter_context(self.opener(path, "rb"))
                 # read_header checked that [begin, end) is inside the file and is the
                 # tensor's size, so this allocates no more than the file holds.
                 tensor = torch.empty(t.shape, dtype=t.dtype)
@@ -255,7 +245,7 @@ class SafetensorsSource(Source):
             names = [os.path.basename(path)]
             self.root = os.path.dirname(path) or "."
         self._files = names
-        self._data = SafetensorsFiles(LocalStorage(), [os.path.join(self.root, n) for n in names])
+        self._data = SafetensorsFiles([os.path.join(self.root, n) for n in names])
         self.objects: dict[str, str] = {}
         for k, v in self._data.metadata.items():
             if k.startswith(OBJECT_PREFIX):
@@ -308,13 +298,11 @@ def decode_object(text: str) -> Any:
 def _sync(f: IO) -> None:
     """Flush ``f`` to disk where it is a local file (remote files sync on close)."""
     f.flush()
-    # io.UnsupportedOperation (no file descriptor) is an OSError.
-    with contextlib.suppress(OSError, AttributeError, ValueError):
+    with contextlib.suppress(OSError, AttributeError, ValueError):  # no descriptor
         os.fsync(f.fileno())
 
 
 def write_safetensors_shards(
-    storage: Storage,
     folder: str,
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
     values: Iterable[tuple[str, torch.Tensor]],
@@ -322,6 +310,7 @@ def write_safetensors_shards(
     max_shard_size: int,
     objects: dict[str, str] | None = None,
     single: str | None = None,
+    opener: Opener = open,
 ) -> int:
     """Write the tensors ``specs`` (key -> (shape, dtype), in file order), whose data
     ``values`` yields in the same order, into ``folder`` as safetensors shards plus an index
@@ -340,8 +329,8 @@ def write_safetensors_shards(
         for key in shard_keys:
             weight_map[key] = name
         raw = _shard_header(specs, shard_keys, objects if shard_index == 0 else None)
-        path = single or storage.join(folder, name)
-        with storage.open(path, "wb") as f:
+        path = single or f"{folder.rstrip('/')}/{name}"
+        with opener(path, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             written += _write_shard_data(f, specs, shard_keys, it)
@@ -351,7 +340,7 @@ def write_safetensors_shards(
     if len(shards) > 1:
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         text = json.dumps(index, indent=2, sort_keys=True)
-        with storage.open(storage.join(folder, INDEX_NAME), "wb") as f:
+        with opener(f"{folder.rstrip('/')}/{INDEX_NAME}", "wb") as f:
             f.write(text.encode())
             _sync(f)
     return written
@@ -408,7 +397,7 @@ def _write_shard_data(
     shard_keys: list[str],
     it: Iterator[tuple[str, torch.Tensor]],
 ) -> int:
-    """Write the shard's tensors from the stream ``it`` into ``f``; returns the bytes."""
+    """Write the shard's tensors from the stream ``it`` into ``f``, one held at a time."""
     written = 0
     for key in shard_keys:
         got, value = next(it, (None, None))
@@ -417,15 +406,9 @@ def _write_shard_data(
                 f"The tensor stream gave {got!r} where the layout planned {key!r}: a "
                 "state-dict adapter's output must not depend on tensor values."
             )
-        shape, dtype = specs[key]
-        if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-            raise RuntimeError(
-                f"{key}: got {list(value.shape)} {value.dtype}, the header says "
-                f"{list(shape)} {dtype}"
-            )
-        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        data = check_streamed(key, value, specs[key]).contiguous().reshape(-1).view(torch.uint8)
+        del value
         f.write(memoryview(data.numpy()))
         written += data.numel()
-        # Drop the tensor before the next one is read: the writer holds one at a time.
-        del value, data
+        del data
     return written

@@ -1,18 +1,11 @@
-"""The torch.save format: ``TorchSource`` reads a file lazily, ``save_torch_streaming`` writes.
-
-Writing one tensor at a time: ``torch.save`` under ``torch.serialization.skip_data`` writes the
-file's structure for FakeTensors (pickle, alignment, records with room for the bytes, no data);
-``torch.load(map_location="meta")`` tells each storage's offset in the file; the bytes are then
-written in place as the stream of ``(key, tensor)`` pairs arrives, and the zip's CRC-32 fields
-filled in, so the file is what ``torch.save`` would have written (``zipfile`` checks pass too).
-"""
+"""The torch.save format: ``TorchSource`` reads a file lazily, ``save_torch_streaming``
+writes one a tensor at a time."""
 
 from __future__ import annotations
 
 import os
 import struct
 import zipfile
-import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -191,6 +184,8 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
 
 # --- streaming writer ----------------------------------------------------------------------
 
+_ALIGN = 64  # torch.save aligns each record's data so that a memory-mapped load can use it
+
 
 def save_torch_streaming(
     path: str,
@@ -201,57 +196,87 @@ def save_torch_streaming(
 ) -> int:
     """Write ``{key: value for key in keys}`` as a ``torch.save`` file at ``path``: the
     tensors ``specs`` come from ``values`` in any order, one at a time; ``objects`` (small,
-    non-tensor values, which may hold tensors) are given whole. Returns the file's size."""
+    non-tensor values, which may hold tensors) are given whole. Returns the file's size.
+
+    ``torch.save`` under ``skip_data`` writes the structure for FakeTensors (its pickle
+    names each storage's record) to a sparse skeleton; ``zipfile`` then writes the real file:
+    the skeleton's small members, then each record as its tensor arrives (zipfile computes
+    the CRC-32s; nothing is patched in place). torch finds records by name."""
     with FakeTensorMode():
         fakes = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in specs.items()}
-    state = {k: fakes[k] if k in fakes else objects[k] for k in keys}
+    skeleton = f"{path}.skeleton"
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(state, path)
-    del state, fakes
-    layout = torch.load(path, map_location="meta", weights_only=True)
-    crcs: dict[int, int] = {}  # data offset -> CRC-32 of the record
-    with open(path, "r+b") as f:
-        for key, value in values:
-            if key not in specs:
-                raise RuntimeError(f"internal: {key} was streamed but not in the layout")
-            tensor = check_streamed(key, value, specs[key]).contiguous()
-            del value
-            meta = layout[key]
-            if meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != tensor.nbytes:
-                raise RuntimeError(f"internal: {key} is not laid out as one whole storage")
-            crcs[_offset(meta)] = _write_at(f, _offset(meta), tensor)
-            del tensor
-        # Tensors inside non-tensor values (rare: a list of tensors) were saved with their
-        # structure but without their bytes: write each storage whole.
-        for key, obj in objects.items():
-            for real, meta in zip(_tensors_in(obj), _tensors_in(layout[key]), strict=True):
-                storage = real.detach().cpu().untyped_storage()
-                data = torch.empty(0, dtype=torch.uint8).set_(storage)
-                crcs[_offset(meta)] = _write_at(f, _offset(meta), data)
-        _fill_crcs(f, crcs)
-        f.flush()
+        torch.save({k: fakes[k] if k in fakes else objects[k] for k in keys}, skeleton)
+    del fakes
+    try:
+        layout = torch.load(skeleton, map_location="meta", weights_only=True)
+        with open(skeleton, "rb") as src, zipfile.ZipFile(src) as archive:
+            infos = {_data_offset(src, i): i for i in archive.infolist()}
+            by_key = {k: _record(infos, layout[k]) for k in specs}
+            with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as out:
+                # data.pkl first: torch names the archive by it. No ``.format_version``: it
+                # tells torch.load the records lie as miniz writes them (in order, with data
+                # descriptors), so torch would compute their offsets instead of reading them.
+                for info in infos.values():
+                    if "/data/" not in info.filename and not info.filename.endswith(
+                        "/.format_version"
+                    ):
+                        out.writestr(info.filename, stored_member(src, info))
+                # Tensors inside non-tensor values (rare: a list of tensors), whole storages.
+                done = set()
+                for key in objects:
+                    pairs = zip(_tensors_in(objects[key]), _tensors_in(layout[key]), strict=True)
+                    for real, meta in pairs:
+                        if (name := _record(infos, meta)) not in done:
+                            done.add(name)
+                            storage = real.detach().cpu().untyped_storage()
+                            _write(out, name, torch.empty(0, dtype=torch.uint8).set_(storage))
+                for key, value in values:
+                    tensor = check_streamed(key, value, specs[key]).contiguous()
+                    del value
+                    _write(out, by_key.pop(key), tensor)
+                    del tensor
+                if by_key:
+                    raise RuntimeError(f"internal: {sorted(by_key)[:3]} planned but not streamed")
+    finally:
+        os.remove(skeleton)
+    with open(path, "rb+") as f:
         os.fsync(f.fileno())
     return os.path.getsize(path)
 
 
-def _offset(meta: torch.Tensor) -> int:
+def _data_offset(f: Any, info: zipfile.ZipInfo) -> int:
+    f.seek(info.header_offset + 26)
+    name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _record(infos: dict[int, zipfile.ZipInfo], meta: torch.Tensor) -> str:
+    """The name of the record holding ``meta``'s storage (by the offset torch reports)."""
     offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-    if offset is None:
+    if offset not in infos:
         raise RuntimeError(
             f"torch {torch.__version__} does not report storage offsets when loading to the "
             "meta device; streaming torch.save output needs torch >= 2.9."
         )
-    return int(offset)
+    return infos[offset].filename
 
 
-def _write_at(f: Any, offset: int, tensor: torch.Tensor) -> int:
-    """Write ``tensor``'s bytes at ``offset``; returns their CRC-32."""
-    if tensor.numel() == 0:
-        return 0
-    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    f.seek(offset)
-    f.write(data)
-    return zlib.crc32(data)
+def _aligned(out: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
+    """A ``ZipInfo`` whose data will start at a multiple of ``_ALIGN`` (padding in its extra
+    field, as torch's writer pads)."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.file_size = size
+    header = 30 + len(name.encode()) + 4 + (20 if size * 1.05 > zipfile.ZIP64_LIMIT else 0)
+    pad = -(out.fp.tell() + header) % _ALIGN
+    info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+    return info
+
+
+def _write(out: zipfile.ZipFile, name: str, tensor: torch.Tensor) -> None:
+    with out.open(_aligned(out, name, tensor.nbytes), "w") as f:
+        if tensor.numel():
+            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -263,42 +288,3 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors_in(v)
-
-
-_LOCAL = b"PK\x03\x04"
-_CENTRAL = b"PK\x01\x02"
-_DESCRIPTOR = b"PK\x07\x08"
-
-
-def _fill_crcs(f: Any, crcs: dict[int, int]) -> None:
-    """Set the CRC-32 of the records starting at the given data offsets, in the central
-    directory and in each record's data descriptor (``skip_data`` left them 0)."""
-    f.seek(0)
-    archive = zipfile.ZipFile(f)  # reads the central directory only
-    infos = archive.infolist()
-    start = archive.start_dir
-    for info in infos:
-        f.seek(info.header_offset)
-        local = f.read(30)
-        if local[:4] != _LOCAL:
-            raise RuntimeError(f"internal: no local header for {info.filename}")
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        data_offset = info.header_offset + 30 + name_len + extra_len
-        crc = crcs.pop(data_offset, None)
-        # Walk the central directory entry of this record (entries are in infolist order).
-        f.seek(start)
-        central = f.read(46)
-        if central[:4] != _CENTRAL:
-            raise RuntimeError("internal: the central directory is not where zipfile said")
-        n, m, k = struct.unpack("<HHH", central[28:34])
-        entry, start = start, start + 46 + n + m + k
-        if crc is None or crc == info.CRC:
-            continue
-        f.seek(entry + 16)
-        f.write(struct.pack("<I", crc))
-        if info.flag_bits & 0x08:  # a data descriptor follows the data
-            f.seek(data_offset + info.compress_size)
-            if f.read(4) == _DESCRIPTOR:
-                f.write(struct.pack("<I", crc))
-    if crcs:
-        raise RuntimeError("internal: tensor data written outside any zip record")

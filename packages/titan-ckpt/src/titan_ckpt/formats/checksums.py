@@ -1,17 +1,6 @@
-"""The file checksums of a commit manifest: which algorithms exist, and which one a save uses.
-
-Every file of a committed step has a manifest entry ``{"size": bytes, <algorithm>: hex}``:
-
-- ``xxh3_128`` (the ``xxhash`` package, ``pip install 'titan-ckpt[xxhash]'``; titan-train
-  installs it): a 128-bit non-cryptographic hash at ~10 GiB/s per core, about 9x sha256 on
-  the machines we measured; made to catch damage (torn writes, flipped bits, truncation);
-- ``sha256`` (the standard library, ~1.1 GiB/s per core with SHA extensions): the only
-  algorithm before ``checkpoint.checksum`` existed, and the choice where the manifest
-  doubles as a cryptographic record of the files (a digest you publish or sign).
-
-``checkpoint.checksum = "auto"`` (the default) takes ``xxh3_128`` when ``xxhash`` imports and
-``sha256`` otherwise. Verification uses whatever each entry names, so steps written with
-either load anywhere; only verifying an ``xxh3_128`` step needs ``xxhash``.
+"""The file checksums of a commit manifest: ``xxh3_128`` (``xxhash``, ~9x sha256's speed, made
+to catch damage) or ``sha256`` (stdlib; a cryptographic record). ``checkpoint.checksum="auto"``
+takes xxh3_128 where ``xxhash`` imports. Verification uses whatever each entry names.
 """
 
 from __future__ import annotations
