@@ -366,7 +366,7 @@ def _sft_chat(folder: Path) -> tuple[bool, str]:
         "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf",
     ))  # fmt: skip
     step = folder / "checkpoint" / f"step-{STEPS}"
-    _cli("titan_ckpt.cli", "convert", str(step), str(export), "--to", "hf")
+    _cli("titan_ckpt.commands.cli", "convert", str(step), str(export), "--to", "hf")
     greedy = (
         "generate", "--chat", "--temperature", "0", "--max-new-tokens", str(CHAT_NEW),
         "--no-stop-at-eos", "--json", *(x for p in CHAT_PROMPTS for x in ("--prompt", p)),
