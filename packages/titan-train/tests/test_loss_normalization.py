@@ -137,7 +137,7 @@ def test_accumulated_micro_batches_equal_one_batch_and_the_per_token_mean(tmp_pa
     # The mean of the two micro-batches' means is another number: the test can tell.
     halves = [(inputs[:4], labels[:4]), (inputs[4:], labels[4:])]
     mean_of_means, _ = _by_hand(config, whole[2], halves, per_batch_mean=True)
-    assert abs(mean_of_means - expected) > 0.05
+    assert abs(mean_of_means - expected) > 0.01  # 0.028 at seed 0: far above rounding
 
 
 def _rank(rank: int, init_file: str, tmp: str, weights_file: str, out: str) -> None:
