@@ -152,6 +152,9 @@ def format_table(estimate: MemoryEstimate) -> str:
         ("buffers", e.buffers),
         ("activations (most at once)", e.activations if e.step_simulated else None),
         ("peak (one step)", e.peak),
+        ("host allocator and runtime", e.host_overhead),
+        ("peak resident (CPU process)", e.peak_resident),
+        ("peak reserved (accelerator)", e.peak_reserved),
     ]
     lines.append("")
     lines += [f"  {name:<28}{'not simulated' if n is None else _gib(n):>14}" for name, n in rows]
