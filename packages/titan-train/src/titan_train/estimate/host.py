@@ -31,14 +31,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-__all__ = ["RUNTIME_HEAP", "cuda_reserved_peak", "glibc_high_water", "two_steps"]
+# The runtime's own heap: defined beside the memory check, which counts it too.
+from titan_train.trainer.memory_fit import RUNTIME_HEAP
 
-RUNTIME_HEAP = 17 << 20
-"""What a training process keeps on its heap besides tensors once it has built the run and
-stepped: the data loader and tokenizer, the optimizer's and FSDP's Python state, the math
-library's packing buffers. Measured (glibc's bytes in use after two steps, less the tensors
-kept) at 17 MiB for the Llama 3 debug model and a ~100M one alike, torch 2.13 on the CPU:
-a cost of the runtime, not of the model's size."""
+__all__ = ["RUNTIME_HEAP", "cuda_reserved_peak", "glibc_high_water", "two_steps"]
 
 
 def glibc_high_water(events: list[tuple[int, int]]) -> int | None:
