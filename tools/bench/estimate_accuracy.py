@@ -1,14 +1,17 @@
-"""How close ``titan-train estimate`` comes to real runs: a ~100M-parameter Llama 3 (dim 768,
-14 blocks, 12 heads, the shipped 2,048-token vocabulary; 102M parameters) and the debug
-model, in one process and on 2 gloo ranks with FSDP, TP and PP.
+"""How close ``titan-train estimate`` comes to what real runs need: the debug model and a
+~100M-parameter Llama 3 (dim 768, 14 blocks, 12 heads, the shipped 2,048-token vocabulary;
+102M parameters), in one process, with full activation checkpointing, on 2 and 4 gloo
+ranks with FSDP, 2 with TP, 2 with PP, and a mixture-of-experts model on 2 ranks with EP.
 
-The real peak of each rank is the CPU allocator's own count of live bytes (torch's profiler
-with ``profile_memory=True``) over building the run with ``titan_train.trainer.build`` and two real
-steps of ``titan_train.trainer.step.train_step`` (``titan_train.estimate.check``); the estimate is
-``titan_train.estimate.estimate_memory`` of the same command line, in this process.
+Measured, per rank: the process's peak resident growth (``titan_train.estimate.check``:
+``VmHWM`` at the end of step 2, reset just before the model is built, less file-backed and
+shared pages, less the anonymous memory held before the build; each run a fresh job, as
+``titan-train`` runs it, glibc keeping freed blocks). Estimated: ``peak_resident`` of
+``titan_train.estimate.estimate_memory`` for the same command line and rank, in this
+process. The estimate's ``peak`` (the tensors' live bytes) is shown beside it.
 
-    python tools/bench/estimate_accuracy.py                    # both models (~5 min, 2 cores)
-    python tools/bench/estimate_accuracy.py --model 100M --seq 512 --batch 2
+    python tools/bench/estimate_accuracy.py                  # everything (~15 min, 2 cores)
+    python tools/bench/estimate_accuracy.py --model debug --layouts "1 process" "2-rank FSDP"
 """
 
 from __future__ import annotations
@@ -19,16 +22,20 @@ import json
 from titan_models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan_train.config import parse_job_config
 from titan_train.estimate import estimate_memory
-from titan_train.estimate.check import spawn_real_peaks
+from titan_train.estimate.check import spawn_real
 
 FLAVOR_100M = "bench100M"
+_NO_FSDP = ["--parallelism.data_parallel_shard_degree", "1"]
 LAYOUTS = {
     "1 process": (1, []),
+    "1 process, full AC": (1, ["--parallelize.activation_checkpoint.mode", "full"]),
     "2-rank FSDP": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "2-rank TP": (2, ["--parallelism.tensor_parallel_degree", "2",
-                      "--parallelism.data_parallel_shard_degree", "1"]),
-    "2-rank PP": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                      "--parallelism.data_parallel_shard_degree", "1"]),
+    "4-rank FSDP": (4, ["--parallelism.data_parallel_shard_degree", "4"]),
+    "2-rank TP": (2, ["--parallelism.tensor_parallel_degree", "2", *_NO_FSDP]),
+    "2-rank PP": (2, ["--parallelism.pipeline_parallel_degree", "2", *_NO_FSDP]),
+    "2-rank EP (MoE)": (2, ["--model.name", "deepseek_v3",
+                            "--parallelism.expert_parallel_degree", "2",
+                            "--parallelism.data_parallel_shard_degree", "2"]),
 }  # fmt: skip
 
 
@@ -43,32 +50,35 @@ def register_100m() -> None:
 register_100m()
 
 
-def compare(flavor: str, seq: int, batch: int) -> list[dict]:
-    """Estimate and real peak per layout and rank."""
+def compare(flavor: str, seq: int, batch: int, layouts: list[str]) -> list[dict]:
+    """Estimate and measured peak resident growth per layout and rank."""
     base = [
-        "--model.flavor", flavor, "--training.seq_len", str(seq),
-        "--training.local_batch_size", str(batch), "--training.steps", "2",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.no_enable_tensorboard",
+        "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
+        "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+        "--metrics.no_enable_tensorboard",
     ]  # fmt: skip
-    real = {"1 process": spawn_real_peaks([base], 1)[0]}
-    two = [name for name, (world, _) in LAYOUTS.items() if world == 2]
-    peaks = spawn_real_peaks([[*base, *LAYOUTS[name][1]] for name in two], 2)
-    real.update(zip(two, peaks, strict=True))
     rows = []
-    for name, (world, extra) in LAYOUTS.items():
+    for name in layouts:
+        world, extra = LAYOUTS[name]
+        argv = [*base, *extra]
+        if "--model.name" not in extra:
+            argv = ["--model.flavor", flavor, *argv]
+        elif flavor != "debugmodel":
+            continue  # the MoE model's debug flavor only
+        real = spawn_real([argv], world)[0]
         for rank in range(world):
-            estimate = estimate_memory(
-                parse_job_config([*base, *extra]), world_size=world, rank=rank
-            )
-            measured = real[name][rank]
+            estimate = estimate_memory(parse_job_config(argv), world_size=world, rank=rank)
+            measured = real[rank]["resident"]
             rows.append(
                 {
-                    "model": flavor,
+                    "model": flavor if "--model.name" not in extra else "deepseek_v3 debug",
                     "layout": name,
                     "rank": rank,
-                    "estimate_mib": round(estimate.peak / 2**20, 1),
-                    "real_mib": round(measured / 2**20, 1),
-                    "error_pct": round(100 * (estimate.peak - measured) / measured, 1),
+                    "live_mib": round(estimate.peak / 2**20, 1),
+                    "estimate_mib": round(estimate.peak_resident / 2**20, 1),
+                    "measured_mib": round(measured / 2**20, 1),
+                    "error_pct": round(100 * (estimate.peak_resident - measured) / measured, 1),
+                    "step_simulated": estimate.step_simulated,
                     "estimate_s": estimate.seconds,
                 }
             )
@@ -79,19 +89,23 @@ def compare(flavor: str, seq: int, batch: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["debug", "100M", "both"], default="both")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
     flavors = {"debug": ["debugmodel"], "100M": [FLAVOR_100M]}.get(
         args.model, ["debugmodel", FLAVOR_100M]
     )
-    rows = [row for flavor in flavors for row in compare(flavor, args.seq, args.batch)]
-    print("\n| model | layout | rank | estimate (MiB) | real (MiB) | error |")
-    print("|---|---|---|---|---|---|")
+    rows = [r for flavor in flavors for r in compare(flavor, args.seq, args.batch, args.layouts)]
+    print(
+        "\n| model | layout | rank | tensors' peak (MiB) | estimate: peak resident (MiB) "
+        "| measured resident growth (MiB) | error |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['model']} | {r['layout']} | {r['rank']} | {r['estimate_mib']} | "
-            f"{r['real_mib']} | {r['error_pct']:+.1f}% |"
+            f"| {r['model']} | {r['layout']} | {r['rank']} | {r['live_mib']} | "
+            f"{r['estimate_mib']} | {r['measured_mib']} | {r['error_pct']:+.1f}% |"
         )
 
 

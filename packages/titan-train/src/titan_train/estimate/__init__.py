@@ -28,8 +28,14 @@ DDP (replicas without sharding) runs as one replica, since torch's DDP reducer n
 storage, plus the reducer's gradient buckets; fault tolerance, CPU offload and
 optimizer-in-backward are refused (``ConfigError``, exit 2 from the command).
 
-What it does not count: the allocator's caching and fragmentation on accelerators, NCCL's
-own buffers, CUDA context; allow a few GB on a GPU.
+What runs out is more than ``peak`` (``titan_train.estimate.host``): the same recording of
+the step's allocations, replayed in a real run's order over its first two steps, gives
+
+- ``peak_resident`` (CPU): ``peak`` plus ``host_overhead``, the C library's heap retention
+  (glibc itself serving the allocations) and the runtime's own heap: the process's peak
+  resident growth from before the model is built;
+- ``peak_reserved`` (accelerators): a model of torch's CUDA caching allocator's reserved
+  peak, untested on a GPU; add the CUDA context and NCCL's buffers (a few GB).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -55,6 +61,12 @@ from titan_optim import build_optimizers
 from titan_optim.clip import global_grad_norm
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.estimate.host import (
+    RUNTIME_HEAP,
+    cuda_reserved_peak,
+    glibc_high_water,
+    two_steps,
+)
 from titan_train.estimate.pipeline import replay_pipeline_step
 from titan_train.preflight import Plan, World, preflight
 from titan_train.trainer.build import _build_model  # training's own model path, never another
@@ -96,6 +108,18 @@ class MemoryEstimate:
     optimizer_state: int
     activations: int
     peak: int
+    host_overhead: int = 0
+    """On the CPU, what the process needs beyond ``peak``: the host allocator's retention
+    (glibc's heap high water replaying the first two steps, less ``peak``) and the runtime's
+    own heap (``titan_train.estimate.host``)."""
+    peak_resident: int = 0
+    """On the CPU, what runs out: the process's peak resident growth, ``peak`` plus
+    ``host_overhead`` (measured from just before the model is built; shared libraries and
+    what the process held before, e.g. torch's import, not included)."""
+    peak_reserved: int = 0
+    """On an accelerator, what runs out: the caching allocator's peak reserved bytes for the
+    same steps (a model of torch's CUDA allocator, untested on a GPU; without the CUDA
+    context and NCCL's buffers)."""
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     """What was live at the peak, by kind (torch's MemTracker categories)."""
     step_simulated: bool = True
@@ -199,11 +223,15 @@ def estimate_memory(
         say("simulating one training step on fake tensors")
         with FakeTensorMode(allow_non_fake_inputs=True):
             measured = _measure(config, plan, parts, pipeline, vocab, dim=int(args.dim))
+    heap, reserved = measured.pop("heap"), measured.pop("reserved")
     if replicas > 1:
         # DDP's reducer copies every gradient into flat buckets it keeps allocated, on top of
         # the gradients themselves (gradient_as_bucket_view is off): count them at the peak.
         buckets = measured["gradients"]
         measured["peak"] += buckets
+        # Allocated once, before the first step, and kept.
+        heap = None if heap is None else heap + buckets
+        reserved += -(-buckets // (2 << 20)) * (2 << 20)
         measured["peak_breakdown"] = {
             **measured["peak_breakdown"],
             "DDP buckets": buckets,
@@ -211,7 +239,15 @@ def estimate_memory(
         }
         ddp = f"DDP over {replicas} replicas: one simulated, plus the reducer's gradient buckets."
         measured["note"] = f"{measured['note']} {ddp}" if measured.get("note") else ddp
+    if heap is None:  # not glibc: the runtime's heap alone
+        heap = measured["peak"]
+        note = "The host allocator's retention was not modelled (not glibc)."
+        measured["note"] = f"{measured['note']} {note}" if measured.get("note") else note
+    host_overhead = max(heap - measured["peak"], 0) + RUNTIME_HEAP
     return MemoryEstimate(
+        host_overhead=host_overhead,
+        peak_resident=measured["peak"] + host_overhead,
+        peak_reserved=max(reserved, measured["peak"]),
         model=plan.spec.name,
         flavor=config.model.flavor,
         world_size=world_size,
@@ -274,6 +310,21 @@ class _Tracker(MemTracker):
         self._propagating = 0
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._saved_lock: Any = None
+        self.events: list[tuple[int, int]] = []
+        """Every tracked storage's allocation ``(key, bytes)``, resize and free ``(key, 0)``,
+        in order (``titan_train.estimate.host`` replays them on a heap)."""
+        self._keys = 0
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):  # type: ignore[no-untyped-def]
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if u_type == _UpdateType.ADD:
+            self._keys += 1
+            winfo.trace_key = self._keys
+            self.events.append((self._keys, winfo.mem_consumed))
+        elif u_type in (_UpdateType.DEL, _UpdateType.SIZE):
+            key = getattr(winfo, "trace_key", None)
+            if key is not None:
+                self.events.append((key, 0 if u_type == _UpdateType.DEL else winfo.mem_consumed))
 
     def __enter__(self) -> _Tracker:
         # DTensor enters ``ShardingPropagator._fake_mode_lock`` (a replaceable context
@@ -357,6 +408,7 @@ def _measure(
     optimizers: Any = build_optimizers(parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
     tracker = _Tracker()
     tracker.track_external(*parts)
+    marks = [len(tracker.events)]  # where the recording's phases start (host.two_steps)
     batch = plan.batches.local_batch_size
     steps = plan.batches.accumulation_steps
     seq_len = config.training.seq_len
@@ -366,8 +418,11 @@ def _measure(
         # then measure one whole step.
         for param in (p for part in parts for p in part.parameters()):
             param.grad = torch.zeros_like(param)
+        marks.append(len(tracker.events))
         optimizers.step()
+        marks.append(len(tracker.events))
         optimizers.zero_grad()
+        marks.append(len(tracker.events))
         tracker.max_activations = 0  # the zero gradients were made outside any module
         tokens = torch.randint(0, vocab, (batch * steps, seq_len), device=cpu)
         step_note = None
@@ -391,6 +446,9 @@ def _measure(
                 param.grad = torch.zeros_like(param)  # what the backward would have left
         # The gradients of the last step are still there, as between steps of a real run.
         resident = _resident(parts, optimizers)
+    events = tracker.events
+    step_events = events[marks[3] :] if step_note is None else []
+    order = two_steps(events[: marks[0]], events[marks[1] : marks[2]], step_events)
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     return {
         **resident,
@@ -400,6 +458,8 @@ def _measure(
         "peak": int(peak_snap.get(_TOTAL, 0)),
         "peak_breakdown": {getattr(k, "value", str(k)): int(v) for k, v in peak_snap.items()},
         "param_dtype": _compute_dtype(parts),
+        "heap": glibc_high_water(order),
+        "reserved": cuda_reserved_peak(order),
     }
 
 

@@ -1,19 +1,33 @@
-"""Measure the real memory peak of a training run's steps, to check ``titan-train estimate``.
+"""Measure what a real training run needs of memory, to check ``titan-train estimate``.
 
-``measure_real_peak(config)`` runs in a process of a real, initialized process group (gloo
-on CPU): it builds the run with ``titan_train.trainer.build`` (real tensors, real initialization),
-trains two steps with ``titan_train.trainer.step.train_step`` and returns the most bytes the CPU
-allocator held at once, read from the allocator itself: torch's profiler with
-``profile_memory=True`` records every allocation and free c10's CPU allocator makes while
-it runs (``[memory]`` events with signed sizes), so the running sum of those from before
-the model is built to after the second step is the memory the run allocated, and its
-maximum is the peak. This shares nothing with the estimator (no fake tensors, no
-MemTracker): it is what the allocator saw. It counts what the run allocates besides the
-model too (the dataloader's buffers, a few KiB to MiB).
+``measure_real(config)`` runs in a process of a real, initialized process group (gloo on
+CPU): it builds the run with ``titan_train.trainer.build`` (real tensors, real
+initialization), trains two steps with ``titan_train.trainer.step.train_step`` and returns,
+in bytes:
 
-``spawn_real_peaks(argvs, nproc)`` starts ``nproc`` gloo ranks on this machine which run
-each command line of ``argvs`` in turn (parsed as ``titan-train`` does), and returns each
-run's peak per rank.
+- ``resident``: the process's **peak resident growth** on the CPU, what runs out there.
+  Defined as ``VmHWM`` at the end (the kernel's high-water mark of resident pages, reset
+  with ``/proc/self/clear_refs`` just before the model is built) minus what of it is not
+  the process's own anonymous memory (``RssFile + RssShmem`` at the end: shared libraries
+  and mapped files, which every rank shares and the kernel may drop), minus ``RssAnon``
+  before the model is built. That is the most anonymous memory the run added at any moment
+  (torch's tensors, the C library's heap and its retained free blocks, thread stacks and
+  arenas, gloo's buffers, Python objects), from just before the model is built to the end
+  of step 2. File pages only grow during a run (libraries fault in), so the end's count
+  bounds the peak's. On an accelerator: ``torch.cuda.max_memory_reserved`` over the same
+  window (the caching allocator's reserved peak), untested here (no GPU on this machine).
+- ``live`` (only with ``live=True``): the most bytes c10's CPU allocator had live at once,
+  from torch's profiler (``profile_memory=True``: every allocation and free, signed
+  ``[memory]`` events), the number the estimate's ``peak`` models. The profiler's own
+  records add to ``resident`` then (a few MiB); leave it off to measure residency.
+
+Like the ``titan-train`` command (``training.reuse_host_memory``), a CPU run first makes
+glibc keep freed blocks for reuse (``titan_train.trainer.host_memory``): what the command's
+processes do, so what is measured is what they need. Nothing is shared with the estimator.
+
+``spawn_real(argvs, nproc)`` runs each command line of ``argvs`` as its own job of ``nproc``
+gloo ranks on this machine (a fresh process per run: a heap grown by one run would hide the
+next one's growth) and returns each run's measurements per rank.
 """
 
 from __future__ import annotations
@@ -32,23 +46,52 @@ from torch.profiler import ProfilerActivity, profile
 from titan_train.config import JobConfig
 from titan_train.launch import destroy_group, exit_rank
 
-__all__ = ["measure_real_peak", "spawn_real_peaks"]
+__all__ = ["measure_real", "proc_status", "spawn_real"]
 
 
-def measure_real_peak(config: JobConfig) -> int:
-    """The CPU allocator's peak (bytes) over building ``config``'s run and two steps of it,
-    in this rank of the initialized process group."""
+def proc_status() -> dict[str, int]:
+    """This process's ``/proc/self/status`` memory lines (``VmHWM``, ``RssAnon``, ...), bytes."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                fields[name] = int(parts[0]) * 1024
+    return fields
+
+
+def _reset_high_water_mark() -> None:
+    """Reset ``VmHWM`` to the present resident size (Linux 4.0+: ``clear_refs`` value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure_real(config: JobConfig, *, live: bool = False) -> dict[str, int]:
+    """``resident`` (and ``live``): see the module's docstring; in this rank of the
+    initialized process group, over building ``config``'s run and two steps of it."""
+    from titan_dims import detect_device_type
     from titan_train.preflight import World, preflight
     from titan_train.trainer.build import build, close
+    from titan_train.trainer.host_memory import reuse_host_memory
     from titan_train.trainer.step import next_batches, train_step
 
-    device = torch.device("cpu")
+    kind = detect_device_type()
+    device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind != "cpu" else None)
+    if kind == "cpu" and config.training.reuse_host_memory:
+        reuse_host_memory()
     plan = preflight(config, World.current(device))
-    # A run measured before in this process may still hold tensors in reference cycles; freed
-    # inside this window, they would count as negative bytes here (the allocator reports the
-    # free of any block allocated while a profiler was on).
+    # What earlier work in this process left in reference cycles is freed now, not inside
+    # the window (it would count as negative bytes for the profiler).
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    if kind != "cpu":
+        torch.cuda.reset_peak_memory_stats(device)
+    _reset_high_water_mark()
+    before = proc_status()
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if live else None
+    if prof is not None:
+        prof.__enter__()
+    try:
         run = build(config, plan)
         try:
             for _ in range(2):
@@ -57,7 +100,19 @@ def measure_real_peak(config: JobConfig) -> int:
                 del batches
         finally:
             close(run)
-    return _allocator_peak(prof)
+        after = proc_status()
+    finally:
+        if prof is not None:
+            prof.__exit__(None, None, None)
+    if kind == "cpu":
+        shared = after.get("RssFile", 0) + after.get("RssShmem", 0)
+        resident = after["VmHWM"] - shared - before["RssAnon"]
+    else:
+        resident = torch.cuda.max_memory_reserved(device)
+    out = {"resident": resident}
+    if prof is not None:
+        out["live"] = _allocator_peak(prof)
+    return out
 
 
 def _allocator_peak(prof: Any) -> int:
@@ -71,7 +126,7 @@ def _allocator_peak(prof: Any) -> int:
     return peak
 
 
-def _rank_main(rank: int, nproc: int, port: int, argvs: list[list[str]], out: Any) -> None:
+def _rank_main(rank: int, nproc: int, port: int, argv: list[str], live: bool, out: Any) -> None:
     from titan_train.config import parse_job_config
 
     os.environ.update(
@@ -81,15 +136,17 @@ def _rank_main(rank: int, nproc: int, port: int, argvs: list[list[str]], out: An
         WORLD_SIZE=str(nproc),
         LOCAL_RANK=str(rank),
     )
-    torch.set_num_threads(1)
+    # As torchrun starts each rank (OMP_NUM_THREADS=1) and as one process of the command
+    # runs (torch's default threads), so the threads' arenas are the real ones.
+    if nproc > 1:
+        torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=nproc)
     try:
-        for index, argv in enumerate(argvs):
-            with tempfile.TemporaryDirectory() as folder:
-                config = parse_job_config(
-                    [*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"]
-                )
-                out.put((index, rank, measure_real_peak(config)))
+        with tempfile.TemporaryDirectory() as folder:
+            config = parse_job_config(
+                [*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"]
+            )
+            out.put((rank, measure_real(config, live=live)))
     finally:
         destroy_group()
     # A plain return would free the gloo group torch's caches still hold during the
@@ -99,19 +156,21 @@ def _rank_main(rank: int, nproc: int, port: int, argvs: list[list[str]], out: An
     exit_rank(0)
 
 
-def spawn_real_peaks(argvs: list[list[str]], nproc: int) -> list[list[int]]:
-    """Per command line of ``argvs``, each rank's real peak (bytes) of ``titan-train ARGV``
-    on ``nproc`` gloo ranks (one job runs them all, one after another)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(
-        _rank_main, args=(nproc, port, argvs, out), nprocs=nproc, start_method="spawn"
-    )
-    peaks = {}
-    for _ in range(nproc * len(argvs)):
-        index, rank, peak = out.get()
-        peaks[index, rank] = peak
-    return [[peaks[i, r] for r in range(nproc)] for i in range(len(argvs))]
+def spawn_real(
+    argvs: list[list[str]], nproc: int, *, live: bool = False
+) -> list[list[dict[str, int]]]:
+    """Per command line of ``argvs``, each rank's ``measure_real`` of ``titan-train ARGV``
+    on ``nproc`` gloo ranks: one fresh job per command line."""
+    results = []
+    for argv in argvs:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        out = ctx.SimpleQueue()
+        mp.start_processes(
+            _rank_main, args=(nproc, port, argv, live, out), nprocs=nproc, start_method="spawn"
+        )
+        per_rank = dict(out.get() for _ in range(nproc))
+        results.append([per_rank[r] for r in range(nproc)])
+    return results

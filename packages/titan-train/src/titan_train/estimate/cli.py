@@ -14,7 +14,9 @@ Options of its own (anywhere on the line; --world_size and --vocab_size work too
                      Llama 3's tokenizer when its file is not at hand)
   --json             one JSON document instead of the table
 Progress (a line per phase: checking, building the model, simulating the step) goes to
-stderr; the table or JSON document alone to stdout.
+stderr; the table or JSON document alone to stdout. Besides the tensors' peak, the table
+gives what runs out: on the CPU the process's peak resident memory (plus the host allocator
+and runtime overhead), on an accelerator the caching allocator's peak reserved bytes.
 Every other option is train's (below): the same TOML files and --section.key flags. The
 configuration is checked as a real run checks it (same errors, exit status 2, before any
 work); layouts an estimate cannot simulate (fault tolerance, CPU offload,
@@ -152,6 +154,9 @@ def format_table(estimate: MemoryEstimate) -> str:
         ("buffers", e.buffers),
         ("activations (most at once)", e.activations if e.step_simulated else None),
         ("peak (one step)", e.peak),
+        ("host allocator and runtime", e.host_overhead),
+        ("peak resident (CPU process)", e.peak_resident),
+        ("peak reserved (accelerator)", e.peak_reserved),
     ]
     lines.append("")
     lines += [f"  {name:<28}{'not simulated' if n is None else _gib(n):>14}" for name, n in rows]

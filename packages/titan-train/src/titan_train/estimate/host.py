@@ -1,0 +1,195 @@
+"""What runs out: a process's memory beyond the bytes its tensors hold at once.
+
+The estimate's ``peak`` is the most bytes tensors hold at once (torch's allocator's live
+bytes). What a process needs is more, by mechanisms these functions model from the same
+recording of the step's allocations and frees, in order:
+
+- **The C library's heap (CPU).** c10's CPU allocator takes every tensor from glibc's
+  ``posix_memalign``; the ``titan-train`` command makes glibc keep freed blocks for reuse
+  (``titan_train.trainer.host_memory``: every block under 32 MiB from one heap that is never
+  trimmed). A freed block is reused only by a request that fits in it or in it merged with
+  free neighbours: where a step's allocations do not fit the holes earlier ones left (the
+  first update's optimizer state lands in the holes of the first step's activations; the
+  second step's activations no longer fit there), the heap grows. ``glibc_high_water``
+  replays the allocations on glibc itself, in a fresh small process (reserved, not
+  touched: no memory used), and reads how far its heap grew; ``two_steps`` orders the
+  recording as a real run's first two steps make it.
+- **The runtime's own heap (CPU).** ``RUNTIME_HEAP``: what a training process keeps
+  besides tensors (a constant of the runtime, measured; see its docstring).
+- **The caching allocator (accelerators).** ``cuda_reserved_peak`` replays the same
+  recording on a model of torch's CUDA caching allocator: ``torch.cuda.max_memory_reserved``
+  of the step. Untested on a GPU.
+
+Not modelled: the placement of the runtime's small allocations among the tensors' blocks
+(they keep some holes from merging: the measured heap is a few percent above the replay's),
+per-thread arenas (a rank's OMP and gloo threads, a few MiB), collective libraries'
+internal buffers (gloo's; NCCL's), the CUDA context.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+# The runtime's own heap: defined beside the memory check, which counts it too.
+from titan_train.trainer.memory_fit import RUNTIME_HEAP
+
+__all__ = ["RUNTIME_HEAP", "cuda_reserved_peak", "glibc_high_water", "two_steps"]
+
+
+def glibc_high_water(events: list[tuple[int, int]]) -> int | None:
+    """``heap_high_water`` measured on the C library itself: a fresh Python process serves
+    ``events`` with glibc's ``posix_memalign``/``free`` (c10's calls), under the thresholds
+    ``titan_train.trainer.host_memory`` sets, and reports how far its heap and mappings grew
+    (``mallinfo2``; the pages are reserved, only their headers touched). ``None`` where this
+    is not Linux with glibc 2.33+ or the process fails."""
+    import platform
+    import struct
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from titan_train.trainer.host_memory import (
+        _CAPPED_MMAP_THRESHOLD,
+        MMAP_THRESHOLD,
+        TRIM_THRESHOLD,
+    )
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    data = b"".join(struct.pack("<qq", key, nbytes) for key, nbytes in _numbered(events))
+    try:
+        done = subprocess.run(
+            # -I -S: no site packages, no torch: the heap starts as small as Python's.
+            [sys.executable, "-I", "-S", str(Path(__file__).with_name("_replay.py")),
+             str(MMAP_THRESHOLD), str(_CAPPED_MMAP_THRESHOLD), str(TRIM_THRESHOLD)],
+            input=data, capture_output=True, check=True, timeout=300,
+        )  # fmt: skip
+        return int(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def _numbered(events: list[tuple[object, int]]) -> Iterable[tuple[int, int]]:
+    numbers: dict[object, int] = {}
+    for key, nbytes in events:
+        yield numbers.setdefault(key, len(numbers)), nbytes
+
+
+def two_steps(
+    resident: list[tuple[int, int]],
+    update: list[tuple[int, int]],
+    step: list[tuple[int, int]],
+) -> list[tuple[int, int]]:
+    """A real run's allocations over its first two steps, from the estimate's recordings:
+    ``resident`` (parameters and buffers, as built), ``update`` (one optimizer step: its state,
+    created then, and its temporaries), ``step`` (a step's forward, backward and the clip's
+    norm, which leaves the gradients allocated). Keys of the second step are made distinct."""
+    update_kept = _left_allocated(update)
+    temporaries = [(key, n) for key, n in update if key not in update_kept]
+    grads = _left_allocated(step)
+    second = [(("second", key), n) for key, n in step]
+    return [
+        *resident,
+        *step,
+        *update,
+        *((key, 0) for key in grads),  # zero_grad(set_to_none=True)
+        *second,
+        *((("second", key), n) for key, n in temporaries),
+    ]
+
+
+def _left_allocated(events: list[tuple[int, int]]) -> set:
+    live: set = set()
+    for key, nbytes in events:
+        if nbytes > 0:
+            live.add(key)
+        else:
+            live.discard(key)
+    return live
+
+
+_BLOCK = 512  # torch's CUDA caching allocator: every block a multiple of 512 bytes
+_SMALL = 1 << 20  # blocks up to 1 MiB come from the small pool, in 2 MiB segments
+_SMALL_SEGMENT = 2 << 20
+_LARGE_SEGMENT = 20 << 20  # larger blocks under 10 MiB: 20 MiB segments
+_MIN_LARGE = 10 << 20  # from 10 MiB: a segment of the block's size, rounded to 2 MiB
+_ROUND_LARGE = 2 << 20
+
+
+def cuda_reserved_peak(events: Iterable[tuple[object, int]]) -> int:
+    """The most bytes torch's CUDA caching allocator would hold reserved (its segments)
+    serving ``events`` in order, with its default settings: blocks rounded to 512 bytes;
+    small (<= 1 MiB) and large pools; a request served best-fit from the pool's free
+    blocks, split when what is left is 512 bytes (small pool) or over 1 MiB (large pool);
+    else a new segment (2 MiB; 20 MiB for blocks under 10 MiB; else the block rounded to
+    2 MiB); freed blocks merge with free neighbours of their segment and stay reserved
+    (``torch.cuda.max_memory_reserved``). Not run on a GPU: a model of its documented
+    policy (no expandable segments, one stream; NCCL's and the CUDA context's memory are
+    the driver's, not counted)."""
+    free = {True: _FreeBlocks(), False: _FreeBlocks()}
+    held: dict[object, tuple[int, int, bool]] = {}
+    reserved = high = 0
+    next_segment = 0
+    for key, nbytes in events:
+        if key in held:
+            address, size, small = held.pop(key)
+            free[small].add(address, size)
+        if nbytes <= 0:
+            continue
+        size = max(_BLOCK, -(-nbytes // _BLOCK) * _BLOCK)
+        small = size <= _SMALL
+        found = free[small].best_fit(size)
+        if found is None:
+            segment = (
+                _SMALL_SEGMENT if small
+                else _LARGE_SEGMENT if size < _MIN_LARGE
+                else -(-size // _ROUND_LARGE) * _ROUND_LARGE
+            )  # fmt: skip
+            reserved += segment
+            high = max(high, reserved)
+            found = (next_segment, segment)
+            next_segment += 1 << 48  # segments are never adjacent: blocks merge within one
+        address, block = found
+        left = block - size
+        if (left >= _BLOCK) if small else (left > _SMALL):
+            free[small].add(address + size, left)
+        else:
+            size = block
+        held[key] = (address, size, small)
+    return high
+
+
+class _FreeBlocks:
+    """Free blocks by address, merged with free neighbours, found best-fit by size."""
+
+    def __init__(self) -> None:
+        self.by_size: list[tuple[int, int]] = []
+        self.starts: dict[int, int] = {}
+        self.ends: dict[int, int] = {}
+
+    def _remove(self, address: int) -> int:
+        size = self.starts.pop(address)
+        del self.ends[address + size]
+        del self.by_size[bisect.bisect_left(self.by_size, (size, address))]
+        return size
+
+    def add(self, address: int, size: int) -> None:
+        if address + size in self.starts:
+            size += self._remove(address + size)
+        if address in self.ends:
+            before = self.ends[address]
+            size += self._remove(before)
+            address = before
+        self.starts[address] = size
+        self.ends[address + size] = address
+        bisect.insort(self.by_size, (size, address))
+
+    def best_fit(self, size: int) -> tuple[int, int] | None:
+        """The smallest free block of at least ``size`` bytes, taken out: (address, size)."""
+        index = bisect.bisect_left(self.by_size, (size, -1))
+        if index == len(self.by_size):
+            return None
+        block, address = self.by_size[index]
+        self._remove(address)
+        return address, block
