@@ -301,3 +301,30 @@ def test_the_command_refuses_an_unfitting_run_in_seconds_writing_nothing(tmp_pat
     monkeypatch.chdir(tmp_path)
     assert main(["--model.flavor", "405B", "--training.steps", "1"]) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # one estimate of the step on fake tensors, ~5-20 s
+def test_many_small_ranks_are_refused_by_the_estimate_of_their_step(tmp_path):
+    """A small model on so many CPU ranks that their processes alone take most of the host:
+    the model-state floor passes, the launcher's estimate of each rank's step refuses (a
+    64-rank debug run on a 24 GB host was OOM-killed before)."""
+    from titan_train.trainer.memory_fit import (
+        RUNTIME_HEAP,
+        _resident_bytes,
+        check_launch_fits,
+        host_memory,
+    )
+
+    available = host_memory().available
+    ranks = int(0.8 * available / (_resident_bytes() + RUNTIME_HEAP))  # past half, under all
+    config = job(tmp_path)
+    launching = World(rank=0, world_size=ranks, device=CPU, local_world_size=ranks, started=False)
+    preflight(config, launching)  # the floor alone lets it through
+    with pytest.raises(ConfigError, match=rf"{ranks} rank\(s\) on this host need about .* "
+                       r"peak_resident.* Start at most \d+ rank\(s\) per host"):  # fmt: skip
+        check_launch_fits(config, world_size=ranks, local_ranks=ranks, device=CPU)
+    assert not (tmp_path / "out").exists()
+    # A handful of ranks is not estimated at all, and fits.
+    check_launch_fits(config, world_size=2, local_ranks=2, device=CPU)
+    config.training.memory_check = False
+    check_launch_fits(config, world_size=ranks, local_ranks=ranks, device=CPU)

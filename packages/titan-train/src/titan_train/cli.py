@@ -309,6 +309,7 @@ def _launch(launch: LaunchOptions, argv: list[str]) -> int:
     from titan_dims import detect_device_type
     from titan_train.config import parse_job_config
     from titan_train.preflight import World, preflight
+    from titan_train.trainer.memory_fit import check_launch_fits
 
     logging.disable(logging.WARNING)  # rank 0 logs the same warnings once the ranks start
     try:
@@ -327,6 +328,9 @@ def _launch(launch: LaunchOptions, argv: list[str]) -> int:
             started=False,
         )
         preflight(config, world)
+        check_launch_fits(
+            config, world_size=launch.world_size, local_ranks=launch.nproc_per_node, device=device
+        )
     finally:
         logging.disable(logging.NOTSET)
     if launch.max_restarts and not config.checkpoint.enable:

@@ -25,7 +25,14 @@ import torch
 
 from titan_train.config import ConfigError, JobConfig
 
-__all__ = ["RUNTIME_HEAP", "HostMemory", "check_memory_fits", "host_memory", "model_state_bytes"]
+__all__ = [
+    "RUNTIME_HEAP",
+    "HostMemory",
+    "check_launch_fits",
+    "check_memory_fits",
+    "host_memory",
+    "model_state_bytes",
+]
 
 logger = logging.getLogger("titan_train")
 
@@ -142,6 +149,41 @@ def check_memory_fits(
                 f"{_what_fits(free, state, shards, local_ranks)} "
                 "(--training.no_memory_check starts it anyway)."
             )
+
+
+def check_launch_fits(
+    config: JobConfig, *, world_size: int, local_ranks: int, device: torch.device
+) -> None:
+    """The launcher's second look, for many CPU ranks on one host: when the processes alone
+    (``local_ranks`` x what this one holds, and the runtime's heap) take more than half of
+    what the host can give, the floor of ``check_memory_fits`` says too little (a small model
+    on many ranks needs its activations and buffers many times over), so rank 0's whole step
+    is estimated (``titan-train estimate``'s ``peak_resident``: seconds, on fake tensors)
+    and the run refused with ``ConfigError`` when ``local_ranks`` of them cannot fit. Below
+    that the estimate's seconds are not spent: the floor and the ranks' own checks stand."""
+    if not config.training.memory_check or device.type != "cpu" or local_ranks < 2:
+        return
+    host = host_memory()
+    if host is None:
+        return
+    process = _resident_bytes() + RUNTIME_HEAP
+    if 2 * local_ranks * process <= host.available:
+        return
+    from titan_train.estimate import estimate_memory
+
+    step = estimate_memory(config, world_size=world_size, rank=0).peak_resident
+    per_rank = process + step
+    if local_ranks * per_rank <= host.available:
+        return
+    raise ConfigError(
+        f"This run cannot fit in host memory: {local_ranks} rank(s) on this host need about "
+        f"{local_ranks * per_rank / GIB:.1f} GiB ({process / GIB:.2f} GiB a process holds "
+        f"before building and {step / GIB:.2f} GiB for rank 0's step, titan-train estimate's "
+        f"peak_resident, each), and {host.source} leaves {host.available / GIB:.1f} GiB. "
+        f"Start at most {max(host.available // per_rank, 1)} rank(s) per host (--nproc-per-node), "
+        "lower training.local_batch_size or turn on activation checkpointing "
+        "(--training.no_memory_check starts it anyway)."
+    )
 
 
 def _what_fits(budget: int, state: int, shards: int, local_ranks: int) -> str:
