@@ -114,7 +114,5 @@ def test_debug_toml_trains_unedited(tmp_path):
     assert [r["step"] for r in records] == [1]
     assert all(math.isfinite(r["loss"]) for r in records)
     assert not (tmp_path / "outputs" / "checkpoint").exists()  # enable_checkpoint = false
-    # Every line on stderr is a log line, warnings included (test_compat has one).
-    assert all(line.startswith("[rank0] ") for line in done.stderr.splitlines()), done.stderr
     assert all(0 < r["mfu_pct"] <= 100 for r in records)
     assert "torchtitan's c4_test" in done.stderr
