@@ -89,9 +89,13 @@ def _shared_rope_key_hook(kv_lora_rank: int, tp_mesh: DeviceMesh):
     return hook
 
 
-def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+def apply_tp_deepseek_v3(
+    model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_parallel: bool, shard_experts: bool = True
+) -> None:
     """Tensor and sequence parallel over ``tp_mesh`` (see the module docstring). Between
-    blocks the residual stream is sharded along the sequence, as for Llama 3."""
+    blocks the residual stream is sharded along the sequence, as for Llama 3.
+    ``shard_experts``: split every expert over its hidden dimension (``apply_moe_tp``);
+    ``False`` under expert parallel, which holds the routed experts."""
     apply_tp_ends(model, tp_mesh, loss_parallel=loss_parallel)
     for block in model.layers.values():
         attention = block.attention
@@ -109,7 +113,7 @@ def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_paralle
             _shared_rope_key_hook(attention.kv_lora_rank, tp_mesh)
         )
         if block.moe_enabled:
-            apply_moe_tp(block.moe, tp_mesh)
+            apply_moe_tp(block.moe, tp_mesh, shard_experts=shard_experts)
 
 
 def parallelize_deepseek_v3(

@@ -69,9 +69,13 @@ def _check_layout(
     )
 
 
-def apply_tp_qwen3(model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+def apply_tp_qwen3(
+    model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool, shard_experts: bool = True
+) -> None:
     """Tensor and sequence parallel over ``tp_mesh`` (see the module docstring): Llama 3's
-    plan with per-head QK-norms, MoE blocks as DeepSeek-V3's, tied ends kept tied."""
+    plan with per-head QK-norms, MoE blocks as DeepSeek-V3's, tied ends kept tied.
+    ``shard_experts``: split every expert over its hidden dimension (``apply_moe_tp``);
+    ``False`` under expert parallel, which holds the routed experts."""
     apply_tp_ends(model, tp_mesh, loss_parallel=loss_parallel)
     # Each end's plan made its own DTensor of a tied weight, both Shard(0) (the vocabulary):
     # make them one parameter again.
@@ -83,7 +87,7 @@ def apply_tp_qwen3(model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool) ->
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_tp_plan(dense=not block.moe_enabled, **attention))
         if block.moe_enabled:
-            apply_moe_tp(block.moe, tp_mesh)
+            apply_moe_tp(block.moe, tp_mesh, shard_experts=shard_experts)
 
 
 def parallelize_qwen3(
