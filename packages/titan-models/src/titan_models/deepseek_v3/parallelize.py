@@ -67,6 +67,7 @@ def _check_layout(
         # Keys and values come per head from the one latent (wkv_b): n_heads of each too.
         heads={"n_heads": args.n_heads},
         seq_len=args.max_seq_len if seq_len is None else seq_len,
+        expert_hidden_dim=args.moe_inter_dim,
         experts=args.moe_args() if args.n_layers > args.n_dense_layers else None,
         no_experts=f"this DeepSeek-V3 has no MoE block (n_layers={args.n_layers} <= "
         f"n_dense_layers={args.n_dense_layers})",

@@ -63,6 +63,7 @@ def _check_layout(
         config,
         heads={"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
         seq_len=args.max_seq_len if seq_len is None else seq_len,
+        expert_hidden_dim=args.moe_inter_dim,
         experts=args.moe_args() if args.n_moe_layers else None,
         no_experts=f"this Qwen3 has no MoE block (moe_enabled={args.moe_enabled}: choose an "
         "MoE flavor for experts)",
