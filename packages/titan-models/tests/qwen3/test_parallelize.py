@@ -29,7 +29,7 @@ COMPILED = ("fsdp_compile_tied",)
 FOUR_RANKS = (
     "hsdp_tied", "fsdp_tp_tied", "fsdp_tp_untied", "pp_fsdp_untied", "pp_fsdp_tied", "pp_tp_tied",
     "ep_fsdp_moe",
-    "ep_tp_moe", "ep_pp_moe",
+    "ep_tp_moe", "ep_pp_moe", "fsdp_tp_moe",
 )  # fmt: skip
 REFERENCES = ("single_tied", "single_untied", "single_moe")
 # Losses agree to float32 rounding of different reduction orders, not bitwise.

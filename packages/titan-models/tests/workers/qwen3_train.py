@@ -75,6 +75,8 @@ LAYOUTS = {
     "pp_tp_tied": ("tied", {"pp": 2, "tp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
     "ep_fsdp_moe": ("moe", {"dp_shard": 4, "ep": 2}, {}, None),
     "ep_tp_moe": ("moe", {"dp_shard": 2, "ep": 2, "tp": 2}, {}, None),
+    # Experts split over tp, then sharded over dp_shard (2-D DTensors), recomputed by AC.
+    "fsdp_tp_moe": ("moe", {"dp_shard": 2, "tp": 2}, _AC_FULL, None),
     "ep_pp_moe": ("moe", {"dp_shard": 2, "ep": 2, "pp": 2}, {}, {"schedule": "1F1B"}),
 }
 
