@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -81,14 +82,13 @@ def _split_shared_expert(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
 def _gather_partial_grad(tp_mesh: DeviceMesh):
     """Forward pre-hook: all-gather the input, sharded along the sequence (dim 1), into a
     plain tensor whose gradient is a partial sum per rank, reduce-scattered back in the
-    backward."""
+    backward (torch's functional collectives: they trace under ``torch.compile``)."""
 
     def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = args[0]
-        if not isinstance(x, DTensor):  # the norm before may hand over its local part
-            x = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
-        whole = x.redistribute(placements=[Replicate()])
-        return (whole.to_local(grad_placements=[Partial()]), *args[1:])
+        if isinstance(x, DTensor):  # the norm before hands over its Shard(1) part
+            x = x.to_local()
+        return (funcol.all_gather_single(x, 1, tp_mesh.get_group()), *args[1:])
 
     return hook
 
@@ -98,8 +98,7 @@ def _reduce_scatter_output(tp_mesh: DeviceMesh):
     the sequence (one reduce-scatter; its backward all-gathers the gradient)."""
 
     def hook(_module: nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
-        partial = DTensor.from_local(out, tp_mesh, [Partial()], run_check=False)
-        return partial.redistribute(placements=[Shard(1)]).to_local()
+        return funcol.reduce_scatter_single(out, "sum", 1, tp_mesh.get_group())
 
     return hook
 
