@@ -111,10 +111,11 @@ def apply_moe_tp(moe: MoE, tp_mesh: DeviceMesh, *, shard_experts: bool = True) -
     shared expert split over their hidden dimension, so each rank computes a partial output
     of the whole layer from the replicated routing; one reduce-scatter sums it into this
     rank's part of the sequence, and the input's gradient (partial too, the router's
-    included) is reduce-scattered back. The router gate's weight gradient is summed over
-    ``tp`` and the balance loss's gradient divided by ``tp`` (each rank adds it once).
-    Without (expert parallel holds the routed experts): the routed experts replicated, only
-    the shared expert split, the output cut back to this rank's part."""
+    included) is reduce-scattered back. The router gate's weight (a replicated DTensor)
+    has its gradient summed over ``tp``, the balance loss's divided by ``tp`` (each rank
+    adds it). Without (expert parallel holds the routed experts): the routed experts
+    replicated over tp, only the shared expert split, the output cut back to this rank's
+    part."""
     if not shard_experts:
         parallelize_module(
             moe,
@@ -134,7 +135,18 @@ def apply_moe_tp(moe: MoE, tp_mesh: DeviceMesh, *, shard_experts: bool = True) -
     _split_hidden(moe.experts, tp_mesh)
     if moe.shared_expert is not None:
         _split_hidden(moe.shared_expert, tp_mesh)
-    moe.router.gate_weight_hook = lambda weight: SumGradOverGroup.apply(weight, tp_mesh)
+    # The gate replicated as a DTensor, as every other parameter of a tp-only model is (an
+    # optimizer's foreach/fused step refuses a mix); its local gradient is partial per rank.
+    gate = moe.router.gate
+    gate.register_parameter(
+        "weight", nn.Parameter(distribute_tensor(gate.weight, tp_mesh, [Replicate()]))
+    )
+
+    def sum_gate_grad(weight: torch.Tensor) -> torch.Tensor:
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        return SumGradOverGroup.apply(local, tp_mesh)
+
+    moe.router.gate_weight_hook = sum_gate_grad
     moe.aux_loss_grad_divisor = tp_mesh.size()
     moe.register_forward_pre_hook(_gather_partial_grad(tp_mesh))
     moe.register_forward_hook(_reduce_scatter_output(tp_mesh))
