@@ -136,7 +136,10 @@ def test_tensor_parallel_refuses_experts_it_cannot_split_whole(family):
     odd = moe.__class__(**{**vars(moe), **odd})
     config, keywords = ParallelizeConfig(), {"seq_len": 32}
     tp2 = ParallelDims(world_size=2, tp=2, device_type="cpu")
-    with pytest.raises(ModelConfigError, match=r"tp=2 must divide the routed experts' hidden_di"):
+    with pytest.raises(
+        ModelConfigError,
+        match=r"tp=2 must divide the routed experts' hidden size \(moe_inter_dim\)=33: each",
+    ):
         spec.check_fn(odd, tp2, config, **keywords)
     spec.check_fn(moe, tp2, config, **keywords)
     spec.check_fn(odd, ParallelDims(world_size=1, device_type="cpu"), config, **keywords)
@@ -144,5 +147,7 @@ def test_tensor_parallel_refuses_experts_it_cannot_split_whole(family):
     if family == "qwen3":
         spec.check_fn(odd, ep_tp, config, **keywords)
     else:
-        with pytest.raises(ModelConfigError, match="must divide the shared expert's hidden_dim=33"):
+        with pytest.raises(
+            ModelConfigError, match=r"shared expert's hidden size \(moe_inter_dim x 1\)=33"
+        ):
             spec.check_fn(odd, ep_tp, config, **keywords)

@@ -33,7 +33,8 @@ def check_layout(
     to here (``None`` without context parallel). The model's facts: ``heads``, each head count a
     tp rank splits, by name (``{"n_heads": 32, "n_kv_heads": 8}``); ``seq_len``; ``experts``,
     its MoE args, or ``None``, and then ``no_experts`` says why when ``ep > 1``;
-    ``expert_hidden_dim``, each routed expert's hidden size, which tensor parallel splits."""
+    ``expert_hidden_dim``, each routed expert's hidden size (``moe_inter_dim``), which
+    tensor parallel splits."""
     tp = parallel_dims.tp
     for name, count in heads.items():
         if count % tp:
@@ -81,16 +82,17 @@ def _check_expert_split(experts: MoEArgs, hidden_dim: int, parallel_dims: Parall
     expert parallel, the shared one always): each split must be whole."""
     tp, split = parallel_dims.tp, {}
     if not parallel_dims.ep_enabled:
-        split["the routed experts' hidden_dim"] = hidden_dim
+        split["the routed experts' hidden size (moe_inter_dim)"] = hidden_dim
     if experts.num_shared_experts:
-        split["the shared expert's hidden_dim"] = hidden_dim * experts.num_shared_experts
+        shared = experts.num_shared_experts
+        split[f"the shared expert's hidden size (moe_inter_dim x {shared})"] = hidden_dim * shared
     for what, size in split.items():
         if size % tp:
             raise ModelConfigError(
                 f"Tensor parallel degree tp={tp} must divide {what}={size}: each TP rank "
                 f"holds 1/tp of every expert. Choose tp among "
-                f"{[d for d in range(1, size + 1) if size % d == 0]}, or a width divisible "
-                "by tp."
+                f"{[d for d in range(1, size + 1) if size % d == 0]}, or a moe_inter_dim "
+                "that tp divides."
             )
 
 
