@@ -163,6 +163,8 @@ ROWS: dict[str, Row] = {
     ),
     "moe_single": Row(1, MOE, reference=None),
     "moe_ep": Row(2, (*MOE, *_degrees(dp_shard=2, ep=2)), reference="moe_single", rtol=1e-4),
+    # Tensor parallel alone (no FSDP): every parameter a DTensor for the fused AdamW.
+    "moe_tp": Row(2, (*MOE, *_degrees(tp=2)), reference="moe_single", rtol=1e-4),
     "moe_muon_single": Row(1, (*MOE, *MUON), reference=None),
     "moe_muon_ep": Row(
         2, (*MOE, *MUON, *_degrees(dp_shard=2, ep=2)), reference="moe_muon_single", rtol=1e-4

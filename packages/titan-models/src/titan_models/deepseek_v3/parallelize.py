@@ -3,7 +3,9 @@ into pipeline stages: the shared plan (``titan_models.parallel.plan``) with Deep
 facts. What differs from Llama 3:
 
 - **Tensor parallel.** ``wq`` (or ``wq_b``) and ``wkv_b`` are column-parallel, ``wo``
-  row-parallel; the low-rank ``wq_a``/``wkv_a`` and their norms stay whole. The rotated key
+  row-parallel; the low-rank ``wq_a``/``wkv_a`` and their norms stay whole (replicated
+  DTensors computing on plain tensors' values, so that every parameter of a tp-only model is
+  a DTensor, which foreach and fused optimizers need). The rotated key
   slice of ``wkv_a``'s output is shared by all heads, so a hook sums its gradient over ``tp``.
 - **Context parallel.** titan's all-gather attention only: the ring and torch's need equal
   key and value head sizes (192 and 128 here)."""
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from titan_dims import ParallelDims
@@ -90,6 +93,19 @@ def _shared_rope_key_hook(kv_lora_rank: int, tp_mesh: DeviceMesh):
     return hook
 
 
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """``module``'s parameters as DTensors replicated over ``tp_mesh``; its plain input
+    and output stay plain (each rank computes the whole module on the same values)."""
+    distribute_module(
+        module,
+        tp_mesh,
+        input_fn=lambda _m, inputs, mesh: tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
+        ),
+        output_fn=lambda _m, out, _mesh: out.to_local(),
+    )
+
+
 def apply_tp_deepseek_v3(
     model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_parallel: bool, shard_experts: bool = True
 ) -> None:
@@ -110,6 +126,9 @@ def apply_tp_deepseek_v3(
             **{query: ColwiseParallel()},
         )
         parallelize_module(block, tp_mesh, plan)
+        for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
+            if hasattr(attention, name):
+                _replicate(getattr(attention, name), tp_mesh)
         attention.wkv_a.register_forward_hook(
             _shared_rope_key_hook(attention.kv_lora_rank, tp_mesh)
         )
