@@ -163,11 +163,19 @@ ROWS: dict[str, Row] = {
     ),
     "moe_single": Row(1, MOE, reference=None),
     "moe_ep": Row(2, (*MOE, *_degrees(dp_shard=2, ep=2)), reference="moe_single", rtol=1e-4),
+    # Tensor parallel alone (no FSDP): every parameter a DTensor for the fused AdamW.
+    "moe_tp": Row(2, (*MOE, *_degrees(tp=2)), reference="moe_single", rtol=1e-4),
     "moe_muon_single": Row(1, (*MOE, *MUON), reference=None),
     "moe_muon_ep": Row(
         2, (*MOE, *MUON, *_degrees(dp_shard=2, ep=2)), reference="moe_muon_single", rtol=1e-4
     ),
     "qwen3_moe_single": Row(1, QWEN_MOE, reference=None),
+    # Tensor parallel without expert parallel: each tp rank holds 1/tp of every expert;
+    # its checkpoint resumes in one process.
+    "qwen3_moe_tp": Row(2, (*QWEN_MOE, *_degrees(tp=2)), reference="qwen3_moe_single", rtol=1e-4),
+    "resume_qwen3_moe_tp_on_one_rank": Row(
+        1, QWEN_MOE, resume_from="qwen3_moe_tp", reference="qwen3_moe_single", rtol=1e-4
+    ),
     "qwen3_moe_ep_tp": Row(
         4, (*QWEN_MOE, *_degrees(dp_shard=2, ep=2, tp=2)), reference="qwen3_moe_single", rtol=1e-4
     ),

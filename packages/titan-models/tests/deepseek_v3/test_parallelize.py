@@ -74,6 +74,16 @@ def four_rank(tmp_path_factory, run_torchrun):
     return run_torchrun("deepseek_train.py", 4, out, *REFERENCES, *FOUR_RANKS)
 
 
+def _expected_tp_shapes(whole: dict[str, list[int]], tp: int) -> dict[str, list[int]]:
+    """Expert weight shapes of one of ``tp`` ranks when tensor parallel splits every expert's
+    hidden dimension: w1 and w3 (E, dim, hidden) on dim 2, w2 (E, hidden, dim) on dim 1."""
+    split = {}
+    for name, shape in whole.items():
+        hidden = 1 if name.endswith("w2") else 2
+        split[name] = [n // tp if i == hidden else n for i, n in enumerate(shape)]
+    return split
+
+
 def _check(results: dict, layout: str) -> None:
     reference = "single_5" if "pp" in layout else "single"
     expected = results[reference]
@@ -95,6 +105,11 @@ def _check(results: dict, layout: str) -> None:
     counted = {k: v for k, v in load.items() if k.startswith("counted/")}
     assert counted
     assert set(counted.values()) == {BATCH * SEQ * TOP_K}
+    if layout == "tp":
+        # Each tp rank holds 1/tp of every routed and shared expert (not a replica).
+        whole = results[f"{reference}.expert_shapes"]
+        assert len(whole) == 2 * 2 * 3  # two MoE blocks, routed and shared, w1 w2 w3
+        assert results[f"{layout}.expert_shapes"] == _expected_tp_shapes(whole, 2)
     if "pp" not in layout:
         # The shares per expert: a router near-tie may send one token elsewhere under another
         # reduction order (1 of 256 slots: 0.004 of a share).

@@ -124,3 +124,30 @@ def test_every_family_this_package_registers_is_checked_here() -> None:
 
     ours = {e.name for e in entry_points(group="titan.models") if e.value.startswith("titan_m")}
     assert ours == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_tensor_parallel_refuses_experts_it_cannot_split_whole(family):
+    """Without expert parallel tp splits every routed expert's hidden dimension (and always
+    the shared expert's): an odd width is refused before any work, naming the fix; tp=1,
+    or expert parallel holding the routed experts (Qwen3 has no shared expert), passes."""
+    spec, _, moe = FAMILIES[family]
+    odd = {"moe_inter_dim": 33} | ({"n_shared_experts": 1} if family == "deepseek_v3" else {})
+    odd = moe.__class__(**{**vars(moe), **odd})
+    config, keywords = ParallelizeConfig(), {"seq_len": 32}
+    tp2 = ParallelDims(world_size=2, tp=2, device_type="cpu")
+    with pytest.raises(
+        ModelConfigError,
+        match=r"tp=2 must divide the routed experts' hidden size \(moe_inter_dim\)=33: each",
+    ):
+        spec.check_fn(odd, tp2, config, **keywords)
+    spec.check_fn(moe, tp2, config, **keywords)
+    spec.check_fn(odd, ParallelDims(world_size=1, device_type="cpu"), config, **keywords)
+    ep_tp = ParallelDims(world_size=4, dp_shard=2, ep=2, tp=2, device_type="cpu")
+    if family == "qwen3":
+        spec.check_fn(odd, ep_tp, config, **keywords)
+    else:
+        with pytest.raises(
+            ModelConfigError, match=r"shared expert's hidden size \(moe_inter_dim x 1\)=33"
+        ):
+            spec.check_fn(odd, ep_tp, config, **keywords)

@@ -29,7 +29,7 @@ COMPILED = ("fsdp_compile_tied",)
 FOUR_RANKS = (
     "hsdp_tied", "fsdp_tp_tied", "fsdp_tp_untied", "pp_fsdp_untied", "pp_fsdp_tied", "pp_tp_tied",
     "ep_fsdp_moe",
-    "ep_tp_moe", "ep_pp_moe",
+    "ep_tp_moe", "ep_pp_moe", "fsdp_tp_moe",
 )  # fmt: skip
 REFERENCES = ("single_tied", "single_untied", "single_moe")
 # Losses agree to float32 rounding of different reduction orders, not bitwise.
@@ -100,6 +100,16 @@ def four_rank(tmp_path_factory, run_torchrun):
     return run_torchrun("qwen3_train.py", 4, out, *REFERENCES, *FOUR_RANKS)
 
 
+def _expected_tp_shapes(whole: dict[str, list[int]], tp: int) -> dict[str, list[int]]:
+    """Expert weight shapes of one of ``tp`` ranks when tensor parallel splits every expert's
+    hidden dimension: w1 and w3 (E, dim, hidden) on dim 2, w2 (E, hidden, dim) on dim 1."""
+    split = {}
+    for name, shape in whole.items():
+        hidden = 1 if name.endswith("w2") else 2
+        split[name] = [n // tp if i == hidden else n for i, n in enumerate(shape)]
+    return split
+
+
 def _check(results: dict, layout: str) -> None:
     kind = layout.rsplit("_", 1)[1]
     reference = f"single_{kind}"
@@ -112,6 +122,11 @@ def _check(results: dict, layout: str) -> None:
     )
     if "pp" not in layout:
         assert results[f"{layout}.tied"] is (kind == "tied")
+    if layout == "tp_moe":
+        # Each tp rank holds 1/tp of every routed and shared expert (not a replica).
+        whole = results[f"{reference}.expert_shapes"]
+        assert len(whole) == 2 * 3  # two MoE blocks' routed experts (this Qwen3: no shared)
+        assert results[f"{layout}.expert_shapes"] == _expected_tp_shapes(whole, 2)
 
 
 @pytest.mark.parametrize(

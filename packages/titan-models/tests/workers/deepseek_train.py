@@ -65,6 +65,11 @@ LAYOUTS = {
 }
 
 
+EXPERT_SHAPES: dict[str, dict[str, list[int]]] = {}
+"""Per layout: this rank's local expert weight shapes (``tiny.expert_shapes``) after
+parallelizing, before FSDP gathers anything."""
+
+
 def n_layers_of(layout: str) -> int:
     """3 blocks (1 dense, 2 MoE); 5 for the pipelines (2 stages) and their reference."""
     return 5 if LAYOUTS[layout][2] is not None or layout == "single_5" else 3
@@ -168,6 +173,7 @@ def train(layout: str) -> tuple[list[float], list[float], dict[str, float], dict
     rows = BATCH // dims.dp_degree
     start = dims.dp_rank() * rows if dims.dp_enabled else 0
     parts, pipe = _build(layout, dims, rows)
+    EXPERT_SHAPES[layout] = tiny.expert_shapes(parts)
     group = dims.get_mesh("dp_cp") if "dp_cp" in dims.layout.names else None
     balancer = ExpertBalancer(parts, group)
     optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
@@ -219,6 +225,7 @@ def main() -> None:
         results[f"{layout}.grad_norms"] = grad_norms
         results[f"{layout}.bias"] = bias
         results[f"{layout}.load"] = load
+        results[f"{layout}.expert_shapes"] = EXPERT_SHAPES[layout]
     if dist.get_rank() == 0:
         (out_dir / "losses.json").write_text(json.dumps(results))
     gc.collect()  # free FSDP state (it holds gloo work) while the group exists

@@ -75,6 +75,8 @@ LAYOUTS = {
     "pp_tp_tied": ("tied", {"pp": 2, "tp": 2, "dp_shard": 1}, {}, {"schedule": "1F1B"}),
     "ep_fsdp_moe": ("moe", {"dp_shard": 4, "ep": 2}, {}, None),
     "ep_tp_moe": ("moe", {"dp_shard": 2, "ep": 2, "tp": 2}, {}, None),
+    # Experts split over tp, then sharded over dp_shard (2-D DTensors), recomputed by AC.
+    "fsdp_tp_moe": ("moe", {"dp_shard": 2, "tp": 2}, _AC_FULL, None),
     "ep_pp_moe": ("moe", {"dp_shard": 2, "ep": 2, "pp": 2}, {}, {"schedule": "1F1B"}),
 }
 
@@ -193,6 +195,8 @@ def train(layout: str) -> dict[str, object]:
     rows = BATCH // dims.dp_degree
     start = dims.dp_rank() * rows if dims.dp_enabled else 0
     parts, pipe = _build(layout, dims, rows)
+    # Before the first step (FSDP would show its own shards).
+    shapes = tiny.expert_shapes(parts)
     ends = (parts[0].tok_embeddings, parts[0].output)
     tied = None not in ends and ends[1].weight is ends[0].weight
     group = dims.get_mesh("dp_cp") if "dp_cp" in dims.layout.names else None
@@ -209,7 +213,12 @@ def train(layout: str) -> dict[str, object]:
         if balancer.layers:
             balancer()
         losses.append(value.item())
-    return {layout: losses, f"{layout}.grad_norms": grad_norms, f"{layout}.tied": tied}
+    return {
+        layout: losses,
+        f"{layout}.grad_norms": grad_norms,
+        f"{layout}.tied": tied,
+        f"{layout}.expert_shapes": shapes,
+    }
 
 
 def main() -> None:

@@ -99,3 +99,15 @@ def register_counting_backend() -> str:
 
     register_backend(counting_inductor, name=COUNTING_BACKEND)
     return COUNTING_BACKEND
+
+
+def expert_shapes(parts: list[torch.nn.Module]) -> dict[str, list[int]]:
+    """This rank's local shape of every expert weight (routed and shared) of ``parts``, by
+    parameter name: how a parallel plan split them."""
+    shapes = {}
+    for part in parts:
+        for name, param in part.named_parameters():
+            if ".experts." in name or ".shared_expert." in name:
+                local = param.to_local() if hasattr(param, "to_local") else param
+                shapes[name] = list(local.shape)
+    return shapes

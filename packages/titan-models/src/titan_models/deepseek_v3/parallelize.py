@@ -3,7 +3,9 @@ into pipeline stages: the shared plan (``titan_models.parallel.plan``) with Deep
 facts. What differs from Llama 3:
 
 - **Tensor parallel.** ``wq`` (or ``wq_b``) and ``wkv_b`` are column-parallel, ``wo``
-  row-parallel; the low-rank ``wq_a``/``wkv_a`` and their norms stay whole. The rotated key
+  row-parallel; the low-rank ``wq_a``/``wkv_a`` and their norms stay whole (replicated
+  DTensors computing on plain tensors' values, so that every parameter of a tp-only model is
+  a DTensor, which foreach and fused optimizers need). The rotated key
   slice of ``wkv_a``'s output is shared by all heads, so a hook sums its gradient over ``tp``.
 - **Context parallel.** titan's all-gather attention only: the ring and torch's need equal
   key and value head sizes (192 and 128 here)."""
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from titan_dims import ParallelDims
@@ -67,6 +70,7 @@ def _check_layout(
         # Keys and values come per head from the one latent (wkv_b): n_heads of each too.
         heads={"n_heads": args.n_heads},
         seq_len=args.max_seq_len if seq_len is None else seq_len,
+        expert_hidden_dim=args.moe_inter_dim,
         experts=args.moe_args() if args.n_layers > args.n_dense_layers else None,
         no_experts=f"this DeepSeek-V3 has no MoE block (n_layers={args.n_layers} <= "
         f"n_dense_layers={args.n_dense_layers})",
@@ -89,9 +93,26 @@ def _shared_rope_key_hook(kv_lora_rank: int, tp_mesh: DeviceMesh):
     return hook
 
 
-def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """``module``'s parameters as DTensors replicated over ``tp_mesh``; its plain input
+    and output stay plain (each rank computes the whole module on the same values)."""
+    distribute_module(
+        module,
+        tp_mesh,
+        input_fn=lambda _m, inputs, mesh: tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
+        ),
+        output_fn=lambda _m, out, _mesh: out.to_local(),
+    )
+
+
+def apply_tp_deepseek_v3(
+    model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_parallel: bool, shard_experts: bool = True
+) -> None:
     """Tensor and sequence parallel over ``tp_mesh`` (see the module docstring). Between
-    blocks the residual stream is sharded along the sequence, as for Llama 3."""
+    blocks the residual stream is sharded along the sequence, as for Llama 3.
+    ``shard_experts``: split every expert over its hidden dimension (``apply_moe_tp``);
+    ``False`` under expert parallel, which holds the routed experts."""
     apply_tp_ends(model, tp_mesh, loss_parallel=loss_parallel)
     for block in model.layers.values():
         attention = block.attention
@@ -105,11 +126,14 @@ def apply_tp_deepseek_v3(model: DeepSeekV3, tp_mesh: DeviceMesh, *, loss_paralle
             **{query: ColwiseParallel()},
         )
         parallelize_module(block, tp_mesh, plan)
+        for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
+            if hasattr(attention, name):
+                _replicate(getattr(attention, name), tp_mesh)
         attention.wkv_a.register_forward_hook(
             _shared_rope_key_hook(attention.kv_lora_rank, tp_mesh)
         )
         if block.moe_enabled:
-            apply_moe_tp(block.moe, tp_mesh)
+            apply_moe_tp(block.moe, tp_mesh, shard_experts=shard_experts)
 
 
 def parallelize_deepseek_v3(

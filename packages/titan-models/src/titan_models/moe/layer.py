@@ -108,6 +108,9 @@ class MoE(nn.Module):
         self.load_balance_coeff = args.load_balance_coeff
         self.aux_loss_alpha = args.aux_loss_alpha
         self.aux_loss_grad_scale = 1.0
+        # Ranks that each add the balance loss's gradient to a partial sum (tensor parallel
+        # with split experts): the gradient is divided by it.
+        self.aux_loss_grad_divisor = 1
         self.router = TokenChoiceTopKRouter(dim, args)
         self.experts = GroupedExperts(
             dim, hidden_dim, args.num_experts, use_grouped_mm=args.use_grouped_mm
@@ -165,7 +168,8 @@ class MoE(nn.Module):
             self.aux_loss.copy_(aux_loss.detach())
         if not (torch.is_grad_enabled() and aux_loss.requires_grad):
             return out
-        return _AddAuxLossGradient.apply(out, aux_loss, self.aux_loss_grad_scale)
+        scale = self.aux_loss_grad_scale / self.aux_loss_grad_divisor
+        return _AddAuxLossGradient.apply(out, aux_loss, scale)
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         """Initialize the router, experts and shared expert (torchtitan's scheme) and zero

@@ -16,6 +16,7 @@ Each token's experts are then ordered by index, so outputs add in transformers' 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -53,11 +54,17 @@ class TokenChoiceTopKRouter(nn.Module):
         self.n_expert_groups = args.n_expert_groups
         self.n_limited_groups = args.n_limited_groups
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        # Set by tensor parallel (titan_models.parallel.apply_moe_tp): maps the gate's weight
+        # before use (there: its gradient summed over tp, each rank's being partial).
+        self.gate_weight_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
         """Route ``x`` (T, dim); ``expert_bias`` (num_experts,) shifts selection only."""
         with torch.autocast(x.device.type, enabled=False):
-            logits = functional.linear(x.float(), self.gate.weight.float())
+            weight = self.gate.weight
+            if self.gate_weight_hook is not None:
+                weight = self.gate_weight_hook(weight)
+            logits = functional.linear(x.float(), weight.float())
         if self.score_func == "sigmoid":
             scores = torch.sigmoid(logits)
         else:

@@ -79,9 +79,12 @@ def parallelize_decoder(
 ) -> nn.Module:
     """Parallelize a titan decoder (``layers`` of blocks with an ``attention``) in place, in
     the module docstring's order; ``apply_tp(model, tp_mesh, loss_parallel=...)`` is the
-    family's tensor parallel. The family has checked the layout already."""
+    family's tensor parallel (with ``shard_experts=False`` under expert parallel). The
+    family has checked the layout already."""
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel)
+        # Under expert parallel the routed experts are spread over ep, not split over tp.
+        experts = {"shard_experts": False} if parallel_dims.ep_enabled else {}
+        apply_tp(model, parallel_dims.get_mesh("tp"), loss_parallel=config.loss_parallel, **experts)
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
     if parallel_dims.cp_enabled:

@@ -26,12 +26,15 @@ def check_layout(
     seq_len: int,
     experts: MoEArgs | None,
     no_experts: str = "the model has no experts",
+    expert_hidden_dim: int = 0,
 ) -> str | None:
     """Raise ``ModelConfigError`` unless a model can be parallelized as ``parallel_dims`` and
     ``config`` say; return the context-parallel implementation ``config.cp_attention`` resolves
     to here (``None`` without context parallel). The model's facts: ``heads``, each head count a
     tp rank splits, by name (``{"n_heads": 32, "n_kv_heads": 8}``); ``seq_len``; ``experts``,
-    its MoE args, or ``None``, and then ``no_experts`` says why when ``ep > 1``."""
+    its MoE args, or ``None``, and then ``no_experts`` says why when ``ep > 1``;
+    ``expert_hidden_dim``, each routed expert's hidden size (``moe_inter_dim``), which
+    tensor parallel splits."""
     tp = parallel_dims.tp
     for name, count in heads.items():
         if count % tp:
@@ -41,6 +44,8 @@ def check_layout(
                 f"{[d for d in range(1, count + 1) if count % d == 0]}."
             )
     check_seq_len(seq_len, parallel_dims)
+    if experts is not None and tp > 1:
+        _check_expert_split(experts, expert_hidden_dim, parallel_dims)
     if parallel_dims.ep_enabled:
         if experts is None:
             raise ModelConfigError(f"ep={parallel_dims.ep}: {no_experts}; set ep=1.")
@@ -70,6 +75,25 @@ def check_layout(
             f"with tensor parallel (tp={tp}); use HSDP instead: dp_shard > 1."
         )
     return implementation
+
+
+def _check_expert_split(experts: MoEArgs, hidden_dim: int, parallel_dims: ParallelDims) -> None:
+    """Tensor parallel splits every expert's hidden dimension (the routed ones only without
+    expert parallel, the shared one always): each split must be whole."""
+    tp, split = parallel_dims.tp, {}
+    if not parallel_dims.ep_enabled:
+        split["the routed experts' hidden size (moe_inter_dim)"] = hidden_dim
+    if experts.num_shared_experts:
+        shared = experts.num_shared_experts
+        split[f"the shared expert's hidden size (moe_inter_dim x {shared})"] = hidden_dim * shared
+    for what, size in split.items():
+        if size % tp:
+            raise ModelConfigError(
+                f"Tensor parallel degree tp={tp} must divide {what}={size}: each TP rank "
+                f"holds 1/tp of every expert. Choose tp among "
+                f"{[d for d in range(1, size + 1) if size % d == 0]}, or a moe_inter_dim "
+                "that tp divides."
+            )
 
 
 def check_pipeline(

@@ -63,15 +63,20 @@ def _check_layout(
         config,
         heads={"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
         seq_len=args.max_seq_len if seq_len is None else seq_len,
+        expert_hidden_dim=args.moe_inter_dim,
         experts=args.moe_args() if args.n_moe_layers else None,
         no_experts=f"this Qwen3 has no MoE block (moe_enabled={args.moe_enabled}: choose an "
         "MoE flavor for experts)",
     )
 
 
-def apply_tp_qwen3(model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+def apply_tp_qwen3(
+    model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool, shard_experts: bool = True
+) -> None:
     """Tensor and sequence parallel over ``tp_mesh`` (see the module docstring): Llama 3's
-    plan with per-head QK-norms, MoE blocks as DeepSeek-V3's, tied ends kept tied."""
+    plan with per-head QK-norms, MoE blocks as DeepSeek-V3's, tied ends kept tied.
+    ``shard_experts``: split every expert over its hidden dimension (``apply_moe_tp``);
+    ``False`` under expert parallel, which holds the routed experts."""
     apply_tp_ends(model, tp_mesh, loss_parallel=loss_parallel)
     # Each end's plan made its own DTensor of a tied weight, both Shard(0) (the vocabulary):
     # make them one parameter again.
@@ -83,7 +88,7 @@ def apply_tp_qwen3(model: Qwen3, tp_mesh: DeviceMesh, *, loss_parallel: bool) ->
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_tp_plan(dense=not block.moe_enabled, **attention))
         if block.moe_enabled:
-            apply_moe_tp(block.moe, tp_mesh)
+            apply_moe_tp(block.moe, tp_mesh, shard_experts=shard_experts)
 
 
 def parallelize_qwen3(
