@@ -62,9 +62,12 @@ from titan_optim.clip import global_grad_norm
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.estimate.host import (
+    GLOO_THREADS,
     RUNTIME_HEAP,
+    GlooBlock,
     cuda_reserved_peak,
     glibc_high_water,
+    gloo_buffers,
     two_steps,
 )
 from titan_train.estimate.pipeline import replay_pipeline_step
@@ -314,6 +317,7 @@ class _Tracker(MemTracker):
         """Every tracked storage's allocation ``(key, bytes)``, resize and free ``(key, 0)``,
         in order (``titan_train.estimate.host`` replays them on a heap)."""
         self._keys = 0
+        self._gloo_calls: dict[str, int] = {}  # collectives per process group so far
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):  # type: ignore[no-untyped-def]
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
@@ -341,7 +345,21 @@ class _Tracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self._propagating:
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        group, in_worker, in_caller = gloo_buffers(func, args)
+        if in_worker or in_caller:
+            # gloo's own blocks, allocated and freed within the call (host.gloo_buffers):
+            # the worker's from one of its group's threads in turn, the caller's from ours.
+            calls = self._gloo_calls.setdefault(group, 0)
+            self._gloo_calls[group] = calls + 1
+            groups = list(self._gloo_calls).index(group)
+            worker = 1 + groups * GLOO_THREADS + calls % GLOO_THREADS
+            for thread, nbytes in ((worker, in_worker), (0, in_caller)):
+                if nbytes:
+                    self._keys += 1
+                    key = GlooBlock(thread, self._keys)
+                    self.events += [(key, nbytes), (key, 0)]
+        return out
 
     # The plain tracker keeps per-module snapshots (deep copies at every module boundary,
     # a loop over all modules at every op): what makes it slow on an 80-block model, and
