@@ -32,8 +32,9 @@ What runs out is more than ``peak`` (``titan_train.estimate.host``): the same re
 the step's allocations, replayed in a real run's order over its first two steps, gives
 
 - ``peak_resident`` (CPU): ``peak`` plus ``host_overhead``, the C library's heap retention
-  (glibc itself serving the allocations) and the runtime's own heap: the process's peak
-  resident growth from before the model is built;
+  (glibc itself serving the allocations, with gloo's collective buffers in its worker
+  threads) and the runtime's own heap: the process's peak resident growth from before the
+  model is built;
 - ``peak_reserved`` (accelerators): a model of torch's CUDA caching allocator's reserved
   peak, untested on a GPU; add the CUDA context and NCCL's buffers (a few GB).
 """
@@ -113,8 +114,8 @@ class MemoryEstimate:
     peak: int
     host_overhead: int = 0
     """On the CPU, what the process needs beyond ``peak``: the host allocator's retention
-    (glibc's heap high water replaying the first two steps, less ``peak``) and the runtime's
-    own heap (``titan_train.estimate.host``)."""
+    (glibc's heap high water replaying the first two steps, gloo's collective buffers
+    included, less ``peak``) and the runtime's own heap (``titan_train.estimate.host``)."""
     peak_resident: int = 0
     """On the CPU, what runs out: the process's peak resident growth, ``peak`` plus
     ``host_overhead`` (measured from just before the model is built; shared libraries and
