@@ -22,10 +22,10 @@ recording of the step's allocations and frees, in order:
   chunk out. ``gloo_buffers`` names them for each collective the simulated step issues;
   the replay serves a worker's blocks from a thread of its own, so from an arena of its
   own (glibc gives each thread one; the main thread's free blocks are never lent to it).
-  On glibc before 2.38, ``posix_memalign`` of a size just freed often does not reuse the
-  freed block (glibc bugs 14581, 30723): measured alone (2 gloo ranks, these thresholds), a
-  rank's resident memory grows by about one output per all-gather of 16 MiB; the replay,
-  being glibc, grows the same.
+  glibc's ``posix_memalign`` (2.36 measured) does not reuse a just-freed block for the same
+  size again (it asks for the size plus the alignment; 4 KiB less is served from it): six
+  all-gathers of 16 MiB on 2 gloo ranks, alone, grow a rank's resident memory by about an
+  output each, and the replay, being glibc, grows the same (192 MiB).
 - **The runtime's own heap (CPU).** ``RUNTIME_HEAP``: what a training process keeps
   besides tensors (a constant of the runtime, measured; see its docstring).
 - **The caching allocator (accelerators).** ``cuda_reserved_peak`` replays the same
