@@ -12,12 +12,20 @@ process. The estimate's ``peak`` (the tensors' live bytes) is shown beside it.
 
     python tools/bench/estimate_accuracy.py                  # everything (~15 min, 2 cores)
     python tools/bench/estimate_accuracy.py --model debug --layouts "1 process" "2-rank FSDP"
+    python tools/bench/estimate_accuracy.py --gloo-alone 16 4 1   # gloo's buffers, alone
+
+``--gloo-alone MiB...``: six all-gathers of that many MiB per rank on 2 gloo ranks (glibc's
+thresholds as ``titan-train`` sets them), each rank's resident growth (``RssAnon``) against
+the estimate's replay of the same calls (``titan_train.estimate.host``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import socket
 
 from titan_models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan_train.config import parse_job_config
@@ -86,13 +94,67 @@ def compare(flavor: str, seq: int, batch: int, layouts: list[str]) -> list[dict]
     return rows
 
 
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"RssAnon:\s+(\d+)", f.read()).group(1)) << 10
+
+
+def _gloo_rank(rank: int, port: int, nbytes: int, calls: int, out: object) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from titan_train.trainer.host_memory import reuse_host_memory
+
+    reuse_host_memory()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    shard, full = torch.ones(nbytes // 4), torch.empty(2 * nbytes // 4)
+    dist.barrier()
+    before = _rss_anon()
+    for _ in range(calls):
+        dist.all_gather_into_tensor(full, shard)
+    dist.barrier()
+    out.put((rank, _rss_anon() - before))
+    dist.destroy_process_group()
+
+
+def gloo_alone(mib: float, calls: int = 6) -> dict:
+    """``calls`` all-gathers of ``mib`` MiB per rank on 2 gloo ranks: each rank's resident
+    growth, and the replay's (each call's flat output in a worker thread, as the estimate
+    records it)."""
+    import torch.multiprocessing as mp
+
+    from titan_train.estimate.host import GLOO_THREADS, GlooBlock, glibc_high_water
+
+    nbytes = int(mib * 2**20)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_gloo_rank, args=(port, nbytes, calls, out), nprocs=2)
+    measured = dict(out.get() for _ in range(2))
+    blocks = [GlooBlock(1 + call % GLOO_THREADS, call) for call in range(calls)]
+    replay = glibc_high_water([e for b in blocks for e in ((b, 2 * nbytes), (b, 0))])
+    return {
+        "all_gather_mib": mib,
+        "calls": calls,
+        "measured_mib": [round(measured[r] / 2**20, 1) for r in range(2)],
+        "replay_mib": None if replay is None else round(replay / 2**20, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["debug", "100M", "both"], default="both")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--gloo-alone", nargs="+", type=float, metavar="MIB")
     args = parser.parse_args()
+    if args.gloo_alone:
+        for mib in args.gloo_alone:
+            print(json.dumps(gloo_alone(mib)), flush=True)
+        return
     flavors = {"debug": ["debugmodel"], "100M": [FLAVOR_100M]}.get(
         args.model, ["debugmodel", FLAVOR_100M]
     )

@@ -32,8 +32,9 @@ What runs out is more than ``peak`` (``titan_train.estimate.host``): the same re
 the step's allocations, replayed in a real run's order over its first two steps, gives
 
 - ``peak_resident`` (CPU): ``peak`` plus ``host_overhead``, the C library's heap retention
-  (glibc itself serving the allocations) and the runtime's own heap: the process's peak
-  resident growth from before the model is built;
+  (glibc itself serving the allocations, with gloo's collective buffers in its worker
+  threads) and the runtime's own heap: the process's peak resident growth from before the
+  model is built;
 - ``peak_reserved`` (accelerators): a model of torch's CUDA caching allocator's reserved
   peak, untested on a GPU; add the CUDA context and NCCL's buffers (a few GB).
 """
@@ -62,9 +63,12 @@ from titan_optim.clip import global_grad_norm
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.estimate.host import (
+    GLOO_THREADS,
     RUNTIME_HEAP,
+    GlooBlock,
     cuda_reserved_peak,
     glibc_high_water,
+    gloo_buffers,
     two_steps,
 )
 from titan_train.estimate.pipeline import replay_pipeline_step
@@ -110,8 +114,8 @@ class MemoryEstimate:
     peak: int
     host_overhead: int = 0
     """On the CPU, what the process needs beyond ``peak``: the host allocator's retention
-    (glibc's heap high water replaying the first two steps, less ``peak``) and the runtime's
-    own heap (``titan_train.estimate.host``)."""
+    (glibc's heap high water replaying the first two steps, gloo's collective buffers
+    included, less ``peak``) and the runtime's own heap (``titan_train.estimate.host``)."""
     peak_resident: int = 0
     """On the CPU, what runs out: the process's peak resident growth, ``peak`` plus
     ``host_overhead`` (measured from just before the model is built; shared libraries and
@@ -314,6 +318,7 @@ class _Tracker(MemTracker):
         """Every tracked storage's allocation ``(key, bytes)``, resize and free ``(key, 0)``,
         in order (``titan_train.estimate.host`` replays them on a heap)."""
         self._keys = 0
+        self._gloo_calls: dict[str, int] = {}  # collectives per process group so far
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):  # type: ignore[no-untyped-def]
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
@@ -341,7 +346,21 @@ class _Tracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self._propagating:
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        group, in_worker, in_caller = gloo_buffers(func, args)
+        if in_worker or in_caller:
+            # gloo's own blocks, allocated and freed within the call (host.gloo_buffers):
+            # the worker's from one of its group's threads in turn, the caller's from ours.
+            calls = self._gloo_calls.setdefault(group, 0)
+            self._gloo_calls[group] = calls + 1
+            groups = list(self._gloo_calls).index(group)
+            worker = 1 + groups * GLOO_THREADS + calls % GLOO_THREADS
+            for thread, nbytes in ((worker, in_worker), (0, in_caller)):
+                if nbytes:
+                    self._keys += 1
+                    key = GlooBlock(thread, self._keys)
+                    self.events += [(key, nbytes), (key, 0)]
+        return out
 
     # The plain tracker keeps per-module snapshots (deep copies at every module boundary,
     # a loop over all modules at every op): what makes it slow on an 80-block model, and

@@ -14,6 +14,18 @@ recording of the step's allocations and frees, in order:
   replays the allocations on glibc itself, in a fresh small process (reserved, not
   touched: no memory used), and reads how far its heap grew; ``two_steps`` orders the
   recording as a real run's first two steps make it.
+- **Collective buffers (gloo, CPU).** torch's ``ProcessGroupGloo`` stages collectives in
+  tensors of its own, from c10's allocator like any other: an all-gather gathers into a
+  flat tensor of the whole output in one of the group's worker threads (2 per group), then
+  copies it into the caller's output; a reduce-scatter clones its whole input in the
+  calling thread, all-reduces the clone (in place, in a worker) and copies this rank's
+  chunk out. ``gloo_buffers`` names them for each collective the simulated step issues;
+  the replay serves a worker's blocks from a thread of its own, so from an arena of its
+  own (glibc gives each thread one; the main thread's free blocks are never lent to it).
+  glibc's ``posix_memalign`` (2.36 measured) does not reuse a just-freed block for the same
+  size again (it asks for the size plus the alignment; 4 KiB less is served from it): six
+  all-gathers of 16 MiB on 2 gloo ranks, alone, grow a rank's resident memory by about an
+  output each, and the replay, being glibc, grows the same (192 MiB).
 - **The runtime's own heap (CPU).** ``RUNTIME_HEAP``: what a training process keeps
   besides tensors (a constant of the runtime, measured; see its docstring).
 - **The caching allocator (accelerators).** ``cuda_reserved_peak`` replays the same
@@ -22,27 +34,98 @@ recording of the step's allocations and frees, in order:
 
 Not modelled: the placement of the runtime's small allocations among the tensors' blocks
 (they keep some holes from merging: the measured heap is a few percent above the replay's),
-per-thread arenas (a rank's OMP and gloo threads, a few MiB), collective libraries'
-internal buffers (gloo's; NCCL's), the CUDA context.
+the arenas of a rank's OMP threads and gloo's own small transport buffers (a few MiB),
+NCCL's buffers, the CUDA context.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 # The runtime's own heap: defined beside the memory check, which counts it too.
 from titan_train.trainer.memory_fit import RUNTIME_HEAP
 
-__all__ = ["RUNTIME_HEAP", "cuda_reserved_peak", "glibc_high_water", "two_steps"]
+__all__ = [
+    "GLOO_THREADS",
+    "RUNTIME_HEAP",
+    "GlooBlock",
+    "cuda_reserved_peak",
+    "glibc_high_water",
+    "gloo_buffers",
+    "two_steps",
+]
+
+GLOO_THREADS = 2
+"""Worker threads of each torch ``ProcessGroupGloo`` (its ``Options.threads`` default)."""
 
 
-def glibc_high_water(events: list[tuple[int, int]]) -> int | None:
+@dataclass(frozen=True)
+class GlooBlock:
+    """The key of a block torch's gloo process group allocates for a collective (not the
+    caller's tensors): ``thread``, 0 for the calling (main) thread, 1 and up for a worker
+    thread; and a number of its own."""
+
+    thread: int
+    number: int
+
+
+def gloo_buffers(func: Any, args: tuple) -> tuple[str, int, int]:
+    """What torch's ``ProcessGroupGloo`` allocates for one collective op on CPU tensors, as
+    (group, bytes allocated in a worker thread, bytes allocated in the calling thread),
+    each freed when the call completes; ``("", 0, 0)`` for any other op. From
+    ``ProcessGroupGloo.cpp``: an all-gather (``_allgather_base``, ``allgather``, coalesced)
+    gathers into one flat tensor of the whole output, in the worker; a reduce-scatter
+    (``_reduce_scatter_base``, coalesced) clones its input in the caller, then all-reduces
+    the clone in place (gloo's ring all-reduce adds no block of that size: measured); an
+    all-reduce works in place. The functional collectives (``_c10d_functional``, TP's)
+    reach the same ops."""
+    namespace = getattr(func, "namespace", "")
+    if namespace not in ("c10d", "_c10d_functional"):
+        return "", 0, 0
+    name = func.__name__.split(".")[0]
+    if namespace == "_c10d_functional":
+        inputs = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+        size = sum(_bytes(t) for t in inputs)
+        if name.startswith("all_gather_into_tensor"):
+            return str(args[2]), size * int(args[1]), 0
+        if name.startswith("reduce_scatter_tensor"):
+            return str(args[3]), 0, size
+        return "", 0, 0
+    if name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
+        outputs = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+        return _group_name(args[2]), sum(_bytes(t) for t in outputs), 0
+    if name == "allgather_":
+        return _group_name(args[2]), sum(_bytes(t) for ts in args[0] for t in ts), 0
+    if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+        inputs = args[1] if isinstance(args[1], list | tuple) else [args[1]]
+        return _group_name(args[2]), 0, sum(_bytes(t) for t in inputs)
+    return "", 0, 0
+
+
+def _bytes(tensor: Any) -> int:
+    return int(tensor.numel()) * int(tensor.element_size())
+
+
+def _group_name(group: Any) -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.ProcessGroup.unbox(group).group_name)
+    except (AttributeError, RuntimeError, TypeError):
+        return "default"
+
+
+def glibc_high_water(events: list[tuple[object, int]]) -> int | None:
     """``heap_high_water`` measured on the C library itself: a fresh Python process serves
     ``events`` with glibc's ``posix_memalign``/``free`` (c10's calls), under the thresholds
     ``titan_train.trainer.host_memory`` sets, and reports how far its heap and mappings grew
-    (``mallinfo2``; the pages are reserved, only their headers touched). ``None`` where this
-    is not Linux with glibc 2.33+ or the process fails."""
+    (``mallinfo2``, all arenas; the pages are reserved, only their headers touched). Blocks
+    keyed by a ``GlooBlock`` of a worker thread are served from a thread of their own (a
+    gloo worker's arena).
+    ``None`` where this is not Linux with glibc 2.33+ or the process fails."""
     import platform
     import struct
     import subprocess
@@ -57,7 +140,10 @@ def glibc_high_water(events: list[tuple[int, int]]) -> int | None:
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    data = b"".join(struct.pack("<qq", key, nbytes) for key, nbytes in _numbered(events))
+    data = b"".join(
+        struct.pack("<qqq", number, nbytes, _thread(key))
+        for (number, nbytes), (key, _) in zip(_numbered(events), events, strict=True)
+    )
     try:
         done = subprocess.run(
             # -I -S: no site packages, no torch: the heap starts as small as Python's.
@@ -74,6 +160,17 @@ def _numbered(events: list[tuple[object, int]]) -> Iterable[tuple[int, int]]:
     numbers: dict[object, int] = {}
     for key, nbytes in events:
         yield numbers.setdefault(key, len(numbers)), nbytes
+
+
+def _unwrap(key: object) -> object:
+    while isinstance(key, tuple) and key and key[0] == "second":
+        key = key[1]
+    return key
+
+
+def _thread(key: object) -> int:
+    key = _unwrap(key)
+    return key.thread if isinstance(key, GlooBlock) else 0
 
 
 def two_steps(
@@ -128,6 +225,7 @@ def cuda_reserved_peak(events: Iterable[tuple[object, int]]) -> int:
     policy (no expandable segments, one stream; NCCL's and the CUDA context's memory are
     the driver's, not counted)."""
     free = {True: _FreeBlocks(), False: _FreeBlocks()}
+    events = [(k, n) for k, n in events if not isinstance(_unwrap(k), GlooBlock)]  # no gloo
     held: dict[object, tuple[int, int, bool]] = {}
     reserved = high = 0
     next_segment = 0
