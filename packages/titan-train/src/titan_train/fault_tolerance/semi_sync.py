@@ -20,7 +20,7 @@ to the average of the groups' weights, as LocalSGD does.
 The keys and their meanings are torchtitan's ``[fault_tolerance]`` ones (its torchft
 experiment), so its TOML carries over; ``outer_lr``, ``outer_momentum`` and
 ``outer_nesterov`` are titan's (torchtitan fixes them at 0.7, 0.9 and Nesterov, titan's
-defaults). torchft's ``LocalSGD`` / ``DiLoCo`` do the work: ``semi_sync_training(run)``
+defaults). torchft's ``LocalSGD`` / ``DiLoCo`` do the work: ``semi_sync_training(...)``
 wraps the training loop in one of them, driven by the optimizer container's step hooks.
 
 Between syncs the groups' weights differ: the shared checkpoint holds the writing group's
@@ -42,8 +42,8 @@ from torch import nn
 from titan_train.errors import ConfigError, check_int, check_number
 
 if TYPE_CHECKING:
-    from titan_train.fault_tolerance import FaultToleranceConfig
-    from titan_train.trainer.build import TrainingRun
+    from titan_optim import Optimizers
+    from titan_train.fault_tolerance import FaultToleranceConfig, ReplicaGroup
 
 __all__ = [
     "METHODS",
@@ -169,7 +169,7 @@ class _TorchOptimizerHooks:
     optimizer: they register step hooks of torch's ``(optimizer, args, kwargs)`` shape,
     the container calls ``hook(container)``."""
 
-    def __init__(self, optimizers: Any) -> None:
+    def __init__(self, optimizers: Optimizers) -> None:
         self._optimizers = optimizers
 
     def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
@@ -179,17 +179,21 @@ class _TorchOptimizerHooks:
         return self._optimizers.register_step_post_hook(lambda opt: hook(opt, (), {}))
 
 
-def semi_sync_training(run: TrainingRun) -> AbstractContextManager[Any]:
-    """The context the training loop runs in: torchft's ``LocalSGD`` or ``DiLoCo`` over
-    ``run``'s model and optimizers when ``fault_tolerance.semi_sync_method`` is set, else a
-    no-op."""
-    config = run.config.fault_tolerance
-    if run.replicas is None or config.semi_sync_method is None:
+def semi_sync_training(
+    config: FaultToleranceConfig,
+    replicas: ReplicaGroup | None,
+    model_parts: list[nn.Module],
+    optimizers: Optimizers,
+) -> AbstractContextManager[Any]:
+    """The context the training loop runs in: torchft's ``LocalSGD`` or ``DiLoCo`` over the
+    model and optimizers when ``config.semi_sync_method`` is set (and ``replicas`` is this
+    process's replica group), else a no-op."""
+    if replicas is None or config.semi_sync_method is None:
         return contextlib.nullcontext()
     from torchft import local_sgd
 
-    (model,) = run.model_parts  # pipeline parallel is refused with fault tolerance
-    manager, optimizer = run.replicas.manager, _TorchOptimizerHooks(run.optimizers)
+    (model,) = model_parts  # pipeline parallel is refused with fault tolerance
+    manager, optimizer = replicas.manager, _TorchOptimizerHooks(optimizers)
     if config.semi_sync_method == "local_sgd":
         return _logged(
             local_sgd.LocalSGD(manager, model, optimizer, sync_every=config.sync_steps),  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,26 @@ class TrainingRun:
     def step_context(self) -> StepContext:
         """How each step drives the parallel plan (``plan.step_context``)."""
         return self.plan.step_context
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The run's layout (``plan.parallel_dims``)."""
+        return self.plan.parallel_dims
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device (``plan.world.device``)."""
+        return self.plan.world.device
+
+    @property
+    def max_norm(self) -> float:
+        """The gradient-clipping norm (``training.max_norm``; 0: off)."""
+        return self.config.training.max_norm
+
+    @property
+    def metrics_fn(self) -> Callable[[Sequence[nn.Module]], Mapping[str, float]] | None:
+        """The model family's own metrics (``plan.spec.metrics_fn``)."""
+        return self.plan.spec.metrics_fn
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:

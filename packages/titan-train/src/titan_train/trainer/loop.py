@@ -188,7 +188,12 @@ def train(run: TrainingRun) -> None:
     try:
         # Semi-synchronous fault tolerance (LocalSGD, DiLoCo) syncs the replica groups from
         # the optimizer's step hooks while inside; otherwise a no-op.
-        with semi_sync_training(run), stop_on_sigterm(run.plan.world.world_size) as sigterm:
+        with (
+            semi_sync_training(
+                run.config.fault_tolerance, run.replicas, run.model_parts, run.optimizers
+            ),
+            stop_on_sigterm(run.plan.world.world_size) as sigterm,
+        ):
             while run.train_state.step < training.steps:
                 started = time.perf_counter()
                 if (run.train_state.step + 1) % training.gc_freq == 0:

@@ -24,27 +24,31 @@ which is the same only when every token is trained (``preflight`` refuses chat d
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from titan_ckpt import CheckpointManager
 from titan_dims import ParallelDims
 from titan_models import ParallelizeConfig, Pipeline, StepContext, plain_loss, reduce_loss
 from titan_models.documents import DocumentMasking
+from titan_optim import LRSchedulersContainer, Optimizers
 from titan_train.data.config import IGNORE_INDEX
-from titan_train.metrics import StepTokens, tokens_of_step
-
-if TYPE_CHECKING:
-    from titan_train.trainer.build import TrainingRun
+from titan_train.fault_tolerance import ReplicaGroup
+from titan_train.metrics import MetricsLogger, StepTokens, tokens_of_step
+from titan_train.trainer.nonfinite import NonFiniteGuard
+from titan_train.trainer.state import TrainState
 
 __all__ = [
     "Batch",
     "LossFn",
     "StepResult",
+    "StepRun",
     "batch_loss",
     "build_loss_fn",
     "cross_entropy_loss",
@@ -136,6 +140,48 @@ class StepResult:
     """The learning rate this step trained with."""
 
 
+class StepRun(Protocol):
+    """What ``train_step`` and ``report_step`` read of a run: ``TrainingRun`` has it all; a
+    loop of your own may pass any object with these attributes."""
+
+    @property
+    def model_parts(self) -> list[nn.Module]: ...
+    @property
+    def pipeline(self) -> Pipeline | None: ...
+    @property
+    def step_context(self) -> StepContext: ...
+    @property
+    def loss_fn(self) -> LossFn: ...
+    @property
+    def documents(self) -> DocumentMasking | None: ...
+    @property
+    def optimizers(self) -> Optimizers: ...
+    @property
+    def schedulers(self) -> LRSchedulersContainer: ...
+    @property
+    def checkpointer(self) -> CheckpointManager: ...
+    @property
+    def train_state(self) -> TrainState: ...
+    @property
+    def nonfinite(self) -> NonFiniteGuard: ...
+    @property
+    def replicas(self) -> ReplicaGroup | None: ...
+    @property
+    def metrics(self) -> MetricsLogger | None: ...
+    @property
+    def dataloader(self) -> object: ...
+    @property
+    def parallel_dims(self) -> ParallelDims: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def pp_mesh(self) -> DeviceMesh | None: ...
+    @property
+    def max_norm(self) -> float: ...
+    @property
+    def metrics_fn(self) -> Callable[[Sequence[nn.Module]], Mapping[str, float]] | None: ...
+
+
 def batch_loss(
     model_parts: list[nn.Module],
     pipeline: Pipeline | None,
@@ -214,11 +260,11 @@ def next_batches(
     return out, time.perf_counter() - started
 
 
-def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
+def train_step(run: StepRun, batches: list[Batch]) -> StepResult:
     """One optimizer step of ``run`` over ``batches`` (its accumulation steps' micro-batches);
     advances ``run.train_state``. Raises ``NonFiniteStepsError`` past the allowed run of
     inf/nan gradient norms, before the step's update."""
-    state, training = run.train_state, run.config.training
+    state = run.train_state
     state.step += 1
     run.optimizers.zero_grad()
     loss = _forward_backward(run, batches)
@@ -229,12 +275,12 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
         mirrored = run.pipeline.mirrored_parameters
     replica_groups = 1 if run.replicas is None else run.replicas.participants()
     tokens = tokens_of_step(
-        sum(labels.numel() for _, labels in batches), run.plan.parallel_dims, replica_groups
+        sum(labels.numel() for _, labels in batches), run.parallel_dims, replica_groups
     )
     grad_norm = None
-    if training.max_norm > 0:
+    if run.max_norm > 0:
         grad_norm = run.optimizers.clip_grad_norm_(
-            training.max_norm, pp_group=run.pp_mesh, mirrored=mirrored
+            run.max_norm, pp_group=run.pp_mesh, mirrored=mirrored
         )
         # Past the limit this raises: before the step's update and its checkpoint.
         run.nonfinite.observe(state.step, grad_norm)
@@ -248,11 +294,11 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
     return StepResult(step=state.step, loss=loss, grad_norm=grad_norm, tokens=tokens, lr=lr)
 
 
-def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | None:
+def _forward_backward(run: StepRun, batches: list[Batch]) -> torch.Tensor | None:
     """Forward and backward of every micro-batch, the loss normalized by the global batch's
     trained tokens (the module docstring); this rank's share of the step's loss (``None``
     on a pipeline rank without the last stage)."""
-    dims = run.plan.parallel_dims
+    dims = run.parallel_dims
     scale = loss_share(dims, trained_tokens([labels for _, labels in batches], dims))
     if run.pipeline is not None:
         # One schedule step over all micro-batches, concatenated: the schedule splits them
@@ -284,17 +330,14 @@ def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | 
     return loss_sum * scale
 
 
-def report_step(
-    run: TrainingRun, result: StepResult, *, started: float, data_seconds: float
-) -> None:
+def report_step(run: StepRun, result: StepResult, *, started: float, data_seconds: float) -> None:
     """Account the step in the metrics. On reporting steps only (``metrics.should_log``) the
     loss is reduced over the ranks and numbers are read on the host: that read waits for
     the device, so the clock is read after it and the step time stays honest."""
     reporting = run.metrics.should_log(result.step)
     loss = grad_norm = None
     if reporting:
-        dims = run.plan.parallel_dims
-        loss = reduce_loss(result.loss, dims, device=run.plan.world.device).item()
+        loss = reduce_loss(result.loss, run.parallel_dims, device=run.device).item()
         grad_norm = None if result.grad_norm is None else float(result.grad_norm)
     run.metrics.log(
         step=result.step,
@@ -309,7 +352,7 @@ def report_step(
     )
 
 
-def _extra_metrics(run: TrainingRun, result: StepResult) -> dict[str, float]:
+def _extra_metrics(run: StepRun, result: StepResult) -> dict[str, float]:
     """Skipped steps (when clipping reads the norm), the tokens taken from each source of a
     dataset mixture, and the model family's own numbers (``ModelSpec.metrics_fn``); read at
     reporting steps only."""
@@ -319,7 +362,7 @@ def _extra_metrics(run: TrainingRun, result: StepResult) -> dict[str, float]:
     tokens_by_source = getattr(run.dataloader, "tokens_by_source", None)
     if tokens_by_source is not None:  # a dataset mixture: tokens taken from each source
         extra.update({f"tokens_seen/{k}": v for k, v in tokens_by_source().items()})
-    metrics_fn = run.plan.spec.metrics_fn
+    metrics_fn = run.metrics_fn
     if metrics_fn is not None:
         extra.update(metrics_fn(run.model_parts))
     return extra
