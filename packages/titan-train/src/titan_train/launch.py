@@ -356,17 +356,11 @@ def destroy_group() -> None:
 
 
 def exit_rank(status: int) -> NoReturn:
-    """End a rank of a multi-process job (started by ``titan-train --nproc-per-node``, i.e.
-    torchrun, or spawned by torch's multiprocessing) once its work returned ``status``:
-    flush what it wrote, then leave without the interpreter's finalization.
-
-    By then the rank has closed its files, threads and checkpointer and destroyed its
-    process group (``destroy_group``), but torch's caches (DTensor's sharding propagation,
-    device meshes) still hold the gloo group. Freed during finalization, its worker threads
-    cannot take the interpreter's lock and now and then abort the rank ("terminate called
-    without an active exception"; pytorch/pytorch#179291) after work that succeeded: the
-    launcher would report the job as failed.
-    """
+    """End a rank of a multi-process job with ``status``: flush, then leave without the
+    interpreter's finalization. torch's caches (DTensor sharding propagation, device
+    meshes) still hold the gloo group, whose threads, freed then, now and then abort a rank
+    whose work succeeded ("terminate called without an active exception";
+    pytorch/pytorch#179291)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         # The reader may have gone away (a closed pipe), or the stream been closed.

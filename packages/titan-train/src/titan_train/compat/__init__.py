@@ -1,33 +1,21 @@
 """torchtitan's configuration keys in titan: where each one lives here, as a table.
 
-torchtitan (its July 2025 ``config_manager.py``, the names its later ``job_config.py``
-introduced, and the command-line flags of its 2026 ``Trainer.Config``: ``hf_assets_path``,
-``[validator]``, ``[profiler]``, token-counted batches) keeps some settings in other sections,
-spells some differently, and has some that titan does not. Every torchtitan key a user may
-set is in ``KEYS``, with one action:
+torchtitan (July 2025 ``config_manager.py``, later ``job_config.py`` names, and 2026's
+``Trainer.Config`` flags) keeps some settings in other sections, spells some differently,
+and has some titan lacks. Every key a user may set is in ``KEYS`` with one action:
 
-- ``move``: the key has a titan place (``checkpoint.enable_checkpoint`` is
-  ``checkpoint.enable``); the value moves there, converted where values are spelled
-  differently (``selective_ac_option = 2`` becomes ``"2"``).
-- ``noop``: the key changes nothing titan computes (``job.print_args``, ``[float8]`` knobs
-  while no float8 converter is asked for, performance-only switches titan lacks); it is
-  accepted and named once in the log with the reason.
-- ``refuse``: the key asks for a feature titan does not have. A value that asks for nothing
-  (``inert``, e.g. ``enable_compiled_autograd = false``) is accepted as a no-op; any other
-  value stops loading with one message saying why and what to use instead.
-- ``batch``: torchtitan 2026 counts a batch in tokens (``num_tokens_per_microbatch_per_dp_rank``,
-  ``num_tokens_per_train_step``) and pipeline microbatches (``num_pp_microbatches``); titan
-  in sequences. These are kept aside (``Translation.batch``) and become
-  ``training.local_batch_size``, ``training.global_batch_size`` and
-  ``pipeline.microbatch_size`` once the run's ``training.seq_len`` and pipeline degree are
-  known (``titan_train.compat.head.resolve_batch``).
+- ``move``: the value moves to its titan key, converted where spelled differently
+  (``checkpoint.enable_checkpoint`` is ``checkpoint.enable``; ``selective_ac_option = 2``
+  becomes ``"2"``).
+- ``noop``: changes nothing titan computes; accepted and named once in the log with why.
+- ``refuse``: asks for a feature titan lacks; an ``inert`` value is a no-op, any other stops
+  loading with one message saying what to use instead.
+- ``batch``: torchtitan 2026's token-counted batches, kept aside (``Translation.batch``)
+  and turned into sequences once ``training.seq_len`` is known (``compat.batch``).
 
-A TOML file that uses any key of the table is read as torchtitan's: where it sets nothing,
-torchtitan's defaults apply wherever they differ from titan's (``TORCHTITAN_DEFAULTS``), so
-the file means what it meant under torchtitan. The same keys work on the command line
-(``--checkpoint.enable_checkpoint``, ``--training.no-compile``, comma lists; read by
-``titan_train.compat.argv``), where they override the file the way any command-line option
-does; they never make a file torchtitan's.
+A TOML file using any key of the table is read as torchtitan's: torchtitan's defaults apply
+where it sets nothing (``TORCHTITAN_DEFAULTS``). The same keys work on the command line
+(``compat.argv``), where they override the file but never make it torchtitan's.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from titan_train.compat import KEYS, Key, lookup, unflatten
-from titan_train.config.loader import ConfigError
+from titan_train.config.loader import ConfigError, pop_options
 
 __all__ = ["pop_preset", "split_argv"]
 
@@ -103,24 +103,9 @@ def pop_preset(argv: Sequence[str]) -> tuple[list[str], tuple[str, str] | None]:
     """Take ``--module M --config F`` (or ``--module=M``, ``--config=F``) out of ``argv``:
     ``(the rest, (M, F))``, or ``None`` when neither is given. One without the other is
     refused, as torchtitan refuses it."""
-    rest: list[str] = []
-    found: dict[str, str] = {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        name, eq, value = args[i].partition("=")
-        i += 1
-        if name not in ("--module", "--config"):
-            rest.append(args[i - 1])
-            continue
-        if not eq:
-            if i >= len(args) or args[i].startswith("--"):
-                raise ConfigError(
-                    f"{name} needs a value, e.g. --module llama3 --config llama3_debugmodel."
-                )
-            value = args[i]
-            i += 1
-        found[name[2:]] = value
+    example = "--module llama3 --config llama3_debugmodel"
+    rest, options = pop_options(argv, lambda key: key in ("module", "config"), example)
+    found = dict(options)
     if not found:
         return rest, None
     if len(found) == 1:

@@ -31,6 +31,7 @@ __all__ = [
     "check_int_ranges",
     "check_type",
     "load_config",
+    "pop_options",
     "read_toml",
     "to_dict",
 ]
@@ -182,6 +183,29 @@ def split_commas(argv: Sequence[str], flags: set[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def pop_options(
+    argv: Sequence[str], wanted: Callable[[str], bool], example: str
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """Take the options ``--name value`` / ``--name=value`` whose name (underscores for
+    dashes, without ``--``) ``wanted`` accepts out of ``argv``: ``(the rest, [(name,
+    value)])``. A missing value raises ``ConfigError`` showing ``example``."""
+    rest: list[str] = []
+    found: list[tuple[str, str]] = []
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        key = _normal_flag(name)[2:] if name.startswith("--") else ""
+        if not key or not wanted(key):
+            rest.append(arg)
+            continue
+        if not eq:
+            value = next(it, None)  # type: ignore[assignment]
+            if value is None or value.startswith("--"):
+                raise ConfigError(f"{name} needs a value, e.g. {example}.")
+        found.append((key, value))
+    return rest, found
 
 
 def _normal_flag(name: str) -> str:

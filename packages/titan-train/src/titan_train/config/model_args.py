@@ -187,14 +187,10 @@ _RUN_ARGS = ("max_seq_len",)
 def check_resumed_model(
     loaded: dict[str, Any] | None, metadata: dict[str, Any], *, source: str | None = None
 ) -> list[str]:
-    """Warn (one log line) when the checkpoint just loaded recorded other model args than this
-    run's, e.g. another ``rope_scaling``: the weights load, but the model computes something
-    else than what was trained. Returns the differences, as ``field: recorded -> now``.
-
-    Compared only for a record of the same model and flavor: args built from another
-    description (an HF config.json) may spell the same shape differently. A torchtitan
-    checkpoint (``source``) records no args: then the RoPE this run applies is stated, with
-    the key that chooses the other (``torchtitan_rope_line``)."""
+    """Warn (one log line) when the loaded checkpoint recorded other model args than this
+    run's (e.g. ``rope_scaling``: the weights load but compute something else); returns the
+    differences as ``field: recorded -> now``. Only for a record of the same model and
+    flavor; a torchtitan checkpoint records none, so the RoPE applied is stated instead."""
     if source == "torchtitan":
         line = torchtitan_rope_line(metadata)
         if line is not None:

@@ -48,16 +48,8 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")
 
 class ChatEncoder:
     """A row of chat data -> ``(ids, trained)``: the conversation's token ids and, per token,
-    whether the loss trains on it (see the module docstring).
-
-    Args:
-        tokenizer: has ``encode_with_offsets`` (titan-train's tokenizers do).
-        template: the chat template.
-        train_on: ``assistant``, ``last_assistant`` or ``all``.
-        columns: the row's columns: ``(messages,)`` or ``(prompt, response)``.
-        name: the dataset's name, for errors.
-        section: the config section of the data keys, for errors.
-    """
+    whether the loss trains on it (module docstring). ``columns``: ``(messages,)`` or
+    ``(prompt, response)``; ``name`` and ``section`` are for errors."""
 
     def __init__(
         self,

@@ -65,15 +65,8 @@ _SPECIAL_KEYS = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token
 
 
 class ChatTemplate:
-    """A chat template ready to render.
-
-    Args:
-        source: the Jinja text.
-        origin: where it came from (errors name it).
-        variables: what the template sees besides ``messages`` and
-            ``add_generation_prompt``: the special tokens' names (``bos_token``,
-            ``eos_token``, ...), as transformers passes them.
-    """
+    """A chat template ready to render: the Jinja ``source``, its ``origin`` (errors name
+    it) and ``variables`` (the special tokens' names, as transformers passes them)."""
 
     def __init__(self, source: str, *, origin: str, variables: dict[str, str]) -> None:
         self.source = source

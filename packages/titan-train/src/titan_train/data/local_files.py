@@ -1,38 +1,26 @@
 """Local JSON-lines, parquet and text files read by data-parallel rank: a rank parses only its
 own rows.
 
-``datasets``' streaming readers parse every row of a file, all its columns, into Arrow
-tables (pyarrow's JSON parser, parquet decoding), and the by-example node split then drops
-the rows of other ranks, so each rank parsed the whole corpus whatever the data-parallel
-degree. These sources give the same documents in the same order, with the same indices
-(document ``i`` is the ``i``-th row over the files in order), while a rank touches other
-ranks' rows only as bytes:
+``datasets``' streaming readers parse every row of a file into Arrow tables and then drop
+other ranks' rows, so each rank parsed the whole corpus. These sources give the same
+documents in the same order and indices, while a rank touches other ranks' rows only as
+bytes:
 
-- JSON lines (``.jsonl``, ``.json`` holding one object per line): raw chunks of ~8 MB cut
-  at line ends; one vectorized pass finds the chunk's newlines (so its rows are located
-  and counted without parsing), and only this rank's lines are ``json.loads``-ed. Blank
-  lines (spaces, tabs, ``\\r`` only) are not rows, as in ``datasets``.
-- Text (``.txt``, ``.md``): paragraphs split, as ``datasets`` splits them, on the bytes;
-  only this rank's are decoded (``datasets`` decoded all and made an Arrow array of them).
-- Parquet: row counts come from the files' metadata, so row groups holding no row of this
-  rank are not read; from the others only the text column is read (decoded whole: parquet
-  pages cannot be decoded by row), and only this rank's rows become Python strings.
+- JSON lines: ~8 MB chunks cut at line ends; one vectorized pass finds the newlines, and
+  only this rank's lines are ``json.loads``-ed. Blank lines are not rows, as in ``datasets``.
+- Text (``.txt``, ``.md``): paragraphs split on the bytes; only this rank's are decoded.
+- Parquet: row counts from the metadata, so row groups without this rank's rows are not
+  read; only the text column is read, only this rank's rows become strings.
 
-Restarting at document ``i`` (a resumed run) counts rows the same way instead of parsing
-them. A local copy of a hub dataset's repository is read so too when ``datasets``
-resolves its ``train`` split to such files (``open_hub_copy``). Compressed files, JSON
-files whose first line is not one object (an array, or an object over several lines) and
-csv files (whose quoted values may hold newlines) keep ``datasets``' reader
-(``open_local_files`` returns ``None``).
+A resume at document ``i`` counts rows the same way instead of parsing them. A local copy
+of a hub dataset is read so too (``open_hub_copy``). Compressed files, JSON that is not one
+object per line and csv keep ``datasets``' reader (``open_local_files`` returns ``None``).
 
-Regions (``iter_region``, the ``contiguous`` shard layout, ``titan_train.data.shards``):
-region ``s`` of ``S`` is the rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of
-the files' ``B`` bytes taken in order (JSON lines, and text, whose rows are paragraphs), or
-the rows ``[s N / S, (s + 1) N / S)`` of the files' ``N`` rows (parquet, whose row counts
-are in the metadata). A region is read from its own bytes (or row groups) alone: a rank
-reading ``1/dp`` of the regions reads ``1/dp`` of the corpus from storage.
-``region_has_rows`` finds out whether a region holds a row by reading a line at a time
-from its start."""
+Regions (``iter_region``, the ``contiguous`` shard layout): region ``s`` of ``S`` is the
+rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of the files' ``B`` bytes (JSON
+lines, text), or rows ``[s N / S, (s + 1) N / S)`` of the ``N`` rows (parquet), read from
+its own bytes (or row groups) alone.
+"""
 
 from __future__ import annotations
 

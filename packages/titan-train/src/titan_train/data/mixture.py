@@ -71,16 +71,9 @@ def source_choices(seed: int, weights: list[float], first: int, count: int) -> l
 
 class MixtureDataLoader(TextDataLoader):
     """``TextDataLoader``'s batches, each window from one of ``sources`` by ``weights``
-    (module docstring). Training data only (infinite).
-
-    Args:
-        sources: the document sources.
-        weights: their weights (finite, >= 0, with a positive sum).
-        names: their names in ``tokens_by_source``.
-        seed: seeds the draw of which source each window comes from.
-        other arguments: as ``TextDataLoader``'s; ``num_shards`` and ``shard_layout``
-            apply to every source.
-    """
+    (module docstring), the draw seeded by ``seed``; ``names`` key ``tokens_by_source``.
+    Training data only (infinite); the other arguments are ``TextDataLoader``'s, applied to
+    every source."""
 
     def __init__(
         self,

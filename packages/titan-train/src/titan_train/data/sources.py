@@ -149,12 +149,9 @@ class _HFSource:
         self, region: int, regions: int, first: int, state: str = ""
     ) -> Iterator[tuple[int, str, str, str]]:
         """``(k, text, before, after)``: ``iter_region``'s rows with ``datasets``' iteration
-        state (``IterableDataset.state_dict``, as JSON) before and after each. Given the
-        ``state`` saved with row ``first`` (its ``before``, or the previous row's
-        ``after``), the region resumes there (``load_state_dict``): ``datasets`` reopens
-        the Arrow table its state points at (read a little before the position, at most a
-        file or two back) and skips to the position; the files before are not opened.
-        Without one, the first ``first`` rows are read past."""
+        state (JSON) before and after each. Given the ``state`` saved with row ``first``
+        the region resumes there (``load_state_dict``; earlier files are not opened);
+        without one the first ``first`` rows are read past."""
         part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
         if state:
             part.load_state_dict(json.loads(state))

@@ -1,31 +1,20 @@
 """Semi-synchronous training with torchft: LocalSGD and DiLoCo as fault-tolerance modes.
 
-With ``fault_tolerance.semi_sync_method`` set, the replica groups no longer average
-gradients every step: each group's optimizer steps on its own gradients, and every
-``fault_tolerance.sync_steps`` optimizer steps the groups meet (one torchft quorum, so a
-group that died and came back joins there and heals from a peer):
+With ``fault_tolerance.semi_sync_method`` set, each replica group's optimizer steps on its
+own gradients, and every ``sync_steps`` steps the groups meet in one torchft quorum (where
+a returning group heals):
 
-- ``local_sgd``: the groups' weights are averaged (LocalSGD, arXiv:1805.09767);
-- ``diloco``: each group's pseudo-gradient (the weights at the last sync minus its weights
-  now) is averaged, and an outer SGD optimizer (``outer_lr``, ``outer_momentum``,
-  ``outer_nesterov``) steps the last synced weights with it (DiLoCo, arXiv:2311.08105).
-  With ``num_fragments`` > 1 the model is cut into that many fragments of whole blocks
-  (embeddings with the first, final norm and output with the last) and one fragment
-  syncs every ``sync_steps / num_fragments`` steps, in turn (Streaming DiLoCo,
-  arXiv:2501.18512).
+- ``local_sgd``: the groups' weights are averaged (arXiv:1805.09767);
+- ``diloco``: the pseudo-gradients (weights at the last sync minus now) are averaged and an
+  outer SGD (``outer_lr``, ``outer_momentum``, ``outer_nesterov``) steps the synced weights
+  (arXiv:2311.08105). ``num_fragments`` > 1 cuts the model into fragments of whole blocks
+  that sync in turn every ``sync_steps / num_fragments`` steps (arXiv:2501.18512).
+  With ``outer_lr = 1`` and ``outer_momentum = 0`` it equals LocalSGD.
 
-Stated equivalence: DiLoCo with ``outer_lr = 1`` and ``outer_momentum = 0`` sets the weights
-to the average of the groups' weights, as LocalSGD does.
-
-The keys and their meanings are torchtitan's ``[fault_tolerance]`` ones (its torchft
-experiment), so its TOML carries over; ``outer_lr``, ``outer_momentum`` and
-``outer_nesterov`` are titan's (torchtitan fixes them at 0.7, 0.9 and Nesterov, titan's
-defaults). torchft's ``LocalSGD`` / ``DiLoCo`` do the work: ``semi_sync_training(...)``
-wraps the training loop in one of them, driven by the optimizer container's step hooks.
-
-Between syncs the groups' weights differ: the shared checkpoint holds the writing group's
-weights (set ``checkpoint.interval`` to a multiple of ``sync_steps`` to save synced ones),
-and the first shared checkpoint is written once the first sync formed a quorum.
+The keys are torchtitan's ``[fault_tolerance]`` ones (titan's outer-optimizer defaults are
+the values torchtitan fixes). torchft's ``LocalSGD`` / ``DiLoCo`` do the work, driven by the
+optimizer container's step hooks. Between syncs the groups' weights differ: the shared
+checkpoint holds the writer's (set ``checkpoint.interval`` to a multiple of ``sync_steps``).
 """
 
 from __future__ import annotations

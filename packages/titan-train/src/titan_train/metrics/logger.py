@@ -68,21 +68,11 @@ _REACHED = "the highest rate training reached"
 
 
 class MetricsLogger:
-    """Reports a training run's metrics every ``config.log_freq`` steps.
-
-    Args:
-        config: what to report and where.
-        dump_folder: the job's output folder; TensorBoard and JSONL files go under it.
-        rank: this process's global rank; only rank 0 writes files unless
-            ``config.save_for_all_ranks``. Every rank logs the console line (at INFO).
-        flops_per_token: training FLOPs per token of the model (forward + backward); 0
-            leaves TFLOPs and MFU out.
-        device: the training device, for memory and the peak FLOP/s of MFU.
-        total_steps: steps of the whole run, for the ETA.
-        heartbeat_s: between reports, a short progress line (step, seconds per step) once
-            this many seconds passed without a console line: slow hardware is not silent
-            for ``log_freq`` steps. The full report keeps its ``log_freq`` schedule.
-    """
+    """Reports a training run's metrics every ``config.log_freq`` steps: every rank logs
+    the console line, only rank 0 writes files (under ``dump_folder``) unless
+    ``config.save_for_all_ranks``. ``flops_per_token`` 0 leaves TFLOPs and MFU out;
+    ``total_steps`` gives the ETA; ``heartbeat_s``: a short progress line between reports
+    once that long passed without one, so slow hardware is not silent."""
 
     def __init__(
         self,
@@ -169,23 +159,10 @@ class MetricsLogger:
         extra: Mapping[str, float] | None = None,
     ) -> dict[str, Any] | None:
         """Account one optimizer step; on reporting steps write everywhere and return the
-        record (else ``None``).
-
-        Args:
-            step: the step just finished (1-based).
-            loss: its loss (averaged over data-parallel ranks if the caller did so); read
-                only on reporting steps (``should_log``), so a caller that does not want to
-                wait for the device passes ``None`` on the others.
-            tokens: tokens of the whole step: every micro-batch of every data-parallel rank
-                and replica group (``titan_train.metrics.tokens_of_step``).
-            step_seconds: wall time of the whole step, data loading included.
-            devices: devices that shared the step's work (all ranks of all replica
-                groups); tokens/s and MFU are per device.
-            data_seconds: the part of it spent waiting for batches.
-            grad_norm: total gradient norm before clipping, if computed.
-            lr: learning rate of the step.
-            extra: more scalars to record (e.g. ``{"validation/loss": 2.3}``).
-        """
+        record (else ``None``). ``loss`` is read only on reporting steps (``should_log``:
+        pass ``None`` on the others, not waiting for the device). ``tokens``: the whole
+        step's (``tokens_of_step``), shared by ``devices``; ``step_seconds`` includes the
+        ``data_seconds`` spent waiting for batches; ``extra``: more scalars to record."""
         window = self._window
         window["steps"] += 1
         window["tokens"] += tokens

@@ -72,14 +72,7 @@ def _config_special_tokens(config: dict) -> list[AddedToken]:
 
 class HuggingFaceTokenizer:
     """A ``tokenizer.json`` file; ``encode`` adds no special tokens besides the BOS/EOS asked.
-
-    Args:
-        path: the ``tokenizer.json`` file.
-        bos_token: name of the beginning-of-text token (it must be in the vocabulary or the
-            config's special tokens); default from ``tokenizer_config.json`` or a known name
-            (``<|begin_of_text|>``, ``<s>``, ...).
-        eos_token: name of the end-of-text token; found the same way.
-    """
+    ``bos_token``/``eos_token`` default to ``tokenizer_config.json``'s, else a known name."""
 
     def __init__(
         self,

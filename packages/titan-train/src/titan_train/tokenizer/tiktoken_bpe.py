@@ -89,15 +89,9 @@ def write_tiktoken_bpe(ranks: Mapping[bytes, int], path: str | os.PathLike[str])
 
 
 class TiktokenTokenizer:
-    """A tiktoken BPE file with Llama 3's special tokens appended after its ranks.
-
-    Args:
-        path: the BPE file (Llama 3's ``original/tokenizer.model``, or one written by
-            ``write_tiktoken_bpe``).
-        special_tokens: names of the special tokens, given ids n, n+1, ... after the n ranks.
-            Must contain ``<|begin_of_text|>`` and ``<|end_of_text|>``. Default: Llama 3's 256.
-        pattern: the pre-tokenization regex; default Llama 3's.
-    """
+    """A tiktoken BPE file with ``special_tokens`` (default Llama 3's 256, which must hold
+    ``<|begin_of_text|>`` and ``<|end_of_text|>``) given ids after its ranks; ``pattern``:
+    the pre-tokenization regex (default Llama 3's)."""
 
     def __init__(
         self,

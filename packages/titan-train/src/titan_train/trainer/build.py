@@ -429,13 +429,9 @@ def _build_model(
 
 
 def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None:
-    """Seed torch's generators for a model whose ``init_weights`` draws from them rather
-    than through ``titan_models.init`` (a third-party family; titan's own draw by name and
-    are unaffected): ``seed`` on every rank of a pipeline stage, so their shards are of one
-    model, but ``seed + pp rank`` per stage: stages that run the same sequence of init ops
-    (every middle stage, and any stage without the embedding) would otherwise draw
-    identical blocks. On accelerators DTensor's own generator, which torch
-    syncs from rank 0 across the whole world, is seeded the same way over the stage's mesh."""
+    """Seed torch's generators (and DTensor's, over the stage's mesh) for a third-party model
+    whose ``init_weights`` draws from them: ``seed + pp rank``, since stages running the same
+    init ops would otherwise draw identical blocks (titan's own families draw by name)."""
     pp_rank = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
     torch.manual_seed(seed + pp_rank)
     if device.type == "cpu" or not dims.layout.names:
@@ -450,12 +446,9 @@ def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None
 def materialization_devices(
     config: JobConfig, device: torch.device
 ) -> tuple[torch.device, torch.device]:
-    """Where the model's parameters and its buffers (the RoPE table) are allocated and
-    initialized: the run's device, except
-    - a seed checkpoint, whose one process holds the whole unsharded fp32 model (beyond ~20B
-      parameters more than a GPU's memory): all on the host, as torchtitan does;
-    - FSDP with CPU offload, whose sharded parameters live on the host: parameters there,
-      buffers (used in every forward) on the device."""
+    """Where parameters and buffers are allocated: the run's device, except all on the host
+    for a seed checkpoint (the whole unsharded fp32 model, as torchtitan does) and the
+    parameters on the host under FSDP CPU offload."""
     host = torch.device("cpu")
     if config.checkpoint.create_seed_checkpoint:
         return host, host

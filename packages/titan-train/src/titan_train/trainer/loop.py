@@ -3,19 +3,12 @@
 run(config)
   1. process group and device (titan-dims detects them: gloo on CPU, NCCL on CUDA)
   2. preflight(config, world): every check before any work -> Plan
-     (titan_train.preflight)
-  3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics ->
-     TrainingRun (titan_train.trainer.build)
-  4. train(run): until the last step, train_step(run, batches) (titan_train.trainer.step), report,
-     validate, checkpoint, under the profiler; on SIGTERM, save the step and stop
-     (titan_train.trainer.preemption)
+  3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics -> TrainingRun
+  4. train(run): until the last step, train_step(run, batches), report, validate,
+     checkpoint, under the profiler; on SIGTERM, save the step and stop
 
-With ``fault_tolerance.enable`` the run is one replica group of a torchft job (see
-``titan_train.fault_tolerance``): the data is sharded over all groups at build time, and the
-optimizer container does the per-step work (quorum, gradient averaging before clipping,
-commit); the loop is the same. With ``fault_tolerance.semi_sync_method`` the loop runs inside
-``titan_train.fault_tolerance.semi_sync``'s LocalSGD or DiLoCo context: groups step alone
-and sync every ``sync_steps`` steps.
+Fault tolerance changes nothing here: torchft's work happens at build time and inside the
+optimizer container, and semi-sync training wraps the loop (``titan_train.fault_tolerance``).
 """
 
 from __future__ import annotations

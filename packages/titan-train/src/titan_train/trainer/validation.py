@@ -61,23 +61,10 @@ class ValidationConfig(DataSource):
 
 
 class Validator:
-    """Computes the validation loss of a model (or of this rank's pipeline stages).
-
-    Args:
-        config: the ``[validation]`` section.
-        tokenizer: the training tokenizer.
-        dims: the run's parallel layout (data is sharded over its data-parallel ranks).
-        dp_rank: this rank's index among the data-parallel ranks.
-        device: where batches go.
-        step_context: the plan's per-step context (context parallel, loss parallel), the
-            one training steps run in; ``None`` builds it from ``dims`` with the default
-            ``ParallelizeConfig``.
-        loss_fn: the summed loss of each batch (the training run's, compiled or not).
-        documents: document masking (the training run's); ``None``: off.
-
-    Under pipeline parallelism the validation batch is split into the schedule's
-    microbatches: ``titan_train.preflight`` checks ``local_batch_size`` divides.
-    """
+    """Computes the validation loss of a model (or of this rank's pipeline stages), its
+    data sharded over the data-parallel ranks of ``dims``. ``step_context``, ``loss_fn`` and
+    ``documents`` are the training run's (``step_context=None``: built from ``dims`` with
+    the default ``ParallelizeConfig``)."""
 
     def __init__(
         self,
