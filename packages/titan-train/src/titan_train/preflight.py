@@ -165,9 +165,8 @@ def preflight(config: JobConfig, world: World) -> Plan:
 
 
 def check_muon_rules(config: JobConfig, spec: ModelSpec) -> None:
-    """With ``optimizer.name = "Muon"`` and a rule putting parameters on Muon, split the
-    model's parameters (built on the meta device: no memory) as the optimizers will, so a
-    parameter Muon cannot orthogonalise is refused (``OptimizerConfigError``) before any work."""
+    """With Muon rules, split the meta model's parameters as the optimizers will, so one
+    Muon cannot orthogonalise is refused (``OptimizerConfigError``) before any work."""
     optimizer = config.optimizer
     if optimizer.name != "Muon" or all(r.optimizer != "Muon" for r in optimizer.param_group_rules):
         return
@@ -252,10 +251,8 @@ def check_model_layout(
 
 
 def checkpoint_cost_warning(config: JobConfig, spec: ModelSpec) -> str | None:
-    """A warning when checkpoints every ``checkpoint.interval`` steps cost more than a run of
-    a large model should pay: titan-train's default (10, sized for its CPU demo) or any
-    interval under 100, with a model of a billion parameters or more. Each save writes the
-    fp32 weights and the AdamW moments: 12 bytes a parameter."""
+    """A warning for a ``checkpoint.interval`` under 100 (the default 10 is sized for the CPU
+    demo) with a model of 1B+ parameters: each save writes 12 bytes a parameter."""
     checkpoint = config.checkpoint
     if not checkpoint.enable or checkpoint.interval >= 100:
         return None
@@ -302,11 +299,8 @@ def check_validation_microbatches(config: JobConfig, microbatches: int) -> None:
 
 
 def check_optimizer_in_backward(config: JobConfig, dims: ParallelDims) -> None:
-    """Raise ``ConfigError`` when ``optimizer.early_step_in_backward`` meets what it cannot
-    work with: each parameter steps during backward, so no global gradient norm exists
-    (clipping), FSDP hands out sharded gradients after backward (bypassing the hook), a
-    pipeline schedule runs a backward per microbatch, and torchft averages gradients after
-    backward."""
+    """``optimizer.early_step_in_backward`` steps each parameter in backward: no clipping
+    (no global norm), FSDP, pipelining or torchft (all act on gradients after backward)."""
     if not config.optimizer.early_step_in_backward:
         return
     conflicts = []
@@ -362,9 +356,8 @@ def checkpoint_settings(config: JobConfig) -> CheckpointConfig:
 
 
 def check_initial_load(config: JobConfig) -> None:
-    """Refuse ``checkpoint.initial_load_path`` with checkpointing off: the manager loads
-    nothing then, so the run would train from random weights while the user believes it
-    starts from theirs (torchtitan skips it without a word)."""
+    """Refuse ``checkpoint.initial_load_path`` with checkpointing off, which would silently
+    train from random weights (as torchtitan does)."""
     checkpoint = config.checkpoint
     if checkpoint.initial_load_path and not checkpoint.enable:
         raise ConfigError(

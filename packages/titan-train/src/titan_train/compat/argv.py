@@ -17,13 +17,8 @@ __all__ = ["pop_preset", "split_argv"]
 
 def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
     """Take torchtitan keys out of a command line: ``(the rest, their values as a nested
-    dict)``, for ``translate(..., cli_values=...)``.
-
-    Accepts torchtitan's spellings: dashes or underscores (``--training.mixed-precision-param``),
-    boolean flags with ``no-``/``no_`` (``--training.no-compile``) or with a value
-    (``--training.compile true``), ``--key=value``, and lists as several values or one
-    comma-separated value.
-    """
+    dict)`` for ``translate``. Takes torchtitan's spellings: dashes or underscores, booleans
+    as ``--x.no-key`` or with a value, ``--key=value``, lists as several or comma values."""
     args = list(argv)
     rest: list[str] = []
     found: dict[str, Any] = {}

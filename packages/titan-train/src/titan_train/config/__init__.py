@@ -1,16 +1,12 @@
 """``JobConfig``: every setting of a training run, as TOML sections.
 
-Each section is the config dataclass of the package that builds the thing it configures
-(``parallelism`` is ``titan_dims.ParallelismConfig``, ``optimizer`` is
-``titan_optim.OptimizerConfig``, ``checkpoint`` is ``titan_ckpt.CheckpointConfig``...);
-the sections owned here describe the job, the model choice, the training loop and
-communication. Section and key names follow torchtitan's; torchtitan's keys that live
-elsewhere here, or that titan does not have, are translated, ignored or refused on load
-(``titan_train.compat``), so a torchtitan TOML loads unchanged.
+Each section is the config dataclass of the package that builds what it configures
+(``parallelism`` is ``titan_dims.ParallelismConfig``...); the sections owned here describe
+the job, the model, the training loop and communication. Names follow torchtitan's, and its
+keys that live elsewhere here are translated, ignored or refused on load (``compat``).
 
-Precedence: ``--section.key value`` on the command line > the TOML file given by
-``--job.config_file`` (which may ``extends = "base.toml"``) > these defaults. The defaults
-train the Llama 3 debug model on the embedded corpus, on whatever device exists.
+Precedence: the command line > the ``--job.config_file`` TOML (which may ``extends`` a base)
+> these defaults, which train the Llama 3 debug model on the embedded corpus.
 """
 
 from __future__ import annotations

@@ -74,15 +74,10 @@ def load_config(
     translate: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
     preset: tuple[str, Mapping[str, Any]] | None = None,
 ) -> T:
-    """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named by
-    ``config_file_flag`` in ``argv`` (passed through ``translate(values, source)`` first,
-    e.g. to move keys of another tool's spelling), and the other ``--section.key value``
-    arguments. ``preset`` is ``(name, values)`` read in place of a file (a named
-    configuration); giving the file flag too is refused.
-
-    Raises ``ConfigError`` for bad TOML content; ``tyro`` exits with status 2 (after one
-    message) for bad command-line arguments, and prints ``--help``.
-    """
+    """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named
+    by ``config_file_flag`` (or ``preset``, ``(name, values)``, never both), passed through
+    ``translate(values, source)``, and the other ``--section.key value`` arguments. Bad TOML
+    raises ``ConfigError``; tyro exits 2 on a bad argument and prints ``--help``."""
     import tyro
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -218,20 +213,11 @@ _RST_LITERAL = re.compile(r"``")
 
 @contextlib.contextmanager
 def _plain_docstrings() -> Iterator[None]:
-    """Let tyro read docstrings without reST's double backticks, so that help shows plain
-    text with each paragraph's lines joined (tyro keeps a line break before any line that
-    starts with a backtick or a digit). This hooks tyro's line joiner, a private function;
-    where a tyro version has none, help shows the docstrings as written (the CLI's help test
-    says so)."""
-    try:
-        from tyro import _strings
-    except ImportError:  # pragma: no cover - another tyro layout
-        yield
-        return
-    original = getattr(_strings, "remove_single_line_breaks", None)
-    if original is None:  # pragma: no cover
-        yield
-        return
+    """Help as plain text, each paragraph's lines joined, by hooking tyro's private line
+    joiner (it keeps a break before a line starting with a backtick or a digit)."""
+    from tyro import _strings
+
+    original = _strings.remove_single_line_breaks
 
     def plain(text: str) -> str:
         # Join the lines of each paragraph; keep blank lines and list items ("- ...").

@@ -62,10 +62,8 @@ def hub_unreachable() -> str | None:
 def hub_dataset_problem(
     repo_id: str,
 ) -> tuple[Literal["unreachable", "missing"], str] | None:
-    """``None`` when the hub serves the dataset ``repo_id``; else ``("unreachable", why)``
-    (offline, or no good answer) or ``("missing", why)`` (the hub answered that it has no
-    such dataset this machine may read), ``why`` a short phrase. One request, no retries;
-    ``huggingface_hub``'s and ``datasets``' loggers are quiet meanwhile."""
+    """``None`` when the hub serves ``repo_id``; else ``("unreachable", why)`` or
+    ``("missing", why)``. One request, no retries, the hub loggers quiet."""
     offline = hub_unreachable()
     if offline is not None:
         return "unreachable", offline

@@ -44,8 +44,7 @@ __all__ = [
 _CHUNK = 8 << 20
 """Bytes read at a time (then to the end of the line)."""
 _REGION_CHUNK = 1 << 20
-"""Bytes a region reads at a time: each of a rank's shards keeps its own region's chunk
-while the others are read (64 shards at dp 1: 64 MiB)."""
+"""Bytes a region reads at a time (each shard holds one: 64 MiB for 64 shards at dp 1)."""
 _SCHEMA_CHUNK = 10 << 20
 """``datasets`` infers a JSON file's columns from its first 10 MB (then to the line end)."""
 _BATCH = 8192
@@ -55,9 +54,8 @@ _WS = (32, 9, 13)
 """Space, tab, CR: the bytes a blank line (which pyarrow skips) may hold."""
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
 _PARAGRAPH_BREAK = re.compile(rb"(?:\r\n?+|\n)(?:\r\n?+|\n)")
-"""Two line ends: what ends a paragraph of a text file, on its raw bytes. ``\n?+`` is
-possessive so that a ``\r\n`` is one line end, never a ``\r`` and a ``\n`` (and the
-pattern starts with a set of two bytes, which the scan looks for fast)."""
+"""Two line ends: what ends a paragraph, on raw bytes (``\n?+`` is possessive, so that
+``\r\n`` is one line end, never a ``\r`` and a ``\n``)."""
 
 
 def _one_line_end(text: bytes) -> bytes:
@@ -74,8 +72,7 @@ def open_local_files(
     columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
     """The rank-aware source of local ``files`` of ``builder``'s format, or ``None`` where
-    ``datasets``' streaming reader must stay (see the module docstring). With ``columns``
-    (chat data) a document is the row's values of those columns, a dict."""
+    ``datasets``' reader must stay. With ``columns`` (chat data) a document is a dict."""
     if any(f.endswith(_COMPRESSED) for f in files):
         return None
     if builder == "parquet":
@@ -95,12 +92,9 @@ def open_hub_copy(
     section: str,
     columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
-    """The rank-aware source ``name`` of a local copy of a hub dataset's repository (the
-    folder ``path``, config ``subset``), or ``None`` where ``datasets``' reader must stay.
-
-    ``datasets`` resolves the copy's ``train`` files (its layout and configs); when they
-    are plain local jsonl or parquet files, read with no option that changes their rows,
-    they are read here in that order."""
+    """The rank-aware source of a local copy of a hub dataset (folder ``path``, config
+    ``subset``) whose ``train`` files, as ``datasets`` resolves them, are plain jsonl or
+    parquet; else ``None`` (``datasets``' reader stays)."""
     import datasets
 
     try:
@@ -123,8 +117,7 @@ def open_hub_copy(
 
 
 def _is_json_lines(path: str) -> bool:
-    """Whether ``path``'s first non-blank line is one JSON object (or it has none): else it
-    may be a JSON array or an object over several lines, which ``datasets`` reads whole."""
+    """Whether ``path``'s first non-blank line is one JSON object (or it has none)."""
     with open(path, "rb") as f:
         head = f.read(1 << 16).removeprefix(_BOM)
         while head and not head.strip(b" \t\r\n"):
@@ -142,8 +135,8 @@ def _is_json_lines(path: str) -> bool:
 
 
 class _RowSource:
-    """Shared by the two sources: documents ``i = start, start + stride, ...`` of the rows
-    over all files in order; subclasses read one file's rows."""
+    """Documents ``i = start, start + stride, ...`` of the rows over all files in order;
+    subclasses read one file's rows."""
 
     def __init__(
         self,
@@ -169,8 +162,7 @@ class _RowSource:
         return (text for _, text in self.iter_strided(index, 1))
 
     def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
-        """``(i, text)`` of documents ``i = start, start + stride, ...``; the other rows
-        are not parsed."""
+        """``(i, text)`` of documents ``i = start, start + stride, ...``, the others unparsed."""
         if start < 0 or stride < 1:
             raise ValueError(f"start={start}, stride={stride}: need start >= 0, stride >= 1")
         first, want = 0, start  # index of the file's first row; the next index to yield
@@ -185,15 +177,14 @@ class _RowSource:
     def _file_rows(
         self, path: str, first: int, want: int, stride: int
     ) -> Iterator[tuple[int, list[str]]]:
-        """Per piece of ``path`` (whose first row has index ``first``): its number of rows
-        and the texts of rows ``want, want + stride, ...`` in it."""
+        """Per piece of ``path`` (first row ``first``): its row count and rows ``want, want +
+        stride, ...`` in it."""
         raise NotImplementedError
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
-        ``regions``: the rows whose first byte is in the region's share of the files' bytes
-        (the module docstring). The region's earlier rows are counted, not parsed, and no
-        byte of another region is read but the ends of the rows crossing its edges."""
+        """``(k, text)`` of rows ``k = first, ...`` of region ``region`` of ``regions`` (module
+        docstring); earlier rows counted, not parsed; no other region's bytes read but the
+        ends of rows crossing its edges."""
         row = 0  # the region's next row
         for path, begin, end in self._byte_spans(region, regions):
             for rows in self._region_rows(path, begin, end, _REGION_CHUNK):
@@ -204,8 +195,7 @@ class _RowSource:
                 row += len(rows)
 
     def region_has_rows(self, region: int, regions: int) -> bool:
-        """Whether region ``region`` of ``regions`` holds a row: found reading a line at a
-        time from its start, so an empty region is known before any training."""
+        """Whether a region holds a row, read a line at a time from its start."""
         spans = self._byte_spans(region, regions)
         return any(rows for path, a, b in spans for rows in self._region_rows(path, a, b, 1))
 
@@ -223,8 +213,7 @@ class _RowSource:
         return spans
 
     def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
-        """The raw rows of ``path`` that start in ``[begin, end)``, reading about ``size``
-        bytes at a time (the formats read by bytes)."""
+        """The raw rows of ``path`` starting in ``[begin, end)``, ~``size`` bytes at a time."""
         raise NotImplementedError
 
     def _row_text(self, raw: bytes, path: str, index: int) -> str:
@@ -243,13 +232,9 @@ class _RowSource:
 
 
 class JsonLinesSource(_RowSource):
-    """Local JSON-lines files, one document per non-blank line (see the module docstring).
-
-    A row without the text column, or with ``null`` there, gives the document ``"None"``
-    when the column exists in the first 10 MB of the first file (``datasets`` fills the
-    missing value with ``None`` and ``str`` makes it ``"None"``); else it is the error
-    ``datasets``' path raises, naming the columns.
-    """
+    """Local JSON-lines files, one document per non-blank line. A row without the text
+    column gives ``"None"`` when the column is in the first 10 MB (as ``datasets`` fills
+    it), else ``datasets``' error naming the columns."""
 
     _columns: list[str] | None = None
     """The columns ``datasets`` would infer (``_first_columns``), once found."""
@@ -273,8 +258,8 @@ class JsonLinesSource(_RowSource):
             first, want = first + count, want + stride * len(texts)
 
     def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
-        """The lines of ``path`` that start in ``[begin, end)`` and are rows, a list per
-        piece of about ``size`` bytes of whole lines (the last line read to its end)."""
+        """The non-blank lines of ``path`` starting in ``[begin, end)``, a list per ~``size``
+        bytes of whole lines."""
         with open(path, "rb") as f:
             if begin > 0:
                 f.seek(begin - 1)
@@ -343,8 +328,8 @@ class JsonLinesSource(_RowSource):
 
 
 def _row_bounds(chunk: bytes) -> tuple[Any, Any]:
-    """Where each row of ``chunk`` (whole lines) starts and ends, blank lines left out:
-    one vectorized pass finds the newlines, so rows are located without being parsed."""
+    """Where each non-blank row of ``chunk`` (whole lines) starts and ends: one vectorized
+    pass over the newlines."""
     import numpy as np
 
     data = np.frombuffer(chunk, np.uint8)
@@ -363,8 +348,7 @@ def _row_bounds(chunk: bytes) -> tuple[Any, Any]:
 
 
 def _chunks(path: str, size: int) -> Iterator[bytes]:
-    """``path``'s bytes in pieces of about ``size``, each ending at a line end (or the end
-    of the file), without a leading BOM."""
+    """``path``'s bytes in ~``size`` pieces ending at line ends, without a leading BOM."""
     with open(path, "rb") as f:
         start = True
         while chunk := f.read(size):
@@ -377,8 +361,8 @@ def _chunks(path: str, size: int) -> Iterator[bytes]:
 
 
 class ParquetSource(_RowSource):
-    """Local parquet files, one document per row (see the module docstring). A first file
-    that is not parquet is an error when the source is made, as ``datasets`` raised it."""
+    """Local parquet files, one document per row; a first file that is not parquet fails
+    when the source is made."""
 
     def __init__(
         self,
@@ -448,9 +432,8 @@ class ParquetSource(_RowSource):
                 first, want = first + rows, want + stride * len(own)
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
-        ``regions``: its share of the rows by the files' row counts; only the row groups
-        holding its rows are read, only its rows become strings."""
+        """``iter_region`` by the files' row counts: only row groups holding its rows are
+        read, only its rows become strings."""
         import pyarrow as pa
 
         counts, (low, high) = self._row_span(region, regions)
@@ -488,11 +471,9 @@ class ParquetSource(_RowSource):
 
 
 class TextSource(_RowSource):
-    """Local text files, one document per paragraph: the pieces between blank lines
-    (``"\\n\\n"`` once ``"\\r\\n"`` and ``"\\r"`` read as ``"\\n"``), empty pieces left out,
-    as ``datasets``' text reader with ``sample_by="paragraph"`` splits them. The split is
-    done on bytes, and only this rank's paragraphs are decoded (``datasets`` decoded the
-    whole file and made an Arrow array of every paragraph)."""
+    """Local text files, one document per non-empty paragraph (split at blank lines, any line
+    ends), as ``datasets``' ``sample_by="paragraph"`` splits them; only this rank's
+    paragraphs are decoded."""
 
     def _file_rows(
         self, path: str, first: int, want: int, stride: int
@@ -512,15 +493,10 @@ class TextSource(_RowSource):
             yield 1, [self._decode(rest, path)] if want == first else []
 
     def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
-        """The raw bytes of the paragraphs of ``path`` that start in ``[begin, end)``, a list
-        per piece of about ``size`` bytes read.
-
-        Paragraphs are split on the raw bytes by ``_PARAGRAPH_BREAK`` (two line ends, each
-        ``\\r\\n``, ``\\r`` or ``\\n``), which cuts where ``_file_rows``' split of the text
-        with ``\\n`` line ends cuts. Scanning left to right, where a break is depends on the
-        line ends before it only back to the last byte that is no line end: so the scan
-        starts there (at ``begin`` itself when the byte before it is one), and the piece it
-        starts in began before it unless it is the file's first."""
+        """The raw paragraphs of ``path`` that start in ``[begin, end)``, a list per ~``size``
+        bytes read, cut by ``_PARAGRAPH_BREAK`` where ``_file_rows`` cuts. A break depends on
+        the line ends before it only back to the last other byte, so the scan starts there,
+        and its first piece began before it unless it is the file's first."""
         with open(path, "rb") as f:
             scan = self._after_text(f, begin)
             f.seek(scan)

@@ -156,9 +156,8 @@ def check_fault_tolerance(
     create_seed_checkpoint: bool = False,
     environ: Any = None,
 ) -> None:
-    """Raise ``ConfigError`` if ``config`` (when enabled) cannot run with layout ``dims``,
-    with ``checkpoint.create_seed_checkpoint``, or without a lighthouse to talk to; checked
-    before any work."""
+    """``ConfigError`` if ``config`` cannot run with layout ``dims``, a seed checkpoint, or
+    without a lighthouse."""
     if not config.enable:
         return
     if create_seed_checkpoint:
@@ -238,10 +237,8 @@ class ReplicaGroup:
         return self.replica_id * dp_degree + dp_rank, self.config.group_size * dp_degree
 
     def wrap_optimizers(self, optimizers: Any) -> Any:
-        """``optimizers`` driven by the manager (quorum on ``zero_grad``, gradient averaging
-        in ``clip_grad_norm_`` / ``step``, commit on ``step``). Their state reaches
-        recovering peers through the checkpointer's callbacks, so it is not registered a
-        second time."""
+        """``optimizers`` driven by the manager (their state reaches recovering peers through
+        the checkpointer's callbacks, so it is not registered twice)."""
         from titan_optim import FTOptimizersContainer
 
         if self.config.semi_sync_method is not None:

@@ -49,9 +49,7 @@ METHODS = ("local_sgd", "diloco")
 
 
 def check_semi_sync_fields(config: FaultToleranceConfig) -> None:
-    """Raise ``ConfigError`` for semi-sync keys out of range or combined impossibly (the
-    checks that need only the section; the model's and device's come in
-    ``check_semi_sync``)."""
+    """``ConfigError`` for semi-sync keys out of range or combined impossibly."""
     ft = "fault_tolerance"
     check_int(f"{ft}.sync_steps", config.sync_steps, minimum=1, hint="optimizer steps per sync")
     check_int(f"{ft}.num_fragments", config.num_fragments, minimum=1, hint="model fragments")
@@ -119,10 +117,8 @@ def check_semi_sync(config: FaultToleranceConfig, *, n_layers: int, device_type:
 
 
 def model_fragments(model: nn.Module, num_fragments: int) -> list[nn.Module]:
-    """``model`` cut into ``num_fragments`` modules (views that share its parameters): the
-    ``layers`` blocks in equal consecutive runs, the children registered before ``layers``
-    (embeddings) with the first fragment and those after (final norm, output) with the
-    last. One fragment is the model itself."""
+    """``model`` cut into ``num_fragments`` views of equal runs of its ``layers``, the
+    children before them with the first and those after with the last."""
     if num_fragments == 1:
         return [model]
     blocks = getattr(model, "layers", None)

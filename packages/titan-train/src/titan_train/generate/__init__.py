@@ -105,15 +105,9 @@ def generate(
     on_token: TokenCallback | None = None,
     multiple: int = 1,
 ) -> list[list[int]]:
-    """The tokens generated after each prompt (end-of-text included when reached).
-
-    ``vocab_size``: sample only ids below it (a model whose output is wider than its
-    tokenizer's vocabulary). With a process group of several ranks (tensor parallel), every
-    rank runs the model and rank 0's choice of each token is the one all take.
-    ``multiple``: feed the model sequences whose length is a multiple of it (the
-    tensor-parallel degree of a plan with sequence parallel), padding them with masked
-    slots; needs the KV cache.
-    """
+    """The tokens generated after each prompt (end-of-text included when reached), sampled
+    below ``vocab_size``. Under tensor parallel every rank takes rank 0's token; ``multiple``
+    pads sequences to a multiple of it (sequence parallel; needs the KV cache)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("Every prompt needs at least one token.")
     generator = None

@@ -1,12 +1,9 @@
 """``MetricsLogger``: the training run's numbers, every ``log_freq`` steps, to the console,
 TensorBoard, a JSONL file and (optionally) Weights & Biases.
 
-Throughput, MFU and the data-loading share are averaged over the steps since the last
-report, so one slow step (a checkpoint save, a compile) shows up once and then washes out.
-Throughput is per device: the step's tokens (all data-parallel ranks and replica groups)
-divided by its seconds and by the devices that shared it, as torchtitan counts it; each
-record also holds ``global_tokens`` and ``devices``, so ``tps * devices`` equals
-``global_tokens / step_s`` exactly.
+Throughput, MFU and the data share are averaged over the steps since the last report, so a
+slow step (a save, a compile) washes out. Throughput is per device, as torchtitan counts
+it; ``tps * devices`` equals the record's ``global_tokens / step_s``.
 """
 
 from __future__ import annotations
@@ -38,15 +35,13 @@ _COLOR_TERMINAL = sys.stderr.isatty()
 
 
 def memory_gib(device: torch.device | str | None = None) -> tuple[float, str]:
-    """(GiB, what was measured): peak reserved memory of an accelerator since the last
-    call, else this process's resident set size (``device_memory`` has every number)."""
+    """(GiB, what): an accelerator's peak reserved memory since the last call, else RSS."""
     numbers, kind = device_memory(device)
     return numbers["memory_gib"], kind
 
 
 def _eta_text(seconds: float) -> str:
-    """``seconds`` as ``timedelta`` prints it, or in days past the longest one (a run of
-    2**63 steps): the console line never overflows."""
+    """``seconds`` as ``timedelta`` prints it, in days past its range (never overflows)."""
     if seconds < timedelta.max.days * 86400:
         return str(timedelta(seconds=round(seconds)))
     return f"{seconds / 86400:.3g} days"
@@ -237,11 +232,9 @@ class MetricsLogger:
         return record, memory_kind
 
     def _raise_peak(self, achieved: float) -> None:
-        """Make the peak at least ``achieved`` FLOP/s: a device that reached it can reach it,
-        so a peak below is wrong (a probe slowed by other work on a shared host, a table row
-        of another variant, a low ``metrics.peak_flops``), and MFU above 100% would be
-        false. Said once, with the numbers, as a warning; later raises (the rate creeping up
-        as a run warms) only at debug level."""
+        """Raise the peak to ``achieved`` FLOP/s when above it (a slowed probe, another
+        variant's table row, a low ``metrics.peak_flops``): MFU over 100% would be false.
+        Warned once; later raises at debug level."""
         if self.peak_flops is None or achieved <= self.peak_flops:
             return
         raised_before = self._peak_source == _REACHED

@@ -113,38 +113,25 @@ class TiktokenTokenizer:
             mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
         )
-        self._bos_id = self.special_tokens["<|begin_of_text|>"]
-        self._eos_id = self.special_tokens["<|end_of_text|>"]
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        """Id of ``<|begin_of_text|>``."""
+        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        """Id of ``<|end_of_text|>``."""
 
     @property
     def vocab_size(self) -> int:
         """Ranks in the file plus special tokens."""
         return self._encoding.n_vocab
 
-    @property
-    def bos_id(self) -> int:
-        """Id of ``<|begin_of_text|>``."""
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int:
-        """Id of ``<|end_of_text|>``."""
-        return self._eos_id
-
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Ids of ``text``; special-token names inside it are encoded as ordinary text, so a
         document can never inject a BOS/EOS of its own."""
         ids = self._encoding.encode_ordinary(text)
-        if bos:
-            ids.insert(0, self._bos_id)
-        if eos:
-            ids.append(self._eos_id)
-        return ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """Ids of ``text`` with special-token names read as the special tokens (as a chat
-        template writes them), and where in ``text`` each token starts (a token starting
-        inside a character: that character's start)."""
+        """Ids of ``text`` with special-token names read as the special tokens, and where
+        each token starts (inside a character: that character's start)."""
         ids = self._encoding.encode(text, allowed_special="all")
         _, starts = self._encoding.decode_with_offsets(ids)
         return ids, starts

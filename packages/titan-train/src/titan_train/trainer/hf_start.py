@@ -56,10 +56,8 @@ def _starts_from_hf(config: JobConfig) -> str | None:
 
 
 def run_vocab_size(config: JobConfig, tokenizer_vocab: int) -> int:
-    """The vocabulary the run's model is built with: the tokenizer's, or, starting from a
-    Hugging Face folder whose ``config.json`` has a larger ``vocab_size`` (padded rows), that
-    one. Raises ``CheckpointConfigError`` when the folder's is smaller than the tokenizer's
-    (its embedding has no row for some tokens)."""
+    """The vocabulary the model is built with: the tokenizer's, or a larger (padded) one of
+    the Hugging Face folder it starts from; ``CheckpointConfigError`` when that is smaller."""
     path = _starts_from_hf(config)
     if path is None:
         return tokenizer_vocab
@@ -80,9 +78,7 @@ def run_vocab_size(config: JobConfig, tokenizer_vocab: int) -> int:
 
 def check_initial_hf_load(config: JobConfig, spec: ModelSpec, *, max_seq_len: int) -> None:
     """Raise ``CheckpointConfigError`` unless the HF folder this run starts from holds the
-    model it builds (see the module docstring); nothing to check without
-    ``checkpoint.initial_load_in_hf``. Loads the tokenizer (for the vocabulary, see
-    :func:`run_vocab_size`) and builds the model on the meta device."""
+    model it builds (module docstring); loads the tokenizer, builds on the meta device."""
     path = _starts_from_hf(config)
     if path is None:
         return

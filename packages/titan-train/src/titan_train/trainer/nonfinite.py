@@ -36,9 +36,8 @@ class NonFiniteGuard:
         """Non-finite steps skipped in this process, in all."""
 
     def observe(self, step: int, grad_norm: torch.Tensor | float | None) -> bool:
-        """Account ``step``; True if its update is skipped. Raises ``NonFiniteStepsError``
-        when this makes more than ``limit`` in a row. ``grad_norm`` may be a tensor on the
-        device (a scalar)."""
+        """Account ``step`` (``grad_norm`` may be a device scalar); True if its update is
+        skipped; raises ``NonFiniteStepsError`` past ``limit`` in a row."""
         if grad_norm is None:
             self.consecutive = 0
             return False

@@ -109,10 +109,8 @@ def _noted(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def stop_on_sigterm(world_size: int = 1) -> Iterator[StopSignal]:
-    """Catch SIGTERM while inside; the ``StopSignal`` says when to stop. With
-    ``world_size`` > 1 a collective: every rank enters it (it makes the gloo group the ranks
-    agree over). Outside the main thread, where Python cannot handle signals, nothing is
-    caught. The previous handler and wakeup fd are restored on the way out."""
+    """Catch SIGTERM while inside (not outside the main thread); the ``StopSignal`` says when
+    to stop. A collective with ``world_size`` > 1 (it makes the ranks' gloo group)."""
     group = None
     if world_size > 1:
         import torch.distributed as dist

@@ -137,9 +137,8 @@ class Profiler:
             self._dump_snapshot(f"iteration_{self._step}")
 
     def snapshot_on_oom(self, step: int) -> str | None:
-        """Dump a memory snapshot after step ``step`` ran out of device memory (call it in
-        the handler, before the error ends the run); the file's path, or ``None`` when off
-        or not on an accelerator. A failure to dump is logged, never raised over the OOM."""
+        """Dump a memory snapshot after step ``step`` ran out of device memory; the path, or
+        ``None`` when off or on CPU. A failed dump is logged, never raised over the OOM."""
         if not self.config.memory_snapshot_on_oom or self._memory is None:
             return None
         try:
@@ -185,9 +184,8 @@ class Profiler:
 
 
 def memory_history(device: torch.device) -> ModuleType | None:
-    """The memory module of ``device``'s torch module (``torch.cuda.memory`` on CUDA and
-    ROCm, likewise for other accelerators) when it records allocator history and takes
-    snapshots; ``None`` on CPU and on devices without."""
+    """``device``'s torch memory module (``torch.cuda.memory``...) when it records allocator
+    history; ``None`` on CPU and devices without."""
     if device.type in ("cpu", "meta"):
         return None
     try:
