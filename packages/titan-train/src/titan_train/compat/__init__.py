@@ -338,11 +338,9 @@ TORCHTITAN_DEFAULTS: Mapping[str, Any] = {
     "validation.seq_len": 2048,
     "fault_tolerance.process_group": "gloo",
 }
-"""torchtitan's defaults (July 2025) where titan-train's differ, by titan key: a file read as
-torchtitan's gets these where it sets nothing. Not carried over: paths of torchtitan's own
-repository (``job.dump_folder``, ``model.tokenizer_path``, ``training.dataset``,
-``validation.dataset``) and
-``training.seed`` (torchtitan: unset, titan: 0)."""
+"""torchtitan's defaults (July 2025) where titan-train's differ, by titan key, for a file
+read as torchtitan's. Not carried over: paths of torchtitan's repository (dump folder,
+tokenizer, datasets) and ``training.seed`` (torchtitan: unset, titan: 0)."""
 
 
 def check_supported(model_converters: Sequence[str] | None, param_dtype: str) -> None:
@@ -434,12 +432,9 @@ def translate(
     source: str = "the command line",
     defaults: Mapping[str, Any] = TORCHTITAN_DEFAULTS,
 ) -> Translation:
-    """Translate a TOML dict (``file_values``) and torchtitan command-line keys
-    (``cli_values``, which win) into titan's keys; raises ``ConfigError`` for a refused key.
-
-    A file that uses any key of ``KEYS`` gets ``defaults`` (torchtitan's of July 2025) where
-    neither it nor the command line sets the titan key.
-    """
+    """Translate a TOML dict and torchtitan command-line keys (``cli_values``, which win)
+    into titan's keys (``ConfigError`` for a refused key); a file using any key of ``KEYS``
+    gets ``defaults`` where neither sets the titan key."""
     moved: dict[str, str] = {}
     ignored: dict[str, str] = {}
     batch: dict[str, Any] = {}

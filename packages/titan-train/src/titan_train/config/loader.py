@@ -217,7 +217,10 @@ def _plain_docstrings() -> Iterator[None]:
     joiner (it keeps a break before a line starting with a backtick or a digit)."""
     from tyro import _strings
 
-    original = _strings.remove_single_line_breaks
+    original = getattr(_strings, "remove_single_line_breaks", None)
+    if original is None:  # another tyro layout: help shows the docstrings as written
+        yield
+        return
 
     def plain(text: str) -> str:
         # Join the lines of each paragraph; keep blank lines and list items ("- ...").
