@@ -21,7 +21,6 @@ import copy
 import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -191,14 +190,8 @@ def _train_group(replica: int, model: Llama3, batches: list, lighthouse: str) ->
     local, synced = [], []  # the weights after each step, before and after the sync hook
     # Registered before the semi-sync context's hook, so it runs first: the local weights.
     optimizers.register_step_post_hook(lambda _: local.append(_params(model)))
-    run = SimpleNamespace(
-        config=SimpleNamespace(fault_tolerance=config),
-        replicas=replicas,
-        model_parts=[model],
-        optimizers=optimizers,
-    )
     try:
-        with semi_sync_training(run):
+        with semi_sync_training(config, replicas, [model], optimizers):
             for inputs, labels in batches:
                 optimizers.zero_grad()
                 functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).backward()

@@ -1,27 +1,20 @@
 """Launching ranks: titan-train's launcher flags, turned into a ``torch.distributed.run``
-(torchrun) command line. titan has no launcher of its own: torch's elastic agent starts,
-watches and restarts the processes, and its c10d rendezvous joins the nodes.
+(torchrun) command line; torch's elastic agent starts, watches and restarts the processes,
+and its c10d rendezvous joins the nodes.
 
-    titan-train --nproc-per-node 4 ...                        # one machine (standalone)
-    titan-train --nproc-per-node 4 --max-restarts 3 ...       # restart after a failure
+    titan-train --nproc-per-node 4 --max-restarts 3 ...
     titan-train --nnodes 2 --node-rank R --rdzv-endpoint node0:29500 --nproc-per-node 8 ...
 
-``--nnodes N`` with N > 1 runs one such command per node; every node names the same
-``--rdzv-endpoint HOST:PORT`` (an address of node 0 and a free port) and ``--rdzv-id``.
-Node 0 hosts the rendezvous store there; the others wait up to ``--rdzv-timeout`` seconds
-for it to answer, then stop with one message (exit 2) instead of torch's traceback. Ranks are
-numbered node by node: node k's processes are global ranks k*nproc .. k*nproc+nproc-1, so the
-innermost mesh dimensions (dp_shard, tp) stay inside a node. Which machine becomes node k is
-the rendezvous' choice, not ``--node-rank``'s: the node rank says who hosts the store.
+With ``--nnodes N`` every node runs the command with the same ``--rdzv-endpoint`` (node 0's
+address, a free port) and ``--rdzv-id``; node 0 hosts the store, the others wait up to
+``--rdzv-timeout`` for it, then stop with one message (exit 2). Node k's processes are
+global ranks k*nproc .. k*nproc+nproc-1, so the innermost mesh dimensions stay in a node.
+``--max-restarts N`` restarts the whole group up to N times, each resuming from the newest
+committed checkpoint.
 
-``--max-restarts N`` lets the agent restart the whole group of processes up to N times after
-one of them dies (SIGKILL included); each restart resumes from the newest committed
-checkpoint in the run's folder (``titan_ckpt.CheckpointManager.load``).
-
-A SIGTERM to titan-train is passed on to the agent, which passes it on to every worker (each
-saves and stops: ``titan_train.trainer.preemption``), and titan-train then exits with status 143.
-The agent SIGKILLs workers still running 30 s after it passed the signal on; set
-``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (seconds) to give a step and its save longer.
+A SIGTERM is passed on to the agent and every worker (each saves and stops), then
+titan-train exits 143. The agent SIGKILLs workers 30 s later; set
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` to give a step and its save longer.
 """
 
 from __future__ import annotations
@@ -319,10 +312,9 @@ def _check_port_free(host: str, port: int, endpoint: str) -> None:
 
 
 def run_agent(command: list[str], env: dict[str, str]) -> int:
-    """Run torch's agent (``command``, a torchrun command line) to its end; its exit status,
-    or ``PREEMPTED_EXIT`` once this process got SIGTERM. Each SIGTERM is passed on to the
-    agent: Kubernetes signals only a container's first process, which titan-train may be.
-    (A signal to the whole process group reaches the agent twice, which it takes as one.)"""
+    """Run torch's agent (``command``) to its end; its exit status, or ``PREEMPTED_EXIT``
+    once this process got SIGTERM, which it passes on (Kubernetes signals only a
+    container's first process)."""
     terminated = False
     with subprocess.Popen(command, env=env) as agent:
 
@@ -343,11 +335,8 @@ def run_agent(command: list[str], env: dict[str, str]) -> int:
 
 
 def destroy_group() -> None:
-    """End this rank's default process group, and every group made from it, after
-    collecting reference cycles: a model, optimizer or checkpointer left in one (FSDP and
-    DTensor state hold gloo work and meshes) would keep its group alive until the
-    interpreter's finalization, where freeing a gloo group can abort the rank (see
-    ``exit_rank``, which launched ranks leave through)."""
+    """End this rank's process groups after collecting reference cycles, which (FSDP and
+    DTensor state) would keep a gloo group alive into finalization (see ``exit_rank``)."""
     import torch.distributed as dist
 
     gc.collect()
@@ -356,17 +345,11 @@ def destroy_group() -> None:
 
 
 def exit_rank(status: int) -> NoReturn:
-    """End a rank of a multi-process job (started by ``titan-train --nproc-per-node``, i.e.
-    torchrun, or spawned by torch's multiprocessing) once its work returned ``status``:
-    flush what it wrote, then leave without the interpreter's finalization.
-
-    By then the rank has closed its files, threads and checkpointer and destroyed its
-    process group (``destroy_group``), but torch's caches (DTensor's sharding propagation,
-    device meshes) still hold the gloo group. Freed during finalization, its worker threads
-    cannot take the interpreter's lock and now and then abort the rank ("terminate called
-    without an active exception"; pytorch/pytorch#179291) after work that succeeded: the
-    launcher would report the job as failed.
-    """
+    """End a rank of a multi-process job with ``status``: flush, then leave without the
+    interpreter's finalization. torch's caches (DTensor sharding propagation, device
+    meshes) still hold the gloo group, whose threads, freed then, now and then abort a rank
+    whose work succeeded ("terminate called without an active exception";
+    pytorch/pytorch#179291)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         # The reader may have gone away (a closed pipe), or the stream been closed.

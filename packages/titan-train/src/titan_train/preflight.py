@@ -1,33 +1,12 @@
 """``preflight(config, world) -> Plan``: every check a config must pass before any work.
 
-One place for every rule that can be decided from the config and the world alone (no process
-group, no model, no data), in the order a user meets them:
-
-- a seed checkpoint (``checkpoint.create_seed_checkpoint``) only in a world of one;
-- the converters and dtype titan supports (``compat.check_supported``);
-- the parallel layout (``ParallelDims``) and the batch plan (global = local x dp x
-  accumulation);
-- the model name and flavor, and whether the family can be pipelined;
-- the sequence lengths against the layout's divisor (the one rule, ``titan_models``'
-  ``check_seq_len``) and the validation batch against the pipeline's microbatches;
-- the flavor against the layout (the spec's ``check_fn``: for Llama 3 heads per
-  tensor-parallel rank, no experts, the pipeline's microbatches and stage split);
-- a start point (``checkpoint.initial_load_path``) only with checkpointing on;
-- the checkpoint folder (writable, holding nothing titan would touch wrongly), and a
-  Hugging Face folder to start from (``checkpoint.initial_load_in_hf``) against the model
-  (``titan_train.trainer.hf_start``);
-- fault tolerance (layout, seed checkpoint, lighthouse; semi-sync fragments and device);
-- optimizer-in-backward against clipping, FSDP, pipelining and fault tolerance;
-- the memory the model state needs at the least against what this host can give
-  (``titan_train.trainer.memory_fit``);
-- chat data (``dataset_format = "chat"``): not with pipeline parallelism, and a chat
-  template that renders and marks assistant turns (``titan_train.data.chat``);
-- the context-parallel implementation for this device, resolved once into the plan's
-  ``StepContext``.
-
-Each failure is one ``ConfigError`` (or the owning package's config error) naming the key,
-the value and a fix; the CLI exits 2 on it. Unit-tested without processes
-(``tests/test_preflight.py``).
+The rules that can be decided from the config and the world alone (no process group, no
+model, no data), in the order a user meets them: seed checkpoint, supported converters,
+layout and batch plan, model and flavor, sequence lengths, the flavor against the layout,
+the checkpoint folder and start point, fault tolerance, optimizer-in-backward, memory, chat
+data, and the context-parallel implementation (resolved once into the plan's
+``StepContext``). Each failure is one ``ConfigError`` (or the owning package's config
+error) naming the key, the value and a fix; the CLI exits 2 on it.
 """
 
 from __future__ import annotations
@@ -35,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -131,8 +111,7 @@ class Plan:
 
 
 def preflight(config: JobConfig, world: World) -> Plan:
-    """Check ``config`` for ``world`` before any work; return the run's ``Plan``. Raises a
-    config error (``ConfigError`` or the owning package's) at the first rule it breaks."""
+    """Check ``config`` for ``world`` before any work; return the run's ``Plan``."""
     check_seed_checkpoint(config, world)
     check_supported(config.model.converters, config.parallelize.param_dtype)
     dims = ParallelDims.from_config(
@@ -167,9 +146,7 @@ def preflight(config: JobConfig, world: World) -> Plan:
     check_chat_data(config, dims)
     check_memory_fits(
         config,
-        build_model_args(
-            spec, config.model, vocab_size=None, max_seq_len=config.training.seq_len
-        ).num_params(exclude_embedding=True),
+        _model_args(config, spec, config.training.seq_len).num_params(exclude_embedding=True),
         shards=dims.dp_shard * dims.cp * dims.tp * dims.pp,
         local_ranks=min(world.local_world_size, world.world_size),
         device=world.device,
@@ -188,17 +165,15 @@ def preflight(config: JobConfig, world: World) -> Plan:
 
 
 def check_muon_rules(config: JobConfig, spec: ModelSpec) -> None:
-    """With ``optimizer.name = "Muon"`` and a rule putting parameters on Muon, split the
-    model's parameters (built on the meta device: no memory) as the optimizers will, so a
-    parameter Muon cannot orthogonalise is refused (``OptimizerConfigError``) before any work."""
+    """With Muon rules, split the meta model's parameters as the optimizers will, so one
+    Muon cannot orthogonalise is refused (``OptimizerConfigError``) before any work."""
     optimizer = config.optimizer
     if optimizer.name != "Muon" or all(r.optimizer != "Muon" for r in optimizer.param_group_rules):
         return
-    args = build_model_args(
-        spec, config.model, vocab_size=None, max_seq_len=config.training.seq_len
-    )
     with torch.device("meta"):
-        group_parameters(spec.model_cls(args), optimizer)
+        group_parameters(
+            spec.model_cls(_model_args(config, spec, config.training.seq_len)), optimizer
+        )
 
 
 def check_seed_checkpoint(config: JobConfig, world: World) -> None:
@@ -229,9 +204,7 @@ def plan_batches(config: JobConfig, dims: ParallelDims) -> BatchPlan:
 
 
 def check_model(config: JobConfig, dims: ParallelDims) -> ModelSpec:
-    """The registered spec of ``model.name``; raises unless ``model.flavor`` is one of its
-    flavors, ``model.args`` are arguments it takes, and, with pipeline parallelism, the
-    family can be pipelined."""
+    """The registered spec of ``model.name``, its flavor, args and pipelining checked."""
     spec = load_model_spec(config.model.name)
     if config.model.flavor not in spec.flavors:
         raise ConfigError(
@@ -244,14 +217,12 @@ def check_model(config: JobConfig, dims: ParallelDims) -> ModelSpec:
             "pipelined (its spec has no pipeline_fn); use pipeline_parallel_degree=1."
         )
     if config.model.args:  # [model.args]: keys, types and the family's own rules
-        build_model_args(spec, config.model, vocab_size=None, max_seq_len=_longest_seq_len(config))
+        _model_args(config, spec)
     return spec
 
 
 def check_seq_lens(config: JobConfig, dims: ParallelDims) -> None:
-    """Raise ``ConfigError`` unless ``training.seq_len`` (and ``validation.seq_len`` when
-    validation is on) is a multiple of the layout's ``seq_len_divisor`` (the rule is
-    ``titan_models.check_seq_len``, the same the parallelize plans apply)."""
+    """The sequence lengths against the layout (``titan_models.check_seq_len``)."""
     lengths = {"training.seq_len": config.training.seq_len}
     if config.validation.enable:
         lengths["validation.seq_len"] = config.validation.seq_len
@@ -265,17 +236,11 @@ def check_seq_lens(config: JobConfig, dims: ParallelDims) -> None:
 def check_model_layout(
     config: JobConfig, dims: ParallelDims, spec: ModelSpec, batches: BatchPlan
 ) -> None:
-    """Raise the model package's config error when the flavor cannot be trained with this
-    layout: the spec's ``check_fn`` (for Llama 3: heads per tensor-parallel rank, dense only,
-    the pipeline's microbatches and stage split), on the flavor's args as the run will build
-    them (its longest sequence, its RoPE setting)."""
+    """The flavor against the layout: the spec's ``check_fn``, on the args the run builds."""
     if spec.check_fn is None:
         return
-    args = build_model_args(
-        spec, config.model, vocab_size=None, max_seq_len=_longest_seq_len(config)
-    )
     spec.check_fn(
-        args,
+        _model_args(config, spec),
         dims,
         config.parallelize,
         seq_len=config.training.seq_len,
@@ -286,17 +251,12 @@ def check_model_layout(
 
 
 def checkpoint_cost_warning(config: JobConfig, spec: ModelSpec) -> str | None:
-    """A warning when checkpoints every ``checkpoint.interval`` steps cost more than a run of
-    a large model should pay: titan-train's default (10, sized for its CPU demo) or any
-    interval under 100, with a model of a billion parameters or more. Each save writes the
-    fp32 weights and the AdamW moments: 12 bytes a parameter."""
+    """A warning for a ``checkpoint.interval`` under 100 (the default 10 is sized for the CPU
+    demo) with a model of 1B+ parameters: each save writes 12 bytes a parameter."""
     checkpoint = config.checkpoint
     if not checkpoint.enable or checkpoint.interval >= 100:
         return None
-    longest = config.training.seq_len
-    args = build_model_args(spec, config.model, vocab_size=None, max_seq_len=longest)
-    count = getattr(args, "num_params", None)
-    params = count() if callable(count) else 0
+    params = _model_args(config, spec, config.training.seq_len).num_params()
     if params < 1e9:
         return None
     return (
@@ -311,10 +271,7 @@ def _n_layers(config: JobConfig, spec: ModelSpec) -> int:
     """The model's blocks, as the run will build it (0 for a model without ``n_layers``)."""
     if config.fault_tolerance.semi_sync_method is None:
         return 0  # only the semi-sync fragments need it
-    args = build_model_args(
-        spec, config.model, vocab_size=None, max_seq_len=_longest_seq_len(config)
-    )
-    return int(getattr(args, "n_layers", 0))
+    return int(getattr(_model_args(config, spec), "n_layers", 0))
 
 
 def _longest_seq_len(config: JobConfig) -> int:
@@ -324,9 +281,14 @@ def _longest_seq_len(config: JobConfig) -> int:
     )
 
 
+def _model_args(config: JobConfig, spec: ModelSpec, seq_len: int | None = None) -> Any:
+    """The model's args as the run builds them (its longest sequence unless ``seq_len``)."""
+    longest = _longest_seq_len(config) if seq_len is None else seq_len
+    return build_model_args(spec, config.model, vocab_size=None, max_seq_len=longest)
+
+
 def check_validation_microbatches(config: JobConfig, microbatches: int) -> None:
-    """Under pipeline parallelism the validation batch is split into the schedule's
-    microbatches: raise ``ConfigError`` unless it divides."""
+    """The validation batch must split into the pipeline schedule's microbatches."""
     local = config.validation.local_batch_size
     if config.validation.enable and local % microbatches:
         raise ConfigError(
@@ -337,11 +299,8 @@ def check_validation_microbatches(config: JobConfig, microbatches: int) -> None:
 
 
 def check_optimizer_in_backward(config: JobConfig, dims: ParallelDims) -> None:
-    """Raise ``ConfigError`` when ``optimizer.early_step_in_backward`` meets what it cannot
-    work with: each parameter steps during backward, so no global gradient norm exists
-    (clipping), FSDP hands out sharded gradients after backward (bypassing the hook), a
-    pipeline schedule runs a backward per microbatch, and torchft averages gradients after
-    backward."""
+    """``optimizer.early_step_in_backward`` steps each parameter in backward: no clipping
+    (no global norm), FSDP, pipelining or torchft (all act on gradients after backward)."""
     if not config.optimizer.early_step_in_backward:
         return
     conflicts = []
@@ -365,11 +324,9 @@ def check_optimizer_in_backward(config: JobConfig, dims: ParallelDims) -> None:
 
 
 def check_chat_data(config: JobConfig, dims: ParallelDims) -> None:
-    """Raise ``ConfigError`` (``DataError``) for chat data this run cannot train on: under
-    pipeline parallelism (its schedule averages microbatch means, which is the mean per
-    trained token only when every token is trained), or with a chat template that fails on
-    a plain conversation or does not mark assistant turns where only they are trained.
-    Loads the tokenizer (no data is read: a row's columns are checked at its first read)."""
+    """Chat data: not under pipeline parallelism (its schedule averages microbatch means,
+    not the loss per trained token), and a template that renders and marks assistant turns.
+    Loads the tokenizer; no data is read."""
     sections = [config.training]
     if config.validation.enable:
         sections.append(config.validation)
@@ -399,9 +356,8 @@ def checkpoint_settings(config: JobConfig) -> CheckpointConfig:
 
 
 def check_initial_load(config: JobConfig) -> None:
-    """Refuse ``checkpoint.initial_load_path`` with checkpointing off: the manager loads
-    nothing then, so the run would train from random weights while the user believes it
-    starts from theirs (torchtitan skips it without a word)."""
+    """Refuse ``checkpoint.initial_load_path`` with checkpointing off, which would silently
+    train from random weights (as torchtitan does)."""
     checkpoint = config.checkpoint
     if checkpoint.initial_load_path and not checkpoint.enable:
         raise ConfigError(
@@ -413,11 +369,8 @@ def check_initial_load(config: JobConfig) -> None:
 
 
 def check_checkpoint_folder(config: JobConfig) -> None:
-    """Raise ``CheckpointConfigError`` before any work unless the checkpoint folder can take
-    this run's saves (``titan_ckpt.check_folder_writable``: writable, its filesystem
-    installed) and holds no step directory titan cannot use nor one of torchtitan's that this
-    run would save over (``titan_ckpt.check_folder_contents``): nothing titan did not write
-    is ever touched."""
+    """The checkpoint folder takes this run's saves (``titan_ckpt.check_folder_writable``)
+    and holds no step this run would misuse or overwrite (``check_folder_contents``)."""
     settings = checkpoint_settings(config)
     storage = check_folder_writable(settings)
     seed = config.checkpoint.create_seed_checkpoint  # saves step 0 alone, no training step

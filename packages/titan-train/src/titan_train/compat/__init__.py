@@ -1,33 +1,21 @@
 """torchtitan's configuration keys in titan: where each one lives here, as a table.
 
-torchtitan (its July 2025 ``config_manager.py``, the names its later ``job_config.py``
-introduced, and the command-line flags of its 2026 ``Trainer.Config``: ``hf_assets_path``,
-``[validator]``, ``[profiler]``, token-counted batches) keeps some settings in other sections,
-spells some differently, and has some that titan does not. Every torchtitan key a user may
-set is in ``KEYS``, with one action:
+torchtitan (July 2025 ``config_manager.py``, later ``job_config.py`` names, and 2026's
+``Trainer.Config`` flags) keeps some settings in other sections, spells some differently,
+and has some titan lacks. Every key a user may set is in ``KEYS`` with one action:
 
-- ``move``: the key has a titan place (``checkpoint.enable_checkpoint`` is
-  ``checkpoint.enable``); the value moves there, converted where values are spelled
-  differently (``selective_ac_option = 2`` becomes ``"2"``).
-- ``noop``: the key changes nothing titan computes (``job.print_args``, ``[float8]`` knobs
-  while no float8 converter is asked for, performance-only switches titan lacks); it is
-  accepted and named once in the log with the reason.
-- ``refuse``: the key asks for a feature titan does not have. A value that asks for nothing
-  (``inert``, e.g. ``enable_compiled_autograd = false``) is accepted as a no-op; any other
-  value stops loading with one message saying why and what to use instead.
-- ``batch``: torchtitan 2026 counts a batch in tokens (``num_tokens_per_microbatch_per_dp_rank``,
-  ``num_tokens_per_train_step``) and pipeline microbatches (``num_pp_microbatches``); titan
-  in sequences. These are kept aside (``Translation.batch``) and become
-  ``training.local_batch_size``, ``training.global_batch_size`` and
-  ``pipeline.microbatch_size`` once the run's ``training.seq_len`` and pipeline degree are
-  known (``titan_train.compat.head.resolve_batch``).
+- ``move``: the value moves to its titan key, converted where spelled differently
+  (``checkpoint.enable_checkpoint`` is ``checkpoint.enable``; ``selective_ac_option = 2``
+  becomes ``"2"``).
+- ``noop``: changes nothing titan computes; accepted and named once in the log with why.
+- ``refuse``: asks for a feature titan lacks; an ``inert`` value is a no-op, any other stops
+  loading with one message saying what to use instead.
+- ``batch``: torchtitan 2026's token-counted batches, kept aside (``Translation.batch``)
+  and turned into sequences once ``training.seq_len`` is known (``compat.batch``).
 
-A TOML file that uses any key of the table is read as torchtitan's: where it sets nothing,
-torchtitan's defaults apply wherever they differ from titan's (``TORCHTITAN_DEFAULTS``), so
-the file means what it meant under torchtitan. The same keys work on the command line
-(``--checkpoint.enable_checkpoint``, ``--training.no-compile``, comma lists; read by
-``titan_train.compat.argv``), where they override the file the way any command-line option
-does; they never make a file torchtitan's.
+A TOML file using any key of the table is read as torchtitan's: torchtitan's defaults apply
+where it sets nothing (``TORCHTITAN_DEFAULTS``). The same keys work on the command line
+(``compat.argv``), where they override the file but never make it torchtitan's.
 """
 
 from __future__ import annotations
@@ -350,11 +338,9 @@ TORCHTITAN_DEFAULTS: Mapping[str, Any] = {
     "validation.seq_len": 2048,
     "fault_tolerance.process_group": "gloo",
 }
-"""torchtitan's defaults (July 2025) where titan-train's differ, by titan key: a file read as
-torchtitan's gets these where it sets nothing. Not carried over: paths of torchtitan's own
-repository (``job.dump_folder``, ``model.tokenizer_path``, ``training.dataset``,
-``validation.dataset``) and
-``training.seed`` (torchtitan: unset, titan: 0)."""
+"""torchtitan's defaults (July 2025) where titan-train's differ, by titan key, for a file
+read as torchtitan's. Not carried over: paths of torchtitan's repository (dump folder,
+tokenizer, datasets) and ``training.seed`` (torchtitan: unset, titan: 0)."""
 
 
 def check_supported(model_converters: Sequence[str] | None, param_dtype: str) -> None:
@@ -446,12 +432,9 @@ def translate(
     source: str = "the command line",
     defaults: Mapping[str, Any] = TORCHTITAN_DEFAULTS,
 ) -> Translation:
-    """Translate a TOML dict (``file_values``) and torchtitan command-line keys
-    (``cli_values``, which win) into titan's keys; raises ``ConfigError`` for a refused key.
-
-    A file that uses any key of ``KEYS`` gets ``defaults`` (torchtitan's of July 2025) where
-    neither it nor the command line sets the titan key.
-    """
+    """Translate a TOML dict and torchtitan command-line keys (``cli_values``, which win)
+    into titan's keys (``ConfigError`` for a refused key); a file using any key of ``KEYS``
+    gets ``defaults`` where neither sets the titan key."""
     moved: dict[str, str] = {}
     ignored: dict[str, str] = {}
     batch: dict[str, Any] = {}

@@ -10,20 +10,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from titan_train.compat import KEYS, Key, lookup, unflatten
-from titan_train.config.loader import ConfigError
+from titan_train.config.loader import ConfigError, pop_options
 
 __all__ = ["pop_preset", "split_argv"]
 
 
 def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
     """Take torchtitan keys out of a command line: ``(the rest, their values as a nested
-    dict)``, for ``translate(..., cli_values=...)``.
-
-    Accepts torchtitan's spellings: dashes or underscores (``--training.mixed-precision-param``),
-    boolean flags with ``no-``/``no_`` (``--training.no-compile``) or with a value
-    (``--training.compile true``), ``--key=value``, and lists as several values or one
-    comma-separated value.
-    """
+    dict)`` for ``translate``. Takes torchtitan's spellings: dashes or underscores, booleans
+    as ``--x.no-key`` or with a value, ``--key=value``, lists as several or comma values."""
     args = list(argv)
     rest: list[str] = []
     found: dict[str, Any] = {}
@@ -103,24 +98,9 @@ def pop_preset(argv: Sequence[str]) -> tuple[list[str], tuple[str, str] | None]:
     """Take ``--module M --config F`` (or ``--module=M``, ``--config=F``) out of ``argv``:
     ``(the rest, (M, F))``, or ``None`` when neither is given. One without the other is
     refused, as torchtitan refuses it."""
-    rest: list[str] = []
-    found: dict[str, str] = {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        name, eq, value = args[i].partition("=")
-        i += 1
-        if name not in ("--module", "--config"):
-            rest.append(args[i - 1])
-            continue
-        if not eq:
-            if i >= len(args) or args[i].startswith("--"):
-                raise ConfigError(
-                    f"{name} needs a value, e.g. --module llama3 --config llama3_debugmodel."
-                )
-            value = args[i]
-            i += 1
-        found[name[2:]] = value
+    example = "--module llama3 --config llama3_debugmodel"
+    rest, options = pop_options(argv, lambda key: key in ("module", "config"), example)
+    found = dict(options)
     if not found:
         return rest, None
     if len(found) == 1:

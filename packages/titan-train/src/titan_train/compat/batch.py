@@ -1,12 +1,9 @@
 """torchtitan 2026's token-counted batches in titan's sequences.
 
-torchtitan's ``Trainer.Config`` sizes a batch in tokens: ``training.num_tokens_per_microbatch
-_per_dp_rank`` (one forward of one data-parallel rank, per pipeline microbatch),
-``training.num_tokens_per_train_step`` (one optimizer step over all ranks) and
-``parallelism.num_pp_microbatches``. titan sizes it in sequences of ``training.seq_len``.
-``compat.translate`` keeps the first three aside (``Translation.batch``, action ``batch`` of
-``compat.KEYS``); ``resolve_batch`` converts them once the loaded config knows the run's
-sequence length and pipeline degree.
+torchtitan sizes a batch in tokens (``training.num_tokens_per_microbatch_per_dp_rank``,
+``training.num_tokens_per_train_step``) and ``parallelism.num_pp_microbatches``; titan in
+sequences of ``training.seq_len``. ``compat.translate`` keeps these keys aside
+(``Translation.batch``) and ``resolve_batch`` converts them once the config is loaded.
 """
 
 from __future__ import annotations
@@ -32,14 +29,11 @@ _TITAN_BATCH = {
 def resolve_batch(
     config: Any, batch: Mapping[str, Any], *, cli: Sequence[str], follow_validation: bool
 ) -> Any:
-    """``config`` (a ``JobConfig``) with torchtitan's token-counted batch keys (``batch``:
-    ``Translation.batch``) in titan's sequences, now that ``training.seq_len`` and the
-    pipeline degree are known: ``local_batch_size`` = tokens per microbatch / seq_len (times
-    ``num_pp_microbatches`` under pipeline parallelism, as torchtitan counts it),
-    ``global_batch_size`` = tokens per step / seq_len, ``pipeline.microbatch_size`` = local
-    batch / ``num_pp_microbatches``. A titan key on the command line (``cli``: the arguments
-    titan's parser read) wins over the torchtitan key that sets it. ``follow_validation``:
-    validation uses the training's sequence length and batch, as torchtitan's validator."""
+    """``config`` with torchtitan's token-counted batch keys (``Translation.batch``) turned
+    into sequences once ``training.seq_len`` is known: tokens per microbatch (times
+    ``num_pp_microbatches`` under pipelining) and per step over ``seq_len``. A titan key in
+    ``cli`` wins over the torchtitan key that sets it; ``follow_validation``: validation
+    takes the training's length and batch, as torchtitan's validator does."""
     given = {_flag_key(arg) for arg in cli if arg.startswith("--")}
     training, pipeline = config.training, config.pipeline
     seq = training.seq_len

@@ -1,20 +1,14 @@
 """torchtitan's 2026 configurations in titan: ``titan-train --module llama3 --config
 llama3_debugmodel``, from a table.
 
-torchtitan's main branch (since spring 2026) configures a run with a Python function that
-returns its ``Trainer.Config`` (``config_registry.py`` of each model), selected with
-``--module`` and ``--config``; its ``--section.key`` flags still override it. titan keeps
-torchtitan's facts, not its code: ``CONFIGS`` holds, for the llama3, deepseek_v3 and qwen3
-registries at ``HEAD_COMMIT``, each function's name and the values it sets that titan has
-settings for, in torchtitan's own key names (``HEAD_DEFAULTS``: those of ``Trainer.Config()``
-that each function starts from). ``titan_train.compat.KEYS`` translates them, as it
-translates torchtitan's flags on the command line. Where a torchtitan model differs from
-titan's flavor of the same name, the entry says so in ``model_args`` (``[model.args]``).
-
-What titan cannot honour is said, not dropped: an entry that asks for a feature titan lacks
-(float8/MX/NVFP4 converters, multi-token prediction, SFT chat data, DeepEP all-to-all,
-per-group optimizers) is refused in one line naming a function that runs; what changes speed
-but not results is listed in the log (``notes``). Nothing of torchtitan is imported.
+torchtitan's main branch configures a run with a Python function returning its
+``Trainer.Config`` (each model's ``config_registry.py``), picked with ``--module`` and
+``--config``. titan keeps the facts, not the code: ``CONFIGS`` holds, for the llama3,
+deepseek_v3 and qwen3 registries at ``HEAD_COMMIT``, each function's name and the values it
+sets over ``HEAD_DEFAULTS`` in torchtitan's key names (``compat.KEYS`` translates them), and
+in ``model_args`` where its model differs from titan's flavor. A function asking for a
+feature titan lacks is refused in one line naming one that runs; what changes only speed is
+logged (``notes``). Nothing of torchtitan is imported.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """``JobConfig``: every setting of a training run, as TOML sections.
 
-Each section is the config dataclass of the package that builds the thing it configures
-(``parallelism`` is ``titan_dims.ParallelismConfig``, ``optimizer`` is
-``titan_optim.OptimizerConfig``, ``checkpoint`` is ``titan_ckpt.CheckpointConfig``...);
-the sections owned here describe the job, the model choice, the training loop and
-communication. Section and key names follow torchtitan's; torchtitan's keys that live
-elsewhere here, or that titan does not have, are translated, ignored or refused on load
-(``titan_train.compat``), so a torchtitan TOML loads unchanged.
+Each section is the config dataclass of the package that builds what it configures
+(``parallelism`` is ``titan_dims.ParallelismConfig``...); the sections owned here describe
+the job, the model, the training loop and communication. Names follow torchtitan's, and its
+keys that live elsewhere here are translated, ignored or refused on load (``compat``).
 
-Precedence: ``--section.key value`` on the command line > the TOML file given by
-``--job.config_file`` (which may ``extends = "base.toml"``) > these defaults. The defaults
-train the Llama 3 debug model on the embedded corpus, on whatever device exists.
+Precedence: the command line > the ``--job.config_file`` TOML (which may ``extends`` a base)
+> these defaults, which train the Llama 3 debug model on the embedded corpus.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from titan_optim import LRSchedulerConfig, OptimizerConfig
 from titan_train import compat
 from titan_train.compat import argv as compat_argv
 from titan_train.compat import batch as compat_batch
-from titan_train.config.loader import load_config, to_dict
+from titan_train.config.loader import load_config, pop_options, to_dict
 from titan_train.data import DataSource
 from titan_train.data.config import SHARD_LAYOUTS, DatasetEntry, check_mixture
 from titan_train.errors import ConfigError, check_duration, check_int, check_number
@@ -344,24 +340,9 @@ def split_model_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Take ``--model.args.KEY VALUE`` (or ``=VALUE``) out of ``argv``: ``(the rest, {KEY:
     value})``. A value is read as TOML (``512``, ``1e-5``, ``true``, ``[1, 2]``), else as a
     string; ``none`` is None (for a field that may be unset, e.g. ``n_kv_heads``)."""
-    rest: list[str] = []
-    found: dict[str, Any] = {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        name, eq, value = args[i].partition("=")
-        i += 1
-        key = name[2:].replace("-", "_") if name.startswith("--") else ""
-        if not key.startswith("model.args."):
-            rest.append(args[i - 1])
-            continue
-        if not eq:
-            if i >= len(args) or args[i].startswith("--"):
-                raise ConfigError(f"{name} needs a value, e.g. --model.args.n_layers 4.")
-            value = args[i]
-            i += 1
-        found[key.removeprefix("model.args.")] = _cli_value(value)
-    return rest, found
+    wanted = lambda key: key.startswith("model.args.")  # noqa: E731
+    rest, options = pop_options(argv, wanted, "--model.args.n_layers 4")
+    return rest, {key.removeprefix("model.args."): _cli_value(value) for key, value in options}
 
 
 def _cli_value(text: str) -> Any:

@@ -31,6 +31,7 @@ __all__ = [
     "check_int_ranges",
     "check_type",
     "load_config",
+    "pop_options",
     "read_toml",
     "to_dict",
 ]
@@ -73,15 +74,10 @@ def load_config(
     translate: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
     preset: tuple[str, Mapping[str, Any]] | None = None,
 ) -> T:
-    """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named by
-    ``config_file_flag`` in ``argv`` (passed through ``translate(values, source)`` first,
-    e.g. to move keys of another tool's spelling), and the other ``--section.key value``
-    arguments. ``preset`` is ``(name, values)`` read in place of a file (a named
-    configuration); giving the file flag too is refused.
-
-    Raises ``ConfigError`` for bad TOML content; ``tyro`` exits with status 2 (after one
-    message) for bad command-line arguments, and prints ``--help``.
-    """
+    """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named
+    by ``config_file_flag`` (or ``preset``, ``(name, values)``, never both), passed through
+    ``translate(values, source)``, and the other ``--section.key value`` arguments. Bad TOML
+    raises ``ConfigError``; tyro exits 2 on a bad argument and prints ``--help``."""
     import tyro
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -184,6 +180,29 @@ def split_commas(argv: Sequence[str], flags: set[str]) -> list[str]:
     return out
 
 
+def pop_options(
+    argv: Sequence[str], wanted: Callable[[str], bool], example: str
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """Take the options ``--name value`` / ``--name=value`` whose name (underscores for
+    dashes, without ``--``) ``wanted`` accepts out of ``argv``: ``(the rest, [(name,
+    value)])``. A missing value raises ``ConfigError`` showing ``example``."""
+    rest: list[str] = []
+    found: list[tuple[str, str]] = []
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        key = _normal_flag(name)[2:] if name.startswith("--") else ""
+        if not key or not wanted(key):
+            rest.append(arg)
+            continue
+        if not eq:
+            value = next(it, None)  # type: ignore[assignment]
+            if value is None or value.startswith("--"):
+                raise ConfigError(f"{name} needs a value, e.g. {example}.")
+        found.append((key, value))
+    return rest, found
+
+
 def _normal_flag(name: str) -> str:
     """A flag with underscores for dashes after ``--`` (tyro accepts either spelling)."""
     return "--" + name[2:].replace("-", "_")
@@ -194,18 +213,12 @@ _RST_LITERAL = re.compile(r"``")
 
 @contextlib.contextmanager
 def _plain_docstrings() -> Iterator[None]:
-    """Let tyro read docstrings without reST's double backticks, so that help shows plain
-    text with each paragraph's lines joined (tyro keeps a line break before any line that
-    starts with a backtick or a digit). This hooks tyro's line joiner, a private function;
-    where a tyro version has none, help shows the docstrings as written (the CLI's help test
-    says so)."""
-    try:
-        from tyro import _strings
-    except ImportError:  # pragma: no cover - another tyro layout
-        yield
-        return
+    """Help as plain text, each paragraph's lines joined, by hooking tyro's private line
+    joiner (it keeps a break before a line starting with a backtick or a digit)."""
+    from tyro import _strings
+
     original = getattr(_strings, "remove_single_line_breaks", None)
-    if original is None:  # pragma: no cover
+    if original is None:  # another tyro layout: help shows the docstrings as written
         yield
         return
 

@@ -39,11 +39,9 @@ logger = logging.getLogger("titan_train")
 def build_model_args(
     spec: ModelSpec, model: ModelSection, *, vocab_size: int | None, max_seq_len: int
 ) -> Any:
-    """``spec.args_fn(flavor, **overrides)`` for this run; ``vocab_size=None`` keeps the
-    flavor's (preflight checks the layout before any tokenizer is loaded: no layout rule
-    depends on the vocabulary). ``model.args`` (``[model.args]``, ``--model.args.KEY``)
-    override last: a custom size without a flavor of its own; raises ``ConfigError`` for a
-    key the family's args do not have, or a value they refuse."""
+    """``spec.args_fn(flavor, **overrides)`` for this run (``vocab_size=None``: the flavor's),
+    ``model.args`` applied last; ``ConfigError`` for a key the family's args lack or a
+    value they refuse."""
     overrides: dict[str, Any] = {"max_seq_len": max_seq_len}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
@@ -187,14 +185,10 @@ _RUN_ARGS = ("max_seq_len",)
 def check_resumed_model(
     loaded: dict[str, Any] | None, metadata: dict[str, Any], *, source: str | None = None
 ) -> list[str]:
-    """Warn (one log line) when the checkpoint just loaded recorded other model args than this
-    run's, e.g. another ``rope_scaling``: the weights load, but the model computes something
-    else than what was trained. Returns the differences, as ``field: recorded -> now``.
-
-    Compared only for a record of the same model and flavor: args built from another
-    description (an HF config.json) may spell the same shape differently. A torchtitan
-    checkpoint (``source``) records no args: then the RoPE this run applies is stated, with
-    the key that chooses the other (``torchtitan_rope_line``)."""
+    """Warn (one log line) when the loaded checkpoint recorded other model args than this
+    run's (e.g. ``rope_scaling``: the weights load but compute something else); returns the
+    differences as ``field: recorded -> now``. Only for a record of the same model and
+    flavor; a torchtitan checkpoint records none, so the RoPE applied is stated instead."""
     if source == "torchtitan":
         line = torchtitan_rope_line(metadata)
         if line is not None:
@@ -222,10 +216,8 @@ def check_resumed_model(
 
 def torchtitan_rope_line(metadata: dict[str, Any]) -> str | None:
     """The RoPE a resumed torchtitan checkpoint now runs with, and the ``model.rope_scaling``
-    value that chooses the other; None for a model without ``rope_scaling``.
-
-    torchtitan's checkpoints do not record it, and its Llama 3 changed: plain RoPE until
-    October 2025 (e.g. the July 2025 tree), Llama 3.1 scaling since."""
+    that chooses the other (torchtitan records none, and its Llama 3 went from plain RoPE to
+    Llama 3.1 scaling in October 2025); None for a model without ``rope_scaling``."""
     args = metadata.get(MODEL_RECORD, {}).get("args")
     if not isinstance(args, dict) or "rope_scaling" not in args:
         return None

@@ -1,27 +1,19 @@
 """Chat and instruction data: a row's conversation rendered with a chat template, tokenized,
 with the tokens the loss trains on marked.
 
-A row holds a conversation as ``messages`` (``[{"role": "user", "content": ...}, ...]``, the
-OpenAI / Hugging Face convention; ``messages_column``) or as one exchange in two columns
-(``prompt_column``, ``response_column``: a user turn and an assistant turn). The chat
-template (``titan_train.data.chat_template``) renders it to text, which is tokenized once
-with special-token names read as the special tokens: the ids are what transformers'
-``apply_chat_template`` gives for the same tokenizer folder. An EOS follows unless the text
-ends with it, so packed conversations stay apart as documents do.
+A row holds ``messages`` (OpenAI / Hugging Face convention; ``messages_column``) or one
+exchange in ``prompt_column`` and ``response_column``. The template renders it to text,
+tokenized once with special-token names read as special tokens: the ids
+``apply_chat_template`` gives. An EOS follows unless the text ends with it.
 
-Which tokens are trained (``train_on``): ``all``; ``assistant``, the assistant turns; or
-``last_assistant``, the last of them. An assistant turn is found by rendering prefixes of
-the conversation, which works for any template that writes an assistant header: it starts
-where ``messages[:i]`` rendered with ``add_generation_prompt`` ends (the text before the
-reply, header included), and ends where ``messages[:i + 1]`` rendered ends, trailing
-whitespace left out: so the turn's end-of-turn token (``<|eot_id|>``, ``<|im_end|>``,
-``</s>``) is trained and the newline some templates write after it is not. A template that
-renders a final turn differently from an earlier one (Qwen3's ``<think>`` block) is
-followed through the turn's content to the same end. A token is trained when it starts
-inside a trained turn; the EOS appended at the end is trained when the token before it is
-(a template without an end-of-turn token still teaches the model to stop).
-
-Labels of tokens not trained are ``IGNORE_INDEX`` (-100), which the loss skips.
+``train_on``: ``all``, ``assistant`` (the assistant turns) or ``last_assistant``. Assistant
+turn ``i`` is found by rendering prefixes, for any template with an assistant header: it
+starts where ``messages[:i]`` rendered with ``add_generation_prompt`` ends and ends where
+``messages[:i + 1]`` rendered ends, trailing whitespace left out (so the end-of-turn token
+is trained, a newline after it not). A final turn rendered differently (Qwen3's
+``<think>``) is followed through its content. A token is trained when it starts inside a
+trained turn; the appended EOS when the token before it is. Untrained labels are
+``IGNORE_INDEX``.
 """
 
 from __future__ import annotations
@@ -48,16 +40,8 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")
 
 class ChatEncoder:
     """A row of chat data -> ``(ids, trained)``: the conversation's token ids and, per token,
-    whether the loss trains on it (see the module docstring).
-
-    Args:
-        tokenizer: has ``encode_with_offsets`` (titan-train's tokenizers do).
-        template: the chat template.
-        train_on: ``assistant``, ``last_assistant`` or ``all``.
-        columns: the row's columns: ``(messages,)`` or ``(prompt, response)``.
-        name: the dataset's name, for errors.
-        section: the config section of the data keys, for errors.
-    """
+    whether the loss trains on it (module docstring). ``columns``: ``(messages,)`` or
+    ``(prompt, response)``; ``name`` and ``section`` are for errors."""
 
     def __init__(
         self,

@@ -1,15 +1,11 @@
 """Chat templates: where a run's template comes from, and rendering it as transformers does.
 
-A chat template is a Jinja program that turns ``messages`` (``[{"role": ..., "content":
-...}, ...]``) into one string, special-token names included (``<|start_header_id|>``...).
-``load_chat_template`` finds it: the tokenizer folder's ``chat_template.jinja`` or the
-``chat_template`` of its ``tokenizer_config.json`` (where Hugging Face keeps it), a built-in
-(``BUILTIN_TEMPLATES``: ``llama3``, ``qwen3``) or a ``.jinja`` file. ``ChatTemplate.render``
-renders it in Jinja's immutable sandbox with transformers' options (blocks trimmed,
-``loopcontrols``, a ``{% generation %}`` tag, ``raise_exception``, ``strftime_now``,
-``tojson`` without HTML escaping) and the tokenizer's special-token names as variables, so
-the text, tokenized with special tokens recognized, is what ``apply_chat_template`` gives.
-A template is untrusted code: the sandbox refuses attribute access outside plain data.
+``load_chat_template`` finds a template: the tokenizer folder's ``chat_template.jinja`` or
+``tokenizer_config.json``'s ``chat_template``, a built-in (``BUILTIN_TEMPLATES``) or a
+``.jinja`` file. ``ChatTemplate.render`` renders it with transformers' Jinja options and
+the tokenizer's special-token names, so the text, tokenized with special tokens recognized,
+is what ``apply_chat_template`` gives. A template is untrusted code: it runs in Jinja's
+immutable sandbox, which refuses attribute access outside plain data.
 """
 
 from __future__ import annotations
@@ -65,15 +61,8 @@ _SPECIAL_KEYS = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token
 
 
 class ChatTemplate:
-    """A chat template ready to render.
-
-    Args:
-        source: the Jinja text.
-        origin: where it came from (errors name it).
-        variables: what the template sees besides ``messages`` and
-            ``add_generation_prompt``: the special tokens' names (``bos_token``,
-            ``eos_token``, ...), as transformers passes them.
-    """
+    """A chat template ready to render: the Jinja ``source``, its ``origin`` (errors name
+    it) and ``variables`` (the special tokens' names, as transformers passes them)."""
 
     def __init__(self, source: str, *, origin: str, variables: dict[str, str]) -> None:
         self.source = source
@@ -96,11 +85,9 @@ class ChatTemplate:
 
 
 def load_chat_template(name: str | None, tokenizer: Any, *, key: str) -> ChatTemplate:
-    """The chat template ``name`` means for ``tokenizer``.
-
-    ``None``: the tokenizer folder's (``chat_template.jinja``, else ``tokenizer_config.json``'s
-    ``chat_template``, a string or the ``default`` of a list of named ones); a built-in name;
-    or a path to a Jinja file. ``key`` is the setting that names it (errors say it)."""
+    """The chat template ``name`` means for ``tokenizer``: ``None`` the tokenizer folder's
+    (``chat_template.jinja``, else ``tokenizer_config.json``'s), a built-in name, or a Jinja
+    file; ``key`` is the setting errors name."""
     folder = _tokenizer_folder(tokenizer)
     config = _tokenizer_config(folder) if folder else {}
     variables = _special_names(tokenizer, config)

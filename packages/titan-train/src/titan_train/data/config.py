@@ -1,12 +1,9 @@
 """``DataSource`` and ``DataConfig``: where documents come from and how they are cut into
 batches.
 
-Keys follow torchtitan's ``[training]`` section (``dataset``, ``dataset_path``,
-``seq_len``, ``local_batch_size``); ``text_column`` and ``infinite`` are titan's.
-``DataSource`` holds the keys of a document source; the trainer's ``[training]`` and
-``[validation]`` sections extend it, so ``training.text_column`` and
-``validation.text_column`` are real keys, and each turns into a ``DataConfig``
-(``data_config``) that names its own section in errors.
+Keys follow torchtitan's ``[training]`` section; ``text_column`` and ``infinite`` are
+titan's. The trainer's ``[training]`` and ``[validation]`` sections extend ``DataSource``,
+and each turns into a ``DataConfig`` (``data_config``) that names its section in errors.
 """
 
 from __future__ import annotations
@@ -226,9 +223,8 @@ class DatasetEntry(DataSource):
 
 
 def check_mixture(single: DataSource, entries: list[DatasetEntry]) -> None:
-    """Refuse, in one line, a mixture whose weights do not sum to a positive number, or that
-    is given together with the single-source keys of ``single`` (``training.dataset`` and the
-    other ``DataSource`` keys, changed from their defaults)."""
+    """Refuse a mixture whose weights do not sum to a positive number, or given with
+    single-source keys changed from their defaults."""
     if not entries:
         return
     set_keys = [

@@ -1,33 +1,14 @@
 """``TextDataLoader``: packed, data-parallel-sharded, resumable batches of token windows.
 
-The data is one global stream, the same at every data-parallel degree: documents dealt to
-``num_shards`` virtual shards (document ``i`` to shard ``i mod num_shards``), each shard's
-documents tokenized as ``[BOS] text [EOS]``, concatenated and cut into windows of
-``seq_len + 1`` tokens, and global window ``g`` taken from shard ``g mod num_shards``
-(``titan_train.data.shards`` says why). A window gives ``inputs = w[:-1]`` and
-``labels = w[1:]``. A step of ``dp_degree`` ranks consumes the next
-``local_batch_size x dp_degree`` windows, and rank ``r`` keeps those whose global index
-is ``r`` modulo ``dp_degree``: it reads and tokenizes only the shards those come from,
-``1/dp_degree`` of the documents when ``dp_degree`` divides ``num_shards``.
+The documents go through virtual shards (``titan_train.data.shards``: the stream, which
+windows a rank keeps, and why a resume at any data-parallel degree repeats or skips none).
+A window gives ``inputs = w[:-1]`` and ``labels = w[1:]``. The state is the number of global
+windows consumed and the positions of the shards this rank reads (``regions`` instead of
+``shards`` for the contiguous layout, so one layout's checkpoint is never read as the
+other's). ``prefetch > 0`` packs that many batches ahead in a thread (``Prefetcher``).
 
-The state is the number of global windows consumed and each shard's position (epoch,
-document, token offset), each rank saving the shards it reads; together the ranks' states
-hold every shard, and a run resumed at any data-parallel degree reads on from there: no
-window repeated or skipped, no document tokenized again. ``num_shards = 1`` is one stream
-every rank reads whole, with the state keys of titan-train before virtual shards.
-
-With ``prefetch > 0`` a background thread (``Prefetcher``) tokenizes and packs that many
-batches ahead of the step.
-
-``shard_layout="contiguous"`` makes shard ``s`` the ``s``-th contiguous run of the corpus
-instead (``titan_train.data.shards``): a rank then reads only its shards' part of the files.
-Its state keeps the positions under ``regions`` instead of ``shards``, so a checkpoint of
-one layout is never read as the other.
-
-Chat data (``dataset_format = "chat"``, ``titan_train.data.chat``) goes the same way, each
-conversation encoded with the tokens to train on marked; a label whose token is not
-trained is ``IGNORE_INDEX``. The marks travel with the tokens through packing, so
-``labels[t]`` is ``inputs[t + 1]`` or ``IGNORE_INDEX`` everywhere, across cuts too.
+Chat data (``titan_train.data.chat``) carries per-token marks through packing: ``labels[t]``
+is ``inputs[t + 1]``, or ``IGNORE_INDEX`` where that token is not trained.
 """
 
 from __future__ import annotations
@@ -71,32 +52,14 @@ class TextDataLoader:
     """Batches ``(inputs, labels)``, each ``local_batch_size x seq_len`` int64, for one rank.
 
     Iterating starts where the last batch handed out ended (or where ``load_state_dict``
-    put it); a new iterator ends the previous one. ``state_dict()`` after ``n`` batches,
-    merged over the ranks (as a distributed checkpoint does), loads at any ``dp_degree``
-    (``supports_resharding``).
+    put it); a new iterator ends the previous one. ``state_dict()``, merged over the ranks
+    (as a distributed checkpoint does), loads at any ``dp_degree``.
 
-    Args:
-        documents: the document source (see ``open_documents``).
-        tokenizer: encodes each document with BOS and EOS.
-        seq_len: tokens per sequence.
-        local_batch_size: sequences per batch on this rank.
-        dp_rank: this rank's index among the data-parallel ranks.
-        dp_degree: number of data-parallel ranks.
-        infinite: loop over the documents forever; else stop after the last complete step
-            (the remaining windows, fewer than one step of all ranks, are dropped so every
-            rank gets the same number of batches). Finite data needs ``num_shards = 1``:
-            where the stream ends must be known to every rank.
-        num_shards: virtual shards ``S``; the global stream depends on it, not on
-            ``dp_degree``.
-        prefetch: batches made ahead in a background thread; 0 makes them on the caller's
-            thread when asked for.
-        shard_layout: ``interleaved`` (document ``i`` to shard ``i mod num_shards``) or
-            ``contiguous`` (shard ``s`` the ``s``-th contiguous run of the corpus, read by
-            its owners alone; needs a source with ``iter_region``). No effect with one
-            shard.
-        encode: ``(document, index) -> (ids, trained)`` (chat data: a ``ChatEncoder``'s
-            ``encode``): labels of tokens not trained are ``IGNORE_INDEX``. Default:
-            ``[BOS] text [EOS]``, every token trained.
+    ``infinite=False`` stops after the last complete step of all ranks (so every rank gets
+    as many batches) and needs ``num_shards = 1``. ``num_shards``, ``shard_layout``: the
+    virtual shards (``titan_train.data.shards``). ``prefetch``: batches made ahead in a
+    thread (0: on the caller's). ``encode``: ``(document, index) -> (ids, trained)`` (chat
+    data); default ``[BOS] text [EOS]``, every token trained.
     """
 
     supports_resharding = True
@@ -237,9 +200,8 @@ class TextDataLoader:
             self._prefetcher.close()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The batches from the current position. With ``prefetch``, the thread starts
-        now, so the first batch is being made while the caller gets ready (builds the
-        model); it ends when the returned iterator is exhausted, dropped or replaced."""
+        """The batches from the current position; a ``prefetch`` thread starts now (while the
+        caller builds the model) and ends with the returned iterator."""
         self.close()  # one producer at a time
         batches = self._batches(self._windows, dict(self._positions), dict(self._sources))
         if self.prefetch == 0:
@@ -358,9 +320,8 @@ def _layout_mismatch(saved: str, now: str) -> str:
 def explain_load_error(
     error: BaseException, num_shards: int, shard_layout: str = "interleaved"
 ) -> DataError | None:
-    """A ``DataError`` saying how to resume, for a checkpoint load that failed because the
-    dataloader state has another shard count or layout (DCP names a key it lacks); else
-    ``None``."""
+    """A ``DataError`` saying how to resume when a checkpoint load failed on a dataloader
+    state of another shard count or layout (DCP names a key it lacks); else ``None``."""
     text = str(error)
     marker = "Missing key in checkpoint state_dict: dataloader."
     if marker not in text:
@@ -396,16 +357,8 @@ def explain_load_error(
 def build_dataloader(
     config: DataConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_degree: int = 1
 ) -> TextDataLoader:
-    """The dataloader of ``config`` for one data-parallel rank.
-
-    Args:
-        config: what to read and how to batch it (the trainer's sections give theirs with
-            ``DataSource.data_config``).
-        tokenizer: the tokenizer (``titan_train.tokenizer.load_tokenizer``).
-        dp_rank: this rank's index among the data-parallel ranks (plain int: no process
-            group is needed).
-        dp_degree: the number of data-parallel ranks.
-    """
+    """The dataloader of ``config`` (a trainer section's ``DataSource.data_config``) for
+    data-parallel rank ``dp_rank`` of ``dp_degree`` (plain ints: no process group needed)."""
     if not isinstance(config, DataConfig):
         raise TypeError(
             f"build_dataloader takes a DataConfig, not {type(config).__name__}; a trainer "

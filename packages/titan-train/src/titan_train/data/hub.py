@@ -1,18 +1,12 @@
 """Can a hub dataset be streamed from here? Asked before ``datasets`` opens it, so that a
 machine without a network, or a name the hub does not have, fails within seconds with one
-message, not after ``datasets`` and ``huggingface_hub`` spent ~25 s retrying (each retry a
-warning of its own, printed twice) or with their "check your connection" for a typo.
+message, not after ~25 s of ``datasets`` and ``huggingface_hub`` retrying.
 
-``hub_dataset_problem`` asks in two steps, each once and without retries:
-
-- offline: ``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE`` set to a true value, or no TCP
-  connection to the hub's host (``HF_ENDPOINT``, default huggingface.co) within
-  ``PROBE_TIMEOUT_S`` (skipped behind a proxy, ``HTTPS_PROXY`` and friends, where a direct
-  connection says nothing);
-- the dataset's metadata (``/api/datasets/<name>``, through the proxy if one is set, with the
-  user's token if there is one) within ``ANSWER_TIMEOUT_S``: 401, 403 or 404 mean the hub has
-  no such dataset for this machine (a typo, or a private or gated one without a token); any
-  other failure (a 5xx of a hub or proxy in trouble, no answer) means out of reach.
+``hub_dataset_problem`` asks once each, without retries: offline (``HF_HUB_OFFLINE`` /
+``HF_DATASETS_OFFLINE``, or no TCP connection to ``HF_ENDPOINT`` within ``PROBE_TIMEOUT_S``,
+skipped behind a proxy); then the dataset's metadata within ``ANSWER_TIMEOUT_S``: 401, 403
+or 404 mean no such dataset for this machine (a typo, or private/gated without a token),
+any other failure means out of reach.
 """
 
 from __future__ import annotations
@@ -68,10 +62,8 @@ def hub_unreachable() -> str | None:
 def hub_dataset_problem(
     repo_id: str,
 ) -> tuple[Literal["unreachable", "missing"], str] | None:
-    """``None`` when the hub serves the dataset ``repo_id``; else ``("unreachable", why)``
-    (offline, or no good answer) or ``("missing", why)`` (the hub answered that it has no
-    such dataset this machine may read), ``why`` a short phrase. One request, no retries;
-    ``huggingface_hub``'s and ``datasets``' loggers are quiet meanwhile."""
+    """``None`` when the hub serves ``repo_id``; else ``("unreachable", why)`` or
+    ``("missing", why)``. One request, no retries, the hub loggers quiet."""
     offline = hub_unreachable()
     if offline is not None:
         return "unreachable", offline

@@ -1,38 +1,26 @@
 """Local JSON-lines, parquet and text files read by data-parallel rank: a rank parses only its
 own rows.
 
-``datasets``' streaming readers parse every row of a file, all its columns, into Arrow
-tables (pyarrow's JSON parser, parquet decoding), and the by-example node split then drops
-the rows of other ranks, so each rank parsed the whole corpus whatever the data-parallel
-degree. These sources give the same documents in the same order, with the same indices
-(document ``i`` is the ``i``-th row over the files in order), while a rank touches other
-ranks' rows only as bytes:
+``datasets``' streaming readers parse every row of a file into Arrow tables and then drop
+other ranks' rows, so each rank parsed the whole corpus. These sources give the same
+documents in the same order and indices, while a rank touches other ranks' rows only as
+bytes:
 
-- JSON lines (``.jsonl``, ``.json`` holding one object per line): raw chunks of ~8 MB cut
-  at line ends; one vectorized pass finds the chunk's newlines (so its rows are located
-  and counted without parsing), and only this rank's lines are ``json.loads``-ed. Blank
-  lines (spaces, tabs, ``\\r`` only) are not rows, as in ``datasets``.
-- Text (``.txt``, ``.md``): paragraphs split, as ``datasets`` splits them, on the bytes;
-  only this rank's are decoded (``datasets`` decoded all and made an Arrow array of them).
-- Parquet: row counts come from the files' metadata, so row groups holding no row of this
-  rank are not read; from the others only the text column is read (decoded whole: parquet
-  pages cannot be decoded by row), and only this rank's rows become Python strings.
+- JSON lines: ~8 MB chunks cut at line ends; one vectorized pass finds the newlines, and
+  only this rank's lines are ``json.loads``-ed. Blank lines are not rows, as in ``datasets``.
+- Text (``.txt``, ``.md``): paragraphs split on the bytes; only this rank's are decoded.
+- Parquet: row counts from the metadata, so row groups without this rank's rows are not
+  read; only the text column is read, only this rank's rows become strings.
 
-Restarting at document ``i`` (a resumed run) counts rows the same way instead of parsing
-them. A local copy of a hub dataset's repository is read so too when ``datasets``
-resolves its ``train`` split to such files (``open_hub_copy``). Compressed files, JSON
-files whose first line is not one object (an array, or an object over several lines) and
-csv files (whose quoted values may hold newlines) keep ``datasets``' reader
-(``open_local_files`` returns ``None``).
+A resume at document ``i`` counts rows the same way instead of parsing them. A local copy
+of a hub dataset is read so too (``open_hub_copy``). Compressed files, JSON that is not one
+object per line and csv keep ``datasets``' reader (``open_local_files`` returns ``None``).
 
-Regions (``iter_region``, the ``contiguous`` shard layout, ``titan_train.data.shards``):
-region ``s`` of ``S`` is the rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of
-the files' ``B`` bytes taken in order (JSON lines, and text, whose rows are paragraphs), or
-the rows ``[s N / S, (s + 1) N / S)`` of the files' ``N`` rows (parquet, whose row counts
-are in the metadata). A region is read from its own bytes (or row groups) alone: a rank
-reading ``1/dp`` of the regions reads ``1/dp`` of the corpus from storage.
-``region_has_rows`` finds out whether a region holds a row by reading a line at a time
-from its start."""
+Regions (``iter_region``, the ``contiguous`` shard layout): region ``s`` of ``S`` is the
+rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of the files' ``B`` bytes (JSON
+lines, text), or rows ``[s N / S, (s + 1) N / S)`` of the ``N`` rows (parquet), read from
+its own bytes (or row groups) alone.
+"""
 
 from __future__ import annotations
 
@@ -56,8 +44,7 @@ __all__ = [
 _CHUNK = 8 << 20
 """Bytes read at a time (then to the end of the line)."""
 _REGION_CHUNK = 1 << 20
-"""Bytes a region reads at a time: each of a rank's shards keeps its own region's chunk
-while the others are read (64 shards at dp 1: 64 MiB)."""
+"""Bytes a region reads at a time (each shard holds one: 64 MiB for 64 shards at dp 1)."""
 _SCHEMA_CHUNK = 10 << 20
 """``datasets`` infers a JSON file's columns from its first 10 MB (then to the line end)."""
 _BATCH = 8192
@@ -67,9 +54,8 @@ _WS = (32, 9, 13)
 """Space, tab, CR: the bytes a blank line (which pyarrow skips) may hold."""
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
 _PARAGRAPH_BREAK = re.compile(rb"(?:\r\n?+|\n)(?:\r\n?+|\n)")
-"""Two line ends: what ends a paragraph of a text file, on its raw bytes. ``\n?+`` is
-possessive so that a ``\r\n`` is one line end, never a ``\r`` and a ``\n`` (and the
-pattern starts with a set of two bytes, which the scan looks for fast)."""
+"""Two line ends: what ends a paragraph, on raw bytes (``\n?+`` is possessive, so that
+``\r\n`` is one line end, never a ``\r`` and a ``\n``)."""
 
 
 def _one_line_end(text: bytes) -> bytes:
@@ -86,8 +72,7 @@ def open_local_files(
     columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
     """The rank-aware source of local ``files`` of ``builder``'s format, or ``None`` where
-    ``datasets``' streaming reader must stay (see the module docstring). With ``columns``
-    (chat data) a document is the row's values of those columns, a dict."""
+    ``datasets``' reader must stay. With ``columns`` (chat data) a document is a dict."""
     if any(f.endswith(_COMPRESSED) for f in files):
         return None
     if builder == "parquet":
@@ -107,12 +92,9 @@ def open_hub_copy(
     section: str,
     columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
-    """The rank-aware source ``name`` of a local copy of a hub dataset's repository (the
-    folder ``path``, config ``subset``), or ``None`` where ``datasets``' reader must stay.
-
-    ``datasets`` resolves the copy's ``train`` files (its layout and configs); when they
-    are plain local jsonl or parquet files, read with no option that changes their rows,
-    they are read here in that order."""
+    """The rank-aware source of a local copy of a hub dataset (folder ``path``, config
+    ``subset``) whose ``train`` files, as ``datasets`` resolves them, are plain jsonl or
+    parquet; else ``None`` (``datasets``' reader stays)."""
     import datasets
 
     try:
@@ -135,8 +117,7 @@ def open_hub_copy(
 
 
 def _is_json_lines(path: str) -> bool:
-    """Whether ``path``'s first non-blank line is one JSON object (or it has none): else it
-    may be a JSON array or an object over several lines, which ``datasets`` reads whole."""
+    """Whether ``path``'s first non-blank line is one JSON object (or it has none)."""
     with open(path, "rb") as f:
         head = f.read(1 << 16).removeprefix(_BOM)
         while head and not head.strip(b" \t\r\n"):
@@ -154,8 +135,8 @@ def _is_json_lines(path: str) -> bool:
 
 
 class _RowSource:
-    """Shared by the two sources: documents ``i = start, start + stride, ...`` of the rows
-    over all files in order; subclasses read one file's rows."""
+    """Documents ``i = start, start + stride, ...`` of the rows over all files in order;
+    subclasses read one file's rows."""
 
     def __init__(
         self,
@@ -181,8 +162,7 @@ class _RowSource:
         return (text for _, text in self.iter_strided(index, 1))
 
     def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
-        """``(i, text)`` of documents ``i = start, start + stride, ...``; the other rows
-        are not parsed."""
+        """``(i, text)`` of documents ``i = start, start + stride, ...``, the others unparsed."""
         if start < 0 or stride < 1:
             raise ValueError(f"start={start}, stride={stride}: need start >= 0, stride >= 1")
         first, want = 0, start  # index of the file's first row; the next index to yield
@@ -197,15 +177,14 @@ class _RowSource:
     def _file_rows(
         self, path: str, first: int, want: int, stride: int
     ) -> Iterator[tuple[int, list[str]]]:
-        """Per piece of ``path`` (whose first row has index ``first``): its number of rows
-        and the texts of rows ``want, want + stride, ...`` in it."""
+        """Per piece of ``path`` (first row ``first``): its row count and rows ``want, want +
+        stride, ...`` in it."""
         raise NotImplementedError
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
-        ``regions``: the rows whose first byte is in the region's share of the files' bytes
-        (the module docstring). The region's earlier rows are counted, not parsed, and no
-        byte of another region is read but the ends of the rows crossing its edges."""
+        """``(k, text)`` of rows ``k = first, ...`` of region ``region`` of ``regions`` (module
+        docstring); earlier rows counted, not parsed; no other region's bytes read but the
+        ends of rows crossing its edges."""
         row = 0  # the region's next row
         for path, begin, end in self._byte_spans(region, regions):
             for rows in self._region_rows(path, begin, end, _REGION_CHUNK):
@@ -216,8 +195,7 @@ class _RowSource:
                 row += len(rows)
 
     def region_has_rows(self, region: int, regions: int) -> bool:
-        """Whether region ``region`` of ``regions`` holds a row: found reading a line at a
-        time from its start, so an empty region is known before any training."""
+        """Whether a region holds a row, read a line at a time from its start."""
         spans = self._byte_spans(region, regions)
         return any(rows for path, a, b in spans for rows in self._region_rows(path, a, b, 1))
 
@@ -235,8 +213,7 @@ class _RowSource:
         return spans
 
     def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
-        """The raw rows of ``path`` that start in ``[begin, end)``, reading about ``size``
-        bytes at a time (the formats read by bytes)."""
+        """The raw rows of ``path`` starting in ``[begin, end)``, ~``size`` bytes at a time."""
         raise NotImplementedError
 
     def _row_text(self, raw: bytes, path: str, index: int) -> str:
@@ -255,13 +232,9 @@ class _RowSource:
 
 
 class JsonLinesSource(_RowSource):
-    """Local JSON-lines files, one document per non-blank line (see the module docstring).
-
-    A row without the text column, or with ``null`` there, gives the document ``"None"``
-    when the column exists in the first 10 MB of the first file (``datasets`` fills the
-    missing value with ``None`` and ``str`` makes it ``"None"``); else it is the error
-    ``datasets``' path raises, naming the columns.
-    """
+    """Local JSON-lines files, one document per non-blank line. A row without the text
+    column gives ``"None"`` when the column is in the first 10 MB (as ``datasets`` fills
+    it), else ``datasets``' error naming the columns."""
 
     _columns: list[str] | None = None
     """The columns ``datasets`` would infer (``_first_columns``), once found."""
@@ -285,8 +258,8 @@ class JsonLinesSource(_RowSource):
             first, want = first + count, want + stride * len(texts)
 
     def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
-        """The lines of ``path`` that start in ``[begin, end)`` and are rows, a list per
-        piece of about ``size`` bytes of whole lines (the last line read to its end)."""
+        """The non-blank lines of ``path`` starting in ``[begin, end)``, a list per ~``size``
+        bytes of whole lines."""
         with open(path, "rb") as f:
             if begin > 0:
                 f.seek(begin - 1)
@@ -355,8 +328,8 @@ class JsonLinesSource(_RowSource):
 
 
 def _row_bounds(chunk: bytes) -> tuple[Any, Any]:
-    """Where each row of ``chunk`` (whole lines) starts and ends, blank lines left out:
-    one vectorized pass finds the newlines, so rows are located without being parsed."""
+    """Where each non-blank row of ``chunk`` (whole lines) starts and ends: one vectorized
+    pass over the newlines."""
     import numpy as np
 
     data = np.frombuffer(chunk, np.uint8)
@@ -375,8 +348,7 @@ def _row_bounds(chunk: bytes) -> tuple[Any, Any]:
 
 
 def _chunks(path: str, size: int) -> Iterator[bytes]:
-    """``path``'s bytes in pieces of about ``size``, each ending at a line end (or the end
-    of the file), without a leading BOM."""
+    """``path``'s bytes in ~``size`` pieces ending at line ends, without a leading BOM."""
     with open(path, "rb") as f:
         start = True
         while chunk := f.read(size):
@@ -389,8 +361,8 @@ def _chunks(path: str, size: int) -> Iterator[bytes]:
 
 
 class ParquetSource(_RowSource):
-    """Local parquet files, one document per row (see the module docstring). A first file
-    that is not parquet is an error when the source is made, as ``datasets`` raised it."""
+    """Local parquet files, one document per row; a first file that is not parquet fails
+    when the source is made."""
 
     def __init__(
         self,
@@ -460,9 +432,8 @@ class ParquetSource(_RowSource):
                 first, want = first + rows, want + stride * len(own)
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, first + 1, ...`` of region ``region`` of
-        ``regions``: its share of the rows by the files' row counts; only the row groups
-        holding its rows are read, only its rows become strings."""
+        """``iter_region`` by the files' row counts: only row groups holding its rows are
+        read, only its rows become strings."""
         import pyarrow as pa
 
         counts, (low, high) = self._row_span(region, regions)
@@ -500,11 +471,9 @@ class ParquetSource(_RowSource):
 
 
 class TextSource(_RowSource):
-    """Local text files, one document per paragraph: the pieces between blank lines
-    (``"\\n\\n"`` once ``"\\r\\n"`` and ``"\\r"`` read as ``"\\n"``), empty pieces left out,
-    as ``datasets``' text reader with ``sample_by="paragraph"`` splits them. The split is
-    done on bytes, and only this rank's paragraphs are decoded (``datasets`` decoded the
-    whole file and made an Arrow array of every paragraph)."""
+    """Local text files, one document per non-empty paragraph (split at blank lines, any line
+    ends), as ``datasets``' ``sample_by="paragraph"`` splits them; only this rank's
+    paragraphs are decoded."""
 
     def _file_rows(
         self, path: str, first: int, want: int, stride: int
@@ -524,15 +493,10 @@ class TextSource(_RowSource):
             yield 1, [self._decode(rest, path)] if want == first else []
 
     def _region_rows(self, path: str, begin: int, end: int, size: int) -> Iterator[list[bytes]]:
-        """The raw bytes of the paragraphs of ``path`` that start in ``[begin, end)``, a list
-        per piece of about ``size`` bytes read.
-
-        Paragraphs are split on the raw bytes by ``_PARAGRAPH_BREAK`` (two line ends, each
-        ``\\r\\n``, ``\\r`` or ``\\n``), which cuts where ``_file_rows``' split of the text
-        with ``\\n`` line ends cuts. Scanning left to right, where a break is depends on the
-        line ends before it only back to the last byte that is no line end: so the scan
-        starts there (at ``begin`` itself when the byte before it is one), and the piece it
-        starts in began before it unless it is the file's first."""
+        """The raw paragraphs of ``path`` that start in ``[begin, end)``, a list per ~``size``
+        bytes read, cut by ``_PARAGRAPH_BREAK`` where ``_file_rows`` cuts. A break depends on
+        the line ends before it only back to the last other byte, so the scan starts there,
+        and its first piece began before it unless it is the file's first."""
         with open(path, "rb") as f:
             scan = self._after_text(f, begin)
             f.seek(scan)

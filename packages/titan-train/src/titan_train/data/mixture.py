@@ -1,24 +1,15 @@
 """``MixtureDataLoader``: training windows drawn from several weighted document sources.
 
-The mixture is one global stream of ``seq_len + 1``-token windows, the same at every
-data-parallel degree, as a single source's is (``titan_train.data.dataloader``). Global
-window ``g`` comes from source ``k = choose(g)``, and from that source's virtual shard
-``g mod S``: the next window of that shard, packed from that source's documents exactly as
-a single-source run packs them. Because the shard is picked by ``g``, not by a count of the
-source's own windows, rank ``r`` (windows ``g = r mod dp``) reads of every source only the
-shards a single-source run at that ``dp`` reads: the sharding, the state and the resharding
-at another ``dp`` are each source's, unchanged.
+Global window ``g`` comes from source ``k = choose(g)``, from that source's virtual shard
+``g mod S``, packed as a single-source run packs it: rank ``r`` reads of every source only
+the shards a single-source run at that ``dp`` reads, so sharding, state and resharding are
+each source's, unchanged.
 
-``choose`` is counter-based, so its state is ``g`` itself: ``u = (offset(seed) + g * φ 2^64)
-mod 2^64`` (φ the golden ratio; a Weyl sequence), and ``k`` the source whose share of
-``[0, 2^64)`` (its weight over the sum) holds ``u``. The ``u`` of consecutive windows are
-evenly spread, not independent: every run of ``n`` windows, on every rank, holds each
-source's share to within a few windows (an independent draw would be off by ``~sqrt(n)``),
-so the mixture is as asked within any step, not only on average.
-
-The state is the number of global windows consumed, each source's windows so far (the
-metrics' ``tokens_seen/<name>``), and per source the positions of the shards this rank
-reads (merged over the ranks by a checkpoint, as for one source).
+``choose`` is counter-based (its state is ``g``): ``u = (offset(seed) + g * φ 2^64) mod
+2^64`` (a Weyl sequence), and ``k`` the source whose share of ``[0, 2^64)`` holds ``u``.
+Consecutive ``u`` are evenly spread: every run of ``n`` windows holds each source's share
+to within a few windows (an independent draw: ``~sqrt(n)``), so the mixture holds within
+any step. The state is ``g``, each source's windows so far and its shard positions.
 """
 
 from __future__ import annotations
@@ -71,16 +62,9 @@ def source_choices(seed: int, weights: list[float], first: int, count: int) -> l
 
 class MixtureDataLoader(TextDataLoader):
     """``TextDataLoader``'s batches, each window from one of ``sources`` by ``weights``
-    (module docstring). Training data only (infinite).
-
-    Args:
-        sources: the document sources.
-        weights: their weights (finite, >= 0, with a positive sum).
-        names: their names in ``tokens_by_source``.
-        seed: seeds the draw of which source each window comes from.
-        other arguments: as ``TextDataLoader``'s; ``num_shards`` and ``shard_layout``
-            apply to every source.
-    """
+    (module docstring), the draw seeded by ``seed``; ``names`` key ``tokens_by_source``.
+    Training data only (infinite); the other arguments are ``TextDataLoader``'s, applied to
+    every source."""
 
     def __init__(
         self,
@@ -155,9 +139,8 @@ class MixtureDataLoader(TextDataLoader):
         return {"num_shards": self.num_shards, "windows": self._windows, "sources": sources}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a state saved at any ``dp_degree`` (merged over its ranks), with the
-        same number of sources in the same order (weights may change: the draw goes on at
-        the saved window with the new ones)."""
+        """Continue from a state saved at any ``dp_degree``, with the same sources in the
+        same order (weights may change)."""
         self.close()
         saved = state_dict.get("sources")
         if not isinstance(saved, dict):

@@ -32,14 +32,8 @@ class _Failure:
 
 
 class Prefetcher(Generic[T]):
-    """Items of ``make()``'s iterator, produced by a daemon thread ``depth`` items ahead.
-
-    Args:
-        make: called once in the thread to build the iterator (so its set-up work, e.g.
-            opening the dataset and skipping to a saved position, is off the caller's path).
-        depth: how many items may wait; at least 1.
-        name: the thread's name (shows in stack dumps).
-    """
+    """Items of ``make()``'s iterator, produced by a daemon thread ``depth`` (>= 1) items
+    ahead; ``make`` runs in the thread, so its set-up work is off the caller's path."""
 
     def __init__(self, make: Callable[[], Iterator[T]], *, depth: int, name: str) -> None:
         if depth < 1:

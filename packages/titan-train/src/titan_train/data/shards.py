@@ -1,47 +1,27 @@
-"""Virtual data shards: what lets each data-parallel rank read and tokenize only its share
-of the documents while the global batch stays the same at every data-parallel degree.
+"""Virtual data shards: each data-parallel rank reads and tokenizes only its share of the
+documents while the global batch stays the same at every data-parallel degree.
 
-The stream is cut into ``S`` *virtual shards* (``training.data_shards``): document ``i``
-belongs to shard ``i mod S``; each shard is tokenized (``[BOS] text [EOS]``) and packed
-into ``seq_len + 1`` windows on its own, looping over its documents epoch after epoch; and
-window ``g`` of the global stream is the next window of shard ``g mod S``. A step of
-``dp`` ranks takes the next ``local_batch_size x dp`` global windows and rank ``r`` keeps
-those whose global index is ``r`` modulo ``dp`` (``local_batch_size`` of them in every
-step, whatever window the step starts at).
+The stream is cut into ``S`` virtual shards (``training.data_shards``): document ``i``
+belongs to shard ``i mod S``, each shard is tokenized (``[BOS] text [EOS]``) and packed into
+``seq_len + 1`` windows on its own, epoch after epoch, and global window ``g`` is the next
+window of shard ``g mod S``. Rank ``r`` of ``dp`` keeps the global windows ``g = r (mod dp)``.
 
-Why this shape (the invariants the dataloader relies on):
+Invariants the dataloader relies on:
 
-- The global stream depends on ``S`` and the data only, never on ``dp``: a run on 4 ranks
-  sees the same batches as one process taking 4 times the local batch.
-- A rank keeps global windows ``g = r (mod dp)``, which come from the shards
-  ``s = g mod S``, i.e. ``s = r (mod gcd(dp, S))``, the same at any resume point. It reads
-  only the documents of those shards (``i = r (mod gcd(dp, S))``) and tokenizes only them
-  (so a checkpoint needs to hold, and a rank to load, only its own shards): ``1/dp`` of the
-  corpus when ``dp`` divides ``S``. Ranks that share a shard (``dp`` not dividing ``S``)
-  each pack all of its windows and keep theirs.
-- A shard's position (epoch, document, token offset) after ``n`` global windows is the
-  same on every rank that reads it. The checkpoint holds, per shard, the position its
-  readers saved, so a run resumes at any ``dp`` (any ``S`` as saved) with no window
-  repeated or skipped, and no earlier document tokenized again (local jsonl and parquet
-  files count the earlier rows without parsing them; ``datasets`` reads past them).
-- ``S = 1`` is one packed stream that every rank reads whole: titan-train's stream before
-  virtual shards, with its checkpoint state (``epoch``, ``document``, ``token_offset``,
-  ``windows``).
+- The global stream depends on ``S`` and the data only, never on ``dp``.
+- Rank ``r`` reads only shards ``s = r (mod gcd(dp, S))``, at any resume point: ``1/dp`` of
+  the corpus when ``dp`` divides ``S``; ranks sharing a shard each pack it and keep theirs.
+- A shard's position (epoch, document, token offset) after ``n`` global windows is the same
+  on every rank reading it; the checkpoint holds it per shard, so a run resumes at any
+  ``dp`` with no window repeated or skipped and no earlier document tokenized again.
+- ``S = 1`` is one packed stream every rank reads whole (the pre-shard checkpoint state).
 
-The *contiguous* layout (``training.data_shard_layout = "contiguous"``) deals the documents
-otherwise: shard ``s`` is the ``s``-th of ``S`` contiguous runs of the corpus (by bytes for
-JSON lines and text, by rows for parquet and the embedded corpus, by whole files for what
-``datasets`` streams; the source's ``iter_region``), so a rank reads only its shards' part
-of the files from storage, where the interleaved layout's ``i mod S`` puts every rank's
-documents in every megabyte of every file. The ``k``-th
-document of shard ``s`` has the index ``k S + s`` (so the index still names its shard, and
-the one after it in the shard is ``S`` further on, as in the interleaved layout), and each
-shard reads its run on its own, epoch after epoch. Everything above holds for it, with
-another stream: which layout a checkpoint was written with is part of its state. A source
-with ``iter_region_states`` (what ``datasets`` streams) also gives its iteration state
-before and after each document; the reader keeps, per shard, the one that goes with the
-shard's position (``source_states``), and a resume hands it back, so the region continues
-there instead of reading past its earlier documents.
+The ``contiguous`` layout (``training.data_shard_layout``) makes shard ``s`` the ``s``-th of
+``S`` contiguous runs of the corpus (the source's ``iter_region``: by bytes, rows or files),
+so a rank reads only its part of the files from storage; its ``k``-th document has index
+``k S + s``. The layout is part of the checkpoint state. A source with
+``iter_region_states`` (what ``datasets`` streams) gives its iteration state per document;
+the reader keeps the one at each shard's position (``source_states``) to resume there.
 """
 
 from __future__ import annotations
@@ -68,9 +48,8 @@ __all__ = [
 
 @dataclass(frozen=True, order=True)
 class Position:
-    """Where a shard's next unread token is: token ``token_offset`` of the shard's first
-    document whose index is at least ``document`` in epoch ``epoch`` (the offset is nonzero
-    only when ``document`` is itself the shard's)."""
+    """A shard's next unread token: token ``token_offset`` of its first document with index
+    at least ``document`` in epoch ``epoch``."""
 
     epoch: int = 0
     document: int = 0
@@ -112,28 +91,12 @@ class _Shard:
 
 
 class ShardReader:
-    """The windows of one rank's shards, read from ``documents`` in one pass per epoch.
-
-    ``next_window(s)`` cuts the next ``size``-token window of shard ``s``. The reader reads
-    this rank's documents in order and queues each with its shard (as text: tokenizing
-    happens when a shard needs the document), so every owned shard can go on; documents a
-    saved position has passed are dropped untokenized.
-
-    Args:
-        documents: the document source.
-        tokenizer: encodes each document with BOS and EOS.
-        num_shards: ``S``.
-        shards: the positions of the shards this rank reads (all ``= c mod stride``).
-        stride: ``gcd(dp, S)``: this rank reads documents ``i = c (mod stride)``.
-        infinite: loop over the documents forever (else end when a needed shard runs out).
-        size: tokens per window (``seq_len + 1``).
-        contiguous: the contiguous layout (module docstring): each shard reads its own run
-            of the documents through the source's ``iter_region``.
-        sources: per shard, the source's iteration state saved with its position
-            (``source_states``; contiguous layout, sources with ``iter_region_states``):
-            a region resumes there instead of reading past its earlier documents.
-        encode: turns a document into ids and the trained ones (chat data; then cut windows
-            with ``next_masked_window``); default: ``[BOS] text [EOS]``, every token trained.
+    """The ``size``-token windows of one rank's shards (``shards``: their positions; this
+    rank reads documents ``i = c (mod stride)``, ``stride = gcd(dp, S)``), read from
+    ``documents`` in one pass per epoch. Each document is queued with its shard as text and
+    tokenized when the shard needs it; documents a saved position passed are dropped
+    untokenized. ``sources``: per shard, the source state saved with its position (the
+    contiguous layout resumes there); ``encode`` as ``TextDataLoader``'s.
     """
 
     def __init__(
@@ -176,9 +139,8 @@ class ShardReader:
         return {s: shard.position for s, shard in self.shards.items()}
 
     def source_states(self) -> dict[int, str]:
-        """Every owned shard's source iteration state at its position ("" where the source
-        has none): the state before the current document while the position is inside it,
-        after it once the position moved past it."""
+        """Every owned shard's source state at its position ("" for none): before the current
+        document while inside it, after it once past."""
         out = {}
         for s, shard in self.shards.items():
             if shard.current is None or shard.states is None:
@@ -196,9 +158,8 @@ class ShardReader:
         return None if cut is None else cut[0]
 
     def next_masked_window(self, s: int) -> tuple[list[int], list[bool]] | None:
-        """The next window of shard ``s`` and, per token, whether it is trained (all are
-        without ``encode``); ``None`` when finite data ran out. A document cut at a window's
-        end goes on in the next window with its marks."""
+        """The next window of shard ``s`` and whether each token is trained; ``None`` when
+        finite data ran out."""
         return self._cut(s, masked=True)
 
     def _cut(self, s: int, *, masked: bool) -> tuple[list[int], list[bool]] | None:
@@ -315,11 +276,9 @@ class ShardReader:
 
 
 def check_first_documents(documents: DocumentSource, num_shards: int, own: list[int]) -> None:
-    """Before any training (the interleaved layout): read the first document of each of the
-    shards ``own`` (``owned_shards``; document ``s`` is shard ``s``'s first), untokenized.
-    A corpus with fewer documents than shards, or whose first documents do not decode (a
-    file that is not UTF-8), then stops the run before anything is written, not at the first
-    batch that reaches them. Reads at most ``len(own)`` documents."""
+    """Before any training (interleaved layout): read, untokenized, the first document of
+    each shard in ``own``, so too few documents, or ones that do not decode, stop the run
+    before anything is written."""
     stride = own[1] - own[0] if len(own) > 1 else num_shards
     firsts = itertools.islice(iter_strided(documents, own[0], stride), len(own))
     count = sum(1 for _ in firsts)

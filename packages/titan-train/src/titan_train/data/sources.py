@@ -50,15 +50,10 @@ directory. Used when it exists there; else ``c4_test`` means C4 on the hub."""
 
 
 class DocumentSource(Protocol):
-    """Documents in a fixed order.
-
-    A source may also have ``iter_region(region, regions, first)``: ``(k, text)`` of rows
-    ``k = first, first + 1, ...`` of the ``region``-th of ``regions`` contiguous runs of
-    its documents, read without touching the others (the ``contiguous`` shard layout needs
-    it; every source here has it: local JSON-lines and text files by bytes, parquet files
-    and the embedded corpus by rows, what ``datasets`` streams by whole files). Then
-    ``region_has_rows(region, regions)`` says cheaply whether a region holds a document,
-    or ``check_regions(regions)`` refuses a count the source cannot be split into."""
+    """Documents in a fixed order. The ``contiguous`` shard layout also needs
+    ``iter_region(region, regions, first)``: ``(k, text)`` of rows ``k = first, ...`` of the
+    ``region``-th of ``regions`` contiguous runs, read without the others (every source here
+    has it), and may use ``region_has_rows`` or ``check_regions`` to refuse early."""
 
     name: str
 
@@ -139,22 +134,17 @@ class _HFSource:
         return zip(itertools.count(start, stride), self._texts(split))
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, first + 1, ...`` of the ``region``-th of
-        ``regions`` contiguous runs of the dataset's files (``datasets``' ``shard`` with
-        ``contiguous=True``): a rank opens only its shards' files. Without a saved state
-        (``iter_region_states``) the region's earlier rows are read past, untokenized."""
+        """``iter_region`` by whole files (``datasets``' contiguous ``shard``): a rank opens
+        only its shards' files."""
         return ((k, text) for k, text, _, _ in self.iter_region_states(region, regions, first))
 
     def iter_region_states(
         self, region: int, regions: int, first: int, state: str = ""
     ) -> Iterator[tuple[int, str, str, str]]:
         """``(k, text, before, after)``: ``iter_region``'s rows with ``datasets``' iteration
-        state (``IterableDataset.state_dict``, as JSON) before and after each. Given the
-        ``state`` saved with row ``first`` (its ``before``, or the previous row's
-        ``after``), the region resumes there (``load_state_dict``): ``datasets`` reopens
-        the Arrow table its state points at (read a little before the position, at most a
-        file or two back) and skips to the position; the files before are not opened.
-        Without one, the first ``first`` rows are read past."""
+        state (JSON) before and after each. Given the ``state`` saved with row ``first``
+        the region resumes there (``load_state_dict``; earlier files are not opened);
+        without one the first ``first`` rows are read past."""
         part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
         if state:
             part.load_state_dict(json.loads(state))

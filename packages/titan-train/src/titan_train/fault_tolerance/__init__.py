@@ -2,30 +2,21 @@
 job, and a failed group drops out (and heals from its peers on return) without stopping
 the others.
 
-Each replica group is an ordinary titan run (one process or a torchrun job, any layout but
-pipeline parallel) started with the same config and its own ``fault_tolerance.replica_id``.
-A torchft lighthouse (``torchft_lighthouse``) decides every step which groups take part.
-The run meets torchft at build time (``ReplicaGroup``: the manager, the data sharding, the
-optimizer wrapping) and, per step, only inside its optimizer container (titan-optim's
-``FTOptimizersContainer``), in every group:
+Each replica group is an ordinary titan run (any layout but pipeline parallel) with the same
+config and its own ``fault_tolerance.replica_id``; a torchft lighthouse decides every step
+which groups take part. The run meets torchft at build time (``ReplicaGroup``) and, per step,
+only inside titan-optim's ``FTOptimizersContainer``:
 
 - ``zero_grad`` starts the step's quorum;
-- ``clip_grad_norm_`` first averages each gradient's local tensor over the participating
-  groups through the torchft ``Manager`` (every group has the same layout, so local shards
-  line up), so every group clips and steps the same gradient (``step`` does it when
-  clipping is off); gradients go in buckets of ``bucket_cap_mb``, one all-reduce each;
+- ``clip_grad_norm_`` (or ``step``, without clipping) first averages each gradient's local
+  tensor over the groups (same layout, so shards line up), in ``bucket_cap_mb`` buckets;
 - the optimizer steps only when the manager commits the step;
-- data is sharded over all groups: global data-parallel rank
-  ``replica_id x local dp degree + local dp rank``, degree ``group_size x local dp degree``;
-- one group (participating rank 0) writes the shared checkpoint, each its own dataloader
-  state (titan-ckpt's ``FaultToleranceOptions``), and its metrics under
-  ``<dump_folder>/ft-replica-<replica_id>/``.
+- data is sharded over all groups (global dp rank ``replica_id x local dp + local rank``);
+- one group writes the shared checkpoint, each its own dataloader state and its metrics
+  under ``<dump_folder>/ft-replica-<replica_id>/``.
 
-With ``semi_sync_method`` (``local_sgd`` or ``diloco``) none of the per-step work above
-happens: each group steps alone and ``titan_train.fault_tolerance.semi_sync`` syncs the groups every
-``sync_steps`` steps, in a synchronous quorum.
-
-Needs the ``torchft`` extra: ``pip install 'titan-train[torchft]'``.
+With ``semi_sync_method`` none of the per-step work happens: ``fault_tolerance.semi_sync``
+syncs the groups every ``sync_steps`` steps. Needs ``pip install 'titan-train[torchft]'``.
 """
 
 from __future__ import annotations
@@ -165,9 +156,8 @@ def check_fault_tolerance(
     create_seed_checkpoint: bool = False,
     environ: Any = None,
 ) -> None:
-    """Raise ``ConfigError`` if ``config`` (when enabled) cannot run with layout ``dims``,
-    with ``checkpoint.create_seed_checkpoint``, or without a lighthouse to talk to; checked
-    before any work."""
+    """``ConfigError`` if ``config`` cannot run with layout ``dims``, a seed checkpoint, or
+    without a lighthouse."""
     if not config.enable:
         return
     if create_seed_checkpoint:
@@ -187,15 +177,8 @@ def check_fault_tolerance(
 
 
 class ReplicaGroup:
-    """This process's part of a torchft replica group: the ``Manager`` and what the
-    trainer does with it.
-
-    Args:
-        config: the ``[fault_tolerance]`` section (enabled).
-        device: the training device (picks the process group backend when unset).
-        rank: this process's rank in its replica group (the ordinary global rank).
-        world_size: processes in the replica group.
-    """
+    """This process's part of a torchft replica group (``rank`` of ``world_size``): the
+    ``Manager`` and what the trainer does with it."""
 
     def __init__(
         self,
@@ -254,10 +237,8 @@ class ReplicaGroup:
         return self.replica_id * dp_degree + dp_rank, self.config.group_size * dp_degree
 
     def wrap_optimizers(self, optimizers: Any) -> Any:
-        """``optimizers`` driven by the manager (quorum on ``zero_grad``, gradient averaging
-        in ``clip_grad_norm_`` / ``step``, commit on ``step``). Their state reaches
-        recovering peers through the checkpointer's callbacks, so it is not registered a
-        second time."""
+        """``optimizers`` driven by the manager (their state reaches recovering peers through
+        the checkpointer's callbacks, so it is not registered twice)."""
         from titan_optim import FTOptimizersContainer
 
         if self.config.semi_sync_method is not None:

@@ -1,31 +1,20 @@
 """Semi-synchronous training with torchft: LocalSGD and DiLoCo as fault-tolerance modes.
 
-With ``fault_tolerance.semi_sync_method`` set, the replica groups no longer average
-gradients every step: each group's optimizer steps on its own gradients, and every
-``fault_tolerance.sync_steps`` optimizer steps the groups meet (one torchft quorum, so a
-group that died and came back joins there and heals from a peer):
+With ``fault_tolerance.semi_sync_method`` set, each replica group's optimizer steps on its
+own gradients, and every ``sync_steps`` steps the groups meet in one torchft quorum (where
+a returning group heals):
 
-- ``local_sgd``: the groups' weights are averaged (LocalSGD, arXiv:1805.09767);
-- ``diloco``: each group's pseudo-gradient (the weights at the last sync minus its weights
-  now) is averaged, and an outer SGD optimizer (``outer_lr``, ``outer_momentum``,
-  ``outer_nesterov``) steps the last synced weights with it (DiLoCo, arXiv:2311.08105).
-  With ``num_fragments`` > 1 the model is cut into that many fragments of whole blocks
-  (embeddings with the first, final norm and output with the last) and one fragment
-  syncs every ``sync_steps / num_fragments`` steps, in turn (Streaming DiLoCo,
-  arXiv:2501.18512).
+- ``local_sgd``: the groups' weights are averaged (arXiv:1805.09767);
+- ``diloco``: the pseudo-gradients (weights at the last sync minus now) are averaged and an
+  outer SGD (``outer_lr``, ``outer_momentum``, ``outer_nesterov``) steps the synced weights
+  (arXiv:2311.08105). ``num_fragments`` > 1 cuts the model into fragments of whole blocks
+  that sync in turn every ``sync_steps / num_fragments`` steps (arXiv:2501.18512).
+  With ``outer_lr = 1`` and ``outer_momentum = 0`` it equals LocalSGD.
 
-Stated equivalence: DiLoCo with ``outer_lr = 1`` and ``outer_momentum = 0`` sets the weights
-to the average of the groups' weights, as LocalSGD does.
-
-The keys and their meanings are torchtitan's ``[fault_tolerance]`` ones (its torchft
-experiment), so its TOML carries over; ``outer_lr``, ``outer_momentum`` and
-``outer_nesterov`` are titan's (torchtitan fixes them at 0.7, 0.9 and Nesterov, titan's
-defaults). torchft's ``LocalSGD`` / ``DiLoCo`` do the work: ``semi_sync_training(run)``
-wraps the training loop in one of them, driven by the optimizer container's step hooks.
-
-Between syncs the groups' weights differ: the shared checkpoint holds the writing group's
-weights (set ``checkpoint.interval`` to a multiple of ``sync_steps`` to save synced ones),
-and the first shared checkpoint is written once the first sync formed a quorum.
+The keys are torchtitan's ``[fault_tolerance]`` ones (titan's outer-optimizer defaults are
+the values torchtitan fixes). torchft's ``LocalSGD`` / ``DiLoCo`` do the work, driven by the
+optimizer container's step hooks. Between syncs the groups' weights differ: the shared
+checkpoint holds the writer's (set ``checkpoint.interval`` to a multiple of ``sync_steps``).
 """
 
 from __future__ import annotations
@@ -42,8 +31,8 @@ from torch import nn
 from titan_train.errors import ConfigError, check_int, check_number
 
 if TYPE_CHECKING:
-    from titan_train.fault_tolerance import FaultToleranceConfig
-    from titan_train.trainer.build import TrainingRun
+    from titan_optim import Optimizers
+    from titan_train.fault_tolerance import FaultToleranceConfig, ReplicaGroup
 
 __all__ = [
     "METHODS",
@@ -60,9 +49,7 @@ METHODS = ("local_sgd", "diloco")
 
 
 def check_semi_sync_fields(config: FaultToleranceConfig) -> None:
-    """Raise ``ConfigError`` for semi-sync keys out of range or combined impossibly (the
-    checks that need only the section; the model's and device's come in
-    ``check_semi_sync``)."""
+    """``ConfigError`` for semi-sync keys out of range or combined impossibly."""
     ft = "fault_tolerance"
     check_int(f"{ft}.sync_steps", config.sync_steps, minimum=1, hint="optimizer steps per sync")
     check_int(f"{ft}.num_fragments", config.num_fragments, minimum=1, hint="model fragments")
@@ -130,10 +117,8 @@ def check_semi_sync(config: FaultToleranceConfig, *, n_layers: int, device_type:
 
 
 def model_fragments(model: nn.Module, num_fragments: int) -> list[nn.Module]:
-    """``model`` cut into ``num_fragments`` modules (views that share its parameters): the
-    ``layers`` blocks in equal consecutive runs, the children registered before ``layers``
-    (embeddings) with the first fragment and those after (final norm, output) with the
-    last. One fragment is the model itself."""
+    """``model`` cut into ``num_fragments`` views of equal runs of its ``layers``, the
+    children before them with the first and those after with the last."""
     if num_fragments == 1:
         return [model]
     blocks = getattr(model, "layers", None)
@@ -169,7 +154,7 @@ class _TorchOptimizerHooks:
     optimizer: they register step hooks of torch's ``(optimizer, args, kwargs)`` shape,
     the container calls ``hook(container)``."""
 
-    def __init__(self, optimizers: Any) -> None:
+    def __init__(self, optimizers: Optimizers) -> None:
         self._optimizers = optimizers
 
     def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
@@ -179,17 +164,21 @@ class _TorchOptimizerHooks:
         return self._optimizers.register_step_post_hook(lambda opt: hook(opt, (), {}))
 
 
-def semi_sync_training(run: TrainingRun) -> AbstractContextManager[Any]:
-    """The context the training loop runs in: torchft's ``LocalSGD`` or ``DiLoCo`` over
-    ``run``'s model and optimizers when ``fault_tolerance.semi_sync_method`` is set, else a
-    no-op."""
-    config = run.config.fault_tolerance
-    if run.replicas is None or config.semi_sync_method is None:
+def semi_sync_training(
+    config: FaultToleranceConfig,
+    replicas: ReplicaGroup | None,
+    model_parts: list[nn.Module],
+    optimizers: Optimizers,
+) -> AbstractContextManager[Any]:
+    """The context the training loop runs in: torchft's ``LocalSGD`` or ``DiLoCo`` over the
+    model and optimizers when ``config.semi_sync_method`` is set (and ``replicas`` is this
+    process's replica group), else a no-op."""
+    if replicas is None or config.semi_sync_method is None:
         return contextlib.nullcontext()
     from torchft import local_sgd
 
-    (model,) = run.model_parts  # pipeline parallel is refused with fault tolerance
-    manager, optimizer = run.replicas.manager, _TorchOptimizerHooks(run.optimizers)
+    (model,) = model_parts  # pipeline parallel is refused with fault tolerance
+    manager, optimizer = replicas.manager, _TorchOptimizerHooks(optimizers)
     if config.semi_sync_method == "local_sgd":
         return _logged(
             local_sgd.LocalSGD(manager, model, optimizer, sync_every=config.sync_steps),  # type: ignore[arg-type]

@@ -1,19 +1,10 @@
 """Sampling from a model: ``SamplingConfig``, ``sample_next`` and the ``generate`` loop.
 
-``generate(model, prompts, sampling)`` extends each prompt (a list of token ids) by up to
-``max_new_tokens`` tokens:
-
-- with a KV cache (a model whose ``forward`` takes ``cache=``, see ``titan_models.kv_cache``):
-  the prompts are left-padded into one batch, run once, then each step feeds every row's
-  newest token only;
-- without one: every step re-runs each row's whole sequence (slower, same tokens).
-
-Temperature 0 is greedy (the highest logit, ties to the lowest id); otherwise the logits
-are divided by the temperature, cut to the ``top_k`` most likely and the smallest set whose
-probability reaches ``top_p``, and a token is drawn with a generator seeded by ``seed``: the
-same seed gives the same tokens. A row stops at the tokenizer's end-of-text token (kept in
-its output) unless ``stop_at_eos`` is off. The command around it is ``titan-train generate``
-(``titan_train.generate.cli``).
+With a KV cache (a model whose ``forward`` takes ``cache=``) the prompts are left-padded
+into one batch, run once, then each step feeds every row's newest token; without one every
+step re-runs each row's whole sequence (slower, same tokens). Temperature 0 is greedy (ties
+to the lowest id); otherwise ``top_k`` and ``top_p`` cut the tempered logits and a generator
+seeded by ``seed`` draws, so the same seed gives the same tokens.
 """
 
 from __future__ import annotations
@@ -114,15 +105,9 @@ def generate(
     on_token: TokenCallback | None = None,
     multiple: int = 1,
 ) -> list[list[int]]:
-    """The tokens generated after each prompt (end-of-text included when reached).
-
-    ``vocab_size``: sample only ids below it (a model whose output is wider than its
-    tokenizer's vocabulary). With a process group of several ranks (tensor parallel), every
-    rank runs the model and rank 0's choice of each token is the one all take.
-    ``multiple``: feed the model sequences whose length is a multiple of it (the
-    tensor-parallel degree of a plan with sequence parallel), padding them with masked
-    slots; needs the KV cache.
-    """
+    """The tokens generated after each prompt (end-of-text included when reached), sampled
+    below ``vocab_size``. Under tensor parallel every rank takes rank 0's token; ``multiple``
+    pads sequences to a multiple of it (sequence parallel; needs the KV cache)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("Every prompt needs at least one token.")
     generator = None

@@ -122,9 +122,8 @@ class GenerateOptions(SamplingConfig):
 
 
 def parse_generate_options(argv: list[str]) -> GenerateOptions:
-    """The options of a ``titan-train generate`` command line; ``--help`` prints this module's
-    docstring, then every option (tyro exits with status 2 after one message on a malformed
-    flag). Flags are shown in kebab-case; tyro takes the snake_case spelling too."""
+    """The options of a ``titan-train generate`` command line (``--help``: this module's
+    docstring, then every option; tyro exits 2 on a malformed flag)."""
     import tyro
 
     from titan_train.config.loader import _plain_docstrings, check_int_ranges
@@ -249,9 +248,8 @@ def _prompts(options: GenerateOptions) -> list[str]:
 def _chat_prompts(
     name: str | None, tokenizer: Tokenizer, prompts: list[str]
 ) -> tuple[list[str], list[list[int]]]:
-    """Each prompt as a user message rendered with the chat template ``name`` (see
-    ``load_chat_template``) and the generation prompt: the texts and their ids, special-token
-    names read as the special tokens (the ids ``apply_chat_template`` gives)."""
+    """Each prompt as a user message rendered with the chat template ``name`` and the
+    generation prompt: the texts and their ids (those ``apply_chat_template`` gives)."""
     from titan_train.data.chat_template import load_chat_template  # jinja2: only for --chat
 
     try:
@@ -289,9 +287,8 @@ def _model_args(source: Source, vocab_size: int, max_seq_len: int) -> Any:
 
 
 def build_model(prepared: Prepared, device: torch.device) -> nn.Module:
-    """The model on ``device``: built on the meta device, tensor-parallelized over every rank
-    when there are several, materialized, then loaded from the source (or initialized from
-    ``--seed`` for random weights)."""
+    """The model on ``device``: meta, tensor-parallelized over the ranks, materialized, then
+    loaded from the source (or initialized from ``--seed``)."""
     spec, tp = prepared.source.spec, prepared.tp
     with torch.device("meta"):
         model = spec.model_cls(prepared.args)

@@ -71,7 +71,8 @@ def resolve_source(checkpoint: GenerateCheckpoint, model: GenerateModel) -> Sour
     path = checkpoint.path
     if not path:
         name = model.name or "llama3"
-        return Source(kind="random", path=None, spec=_spec(name), flavor=_flavor(name, model))
+        spec, flavor = load_model_spec(name), _flavor(name, model)
+        return Source(kind="random", path=None, spec=spec, flavor=flavor)
     if not os.path.exists(path):
         raise ConfigError(
             f"--checkpoint.path {path} does not exist. Give a titan checkpoint step folder "
@@ -117,20 +118,16 @@ def resolve_source(checkpoint: GenerateCheckpoint, model: GenerateModel) -> Sour
     return Source(
         kind="dcp",
         path=step,
-        spec=_spec(name),
+        spec=load_model_spec(name),
         flavor=flavor or _flavor(name, model),
         args=args,
         tokenizer_path=record.get("tokenizer_path"),
     )
 
 
-def _spec(name: str) -> ModelSpec:
-    return load_model_spec(name)
-
-
 def _flavor(name: str, model: GenerateModel) -> str:
-    return model.flavor or ("debugmodel" if "debugmodel" in _spec(name).flavors else
-                            next(iter(_spec(name).flavors)))  # fmt: skip
+    flavors = load_model_spec(name).flavors
+    return model.flavor or ("debugmodel" if "debugmodel" in flavors else next(iter(flavors)))
 
 
 def _step_folder(path: str) -> str | None:
@@ -159,7 +156,7 @@ def _hf_source(path: str, model: GenerateModel) -> Source:
             f"{path}/config.json has model_type {model_type!r}, which no titan model is known "
             f"to read ({', '.join(sorted(HF_MODEL_TYPES))}); name the model with --model.name."
         )
-    spec = _spec(name)
+    spec = load_model_spec(name)
     try:
         adapter = spec.state_dict_adapter(hf_config=hf_config)
     except (ValueError, KeyError, TypeError) as error:

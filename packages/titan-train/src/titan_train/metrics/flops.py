@@ -1,11 +1,8 @@
 """Peak FLOP/s of one device, the denominator of MFU.
 
-GPUs: a table of bf16 dense tensor-core peaks (vendor datasheets, no sparsity) matched on
-``torch.cuda.get_device_name()``. CPUs have no such number worth trusting, so we measure
-fp32 matmul throughput once per process with a short probe. Either may read below what a
-device does (a probe on a busy shared host, a table row for another variant): MFU then
-raises its peak to the throughput training reached (``titan_train.metrics.logger``), so it
-never reports more than 100%.
+GPUs: a table of bf16 dense tensor-core peaks (vendor datasheets) matched on the device
+name. CPUs: fp32 matmul throughput, measured once per process. Either may read low (a busy
+host, another variant's row): MFU then raises its peak to the rate training reached.
 """
 
 from __future__ import annotations
@@ -63,10 +60,8 @@ def gpu_peak_flops(device_name: str) -> float | None:
 
 @functools.cache
 def measure_cpu_matmul_flops(seconds: float = 0.5, size: int = 2048) -> float:
-    """fp32 matmul FLOP/s of this process's CPU threads: the best of repeated
-    ``size x size`` products over about ``seconds`` (at least two). Measured once per
-    process (cached). The best, not the mean, because a shared machine only ever slows a
-    product down."""
+    """fp32 matmul FLOP/s of this process's CPU threads, measured once: the best (a shared
+    machine only slows a product down) of repeated products over about ``seconds``."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     out = torch.empty(size, size)
     torch.mm(a, b, out=out)  # warm-up: thread pool and caches

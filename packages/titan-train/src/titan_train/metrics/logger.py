@@ -1,12 +1,9 @@
 """``MetricsLogger``: the training run's numbers, every ``log_freq`` steps, to the console,
 TensorBoard, a JSONL file and (optionally) Weights & Biases.
 
-Throughput, MFU and the data-loading share are averaged over the steps since the last
-report, so one slow step (a checkpoint save, a compile) shows up once and then washes out.
-Throughput is per device: the step's tokens (all data-parallel ranks and replica groups)
-divided by its seconds and by the devices that shared it, as torchtitan counts it; each
-record also holds ``global_tokens`` and ``devices``, so ``tps * devices`` equals
-``global_tokens / step_s`` exactly.
+Throughput, MFU and the data share are averaged over the steps since the last report, so a
+slow step (a save, a compile) washes out. Throughput is per device, as torchtitan counts
+it; ``tps * devices`` equals the record's ``global_tokens / step_s``.
 """
 
 from __future__ import annotations
@@ -38,15 +35,13 @@ _COLOR_TERMINAL = sys.stderr.isatty()
 
 
 def memory_gib(device: torch.device | str | None = None) -> tuple[float, str]:
-    """(GiB, what was measured): peak reserved memory of an accelerator since the last
-    call, else this process's resident set size (``device_memory`` has every number)."""
+    """(GiB, what): an accelerator's peak reserved memory since the last call, else RSS."""
     numbers, kind = device_memory(device)
     return numbers["memory_gib"], kind
 
 
 def _eta_text(seconds: float) -> str:
-    """``seconds`` as ``timedelta`` prints it, or in days past the longest one (a run of
-    2**63 steps): the console line never overflows."""
+    """``seconds`` as ``timedelta`` prints it, in days past its range (never overflows)."""
     if seconds < timedelta.max.days * 86400:
         return str(timedelta(seconds=round(seconds)))
     return f"{seconds / 86400:.3g} days"
@@ -68,21 +63,11 @@ _REACHED = "the highest rate training reached"
 
 
 class MetricsLogger:
-    """Reports a training run's metrics every ``config.log_freq`` steps.
-
-    Args:
-        config: what to report and where.
-        dump_folder: the job's output folder; TensorBoard and JSONL files go under it.
-        rank: this process's global rank; only rank 0 writes files unless
-            ``config.save_for_all_ranks``. Every rank logs the console line (at INFO).
-        flops_per_token: training FLOPs per token of the model (forward + backward); 0
-            leaves TFLOPs and MFU out.
-        device: the training device, for memory and the peak FLOP/s of MFU.
-        total_steps: steps of the whole run, for the ETA.
-        heartbeat_s: between reports, a short progress line (step, seconds per step) once
-            this many seconds passed without a console line: slow hardware is not silent
-            for ``log_freq`` steps. The full report keeps its ``log_freq`` schedule.
-    """
+    """Reports a training run's metrics every ``config.log_freq`` steps: every rank logs
+    the console line, only rank 0 writes files (under ``dump_folder``) unless
+    ``config.save_for_all_ranks``. ``flops_per_token`` 0 leaves TFLOPs and MFU out;
+    ``total_steps`` gives the ETA; ``heartbeat_s``: a short progress line between reports
+    once that long passed without one, so slow hardware is not silent."""
 
     def __init__(
         self,
@@ -169,23 +154,10 @@ class MetricsLogger:
         extra: Mapping[str, float] | None = None,
     ) -> dict[str, Any] | None:
         """Account one optimizer step; on reporting steps write everywhere and return the
-        record (else ``None``).
-
-        Args:
-            step: the step just finished (1-based).
-            loss: its loss (averaged over data-parallel ranks if the caller did so); read
-                only on reporting steps (``should_log``), so a caller that does not want to
-                wait for the device passes ``None`` on the others.
-            tokens: tokens of the whole step: every micro-batch of every data-parallel rank
-                and replica group (``titan_train.metrics.tokens_of_step``).
-            step_seconds: wall time of the whole step, data loading included.
-            devices: devices that shared the step's work (all ranks of all replica
-                groups); tokens/s and MFU are per device.
-            data_seconds: the part of it spent waiting for batches.
-            grad_norm: total gradient norm before clipping, if computed.
-            lr: learning rate of the step.
-            extra: more scalars to record (e.g. ``{"validation/loss": 2.3}``).
-        """
+        record (else ``None``). ``loss`` is read only on reporting steps (``should_log``:
+        pass ``None`` on the others, not waiting for the device). ``tokens``: the whole
+        step's (``tokens_of_step``), shared by ``devices``; ``step_seconds`` includes the
+        ``data_seconds`` spent waiting for batches; ``extra``: more scalars to record."""
         window = self._window
         window["steps"] += 1
         window["tokens"] += tokens
@@ -260,11 +232,9 @@ class MetricsLogger:
         return record, memory_kind
 
     def _raise_peak(self, achieved: float) -> None:
-        """Make the peak at least ``achieved`` FLOP/s: a device that reached it can reach it,
-        so a peak below is wrong (a probe slowed by other work on a shared host, a table row
-        of another variant, a low ``metrics.peak_flops``), and MFU above 100% would be
-        false. Said once, with the numbers, as a warning; later raises (the rate creeping up
-        as a run warms) only at debug level."""
+        """Raise the peak to ``achieved`` FLOP/s when above it (a slowed probe, another
+        variant's table row, a low ``metrics.peak_flops``): MFU over 100% would be false.
+        Warned once; later raises at debug level."""
         if self.peak_flops is None or achieved <= self.peak_flops:
             return
         raised_before = self._peak_source == _REACHED

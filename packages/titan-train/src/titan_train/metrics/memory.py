@@ -1,13 +1,10 @@
 """Device memory for the metrics: an accelerator's caching-allocator statistics, else the
 process's resident memory.
 
-On an accelerator (through torch's device module, ``torch.get_device_module``: CUDA, ROCm,
-XPU, ...) each record holds the peaks since the last report of reserved memory
-(``memory_gib``, what the allocator took from the device), allocated memory (what tensors
-use; reserved minus allocated is cache and fragmentation) and active memory, and the run's
-counts of allocation retries (the allocator freed its cache and tried again: a sign of
-fragmentation that slows steps) and out-of-memory errors, as torchtitan's device memory
-monitor does. On CPU: the resident set size.
+On an accelerator (``torch.get_device_module``) each record holds the peaks since the last
+report of reserved (``memory_gib``), allocated and active memory, and the run's counts of
+allocation retries (the allocator freed its cache and tried again: fragmentation) and
+out-of-memory errors, as torchtitan's memory monitor does. On CPU: the resident set size.
 """
 
 from __future__ import annotations

@@ -33,10 +33,8 @@ class StepTokens:
 
 
 def tokens_of_step(local_tokens: int, dims: ParallelDims, replica_groups: int = 1) -> StepTokens:
-    """The step's tokens from ``local_tokens``, those of the batch this rank loaded (every
-    micro-batch, before any context-parallel split), for the layout ``dims`` of one replica
-    group and ``replica_groups`` groups taking part in the step (1 without torchft; at
-    least this one).
+    """The step's tokens from ``local_tokens`` (this rank's batches, before any
+    context-parallel split), for layout ``dims`` and ``replica_groups`` groups taking part.
 
     >>> tokens_of_step(4 * 64, ParallelDims(world_size=8, dp_shard=2, tp=2, pp=2))
     StepTokens(global_tokens=512, devices=8)

@@ -72,14 +72,7 @@ def _config_special_tokens(config: dict) -> list[AddedToken]:
 
 class HuggingFaceTokenizer:
     """A ``tokenizer.json`` file; ``encode`` adds no special tokens besides the BOS/EOS asked.
-
-    Args:
-        path: the ``tokenizer.json`` file.
-        bos_token: name of the beginning-of-text token (it must be in the vocabulary or the
-            config's special tokens); default from ``tokenizer_config.json`` or a known name
-            (``<|begin_of_text|>``, ``<s>``, ...).
-        eos_token: name of the end-of-text token; found the same way.
-    """
+    ``bos_token``/``eos_token`` default to ``tokenizer_config.json``'s, else a known name."""
 
     def __init__(
         self,
@@ -106,8 +99,10 @@ class HuggingFaceTokenizer:
             special = _config_special_tokens(config)
             if special:  # already known ones keep their ids; the others are appended
                 self._tokenizer.add_special_tokens(special)
-        self._bos_id = self._find(bos_token or _config_token(config, "bos_token"), _BOS_NAMES)
-        self._eos_id = self._find(eos_token or _config_token(config, "eos_token"), _EOS_NAMES)
+        self.bos_id = self._find(bos_token or _config_token(config, "bos_token"), _BOS_NAMES)
+        """Id of the beginning-of-text token."""
+        self.eos_id = self._find(eos_token or _config_token(config, "eos_token"), _EOS_NAMES)
+        """Id of the end-of-text token."""
         self._untrimmed: _HFTokenizer | None = None  # made by encode_with_offsets
 
     def _find(self, name: str | None, fallbacks: tuple[str, ...]) -> int:
@@ -127,26 +122,14 @@ class HuggingFaceTokenizer:
         """Vocabulary size, added tokens included."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def bos_id(self) -> int:
-        """Id of the beginning-of-text token."""
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int:
-        """Id of the end-of-text token."""
-        return self._eos_id
-
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Ids of ``text`` without the file's post-processor; then BOS/EOS if asked."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ([self._bos_id] if bos else []) + ids + ([self._eos_id] if eos else [])
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """Ids of ``text`` with special-token names read as the special tokens (as a chat
-        template writes them, and as transformers tokenizes its output), and where in
-        ``text`` each token starts. The offsets come from the model before any
-        post-processor (whose offset trimming would move a whitespace token's start)."""
+        """Ids of ``text`` with special-token names read as the special tokens, and where
+        each token starts (from before the post-processor, whose trimming moves them)."""
         if self._untrimmed is None:
             self._untrimmed = _HFTokenizer.from_str(self._tokenizer.to_str())
             self._untrimmed.post_processor = None

@@ -32,9 +32,8 @@ def default_tokenizer_path() -> Path:
 
 
 def chat_tokenizer_path() -> Path:
-    """The shipped chat tokenizer folder (``tools/make_chat_sample.py``): the shipped BPE as a
-    ``tokenizer.json`` with chat special tokens (``<|eot_id|>``, ``<|im_start|>``, ...) in
-    its 2,048 ids, and the built-in ``llama3`` chat template in ``tokenizer_config.json``."""
+    """The shipped chat tokenizer folder: the shipped BPE with chat special tokens in its
+    2,048 ids, and the built-in ``llama3`` chat template (``tools/make_chat_sample.py``)."""
     return Path(str(resources.files("titan_train") / "assets" / "chat_tokenizer"))
 
 

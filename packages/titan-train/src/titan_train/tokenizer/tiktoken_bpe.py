@@ -89,15 +89,9 @@ def write_tiktoken_bpe(ranks: Mapping[bytes, int], path: str | os.PathLike[str])
 
 
 class TiktokenTokenizer:
-    """A tiktoken BPE file with Llama 3's special tokens appended after its ranks.
-
-    Args:
-        path: the BPE file (Llama 3's ``original/tokenizer.model``, or one written by
-            ``write_tiktoken_bpe``).
-        special_tokens: names of the special tokens, given ids n, n+1, ... after the n ranks.
-            Must contain ``<|begin_of_text|>`` and ``<|end_of_text|>``. Default: Llama 3's 256.
-        pattern: the pre-tokenization regex; default Llama 3's.
-    """
+    """A tiktoken BPE file with ``special_tokens`` (default Llama 3's 256, which must hold
+    ``<|begin_of_text|>`` and ``<|end_of_text|>``) given ids after its ranks; ``pattern``:
+    the pre-tokenization regex (default Llama 3's)."""
 
     def __init__(
         self,
@@ -119,38 +113,25 @@ class TiktokenTokenizer:
             mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
         )
-        self._bos_id = self.special_tokens["<|begin_of_text|>"]
-        self._eos_id = self.special_tokens["<|end_of_text|>"]
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        """Id of ``<|begin_of_text|>``."""
+        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        """Id of ``<|end_of_text|>``."""
 
     @property
     def vocab_size(self) -> int:
         """Ranks in the file plus special tokens."""
         return self._encoding.n_vocab
 
-    @property
-    def bos_id(self) -> int:
-        """Id of ``<|begin_of_text|>``."""
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int:
-        """Id of ``<|end_of_text|>``."""
-        return self._eos_id
-
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Ids of ``text``; special-token names inside it are encoded as ordinary text, so a
         document can never inject a BOS/EOS of its own."""
         ids = self._encoding.encode_ordinary(text)
-        if bos:
-            ids.insert(0, self._bos_id)
-        if eos:
-            ids.append(self._eos_id)
-        return ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """Ids of ``text`` with special-token names read as the special tokens (as a chat
-        template writes them), and where in ``text`` each token starts (a token starting
-        inside a character: that character's start)."""
+        """Ids of ``text`` with special-token names read as the special tokens, and where
+        each token starts (inside a character: that character's start)."""
         ids = self._encoding.encode(text, allowed_special="all")
         _, starts = self._encoding.decode_with_offsets(ids)
         return ids, starts

@@ -1,15 +1,11 @@
 """``build(config, plan) -> TrainingRun``: every part of a training run, built and resumed.
 
-First the checkpoint folder's writer lock (``titan_ckpt.lock``): a second run on the same
-folder stops there, before anything is built or written. Then the order is the one the
-parts depend on, and the one that keeps runs reproducible: data
-(tokenizer, training and validation loaders), the model (on the meta device, parallelized or
-split into pipeline stages, then allocated and initialized from ``training.seed``), the
-optimizers and LR schedules, the checkpointer (which resumes everything it can), then
-metrics and the profiler. With fault tolerance the run is one replica group of a torchft
-job: the ``ReplicaGroup`` shards the data over all groups and drives the optimizer container
-(``titan_optim.FTOptimizersContainer``: quorum, gradient averaging, commit); the loop never
-sees it except to count the step's participants.
+First the checkpoint folder's writer lock: a second run on the folder stops there, before
+anything is written. Then the order the parts depend on, which keeps runs reproducible:
+data, the model (meta device, parallelized or split into stages, allocated, initialized from
+``training.seed``), optimizers and LR schedules, the checkpointer (which resumes), metrics
+and the profiler. With fault tolerance the ``ReplicaGroup`` shards the data over all groups
+and drives the optimizer container; the loop only counts the step's participants.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +98,26 @@ class TrainingRun:
         return self.plan.step_context
 
     @property
+    def parallel_dims(self) -> ParallelDims:
+        """The run's layout (``plan.parallel_dims``)."""
+        return self.plan.parallel_dims
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device (``plan.world.device``)."""
+        return self.plan.world.device
+
+    @property
+    def max_norm(self) -> float:
+        """The gradient-clipping norm (``training.max_norm``; 0: off)."""
+        return self.config.training.max_norm
+
+    @property
+    def metrics_fn(self) -> Callable[[Sequence[nn.Module]], Mapping[str, float]] | None:
+        """The model family's own metrics (``plan.spec.metrics_fn``)."""
+        return self.plan.spec.metrics_fn
+
+    @property
     def pp_mesh(self) -> DeviceMesh | None:
         """The pipeline-parallel mesh (gradient norms span its stages); ``None`` without."""
         dims = self.plan.parallel_dims
@@ -109,9 +125,8 @@ class TrainingRun:
 
 
 def build(config: JobConfig, plan: Plan) -> TrainingRun:
-    """Build and resume every part of the run ``plan`` describes (needs the process group
-    of ``plan.world``). A seed-checkpoint run (``checkpoint.create_seed_checkpoint``) gets
-    no metrics or profiler. Call ``close(run)`` when done, also on failure."""
+    """Build and resume every part of the run ``plan`` describes (a seed-checkpoint run gets
+    no metrics or profiler); call ``close(run)`` when done, also on failure."""
     ft = config.fault_tolerance
     # Every rank raises the refusal of another run's hold; the checkpointer releases it.
     lock = lock_checkpoint_folder(plan.checkpoint, torchft=ft.enable, ft_replica_id=ft.replica_id)
@@ -253,9 +268,8 @@ def _build(
 
 
 def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: Any) -> Any:
-    """The model family's after-step work (``ModelSpec.post_step_fn``, e.g. the experts' bias
-    update) as a step post-hook of the inner container: under torchft it then runs only for
-    steps that commit, and never for a skipped step. Returns the hook (``None`` if none)."""
+    """``ModelSpec.post_step_fn`` (e.g. the experts' bias update) as a post-hook of the inner
+    container, so it runs only for committed, unskipped steps; the hook or ``None``."""
     if plan.spec.post_step_fn is None:
         return None
     hook = plan.spec.post_step_fn(model_parts, plan.parallel_dims)
@@ -265,19 +279,16 @@ def _register_post_step(plan: Plan, model_parts: list[nn.Module], optimizers: An
 
 
 def _sum_over_replica_groups(optimizers: Any, post_step: Any) -> None:
-    """Under torchft, the buffers the after-step hook reads (an MoE layer's token counts)
-    summed over the replica groups before each commit, so that every group nudges its
-    expert biases alike. Semi-sync groups step alone (no per-step collective to join)."""
+    """Under torchft, sum the after-step hook's buffers (MoE token counts) over the replica
+    groups before each commit, so every group nudges its expert biases alike."""
     buffers = getattr(post_step, "replica_summed_buffers", None)
     if buffers is not None and hasattr(optimizers, "sum_over_replica_groups"):
         optimizers.sum_over_replica_groups(buffers)
 
 
 def _scale_auxiliary_losses(plan: Plan, model_parts: list[nn.Module]) -> None:
-    """A module that adds its own loss term in backward (an MoE layer's balance loss) reads
-    ``aux_loss_grad_scale``: the factor the trainer scales its loss by, 1 / accumulation
-    steps, so both terms weigh as configured. A pipeline schedule scales every gradient
-    itself (accumulation runs as more of its microbatches): 1 there."""
+    """Give modules with their own backward loss term (MoE balance loss) the trainer's
+    ``aux_loss_grad_scale``: 1 / accumulation steps (1 under a pipeline, which scales)."""
     steps = 1 if plan.pipeline_microbatches is not None else plan.batches.accumulation_steps
     for part in model_parts:
         for module in part.modules():
@@ -350,11 +361,9 @@ def _build_model(
     *,
     materialize: bool = True,
 ) -> tuple[Any, list[nn.Module], Pipeline | None]:
-    """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init),
-    and the pipeline. The families draw each parameter by ``training.seed`` and its name
-    (``titan_models.init.seeded_init``): one process and every layout start from the same
-    weights. ``materialize=False`` stops before allocating: the parts stay on the meta
-    device (``titan-train estimate`` allocates them as fake tensors)."""
+    """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init by
+    ``training.seed`` and name, so every layout starts alike), and the pipeline.
+    ``materialize=False`` leaves the parts on the meta device (``estimate``)."""
     training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
     longest = max(training.seq_len, config.validation.seq_len if validating else 0)
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
@@ -409,13 +418,9 @@ def _build_model(
 
 
 def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None:
-    """Seed torch's generators for a model whose ``init_weights`` draws from them rather
-    than through ``titan_models.init`` (a third-party family; titan's own draw by name and
-    are unaffected): ``seed`` on every rank of a pipeline stage, so their shards are of one
-    model, but ``seed + pp rank`` per stage: stages that run the same sequence of init ops
-    (every middle stage, and any stage without the embedding) would otherwise draw
-    identical blocks. On accelerators DTensor's own generator, which torch
-    syncs from rank 0 across the whole world, is seeded the same way over the stage's mesh."""
+    """Seed torch's generators (and DTensor's, over the stage's mesh) for a third-party model
+    whose ``init_weights`` draws from them: ``seed + pp rank``, since stages running the same
+    init ops would otherwise draw identical blocks (titan's own families draw by name)."""
     pp_rank = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
     torch.manual_seed(seed + pp_rank)
     if device.type == "cpu" or not dims.layout.names:
@@ -430,12 +435,9 @@ def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None
 def materialization_devices(
     config: JobConfig, device: torch.device
 ) -> tuple[torch.device, torch.device]:
-    """Where the model's parameters and its buffers (the RoPE table) are allocated and
-    initialized: the run's device, except
-    - a seed checkpoint, whose one process holds the whole unsharded fp32 model (beyond ~20B
-      parameters more than a GPU's memory): all on the host, as torchtitan does;
-    - FSDP with CPU offload, whose sharded parameters live on the host: parameters there,
-      buffers (used in every forward) on the device."""
+    """Where parameters and buffers are allocated: the run's device, except all on the host
+    for a seed checkpoint (the whole unsharded fp32 model, as torchtitan does) and the
+    parameters on the host under FSDP CPU offload."""
     host = torch.device("cpu")
     if config.checkpoint.create_seed_checkpoint:
         return host, host
@@ -445,9 +447,8 @@ def materialization_devices(
 
 
 def use_deterministic_algorithms() -> None:
-    """``torch.use_deterministic_algorithms(True)`` and what it needs on GPUs: cuBLAS raises
-    at the first matmul unless ``CUBLAS_WORKSPACE_CONFIG`` is set (kept if the user set
-    it), and cuDNN must neither pick kernels by benchmarking nor use nondeterministic ones."""
+    """``torch.use_deterministic_algorithms(True)``, with ``CUBLAS_WORKSPACE_CONFIG`` (the
+    user's kept) and cuDNN's benchmarking and nondeterministic kernels off."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

@@ -2,18 +2,14 @@
 folder ``checkpoint.initial_load_path`` (with ``checkpoint.initial_load_in_hf``) holds the
 model this run builds.
 
-Model-agnostic, through the spec's state-dict adapter factory (``titan.state_dict_adapters``
-form): the folder's ``config.json`` must describe the family (the factory raises for another
-architecture, e.g. a ``LlamaForCausalLM`` folder for ``--model.name qwen3``); its tensors,
-renamed by the adapter from their safetensors headers alone (no tensor data is read), must be
-this run's parameters with their shapes (the flavor, with the run's vocabulary):
-the factory names each field that differs when it checks ``tensor_shapes``, and titan-ckpt's
-``check_hf_folder`` names the keys and shapes. Every failure is one
-``CheckpointConfigError`` (exit 2) that starts with the folder.
+Model-agnostic, through the spec's state-dict adapter factory: the folder's ``config.json``
+must describe the family, and its tensors, renamed by the adapter from their safetensors
+headers alone (no tensor data is read), must be this run's parameters with their shapes.
+Every failure is one ``CheckpointConfigError`` (exit 2) that starts with the folder.
 
-The vocabulary: published checkpoints often pad the embedding beyond the tokenizer (Qwen3:
-151,936 rows for 151,669 tokens), so a run starting from such a folder builds the folder's
-``vocab_size`` (:func:`run_vocab_size`); one smaller than the tokenizer's is refused.
+Published checkpoints often pad the embedding beyond the tokenizer (Qwen3: 151,936 rows for
+151,669 tokens), so the run builds the folder's ``vocab_size`` (:func:`run_vocab_size`); one
+smaller than the tokenizer's is refused.
 """
 
 from __future__ import annotations
@@ -60,10 +56,8 @@ def _starts_from_hf(config: JobConfig) -> str | None:
 
 
 def run_vocab_size(config: JobConfig, tokenizer_vocab: int) -> int:
-    """The vocabulary the run's model is built with: the tokenizer's, or, starting from a
-    Hugging Face folder whose ``config.json`` has a larger ``vocab_size`` (padded rows), that
-    one. Raises ``CheckpointConfigError`` when the folder's is smaller than the tokenizer's
-    (its embedding has no row for some tokens)."""
+    """The vocabulary the model is built with: the tokenizer's, or a larger (padded) one of
+    the Hugging Face folder it starts from; ``CheckpointConfigError`` when that is smaller."""
     path = _starts_from_hf(config)
     if path is None:
         return tokenizer_vocab
@@ -84,9 +78,7 @@ def run_vocab_size(config: JobConfig, tokenizer_vocab: int) -> int:
 
 def check_initial_hf_load(config: JobConfig, spec: ModelSpec, *, max_seq_len: int) -> None:
     """Raise ``CheckpointConfigError`` unless the HF folder this run starts from holds the
-    model it builds (see the module docstring); nothing to check without
-    ``checkpoint.initial_load_in_hf``. Loads the tokenizer (for the vocabulary, see
-    :func:`run_vocab_size`) and builds the model on the meta device."""
+    model it builds (module docstring); loads the tokenizer, builds on the meta device."""
     path = _starts_from_hf(config)
     if path is None:
         return

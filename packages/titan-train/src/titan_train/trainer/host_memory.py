@@ -1,23 +1,16 @@
 """Keep freed host memory for reuse on CPU-only runs, instead of returning it to the system.
 
-glibc's ``malloc`` serves every block above its mmap threshold (128 KiB, adapting up to
-32 MiB) with a fresh ``mmap`` and unmaps it on ``free``. A training step on CPU allocates
-and frees hundreds of such blocks (activations, their gradients, matmul outputs), so each
-step the kernel maps, faults in and zeroes the same gigabytes again: measured on the Llama 3
-debug model at batch 8 x 2048 tokens, ~500,000-625,000 minor page faults per step, and a
-large matmul 25-35% slower than into memory already mapped. Raising the mmap and trim
-thresholds makes ``malloc`` carve those blocks from its heap and keep them when freed, so
-the next step reuses them: ~33,000 faults per step, the step 0.89x the time
-(``tools/bench/step_profile.py`` prints both, with and without). The peak resident memory
-stays about the same (3.4-3.6 GiB either way there: the next step needs the same blocks);
-the process holds it until it exits.
+glibc's ``malloc`` serves blocks above its mmap threshold (128 KiB, adapting up to 32 MiB)
+with a fresh ``mmap`` and unmaps them on ``free``, so each CPU training step the kernel maps,
+faults in and zeroes the same gigabytes again: on the Llama 3 debug model at batch 8 x 2048
+tokens, ~500,000-625,000 minor page faults per step, and a large matmul 25-35% slower than
+into mapped memory. Raised mmap and trim thresholds keep those blocks in the heap: ~33,000
+faults per step, the step 0.89x the time (``tools/bench/step_profile.py``), the peak
+resident memory about the same (3.4-3.6 GiB), held until the process exits.
 
-Only where it applies: a Linux process whose C library is glibc, training on the CPU
-(accelerators have their own caching allocators; their host memory is not the hot path).
-Turned off by ``training.reuse_host_memory = false``, and left off when torch's own
-transparent-huge-page allocation is on (``THP_MEM_ALLOC_ENABLE=1``): that already avoids
-most of the faults, and the two together made a large matmul ~10x slower here (the huge
-pages' advice on a reused heap).
+Only for a Linux glibc process training on the CPU; off with ``training.reuse_host_memory
+= false``, and left off under torch's ``THP_MEM_ALLOC_ENABLE=1`` (which avoids most faults
+already; together they made a large matmul ~10x slower here).
 """
 
 from __future__ import annotations

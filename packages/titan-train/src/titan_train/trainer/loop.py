@@ -3,19 +3,12 @@
 run(config)
   1. process group and device (titan-dims detects them: gloo on CPU, NCCL on CUDA)
   2. preflight(config, world): every check before any work -> Plan
-     (titan_train.preflight)
-  3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics ->
-     TrainingRun (titan_train.trainer.build)
-  4. train(run): until the last step, train_step(run, batches) (titan_train.trainer.step), report,
-     validate, checkpoint, under the profiler; on SIGTERM, save the step and stop
-     (titan_train.trainer.preemption)
+  3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics -> TrainingRun
+  4. train(run): until the last step, train_step(run, batches), report, validate,
+     checkpoint, under the profiler; on SIGTERM, save the step and stop
 
-With ``fault_tolerance.enable`` the run is one replica group of a torchft job (see
-``titan_train.fault_tolerance``): the data is sharded over all groups at build time, and the
-optimizer container does the per-step work (quorum, gradient averaging before clipping,
-commit); the loop is the same. With ``fault_tolerance.semi_sync_method`` the loop runs inside
-``titan_train.fault_tolerance.semi_sync``'s LocalSGD or DiLoCo context: groups step alone
-and sync every ``sync_steps`` steps.
+Fault tolerance changes nothing here: torchft's work happens at build time and inside the
+optimizer container, and semi-sync training wraps the loop (``titan_train.fault_tolerance``).
 """
 
 from __future__ import annotations
@@ -37,28 +30,15 @@ from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.fault_tolerance.semi_sync import semi_sync_training
 from titan_train.launch import destroy_group
-from titan_train.preflight import (
-    Plan,
-    World,
-    check_checkpoint_folder,
-    check_seq_lens,
-    checkpoint_settings,
-    plan_batches,
-    preflight,
-)
+from titan_train.preflight import Plan, World, preflight
 from titan_train.trainer.build import TrainingRun, build, close
 from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError, stop_on_sigterm
 from titan_train.trainer.state import TrainState
-from titan_train.trainer.step import cross_entropy_loss, next_batches, report_step, train_step
+from titan_train.trainer.step import next_batches, report_step, train_step
 
 __all__ = [
     "TrainState",
-    "check_checkpoint_folder",
     "check_resume",
-    "check_seq_lens",
-    "checkpoint_settings",
-    "cross_entropy_loss",
-    "plan_batches",
     "run",
     "summary",
     "train",
@@ -124,11 +104,9 @@ def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
 
 
 def check_resume(config: JobConfig, plan: Plan) -> int | None:
-    """Before building anything, look at the step the run would resume from (the newest
-    committed step of its folder, or ``checkpoint.load_step``): raise ``ConfigError`` when
-    its model record names another model or flavor than this run's (loading would fail on a
-    list of missing keys), and return its number when it is ``training.steps`` or past it
-    (the run has nothing to do), else ``None``."""
+    """Before building anything: raise ``ConfigError`` when the step the run would resume
+    from records another model or flavor (loading would fail on missing keys); return its
+    number when it is ``training.steps`` or past (nothing to do), else ``None``."""
     cfg = plan.checkpoint
     if not cfg.enable or config.checkpoint.create_seed_checkpoint or config.fault_tolerance.enable:
         return None
@@ -178,17 +156,21 @@ def summary(run: TrainingRun, first_step: int, seconds: float) -> str:
 
 
 def train(run: TrainingRun) -> None:
-    """Train ``run`` from its current step to ``training.steps``: each step, then report,
-    validate and checkpoint; collected garbage only every ``training.gc_freq`` steps.
-    Raises ``PreemptedError`` after the step at which the ranks agreed to stop on SIGTERM (saved
-    with ``checkpoint.save_on_sigterm``)."""
+    """Train ``run`` from its current step to ``training.steps`` (garbage collected every
+    ``training.gc_freq`` steps); ``PreemptedError`` after the step the ranks stop at on
+    SIGTERM."""
     training = run.config.training
     fast_from = fail_fast_step(run.config)
     gc.disable()
     try:
         # Semi-synchronous fault tolerance (LocalSGD, DiLoCo) syncs the replica groups from
         # the optimizer's step hooks while inside; otherwise a no-op.
-        with semi_sync_training(run), stop_on_sigterm(run.plan.world.world_size) as sigterm:
+        with (
+            semi_sync_training(
+                run.config.fault_tolerance, run.replicas, run.model_parts, run.optimizers
+            ),
+            stop_on_sigterm(run.plan.world.world_size) as sigterm,
+        ):
             while run.train_state.step < training.steps:
                 started = time.perf_counter()
                 if (run.train_state.step + 1) % training.gc_freq == 0:
@@ -220,9 +202,7 @@ def train(run: TrainingRun) -> None:
 
 
 def _stop_after(run: TrainingRun, step: int, fast_from: int) -> NoReturn:
-    """Stop after ``step``, which every rank completed: log it, save it synchronously when
-    ``checkpoint.save_on_sigterm`` (and checkpointing saves at all), raise
-    ``PreemptedError``."""
+    """Stop after ``step``: log, save it when ``checkpoint.save_on_sigterm``, raise."""
     cfg = run.config.checkpoint
     # A plain titan_ckpt.CheckpointConfig (a JobConfig built in code) has no trainer policy:
     # the default, saving, holds; this is no moment to fail on an attribute.
@@ -251,9 +231,8 @@ def validate(run: TrainingRun, step: int) -> None:
 
 
 def write_seed_checkpoint(run: TrainingRun) -> None:
-    """Save the freshly initialized run as step 0: the initial weights in a file (every
-    layout of titan's families already starts from the same weights for one seed; a family
-    drawing from torch's generators does not, and starts alike from this file)."""
+    """Save the freshly initialized run as step 0 (a family drawing from torch's generators
+    starts alike in every layout from this file)."""
     run.checkpointer.save(0, force=True, model_only=True)
     run.checkpointer.close()
     logger.info(
@@ -264,11 +243,9 @@ def write_seed_checkpoint(run: TrainingRun) -> None:
 
 
 def flight_recorder_env(config: JobConfig, device_type: str) -> dict[str, str]:
-    """The variables that make torch's NCCL flight recorder keep the last
-    ``comm.trace_buf_size`` collectives of each rank and dump them under
-    ``job.dump_folder/comm.save_traces_folder`` when a collective times out: a hang at scale
-    then says which rank waited where. Set before the process group starts; ones the user
-    set win. Nothing on CPU (gloo has no flight recorder) or with a size of 0."""
+    """The variables that make NCCL's flight recorder keep each rank's last
+    ``comm.trace_buf_size`` collectives and dump them under ``comm.save_traces_folder`` on a
+    timeout (which rank waited where); the user's win; none on CPU or with a size of 0."""
     comm = config.comm
     if device_type == "cpu" or comm.trace_buf_size == 0:
         return {}
@@ -282,9 +259,8 @@ def flight_recorder_env(config: JobConfig, device_type: str) -> dict[str, str]:
 
 
 def fail_fast_step(config: JobConfig) -> int:
-    """The step after which collectives get the short ``comm.train_timeout_seconds``: after
-    the first step (compilation, warm-up), or after the first validation when validation is
-    on (its eval-mode forward compiles again)."""
+    """The step after which collectives get ``comm.train_timeout_seconds``: the first (or
+    the first validation's, whose eval forward compiles again)."""
     if not config.validation.enable:
         return 1
     return max(1, min(config.validation.freq, config.training.steps))

@@ -2,18 +2,12 @@
 times in a row, then stop.
 
 The optimizer container already skips the update of a step whose clipped gradient norm is
-not finite (the weights stay as they were). Without a bound that repeats silently forever
-once training diverged. ``NonFiniteGuard`` bounds it: up to ``training.skip_nonfinite_steps``
-consecutive skipped steps, each with one warning line; the next one stops the run with
-``NonFiniteStepsError``, before that step's checkpoint, so the last committed step (which
-holds finite weights: no skipped update touched them) stays the resume point. The total is
-reported in the metrics as ``skipped_steps``.
-
-The norm is the one clipping computes, the same on every rank, so every rank decides alike;
-with clipping off (``training.max_norm = 0``) no norm exists and nothing is skipped or
-counted. The guard takes the norm as a device tensor and reads only whether it is finite:
-the one host sync per step that deciding to skip an update needs (clipping already waited
-for the norm to decide the same); the value itself is read only on the rare bad step.
+not finite; without a bound that repeats silently forever once training diverged.
+``NonFiniteGuard`` allows ``training.skip_nonfinite_steps`` in a row (one warning each) and
+raises ``NonFiniteStepsError`` on the next, before that step's checkpoint, so the last
+committed step (finite weights) stays the resume point. The norm is clipping's, the same on
+every rank; the guard reads only whether it is finite (the one host sync per step that
+deciding to skip needs). With clipping off no norm exists and nothing is skipped.
 """
 
 from __future__ import annotations
@@ -31,12 +25,8 @@ logger = logging.getLogger("titan_train")
 
 
 class NonFiniteGuard:
-    """Counts steps whose gradient norm is not finite; raises past ``limit`` in a row.
-
-    Args:
-        limit: consecutive non-finite steps to skip (``training.skip_nonfinite_steps``);
-            0 stops at the first.
-    """
+    """Counts steps whose gradient norm is not finite; raises past ``limit`` in a row
+    (``training.skip_nonfinite_steps``; 0 stops at the first)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -46,9 +36,8 @@ class NonFiniteGuard:
         """Non-finite steps skipped in this process, in all."""
 
     def observe(self, step: int, grad_norm: torch.Tensor | float | None) -> bool:
-        """Account ``step``; True if its update is skipped. Raises ``NonFiniteStepsError``
-        when this makes more than ``limit`` in a row. ``grad_norm`` may be a tensor on the
-        device (a scalar)."""
+        """Account ``step`` (``grad_norm`` may be a device scalar); True if its update is
+        skipped; raises ``NonFiniteStepsError`` past ``limit`` in a row."""
         if grad_norm is None:
             self.consecutive = 0
             return False

@@ -2,36 +2,25 @@
 
 ``train`` runs its loop inside ``stop_on_sigterm``:
 
-1. SIGTERM reaches the ranks: torchrun's agent passes the one it gets on to every worker
-   (titan-train's launcher passes its own on to the agent), and SLURM signals every process
-   of a job step itself. A rank notes it and trains on.
-2. After each step the ranks agree whether any of them got it: an all-reduce (MAX) of one
-   int over a gloo group of their own, on the host, so the step waits for no device (~0.3 ms
-   on 2 CPU ranks, measured over 2,000 calls); one rank skips it. All ranks stop after the
-   same step, in whichever step each was signalled.
-3. Rank 0 logs one line. With ``checkpoint.enable`` and ``checkpoint.save_on_sigterm`` every
-   rank saves that step and waits until it is committed (an async save in flight is finished
-   first); then ``train`` raises ``PreemptedError`` and ``titan-train`` exits with status 143.
-4. A SIGTERM ``REPEAT_WINDOW_S`` or more after the first ends the process at once with
-   status 143, without a save, even inside a collective or a save. One that comes sooner is
-   the same request delivered twice (SLURM signals the worker and torchrun's agent passes
-   its copy on) and changes nothing.
+1. SIGTERM reaches every rank (torchrun's agent passes its own on, SLURM signals each
+   process); a rank notes it and trains on.
+2. After each step the ranks agree whether any got it: an all-reduce (MAX) of one int over
+   a gloo group of their own, on the host (~0.3 ms on 2 CPU ranks, measured over 2,000
+   calls), so all stop after the same step.
+3. Rank 0 logs one line; with ``checkpoint.save_on_sigterm`` every rank saves that step and
+   waits for the commit; ``train`` raises ``PreemptedError`` and ``titan-train`` exits 143.
+4. A SIGTERM ``REPEAT_WINDOW_S`` or more after the first ends the process at once, without
+   a save; one sooner is the same request delivered twice (SLURM and torchrun's agent).
 
-Before the loop (start-up, the resume's load) SIGTERM keeps its default and ends the process
-at once: no step has been trained that a save would keep.
+Before the loop SIGTERM keeps its default: no step has been trained that a save would keep.
 
-Why 143: it is 128 + 15, what a shell, SLURM and Kubernetes report for a process that
-SIGTERM ended; the run is stopped, not finished, and a retry resumes it from the saved step.
-Status 0 would tell a scheduler the work is done, and 1 is an error that a retry would not
-fix: Kubeflow's ``restartPolicy: ExitCode`` restarts a container that exits with 143 (or
-130, 137, 138) and fails the job on any other status. A Kubernetes ``podFailurePolicy`` or a
-requeue script can match 143 too (``sbatch --requeue`` requeues a preempted job whatever
-its status).
+Why 143 (128 + 15, what shells, SLURM and Kubernetes report for a SIGTERM'd process): the
+run is stopped, not finished. 0 would tell a scheduler the work is done, 1 is an error a
+retry would not fix; Kubeflow's ``restartPolicy: ExitCode`` restarts on 143.
 
 The second SIGTERM is watched by a thread: Python runs a signal handler only when the main
-thread is back in the interpreter, which a hung collective or a long backward may not be for
-minutes. The C-level handler writes each signal's number to a wakeup fd
-(``signal.set_wakeup_fd``) at once, and the thread reads it there.
+thread is back in the interpreter, which a hung collective may not be for minutes; the
+C-level handler writes the signal to a wakeup fd (``signal.set_wakeup_fd``) at once.
 """
 
 from __future__ import annotations
@@ -120,10 +109,8 @@ def _noted(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def stop_on_sigterm(world_size: int = 1) -> Iterator[StopSignal]:
-    """Catch SIGTERM while inside; the ``StopSignal`` says when to stop. With
-    ``world_size`` > 1 a collective: every rank enters it (it makes the gloo group the ranks
-    agree over). Outside the main thread, where Python cannot handle signals, nothing is
-    caught. The previous handler and wakeup fd are restored on the way out."""
+    """Catch SIGTERM while inside (not outside the main thread); the ``StopSignal`` says when
+    to stop. A collective with ``world_size`` > 1 (it makes the ranks' gloo group)."""
     group = None
     if world_size > 1:
         import torch.distributed as dist

@@ -1,17 +1,12 @@
 """Profiling: ``torch.profiler`` traces of a few steps every ``profile_freq`` steps, and
 accelerator memory snapshots.
 
-The profiler runs on a schedule: in each window of ``profile_freq`` steps it waits, warms up
-for ``profiler_warmup`` steps and records ``profiler_active`` steps, then writes one Chrome
-trace per rank to ``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json``
-(open it in Perfetto or ``chrome://tracing``). Memory snapshots record the accelerator's
-caching-allocator history (through torch's device module: ``torch.cuda.memory`` on CUDA and
-ROCm) and dump it every ``profile_freq`` steps to
-``<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle``
-(view it at https://pytorch.org/memory_viz). A step that runs out of device memory dumps one
-more snapshot, to ``iteration_<step>_exit/`` (``memory_snapshot_on_oom``), before the error
-ends the run: with the recorded history when ``enable_memory_snapshot`` is on, else the
-allocator's segments at the failure.
+Traces: ``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json`` (Perfetto
+or ``chrome://tracing``). Snapshots of the caching allocator's history, every
+``profile_freq`` steps: ``<save_memory_snapshot_folder>/iteration_<step>/
+rank<r>_memory_snapshot.pickle`` (https://pytorch.org/memory_viz). A step that runs out of
+device memory dumps one more to ``iteration_<step>_exit/`` (``memory_snapshot_on_oom``),
+with the history when ``enable_memory_snapshot`` is on, else the allocator's segments.
 """
 
 from __future__ import annotations
@@ -68,16 +63,8 @@ class ProfilingConfig:
 class Profiler:
     """Traces and snapshots for the loop: recording starts when it is built; call ``step()``
     once per finished training step and ``close()`` at the end (or use it as a context
-    manager). Does nothing when both are off.
-
-    Args:
-        config: the ``[profiling]`` section.
-        dump_folder: the job's output folder.
-        rank: this process's global rank (names the files).
-        device: the training device (memory snapshots need an accelerator).
-        step: the step training starts after (non-zero on resume), so windows stay
-            aligned with step numbers.
-    """
+    manager). Does nothing when both are off. ``step``: the step training starts after
+    (on resume), so windows stay aligned with step numbers."""
 
     def __init__(
         self,
@@ -150,9 +137,8 @@ class Profiler:
             self._dump_snapshot(f"iteration_{self._step}")
 
     def snapshot_on_oom(self, step: int) -> str | None:
-        """Dump a memory snapshot after step ``step`` ran out of device memory (call it in
-        the handler, before the error ends the run); the file's path, or ``None`` when off
-        or not on an accelerator. A failure to dump is logged, never raised over the OOM."""
+        """Dump a memory snapshot after step ``step`` ran out of device memory; the path, or
+        ``None`` when off or on CPU. A failed dump is logged, never raised over the OOM."""
         if not self.config.memory_snapshot_on_oom or self._memory is None:
             return None
         try:
@@ -198,9 +184,8 @@ class Profiler:
 
 
 def memory_history(device: torch.device) -> ModuleType | None:
-    """The memory module of ``device``'s torch module (``torch.cuda.memory`` on CUDA and
-    ROCm, likewise for other accelerators) when it records allocator history and takes
-    snapshots; ``None`` on CPU and on devices without."""
+    """``device``'s torch memory module (``torch.cuda.memory``...) when it records allocator
+    history; ``None`` on CPU and devices without."""
     if device.type in ("cpu", "meta"):
         return None
     try:

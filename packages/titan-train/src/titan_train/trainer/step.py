@@ -1,50 +1,48 @@
 """One training step, and the one forward path training and validation share.
 
-``train_step(run, batches)`` runs a whole optimizer step: clear gradients (which also starts
-torchft's quorum), forward and backward of every micro-batch (gradient accumulation, or the
-pipeline's microbatches), clipping (torchft averages gradients first, inside its optimizer
-container), the non-finite guard, the optimizer and LR steps. It returns a ``StepResult``
-of tensors and counts: nothing in it waits for the device, except the one finiteness check
-of the gradient norm that deciding to skip an update needs. Reducing the loss over the
-ranks and reading numbers on the host happen only on reporting steps (``report_step``).
+``train_step(run, batches)`` runs a whole optimizer step (zero_grad, which also starts
+torchft's quorum; forward and backward of every micro-batch; clipping; the non-finite guard;
+optimizer and LR steps) and returns a ``StepResult`` still on the device: the only host sync
+is the finiteness check of the gradient norm. Reducing the loss over the ranks happens only
+on reporting steps (``report_step``).
 
 The loss is normalized by trained tokens (labels other than ``IGNORE_INDEX``) over the whole
-global batch: the step's loss is the sum of its token losses, over every micro-batch of
-every data-parallel rank, divided by the number of trained tokens among them all
-(``trained_tokens``: counted on the host's batches and all-reduced over the data-parallel
-ranks, once per step, before any backward). Each micro-batch backpropagates its summed loss
-times ``dp x cp / that count``; the gradient averaging of FSDP or DDP over the ``dp x cp``
-ranks then leaves the gradient of the global per-token mean. A conversation's long prompt
-thus weighs no less than a short one's, whichever micro-batch or rank it lands on; with
-every token trained (pretraining) it is the mean over micro-batches of their mean losses,
-as before. Under pipeline parallelism the schedule averages its microbatches' mean losses,
-which is the same only when every token is trained (``preflight`` refuses chat data there).
+global batch: each micro-batch backpropagates its summed loss times ``dp x cp / count``
+(``count``: the step's trained tokens, all-reduced over ``dp`` once per step), and the
+gradient averaging of FSDP or DDP over the ``dp x cp`` ranks leaves the gradient of the
+global per-token mean, whichever micro-batch or rank a long prompt lands on. Under pipeline
+parallelism the schedule averages its microbatches' mean losses, the same only when every
+token is trained (``preflight`` refuses chat data there).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from titan_ckpt import CheckpointManager
 from titan_dims import ParallelDims
 from titan_models import ParallelizeConfig, Pipeline, StepContext, plain_loss, reduce_loss
 from titan_models.documents import DocumentMasking
+from titan_optim import LRSchedulersContainer, Optimizers
 from titan_train.data.config import IGNORE_INDEX
-from titan_train.metrics import StepTokens, tokens_of_step
-
-if TYPE_CHECKING:
-    from titan_train.trainer.build import TrainingRun
+from titan_train.fault_tolerance import ReplicaGroup
+from titan_train.metrics import MetricsLogger, StepTokens, tokens_of_step
+from titan_train.trainer.nonfinite import NonFiniteGuard
+from titan_train.trainer.state import TrainState
 
 __all__ = [
     "Batch",
     "LossFn",
     "StepResult",
+    "StepRun",
     "batch_loss",
     "build_loss_fn",
     "cross_entropy_loss",
@@ -92,17 +90,13 @@ def mean_loss(loss_fn: LossFn) -> LossFn:
 
 
 def build_loss_fn(config: ParallelizeConfig, *, loss_parallel: bool = False) -> LossFn:
-    """The training (and validation) loss: ``cross_entropy_sum``, compiled with
-    ``config.compile_backend`` when ``config.compile`` is on, as torchtitan does. Eager, the
-    loss writes an fp32 copy of the whole ``(tokens x vocab)`` logits (~4 GB per 8k tokens at
-    a 128k vocabulary) and its gradient; compiled, the upcast fuses into the softmax and
-    loss kernels.
+    """The training (and validation) loss: ``cross_entropy_sum``, compiled when
+    ``config.compile`` is on (eager, it writes an fp32 copy of the whole logits, ~4 GB per 8k
+    tokens at a 128k vocabulary; compiled, the upcast fuses into the kernels).
 
-    ``loss_parallel``: the logits arrive sharded over the vocabulary (DTensor) and the loss
-    runs under ``loss_parallel()``, whose trace holds this rank's vocabulary offset as a
-    constant. torch 2.13's AOTAutograd cache keys the compiled loss without it, so a later
-    run (or rank) on the machine would load another rank's offset and a wrong loss (measured
-    on 2 gloo ranks: 4.48 for 5.32); this loss is then compiled past that cache."""
+    ``loss_parallel``: vocabulary-sharded logits, whose trace holds this rank's vocabulary
+    offset as a constant; torch 2.13's AOTAutograd cache keys it without the offset (another
+    rank's loaded: 4.48 for 5.32 on 2 gloo ranks), so this loss is compiled past that cache."""
     if not config.compile:
         return cross_entropy_sum
     compiled = torch.compile(cross_entropy_sum, backend=config.compile_backend)
@@ -124,16 +118,57 @@ class StepResult:
     step: int
     """The step just taken (1-based)."""
     loss: torch.Tensor | None
-    """This rank's share of the step's loss (plain, detached): its trained tokens' summed
-    loss x ``dp x cp`` / the step's trained tokens over all ranks, so that
-    ``titan_models.reduce_loss`` (an average over the ``dp x cp`` ranks) gives the job's
-    loss per trained token. ``None`` on a pipeline rank without the last stage."""
+    """This rank's share of the step's loss (plain, detached; ``reduce_loss`` over the
+    ``dp x cp`` ranks gives the per-token loss); ``None`` on a pipeline rank without the
+    last stage."""
     grad_norm: torch.Tensor | None
     """The global gradient norm before clipping; ``None`` with clipping off."""
     tokens: StepTokens
     """Tokens of the whole step (all ranks and replica groups) and the devices sharing it."""
     lr: float
     """The learning rate this step trained with."""
+
+
+class StepRun(Protocol):
+    """What ``train_step`` and ``report_step`` read of a run: ``TrainingRun`` has it all; a
+    loop of your own may pass any object with these attributes."""
+
+    @property
+    def model_parts(self) -> list[nn.Module]: ...
+    @property
+    def pipeline(self) -> Pipeline | None: ...
+    @property
+    def step_context(self) -> StepContext: ...
+    @property
+    def loss_fn(self) -> LossFn: ...
+    @property
+    def documents(self) -> DocumentMasking | None: ...
+    @property
+    def optimizers(self) -> Optimizers: ...
+    @property
+    def schedulers(self) -> LRSchedulersContainer: ...
+    @property
+    def checkpointer(self) -> CheckpointManager: ...
+    @property
+    def train_state(self) -> TrainState: ...
+    @property
+    def nonfinite(self) -> NonFiniteGuard: ...
+    @property
+    def replicas(self) -> ReplicaGroup | None: ...
+    @property
+    def metrics(self) -> MetricsLogger | None: ...
+    @property
+    def dataloader(self) -> object: ...
+    @property
+    def parallel_dims(self) -> ParallelDims: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def pp_mesh(self) -> DeviceMesh | None: ...
+    @property
+    def max_norm(self) -> float: ...
+    @property
+    def metrics_fn(self) -> Callable[[Sequence[nn.Module]], Mapping[str, float]] | None: ...
 
 
 def batch_loss(
@@ -147,16 +182,11 @@ def batch_loss(
     loss_fn: LossFn = cross_entropy_sum,
     documents: DocumentMasking | None = None,
 ) -> torch.Tensor | None:
-    """The summed loss of one whole batch's trained tokens on this rank (its share of the
-    sequence under context parallel): a plain, detached tensor; ``None`` on a pipeline rank
-    without the last stage. Runs inside the plan's step context.
-
-    ``scale`` trains: the backward of ``loss x scale`` runs too (``dp x cp`` / the step's
-    trained tokens, ``train_step``). Under a pipeline its schedule runs the backward of each
-    microbatch's mean loss, averaged over microbatches, and the sum comes back as that mean
-    x the batch's trained tokens. ``None`` evaluates only (call it under ``torch.no_grad``).
-    ``documents``: document masking, its keywords (``document_ids``, ``positions``)
-    computed from ``inputs`` for the model's forward (every pipeline stage's)."""
+    """The summed loss of one batch's trained tokens on this rank, inside the plan's step
+    context: plain and detached; ``None`` on a pipeline rank without the last stage.
+    ``scale`` also runs the backward of ``loss x scale`` (a pipeline's of its microbatches'
+    mean, the sum returned as mean x trained tokens); ``None`` evaluates only (under
+    ``torch.no_grad``). ``documents``: document masking's forward keywords from ``inputs``."""
     with context(inputs, labels) as (inputs, labels):
         kwargs = {} if documents is None else documents.forward_kwargs(inputs)
         if pipeline is not None:
@@ -171,10 +201,8 @@ def batch_loss(
 
 
 def trained_tokens(labels: list[torch.Tensor], dims: ParallelDims) -> torch.Tensor:
-    """The trained tokens (labels other than ``IGNORE_INDEX``) of ``labels`` (this rank's
-    batches, whole sequences) summed over the data-parallel ranks: one all-reduce over the
-    ``dp`` mesh. The ranks of a context-parallel group hold the same whole batch, so only
-    ``dp`` is summed."""
+    """The trained tokens of this rank's ``labels`` summed over the ``dp`` mesh (one
+    all-reduce; a context-parallel group holds one whole batch, so only ``dp``)."""
     count = torch.stack([(batch != IGNORE_INDEX).sum() for batch in labels]).sum()
     if dims.dp_enabled:
         dist.all_reduce(count, group=dims.get_mesh("dp").get_group())
@@ -182,11 +210,9 @@ def trained_tokens(labels: list[torch.Tensor], dims: ParallelDims) -> torch.Tens
 
 
 def loss_share(dims: ParallelDims, count: torch.Tensor) -> torch.Tensor:
-    """What a rank multiplies its summed loss by: ``dp x cp / count`` (``count``: the trained
-    tokens of the global batch, ``trained_tokens``). The gradients of the ``dp x cp`` ranks
-    are averaged (FSDP, DDP) and ``reduce_loss`` averages losses over them: with this
-    factor both end as the global batch's sum over its trained tokens. A batch without one
-    (``count`` 0) gives 0, not a division by zero."""
+    """What a rank multiplies its summed loss by: ``dp x cp / count`` (the global batch's
+    trained tokens), so the gradient and ``reduce_loss`` averages over the ``dp x cp`` ranks
+    end as the per-token mean; ``count`` 0 gives 0."""
     return dims.dp_degree * dims.cp / count.clamp(min=1).to(torch.float32)
 
 
@@ -194,10 +220,8 @@ def next_batches(
     batch_iter: Iterator[Batch], count: int, device: torch.device
 ) -> tuple[list[Batch], float]:
     """The next ``count`` (inputs, labels) batches on ``device``, and seconds spent waiting.
-
-    On the accelerator, batches are copied from pinned host memory without blocking: a
-    pageable copy would make the host wait for the device at every micro-batch (untested on
-    a GPU so far). On the CPU they are moved as they are."""
+    To an accelerator they are copied from pinned memory without blocking (a pageable copy
+    makes the host wait at every micro-batch)."""
     started = time.perf_counter()
     accelerator = (
         torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -214,11 +238,11 @@ def next_batches(
     return out, time.perf_counter() - started
 
 
-def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
+def train_step(run: StepRun, batches: list[Batch]) -> StepResult:
     """One optimizer step of ``run`` over ``batches`` (its accumulation steps' micro-batches);
     advances ``run.train_state``. Raises ``NonFiniteStepsError`` past the allowed run of
     inf/nan gradient norms, before the step's update."""
-    state, training = run.train_state, run.config.training
+    state = run.train_state
     state.step += 1
     run.optimizers.zero_grad()
     loss = _forward_backward(run, batches)
@@ -229,12 +253,12 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
         mirrored = run.pipeline.mirrored_parameters
     replica_groups = 1 if run.replicas is None else run.replicas.participants()
     tokens = tokens_of_step(
-        sum(labels.numel() for _, labels in batches), run.plan.parallel_dims, replica_groups
+        sum(labels.numel() for _, labels in batches), run.parallel_dims, replica_groups
     )
     grad_norm = None
-    if training.max_norm > 0:
+    if run.max_norm > 0:
         grad_norm = run.optimizers.clip_grad_norm_(
-            training.max_norm, pp_group=run.pp_mesh, mirrored=mirrored
+            run.max_norm, pp_group=run.pp_mesh, mirrored=mirrored
         )
         # Past the limit this raises: before the step's update and its checkpoint.
         run.nonfinite.observe(state.step, grad_norm)
@@ -248,11 +272,9 @@ def train_step(run: TrainingRun, batches: list[Batch]) -> StepResult:
     return StepResult(step=state.step, loss=loss, grad_norm=grad_norm, tokens=tokens, lr=lr)
 
 
-def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | None:
-    """Forward and backward of every micro-batch, the loss normalized by the global batch's
-    trained tokens (the module docstring); this rank's share of the step's loss (``None``
-    on a pipeline rank without the last stage)."""
-    dims = run.plan.parallel_dims
+def _forward_backward(run: StepRun, batches: list[Batch]) -> torch.Tensor | None:
+    """Forward and backward of every micro-batch; this rank's share of the step's loss."""
+    dims = run.parallel_dims
     scale = loss_share(dims, trained_tokens([labels for _, labels in batches], dims))
     if run.pipeline is not None:
         # One schedule step over all micro-batches, concatenated: the schedule splits them
@@ -284,17 +306,13 @@ def _forward_backward(run: TrainingRun, batches: list[Batch]) -> torch.Tensor | 
     return loss_sum * scale
 
 
-def report_step(
-    run: TrainingRun, result: StepResult, *, started: float, data_seconds: float
-) -> None:
-    """Account the step in the metrics. On reporting steps only (``metrics.should_log``) the
-    loss is reduced over the ranks and numbers are read on the host: that read waits for
-    the device, so the clock is read after it and the step time stays honest."""
+def report_step(run: StepRun, result: StepResult, *, started: float, data_seconds: float) -> None:
+    """Account the step in the metrics; only on reporting steps is the loss reduced and read
+    on the host (waiting for the device, so the clock is read after it)."""
     reporting = run.metrics.should_log(result.step)
     loss = grad_norm = None
     if reporting:
-        dims = run.plan.parallel_dims
-        loss = reduce_loss(result.loss, dims, device=run.plan.world.device).item()
+        loss = reduce_loss(result.loss, run.parallel_dims, device=run.device).item()
         grad_norm = None if result.grad_norm is None else float(result.grad_norm)
     run.metrics.log(
         step=result.step,
@@ -309,17 +327,15 @@ def report_step(
     )
 
 
-def _extra_metrics(run: TrainingRun, result: StepResult) -> dict[str, float]:
-    """Skipped steps (when clipping reads the norm), the tokens taken from each source of a
-    dataset mixture, and the model family's own numbers (``ModelSpec.metrics_fn``); read at
-    reporting steps only."""
+def _extra_metrics(run: StepRun, result: StepResult) -> dict[str, float]:
+    """Skipped steps, a mixture's tokens per source, and the family's ``metrics_fn``."""
     extra: dict[str, float] = {}
     if result.grad_norm is not None:
         extra["skipped_steps"] = run.nonfinite.skipped
     tokens_by_source = getattr(run.dataloader, "tokens_by_source", None)
     if tokens_by_source is not None:  # a dataset mixture: tokens taken from each source
         extra.update({f"tokens_seen/{k}": v for k, v in tokens_by_source().items()})
-    metrics_fn = run.plan.spec.metrics_fn
+    metrics_fn = run.metrics_fn
     if metrics_fn is not None:
         extra.update(metrics_fn(run.model_parts))
     return extra

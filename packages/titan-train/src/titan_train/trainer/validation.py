@@ -1,16 +1,11 @@
-"""Validation every ``freq`` steps: the mean loss of a held-out (finite) dataset per trained
-token (labels other than ``IGNORE_INDEX``: every token of text, the chosen turns of chat
-data), over all its batches and all data-parallel and context-parallel ranks, under
-``torch.no_grad``: the summed token losses divided by the trained tokens, as training
-normalizes a step (``titan_train.trainer.step``).
+"""Validation every ``freq`` steps: the mean loss per trained token of a held-out (finite)
+dataset over all its batches and all data- and context-parallel ranks, normalized as
+training normalizes a step (``titan_train.trainer.step``).
 
-Each evaluation starts the validation data from its beginning, so every evaluation of a
-run (and of runs at other parallel layouts) sees the same sequences. Every batch goes
-through the training step's own forward path (``titan_train.trainer.step.batch_loss``, inside the
-plan's ``StepContext``), forward only: with pipeline parallelism through the schedule's
-``eval``, where only the last stage sees the loss; ``titan_models.reduce_loss`` then sums it
-over the pipeline group and averages it over the data- and context-parallel ranks (of each
-rank's summed loss x ``dp x cp`` / the trained tokens), so every rank reports the same number.
+Each evaluation starts the data from its beginning, so every evaluation (at any layout) sees
+the same sequences. Batches go through the training step's forward path (``batch_loss``,
+in the plan's ``StepContext``), under a pipeline through the schedule's ``eval``;
+``reduce_loss`` then gives every rank the same number.
 """
 
 from __future__ import annotations
@@ -61,23 +56,10 @@ class ValidationConfig(DataSource):
 
 
 class Validator:
-    """Computes the validation loss of a model (or of this rank's pipeline stages).
-
-    Args:
-        config: the ``[validation]`` section.
-        tokenizer: the training tokenizer.
-        dims: the run's parallel layout (data is sharded over its data-parallel ranks).
-        dp_rank: this rank's index among the data-parallel ranks.
-        device: where batches go.
-        step_context: the plan's per-step context (context parallel, loss parallel), the
-            one training steps run in; ``None`` builds it from ``dims`` with the default
-            ``ParallelizeConfig``.
-        loss_fn: the summed loss of each batch (the training run's, compiled or not).
-        documents: document masking (the training run's); ``None``: off.
-
-    Under pipeline parallelism the validation batch is split into the schedule's
-    microbatches: ``titan_train.preflight`` checks ``local_batch_size`` divides.
-    """
+    """Computes the validation loss of a model (or of this rank's pipeline stages), its
+    data sharded over the data-parallel ranks of ``dims``. ``step_context``, ``loss_fn`` and
+    ``documents`` are the training run's (``step_context=None``: built from ``dims`` with
+    the default ``ParallelizeConfig``)."""
 
     def __init__(
         self,
