@@ -40,7 +40,8 @@
 #             the run continues to step 19 (needs plain's run)
 #   gputests  the device-gated tests on the GPU: memory metrics and a real OOM's snapshot
 #             (F24), the HF import's per-rank host cut on a CUDA mesh (F19), compiled loss =
-#             eager loss (F15)
+#             eager loss (F15), pinned non-blocking batch copies, the async save's copy on its
+#             own stream
 #   tests     the CPU test suite stays pinned to CPU on a GPU host (F9): titan-dims' tests
 #   1b, 3b    Llama 3 1B and 3B in bf16 (autocast, compile, per-op AC): tokens/s and MFU
 #   oom       expect failure: Llama 3 8B at 32 x 2048 tokens runs out of memory in step 1;
@@ -185,7 +186,9 @@ item_resume() {
 item_gputests() {
   TITAN_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -rs \
     packages/titan-train/tests/metrics/test_memory.py packages/titan-train/tests/test_oom_snapshot.py \
-    packages/titan-ckpt/tests/test_hf_import_slices.py packages/titan-train/tests/test_compiled_loss.py
+    packages/titan-ckpt/tests/test_hf_import_slices.py packages/titan-train/tests/test_compiled_loss.py \
+    packages/titan-train/tests/test_next_batches.py \
+    packages/titan-ckpt/tests/test_async.py::test_deferred_copy_runs_on_its_own_stream_after_the_queued_step
 }
 item_tests() { "$PY" -m pytest -q -p no:cacheprovider packages/titan-dims/tests; }
 compiled() {  # compiled FLAVOR: one Llama 3 flavor, bf16, compiled, per-op AC

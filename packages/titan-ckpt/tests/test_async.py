@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from titan_ckpt import CheckpointConfig, CheckpointManager, OptimizerState, storage_for
-from titan_ckpt.asyncmode import check_main_guard
+from titan_ckpt.asyncmode import DeferringStager, check_main_guard
 from titan_ckpt.layout import scan_steps
 
 # DCP's background writer warns that it runs without torch.distributed: in one process, it does.
@@ -285,3 +285,27 @@ def test_async_manager_saves_with_optimizer_state_load_back_as_saved(common, tmp
         loaded = fresh_opt.state_dict()["state"][0]
         assert all(torch.equal(loaded[k], v) for k, v in opt_state.items())
         assert train_state.step == step
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+def test_deferred_copy_runs_on_its_own_stream_after_the_queued_step():
+    # The deferred entries are copied on the stager's stream, not the caller's (the compute
+    # stream), and only after the kernels queued before stage(): the copy holds the doubled
+    # values even though nothing synchronized the device in between.
+    seen = []
+
+    class Watched(DeferringStager):
+        def _stage(self, state_dict, **kwargs):
+            seen.append(torch.accelerator.current_stream())
+            return super()._stage(state_dict, **kwargs)
+
+    device = torch.accelerator.current_accelerator()
+    weights = torch.ones(4096, 4096, device=device)
+    stager = Watched()
+    stager.deferred = frozenset({"model"})
+    weights.mul_(2)  # queued on the caller's stream
+    staged = stager.stage({"model": {"w": weights}, "step": torch.tensor(1)}).result()
+    stager.close()
+    assert staged["model"]["w"].device.type == "cpu"
+    assert bool((staged["model"]["w"] == 2).all())
+    assert seen[-1] == stager.copy_stream != torch.accelerator.current_stream()

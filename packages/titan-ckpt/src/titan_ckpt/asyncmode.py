@@ -53,24 +53,39 @@ SHARED_MEMORY = "/dev/shm"
 class DeferringStager(DefaultStager):
     """torch's synchronous stager that copies the entries under ``deferred`` (top-level keys)
     in a background thread: ``stage`` returns a ``Future`` of the whole copy once the rest
-    is copied. For ``async``: the deferred entries change only in a hooked ``step()``."""
+    is copied. For ``async``: the deferred entries change only in a hooked ``step()``.
+
+    On an accelerator the background copy runs on a stream of its own, after the work queued
+    on the caller's stream when ``stage`` was called (the optimizer step that wrote those
+    tensors): on the compute stream it would hold back the next forward's kernels until the
+    copy ends. The stream is made here, on the trainer's thread, as torch's stager does."""
 
     def __init__(self) -> None:
         super().__init__(StagingOptions(False, False, False, False))
         self.deferred: frozenset[str] = frozenset()
         self._deferrer: ThreadPoolExecutor | None = None
+        self.copy_stream = torch.Stream() if torch.accelerator.is_available() else None
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
         later = {k: v for k, v in state_dict.items() if k in self.deferred}
         if not later:
             return super().stage(state_dict, **kwargs)
         now = self._stage({k: v for k, v in state_dict.items() if k not in later})
+        written = None
+        if self.copy_stream is not None:
+            written = torch.accelerator.current_stream().record_event()
         if self._deferrer is None:
             self._deferrer = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-stage")
-        return self._deferrer.submit(self._finish, now, later)
+        return self._deferrer.submit(self._finish, now, later, written)
 
-    def _finish(self, now: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
-        return {**now, **self._stage(later)}
+    def _finish(self, now: dict[str, Any], later: dict[str, Any], written: Any) -> dict[str, Any]:
+        if self.copy_stream is None:
+            return {**now, **self._stage(later)}
+        self.copy_stream.wait_event(written)
+        with self.copy_stream:
+            staged = self._stage(later)
+        self.copy_stream.synchronize()
+        return {**now, **staged}
 
     def close(self) -> None:
         if self._deferrer is not None:
