@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
@@ -110,7 +111,10 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     empty), cached for the process."""
     key = (device_type, dtype)
     if key not in _GROUPED_MM_SUPPORT:
-        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(device_type, dtype)
+        # On real tensors even when asked under FakeTensorMode (the memory estimate): a fake
+        # probe would answer for the meta kernel and cache that for the device.
+        with unset_fake_temporarily():
+            _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(device_type, dtype)
     return _GROUPED_MM_SUPPORT[key]
 
 
@@ -147,9 +151,10 @@ def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     align = max(1, 16 // x.element_size())
     if any(w.shape[-1] % align or w.shape[-2] % align for w in weights):
         return False
-    # Under torch.compile the op is traced through its meta kernel, which may accept fewer
-    # dtypes than the device's (torch 2.13: bf16 only, while CPU runs fp32 too).
-    if torch.compiler.is_compiling() and not grouped_mm_supported("meta", x.dtype):
+    # Under torch.compile and on fake tensors the op runs its meta kernel, which may accept
+    # fewer dtypes than the device's (torch 2.13: bf16 only, while CPU runs fp32 too).
+    traced = torch.compiler.is_compiling() or isinstance(x, FakeTensor)
+    if traced and not grouped_mm_supported("meta", x.dtype):
         return False
     return grouped_mm_supported(x.device.type, x.dtype)
 

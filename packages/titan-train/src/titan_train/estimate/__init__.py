@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -459,6 +460,12 @@ def _measure(
                 "is the optimizer update's)"
             )
             tracker.max_activations = 0  # a partial forward's: not a number to report
+            # The forward stopped with FSDP's parameters gathered: shard them again, so the
+            # rank's state below is the one a run keeps between steps.
+            for part in parts:
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
             tracker._peak_mem_snap = {cpu: primed_peak}
             tracker._peak_mem = {cpu: primed_peak.get(_TOTAL, 0)}
             for param in (p for part in parts for p in part.parameters()):
