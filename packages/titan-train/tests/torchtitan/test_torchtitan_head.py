@@ -287,12 +287,12 @@ def test_import_keeps_an_existing_file_unless_forced(tmp_path, capsys):
     assert "DeepEP" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the debug model at 8 x 2048 tokens: ~70 s for 2 steps on 2 cores
+@pytest.mark.slow  # the debug model at 8 x 2048 tokens: ~40 s for 1 step on 2 cores
 def test_llama3_debugmodel_trains(tmp_path):
     tt_checkout.write_tokenizer(tmp_path / "tests" / "assets" / "tokenizer")
     tt_checkout.write_c4_test(tmp_path / "tests" / "assets" / "c4_test")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.steps", "2"]
+    argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.steps", "1"]
     done = subprocess.run(
         [sys.executable, "-m", "titan_train.cli", *argv],
         cwd=tmp_path,
@@ -303,7 +303,7 @@ def test_llama3_debugmodel_trains(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "outputs/metrics.jsonl").open()]
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1]
     assert all(math.isfinite(r["loss"]) for r in records)
     assert "8 x 2048 tokens per step" in done.stderr
     assert "torchtitan's c4_test" in done.stderr
