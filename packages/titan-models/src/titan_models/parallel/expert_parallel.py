@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import (
     all_to_all_single,
     all_to_all_single_autograd,
@@ -76,7 +77,14 @@ class ExpertParallel(ParallelStyle):
             by_source = received.view(ep, -1)
             # The one device-to-host copy of the layer: both split lists at once.
             splits = torch.stack((counts.view(ep, -1).sum(dim=1), by_source.sum(dim=1)))
-            input_splits, output_splits = splits.tolist()
+            if isinstance(counts, FakeTensor):
+                # Fake tensors (the memory estimate) have no values: assume the balance the
+                # router is trained toward, an equal share of the rows to every rank.
+                rows = routed.shape[0]
+                input_splits = [rows // ep + (r < rows % ep) for r in range(ep)]
+                output_splits = list(input_splits)
+            else:
+                input_splits, output_splits = splits.tolist()
             local_experts = torch.arange(by_source.shape[1], device=counts.device)
             # output_size: the total is known on the host (without it, a second sync).
             expert_of_row = local_experts.repeat(ep).repeat_interleave(

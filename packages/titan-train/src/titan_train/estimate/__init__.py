@@ -22,8 +22,11 @@ Under pipeline parallelism the schedule's own runtime cannot run in one process 
 tensor metadata with the neighbouring stages by messages), so this rank's actions of the
 real schedule are replayed on its real stage modules (``titan_train.estimate.pipeline``).
 
-A model that sizes tensors from tensor values (an MoE's tokens per expert) cannot run its
-step on fake tensors: its resident state is still exact, and ``step_simulated`` is False.
+Fake tensors have no values, so a mixture of experts' routing is taken as balanced (its
+experts and, under expert parallelism, its all-to-all splits see equal shares of the tokens:
+the balance its load balancing trains toward; the note says so). A model that sizes other
+tensors from tensor values cannot run its step on fake tensors: its resident state is still
+exact, and ``step_simulated`` is False.
 DDP (replicas without sharding) runs as one replica, since torch's DDP reducer needs real
 storage, plus the reducer's gradient buckets; fault tolerance, CPU offload and
 optimizer-in-backward are refused (``ConfigError``, exit 2 from the command).
@@ -59,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from titan_dims.simulate import fake_process_group
+from titan_models.moe import moe_layers
 from titan_optim import build_optimizers
 from titan_optim.clip import global_grad_norm
 from titan_train.config import JobConfig
@@ -476,10 +480,18 @@ def _measure(
     step_events = events[marks[3] :] if step_note is None else []
     order = two_steps(events[: marks[0]], events[marks[1] : marks[2]], step_events)
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    if step_note is None and any(moe_layers(part) for part in parts):
+        step_note = (
+            "The experts' routing was taken as balanced (equal tokens per expert and per "
+            "expert-parallel rank); a skewed routing holds more at once."
+        )
+        simulated = True
+    else:
+        simulated = step_note is None
     return {
         **resident,
         "activations": tracker.max_activations,
-        "step_simulated": step_note is None,
+        "step_simulated": simulated,
         "note": step_note,
         "peak": int(peak_snap.get(_TOTAL, 0)),
         "peak_breakdown": {getattr(k, "value", str(k)): int(v) for k, v in peak_snap.items()},
