@@ -148,14 +148,13 @@ def parallelize_deepseek_v3(
     on the meta device first), as ``parallel_dims`` and ``config`` say; return it. Raises
     ``ModelConfigError`` (the checks of :func:`check_deepseek_v3` but the pipeline's) before
     touching anything."""
-    config = config or ParallelizeConfig()
-    cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
     return parallelize_decoder(
         model,
         parallel_dims,
         config,
+        seq_len=seq_len,
+        check_layout=_check_layout,
         apply_tp=apply_tp_deepseek_v3,
-        cp_implementation=cp_implementation,
     )
 
 
