@@ -10,11 +10,10 @@ left-padded rows of different lengths get what each would get alone. Buffers are
 on the first ``attend`` with the keys' heads, dtype and device (under tensor parallel, each
 rank its own heads). Sampling lives with the caller (titan-train's ``generate``).
 
-A family adopts it in three edits (``titan_models.llama3.model`` is the example): its
-forward picks ``rope_rows`` and passes ``cache.layer(i)`` to block ``i`` as a keyword (TP
-plans prepare positional inputs only), attention calls ``attend`` when given a layer cache,
-and the model calls ``advance``. ``attend`` takes keys and values of different widths and a
-``scale`` (DeepSeek-V3's latent attention)."""
+``titan_models.decoder.Decoder`` drives it for every family: its forward picks ``rope_rows``,
+passes ``cache.layer(i)`` to block ``i`` as a keyword (TP plans prepare positional inputs
+only) and calls ``advance``; attention calls ``attend``, which takes keys and values of
+different widths and a ``scale`` (DeepSeek-V3's latent attention)."""
 
 from __future__ import annotations
 

@@ -3,18 +3,13 @@ RoPE, dense SwiGLU blocks, then mixture-of-experts blocks (:class:`titan_models.
 
 Parameter names and shapes equal torchtitan's DeepSeek-V3 of July 2025, so its checkpoints
 load unchanged (its ``freqs_cis`` buffer aside: here the RoPE table is derived from the args
-and stays out of checkpoints, as in titan's Llama 3). The model knows nothing about
-parallelism. Build it on the meta device, parallelize, then materialize:
-
-    with torch.device("meta"):
-        model = DeepSeekV3(deepseek_v3_args("16B"))
-    ...  # parallelize
-    model.to_empty(device=titan_dims.detect_device_type())
-    model.init_weights()
+and stays out of checkpoints, as in titan's Llama 3). Build and materialize it as Llama 3
+(``titan_models.llama3.model``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,7 +21,7 @@ from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.documents import DocumentMask
 from titan_models.fused import FusedRMSNorm
 from titan_models.kv_cache import LayerKVCache
-from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope
+from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope, rope_table
 from titan_models.moe import MoE
 
 __all__ = [
@@ -58,18 +53,11 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, args: DeepSeekV3Args) -> torch.Tensor
 
 
 def yarn_rope_table(args: DeepSeekV3Args, device: torch.device | str | None = None) -> torch.Tensor:
-    """Cosines and sines of every (position, rotated channel pair): shape
-    ``(max_seq_len, qk_rope_head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine; YaRN-scaled
-    when ``args.yarn``. The layout of :func:`titan_models.llama3.model.rope_table`, so the
-    context-parallel hooks pick rows by position the same way."""
-    dim = args.qk_rope_head_dim
-    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim
-    inv_freq = 1.0 / (args.rope_theta**exponents)
-    if args.yarn:
-        inv_freq = _yarn_inv_freq(inv_freq, args)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+    """:func:`titan_models.llama3.model.rope_table` over the ``qk_rope_head_dim`` rotated
+    channels, YaRN-scaled when ``args.yarn`` (so the context-parallel hooks pick rows by
+    position the same way)."""
+    scaling = functools.partial(_yarn_inv_freq, args=args) if args.yarn else None
+    return rope_table(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, scaling, device)
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -143,11 +143,9 @@ def parallelize_deepseek_v3(
     *,
     seq_len: int | None = None,
 ) -> DeepSeekV3:
-    """Apply tensor/sequence parallel, expert parallel, context parallel, activation
-    checkpointing, per-block compile and FSDP2 / HSDP / DDP to ``model`` in place (build it
-    on the meta device first), as ``parallel_dims`` and ``config`` say; return it. Raises
-    ``ModelConfigError`` (the checks of :func:`check_deepseek_v3` but the pipeline's) before
-    touching anything."""
+    """``titan_models.llama3.parallelize_llama`` for DeepSeek-V3, with expert parallel;
+    raises ``ModelConfigError`` (:func:`check_deepseek_v3`'s checks but the pipeline's)
+    before touching anything."""
     return parallelize_decoder(
         model,
         parallel_dims,

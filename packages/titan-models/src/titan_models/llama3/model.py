@@ -15,6 +15,7 @@ plans. Build it on the meta device, parallelize, then materialize:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -56,15 +57,18 @@ def rope_table(
     head_dim: int,
     max_seq_len: int,
     theta: float,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | Callable[[torch.Tensor], torch.Tensor] | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Cosines and sines of every (position, channel pair): shape
-    ``(max_seq_len, head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine."""
+    ``(max_seq_len, head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine. ``scaling``: Llama
+    3.1's, or a function of the (float64) inverse frequencies."""
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    if scaling is not None:
+    if isinstance(scaling, RopeScaling):
         inv_freq = _scaled_inv_freq(inv_freq, scaling)
+    elif scaling is not None:
+        inv_freq = scaling(inv_freq)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1).float()

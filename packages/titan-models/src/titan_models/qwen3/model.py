@@ -6,14 +6,9 @@ expert), and an output projection tied to the token embedding where the flavor t
 Parameter names and shapes equal torchtitan's Qwen3 (``layers.<i>.attention.q_norm.weight``,
 ``layers.<i>.moe.experts.w1``, ``output.weight``...), and so does its RoPE layout: the pairs
 ``(i, i + head_dim/2)`` of each head rotate together (HF's ``rotate_half``), not Llama 3's
-adjacent pairs, so Hugging Face weights load without permuting any row. The model knows
-nothing about parallelism; build it on the meta device, parallelize, then materialize:
-
-    with torch.device("meta"):
-        model = Qwen3(qwen3_args("0.6B"))
-    ...  # parallelize
-    model.to_empty(device=titan_dims.detect_device_type())
-    model.init_weights()  # re-ties a tied output to the embedding first
+adjacent pairs, so Hugging Face weights load without permuting any row. Build and
+materialize it as Llama 3 (``titan_models.llama3.model``); ``init_weights`` re-ties a tied
+output to the embedding first.
 """
 
 from __future__ import annotations

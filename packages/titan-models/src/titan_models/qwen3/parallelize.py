@@ -98,11 +98,9 @@ def parallelize_qwen3(
     *,
     seq_len: int | None = None,
 ) -> Qwen3:
-    """Apply tensor/sequence parallel, expert parallel (MoE flavors), context parallel,
-    activation checkpointing, per-block compile and FSDP2 / HSDP / DDP to ``model`` in place
-    (build it on the meta device first), as ``parallel_dims`` and ``config`` say; return it.
-    Raises ``ModelConfigError`` (the checks of :func:`check_qwen3` but the pipeline's)
-    before touching anything. Use it as ``titan_models.llama3.parallelize_llama``."""
+    """``titan_models.llama3.parallelize_llama`` for Qwen3, with expert parallel for MoE
+    flavors; raises ``ModelConfigError`` (:func:`check_qwen3`'s checks but the pipeline's)
+    before touching anything."""
     return parallelize_decoder(
         model,
         parallel_dims,
