@@ -168,7 +168,9 @@ class Attention(nn.Module):
         """``cache``: this layer's keys and values so far (incremental decoding; ``rope``
         then holds per-row angles); without it, causal attention over ``x`` alone."""
         bs, seqlen, _ = x.shape
-        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = self._qk_norm(q, k)
         q = apply_rope(q, rope, half_split=self.half_split)
         k = apply_rope(k, rope, half_split=self.half_split)
