@@ -10,11 +10,10 @@ left-padded rows of different lengths get what each would get alone. Buffers are
 on the first ``attend`` with the keys' heads, dtype and device (under tensor parallel, each
 rank its own heads). Sampling lives with the caller (titan-train's ``generate``).
 
-A family adopts it in three edits (``titan_models.llama3.model`` is the example): its
-forward picks ``rope_rows`` and passes ``cache.layer(i)`` to block ``i`` as a keyword (TP
-plans prepare positional inputs only), attention calls ``attend`` when given a layer cache,
-and the model calls ``advance``. ``attend`` takes keys and values of different widths and a
-``scale`` (DeepSeek-V3's latent attention)."""
+``titan_models.decoder.Decoder`` drives it for every family: its forward picks ``rope_rows``,
+passes ``cache.layer(i)`` to block ``i`` as a keyword (TP plans prepare positional inputs
+only) and calls ``advance``; attention calls ``attend``, which takes keys and values of
+different widths and a ``scale`` (DeepSeek-V3's latent attention)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from torch.nn import functional
 
 from titan_models.errors import ModelConfigError
 
-__all__ = ["KVCache", "LayerKVCache", "cached_forward"]
+__all__ = ["KVCache", "LayerKVCache"]
 
 
 class KVCache:
@@ -166,19 +165,3 @@ class LayerKVCache:
         return functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         )
-
-
-def cached_forward(model: torch.nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """The cached forward of a titan model family (``tok_embeddings``, ``layers`` keyed by
-    index taking ``(h, rope, cache=...)``, ``norm``, ``output``, a ``rope`` table): the
-    next ``tokens`` after those ``cache`` holds, attending to the cached keys too. The
-    families' ``forward(tokens, cache=...)`` call it; a pipeline stage without an end skips
-    it, as the uncached forward does."""
-    seq = tokens.shape[1]
-    h = model.tok_embeddings(tokens) if model.tok_embeddings is not None else tokens
-    rope = cache.rope_rows(model.rope, seq)
-    for name, layer in model.layers.items():
-        h = layer(h, rope, cache=cache.layer(int(name)))
-    cache.advance(seq)
-    h = model.norm(h) if model.norm is not None else h
-    return model.output(h) if model.output is not None else h

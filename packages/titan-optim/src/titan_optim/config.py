@@ -75,16 +75,10 @@ class ParamGroupRule:
                 self.optimizer,
                 MUON_GROUPS,
             )
-        if self.lr is not None:
-            self.lr = check_number(
-                f"optimizer.param_group_rules[{self.pattern!r}].lr", self.lr, low=0
-            )
-        if self.weight_decay is not None:
-            self.weight_decay = check_number(
-                f"optimizer.param_group_rules[{self.pattern!r}].weight_decay",
-                self.weight_decay,
-                low=0,
-            )
+        for key in ("lr", "weight_decay"):
+            if getattr(self, key) is not None:
+                name = f"optimizer.param_group_rules[{self.pattern!r}].{key}"
+                setattr(self, key, check_number(name, getattr(self, key), low=0))
 
     def matches(self, fqn: str) -> bool:
         """Whether the parameter named ``fqn`` falls under this rule."""
@@ -92,12 +86,8 @@ class ParamGroupRule:
 
     def overrides(self) -> dict[str, float]:
         """The optimizer keyword arguments this rule replaces."""
-        out = {}
-        if self.lr is not None:
-            out["lr"] = self.lr
-        if self.weight_decay is not None:
-            out["weight_decay"] = self.weight_decay
-        return out
+        pairs = (("lr", self.lr), ("weight_decay", self.weight_decay))
+        return {key: value for key, value in pairs if value is not None}
 
 
 @dataclass(kw_only=True)
@@ -145,15 +135,10 @@ class MuonConfig:
                 f"optimizer.muon.ns_steps={self.ns_steps} is not allowed; torch.optim.Muon "
                 "takes fewer than 100 Newton-Schulz steps (5 is usual)."
             )
-        coeffs = self.ns_coefficients
-        if isinstance(coeffs, (str, bytes)) or not hasattr(coeffs, "__len__") or len(coeffs) != 3:
-            raise OptimizerConfigError(
-                f"optimizer.muon.ns_coefficients={coeffs!r} is not allowed; give three "
-                "numbers (a, b, c), e.g. (3.4445, -4.7750, 2.0315)."
-            )
-        self.ns_coefficients = tuple(  # type: ignore[assignment]
-            check_number(f"optimizer.muon.ns_coefficients[{i}]", c) for i, c in enumerate(coeffs)
-        )
+        want = "three numbers (a, b, c), e.g. (3.4445, -4.7750, 2.0315)"
+        self.ns_coefficients = _numbers(
+            "optimizer.muon.ns_coefficients", self.ns_coefficients, 3, want
+        )  # type: ignore[assignment]
         self.eps = check_number("optimizer.muon.eps", self.eps, low=0, low_open=True)
         check_choice("optimizer.muon.adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
         if self.adamw_lr is not None:
@@ -210,20 +195,9 @@ class OptimizerConfig:
         self.momentum = check_number(
             "optimizer.momentum", self.momentum, low=0, high=1, high_open=True
         )
-        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__"):
-            raise OptimizerConfigError(
-                f"optimizer.betas={self.betas!r} is not allowed; give two numbers in [0, 1), "
-                "e.g. (0.9, 0.95)."
-            )
-        if len(self.betas) != 2:
-            raise OptimizerConfigError(
-                f"optimizer.betas={self.betas!r} has {len(self.betas)} values; give two numbers "
-                "in [0, 1), e.g. (0.9, 0.95)."
-            )
-        self.betas = tuple(  # type: ignore[assignment]
-            check_number(f"optimizer.betas[{i}]", b, low=0, high=1, high_open=True)
-            for i, b in enumerate(self.betas)
-        )
+        want = "two numbers in [0, 1), e.g. (0.9, 0.95)"
+        betas = _numbers("optimizer.betas", self.betas, 2, want, low=0, high=1, high_open=True)
+        self.betas = betas  # type: ignore[assignment]
         check_bool("optimizer.early_step_in_backward", self.early_step_in_backward)
         self.param_group_rules = [_as_rule(r) for r in self.param_group_rules]
         if isinstance(self.muon, dict):
@@ -241,34 +215,29 @@ class OptimizerConfig:
         with ``name = "Muon"``, ``kind`` picks the ``Muon`` or the ``AdamW`` group's."""
         if self.name == "Muon" and kind == "Muon":
             m = self.muon
-            return {
-                "lr": self.lr,
-                "weight_decay": self.weight_decay,
-                "momentum": m.momentum,
-                "nesterov": m.nesterov,
-                "ns_coefficients": m.ns_coefficients,
-                "eps": m.eps,
-                "ns_steps": m.ns_steps,
-                "adjust_lr_fn": m.adjust_lr_fn,
+            muon = ("momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+            return {"lr": self.lr, "weight_decay": self.weight_decay} | {
+                key: getattr(m, key) for key in muon
             }
+        lr, weight_decay = self.lr, self.weight_decay
         if self.name == "Muon":
             m = self.muon
-            return {
-                "lr": self.lr if m.adamw_lr is None else m.adamw_lr,
-                "betas": self.betas,
-                "eps": self.eps,
-                "weight_decay": self.weight_decay
-                if m.adamw_weight_decay is None
-                else m.adamw_weight_decay,
-            }
+            lr = lr if m.adamw_lr is None else m.adamw_lr
+            weight_decay = weight_decay if m.adamw_weight_decay is None else m.adamw_weight_decay
         if self.name == "SGD":
-            return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
-        return {
-            "lr": self.lr,
-            "betas": self.betas,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-        }
+            return {"lr": lr, "momentum": self.momentum, "weight_decay": weight_decay}
+        return {"lr": lr, "betas": self.betas, "eps": self.eps, "weight_decay": weight_decay}
+
+
+def _numbers(name: str, value: object, count: int, want: str, **bounds: Any) -> tuple[float, ...]:
+    """``value`` as a tuple of ``count`` numbers, each checked by ``check_number``."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        problem = "is not allowed"
+    elif len(value) != count:
+        problem = f"has {len(value)} values"
+    else:
+        return tuple(check_number(f"{name}[{i}]", v, **bounds) for i, v in enumerate(value))
+    raise OptimizerConfigError(f"{name}={value!r} {problem}; give {want}.")
 
 
 def _as_rule(rule: object) -> ParamGroupRule:

@@ -104,11 +104,6 @@ def _spread_dim(update: Tensor) -> int | None:
     return dims[0]
 
 
-def _spreadable(update: Tensor) -> bool:
-    """Whether ``orthogonalize_all`` spreads ``update`` (see ``_spread_dim``)."""
-    return _spread_dim(update) is not None
-
-
 def _rows(t: Tensor, rows: int) -> Tensor:
     """``t`` padded with zero rows (or cut) to ``rows`` rows: gloo's gather and scatter take
     equal pieces, and the last shards of an uneven ``Shard(0)`` are short."""

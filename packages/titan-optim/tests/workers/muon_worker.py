@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_optim import Muon, MuonConfig, OptimizerConfig, build_optimizers
-from titan_optim.muon import _spreadable
+from titan_optim.muon import _spread_dim
 
 STEPS, SAVE_AFTER = 4, 2
 CONFIG = OptimizerConfig(
@@ -138,7 +138,9 @@ def main(layout: str, out: Path, ckpt: Path) -> None:
     kinds = [type(o).__name__ for o in optimizers]
     titan_muon = isinstance(optimizers.optimizers[0], Muon)
     on_muon = {id(p) for p in optimizers.optimizers[0].param_groups[0]["params"]}
-    spread = [n for n, p in model.named_parameters() if id(p) in on_muon and _spreadable(p)]
+    spread = [
+        n for n, p in model.named_parameters() if id(p) in on_muon and _spread_dim(p) is not None
+    ]
     diffs = []
     for step in range(STEPS):
         if step == SAVE_AFTER:

@@ -3,29 +3,25 @@ RoPE, dense SwiGLU blocks, then mixture-of-experts blocks (:class:`titan_models.
 
 Parameter names and shapes equal torchtitan's DeepSeek-V3 of July 2025, so its checkpoints
 load unchanged (its ``freqs_cis`` buffer aside: here the RoPE table is derived from the args
-and stays out of checkpoints, as in titan's Llama 3). The model knows nothing about
-parallelism. Build it on the meta device, parallelize, then materialize:
-
-    with torch.device("meta"):
-        model = DeepSeekV3(deepseek_v3_args("16B"))
-    ...  # parallelize
-    model.to_empty(device=titan_dims.detect_device_type())
-    model.init_weights()
+and stays out of checkpoints, as in titan's Llama 3). Build and materialize it as Llama 3
+(``titan_models.llama3.model``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
 from titan_models import init
+from titan_models.decoder import Decoder, DecoderBlock, attend, depth_init_std
 from titan_models.deepseek_v3.args import DeepSeekV3Args
-from titan_models.documents import DocumentMask, check_no_documents, document_inputs
+from titan_models.documents import DocumentMask
 from titan_models.fused import FusedRMSNorm
-from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
-from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope
+from titan_models.kv_cache import LayerKVCache
+from titan_models.llama3.model import CausalAttention, FeedForward, apply_rope, rope_table
 from titan_models.moe import MoE
 
 __all__ = [
@@ -57,18 +53,11 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, args: DeepSeekV3Args) -> torch.Tensor
 
 
 def yarn_rope_table(args: DeepSeekV3Args, device: torch.device | str | None = None) -> torch.Tensor:
-    """Cosines and sines of every (position, rotated channel pair): shape
-    ``(max_seq_len, qk_rope_head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine; YaRN-scaled
-    when ``args.yarn``. The layout of :func:`titan_models.llama3.model.rope_table`, so the
-    context-parallel hooks pick rows by position the same way."""
-    dim = args.qk_rope_head_dim
-    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim
-    inv_freq = 1.0 / (args.rope_theta**exponents)
-    if args.yarn:
-        inv_freq = _yarn_inv_freq(inv_freq, args)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+    """:func:`titan_models.llama3.model.rope_table` over the ``qk_rope_head_dim`` rotated
+    channels, YaRN-scaled when ``args.yarn`` (so the context-parallel hooks pick rows by
+    position the same way)."""
+    scaling = functools.partial(_yarn_inv_freq, args=args) if args.yarn else None
+    return rope_table(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, scaling, device)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -137,15 +126,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # The cache attends at SDPA's default scale too: q_scale is already in the queries.
-        if cache is not None:
-            out = cache.attend(q, k, v)
-        elif mask is None:
-            out = self.inner_attention(q, k, v)
-        else:
-            out = self.inner_attention(q, k, v, mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        return self.wo(attend(self.inner_attention, q, k, v, cache, mask))
 
     def init_weights(self, init_std: float) -> None:
         projections = [self.wkv_a, self.wkv_b]
@@ -158,7 +140,7 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_norm.reset_parameters()
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DecoderBlock):
     """Pre-norm residual block: attention, then a dense SwiGLU ``feed_forward`` (blocks
     before ``n_dense_layers``) or a mixture of experts ``moe`` (the others)."""
 
@@ -172,107 +154,15 @@ class TransformerBlock(nn.Module):
             self.moe = MoE(args.moe_args(), dim=args.dim, hidden_dim=args.moe_inter_dim)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
-        # Deeper blocks start with smaller output projections so the residual stream's
-        # variance does not grow with depth.
-        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        *,
-        cache: LayerKVCache | None = None,
-        mask: DocumentMask | None = None,
-    ) -> torch.Tensor:
-        # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
-        if cache is not None:
-            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
-        elif mask is None:
-            h = x + self.attention(self.attention_norm(x), rope)
-        else:
-            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.init_std, buffer_device)
-        else:
-            self.feed_forward.init_weights(self.init_std)
+        self.init_std = depth_init_std(layer_id, args.n_layers)
 
 
-class DeepSeekV3(nn.Module):
-    """DeepSeek-V3: token embedding, ``n_layers`` blocks, final norm and output projection.
-
-    ``layers`` is a ``ModuleDict`` keyed by ``str(index)``: a pipeline stage deletes the
-    blocks it does not own (and sets ``tok_embeddings``/``norm``/``output`` to ``None``),
-    and the remaining parameters keep their names, so checkpoints stay stage-independent.
-    """
+class DeepSeekV3(Decoder):
+    """DeepSeek-V3: token embedding, ``n_layers`` blocks, final norm and output projection
+    (``titan_models.decoder.Decoder``)."""
 
     def __init__(self, args: DeepSeekV3Args) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
-        self.norm: nn.RMSNorm | None = FusedRMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Derived from args, so it stays out of checkpoints; rebuilt by init_weights after
-        # a meta-device construction.
-        self.register_buffer("rope", yarn_rope_table(args), persistent=False)
+        super().__init__(args, TransformerBlock)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | None = None,
-        *,
-        document_ids: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
-        without the embedding, ``tokens`` is the previous stage's hidden state; on one
-        without the output, the hidden state is returned.
-
-        With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
-        those the cache holds: they attend to the cached keys too, and are cached.
-
-        Packed windows (``titan_models.documents``): ``document_ids`` (batch, seq) makes
-        attention block-causal (no token attends across a document boundary); ``positions``
-        (batch, seq) are each token's RoPE positions (e.g. restarting per document),
-        by default 0, 1, ... Without both, the plain causal path runs unchanged."""
-        if cache is not None:
-            check_no_documents(document_ids, positions)
-            return cached_forward(self, tokens, cache)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # The whole table goes down: attention slices it to the sequence length it sees.
-        if document_ids is None and positions is None:
-            for layer in self.layers.values():
-                h = layer(h, self.rope)
-        else:
-            rope, mask = document_inputs(self.rope, document_ids, positions)
-            for layer in self.layers.values():
-                h = layer(h, rope, mask=mask)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Initialize every parameter, the MoE blocks' expert-balance buffers and the RoPE
-        table (on ``buffer_device``, by default where the table already lives). Works on
-        sharded (DTensor) parameters."""
-        device = buffer_device if buffer_device is not None else self.rope.device
-        self.rope = yarn_rope_table(self.args, device)
-        if self.tok_embeddings is not None:
-            init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights(device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            # Logits start with unit-ish scale: std dim^-1/2, cut at 3 sigma.
-            std = self.args.dim**-0.5
-            init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+    def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return yarn_rope_table(self.args, device)

@@ -143,19 +143,16 @@ def parallelize_deepseek_v3(
     *,
     seq_len: int | None = None,
 ) -> DeepSeekV3:
-    """Apply tensor/sequence parallel, expert parallel, context parallel, activation
-    checkpointing, per-block compile and FSDP2 / HSDP / DDP to ``model`` in place (build it
-    on the meta device first), as ``parallel_dims`` and ``config`` say; return it. Raises
-    ``ModelConfigError`` (the checks of :func:`check_deepseek_v3` but the pipeline's) before
-    touching anything."""
-    config = config or ParallelizeConfig()
-    cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
+    """``titan_models.llama3.parallelize_llama`` for DeepSeek-V3, with expert parallel;
+    raises ``ModelConfigError`` (:func:`check_deepseek_v3`'s checks but the pipeline's)
+    before touching anything."""
     return parallelize_decoder(
         model,
         parallel_dims,
         config,
+        seq_len=seq_len,
+        check_layout=_check_layout,
         apply_tp=apply_tp_deepseek_v3,
-        cp_implementation=cp_implementation,
     )
 
 

@@ -15,20 +15,17 @@ plans. Build it on the meta device, parallelize, then materialize:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional
 
 from titan_models import init
-from titan_models.documents import (
-    DocumentMask,
-    check_no_documents,
-    document_inputs,
-    masked_attention,
-)
+from titan_models.decoder import Decoder, DecoderBlock, attend, depth_init_std
+from titan_models.documents import DocumentMask, masked_attention
 from titan_models.fused import FusedRMSNorm
-from titan_models.kv_cache import KVCache, LayerKVCache, cached_forward
+from titan_models.kv_cache import LayerKVCache
 from titan_models.llama3.args import Llama3Args, RopeScaling
 from titan_models.ops import repeat_kv
 
@@ -60,15 +57,18 @@ def rope_table(
     head_dim: int,
     max_seq_len: int,
     theta: float,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | Callable[[torch.Tensor], torch.Tensor] | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Cosines and sines of every (position, channel pair): shape
-    ``(max_seq_len, head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine."""
+    ``(max_seq_len, head_dim // 2, 2)``, fp32, ``[..., 0]`` the cosine. ``scaling``: Llama
+    3.1's, or a function of the (float64) inverse frequencies."""
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    if scaling is not None:
+    if isinstance(scaling, RopeScaling):
         inv_freq = _scaled_inv_freq(inv_freq, scaling)
+    elif scaling is not None:
+        inv_freq = scaling(inv_freq)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
@@ -141,14 +141,21 @@ class Attention(nn.Module):
     same code runs on a tensor-parallel shard that holds only some of the heads.
     """
 
+    half_split = False
+    """RoPE's pair layout (see :func:`apply_rope`)."""
+
     def __init__(self, args: Llama3Args) -> None:
         super().__init__()
+        kv_heads = args.kv_heads if hasattr(args, "kv_heads") else args.n_kv_heads
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.inner_attention = CausalAttention()
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
 
     def forward(
         self,
@@ -164,15 +171,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
-            out = cache.attend(q, k, v)
-        elif mask is None:
-            out = self.inner_attention(q, k, v)
-        else:
-            out = self.inner_attention(q, k, v, mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        q, k = self._qk_norm(q, k)
+        q = apply_rope(q, rope, half_split=self.half_split)
+        k = apply_rope(k, rope, half_split=self.half_split)
+        return self.wo(attend(self.inner_attention, q, k, v, cache, mask))
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -198,8 +200,8 @@ class FeedForward(nn.Module):
             init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then feed-forward."""
+class TransformerBlock(DecoderBlock):
+    """Pre-norm residual block: attention, then SwiGLU feed-forward."""
 
     def __init__(self, layer_id: int, args: Llama3Args) -> None:
         super().__init__()
@@ -207,108 +209,16 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
         self.attention_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = FusedRMSNorm(args.dim, eps=args.norm_eps)
-        # Deeper blocks start with smaller output projections so the residual stream's
-        # variance does not grow with depth.
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.init_std = 0.02 / (2 * depth) ** 0.5
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        *,
-        cache: LayerKVCache | None = None,
-        mask: DocumentMask | None = None,
-    ) -> torch.Tensor:
-        # The cache goes by keyword: tensor-parallel plans prepare the positional inputs.
-        if cache is not None:
-            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
-        elif mask is None:
-            h = x + self.attention(self.attention_norm(x), rope)
-        else:
-            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        self.feed_forward.init_weights(self.init_std)
+        self.init_std = depth_init_std(layer_id, args.n_layers, args.depth_init)
 
 
-class Llama3(nn.Module):
-    """Llama 3: token embedding, ``n_layers`` blocks, final norm and output projection.
-
-    ``layers`` is a ``ModuleDict`` keyed by ``str(index)``: a pipeline stage deletes the
-    blocks it does not own (and sets ``tok_embeddings``/``norm``/``output`` to ``None``),
-    and the remaining parameters keep their names, so checkpoints stay stage-independent.
-    """
+class Llama3(Decoder):
+    """Llama 3: token embedding, ``n_layers`` blocks, final norm and output projection
+    (``titan_models.decoder.Decoder``)."""
 
     def __init__(self, args: Llama3Args) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
-        self.norm: nn.RMSNorm | None = FusedRMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Derived from args, so it stays out of checkpoints; rebuilt by init_weights after
-        # a meta-device construction.
-        self.register_buffer("rope", self._rope_table(), persistent=False)
+        super().__init__(args, TransformerBlock)
 
     def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
         a = self.args
         return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | None = None,
-        *,
-        document_ids: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``tokens`` (batch, seq) int64 -> logits (batch, seq, vocab). On a pipeline stage
-        without the embedding, ``tokens`` is the previous stage's hidden state; on one
-        without the output, the hidden state is returned.
-
-        With a ``cache`` (``titan_models.kv_cache``), ``tokens`` are the next tokens after
-        those the cache holds: they attend to the cached keys too, and are cached.
-
-        Packed windows (``titan_models.documents``): ``document_ids`` (batch, seq) makes
-        attention block-causal (no token attends across a document boundary); ``positions``
-        (batch, seq) are each token's RoPE positions (e.g. restarting per document),
-        by default 0, 1, ... Without both, the plain causal path runs unchanged."""
-        if cache is not None:
-            check_no_documents(document_ids, positions)
-            return cached_forward(self, tokens, cache)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # The whole table goes down: attention slices it to the sequence length it sees,
-        # which under sequence parallel is longer than this (sharded) hidden state's.
-        if document_ids is None and positions is None:
-            for layer in self.layers.values():
-                h = layer(h, self.rope)
-        else:
-            rope, mask = document_inputs(self.rope, document_ids, positions)
-            for layer in self.layers.values():
-                h = layer(h, rope, mask=mask)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Initialize every parameter and rebuild the RoPE table (on ``buffer_device``, by
-        default where the table already lives). Works on sharded (DTensor) parameters."""
-        device = buffer_device if buffer_device is not None else self.rope.device
-        self.rope = self._rope_table(device)
-        if self.tok_embeddings is not None:
-            init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            # Logits start with unit-ish scale: std dim^-1/2, cut at 3 sigma.
-            std = self.args.dim**-0.5
-            init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

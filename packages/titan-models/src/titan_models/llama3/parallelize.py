@@ -75,10 +75,8 @@ def parallelize_llama(
     ``model.args.max_seq_len``) is checked against the layout. Materialize afterwards
     (``to_empty`` + ``init_weights``, or a checkpoint) and run each step inside the plan's
     ``StepContext`` (``titan_models.step_context``)."""
-    config = config or ParallelizeConfig()
-    cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
     return parallelize_decoder(
-        model, parallel_dims, config, apply_tp=apply_tp, cp_implementation=cp_implementation
+        model, parallel_dims, config, seq_len=seq_len, check_layout=_check_layout, apply_tp=apply_tp
     )
 
 

@@ -70,17 +70,21 @@ def block_tp_plan(
 
 
 def parallelize_decoder(
-    model: nn.Module,
+    model: Any,
     parallel_dims: ParallelDims,
-    config: ParallelizeConfig,
+    config: ParallelizeConfig | None,
     *,
+    seq_len: int | None,
+    check_layout: Callable[..., str | None],
     apply_tp: Callable[..., None],
-    cp_implementation: str | None,
-) -> nn.Module:
+) -> Any:
     """Parallelize a titan decoder (``layers`` of blocks with an ``attention``) in place, in
-    the module docstring's order; ``apply_tp(model, tp_mesh, loss_parallel=...)`` is the
-    family's tensor parallel (with ``shard_experts=False`` under expert parallel). The
-    family has checked the layout already."""
+    the module docstring's order, after the family's ``check_layout(args, parallel_dims,
+    config, seq_len)`` (which returns the context-parallel implementation);
+    ``apply_tp(model, tp_mesh, loss_parallel=...)`` is the family's tensor parallel (with
+    ``shard_experts=False`` under expert parallel)."""
+    config = config or ParallelizeConfig()
+    cp_implementation = check_layout(model.args, parallel_dims, config, seq_len)
     if parallel_dims.tp_enabled:
         # Under expert parallel the routed experts are spread over ep, not split over tp.
         experts = {"shard_experts": False} if parallel_dims.ep_enabled else {}

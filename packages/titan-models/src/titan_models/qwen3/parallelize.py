@@ -98,15 +98,16 @@ def parallelize_qwen3(
     *,
     seq_len: int | None = None,
 ) -> Qwen3:
-    """Apply tensor/sequence parallel, expert parallel (MoE flavors), context parallel,
-    activation checkpointing, per-block compile and FSDP2 / HSDP / DDP to ``model`` in place
-    (build it on the meta device first), as ``parallel_dims`` and ``config`` say; return it.
-    Raises ``ModelConfigError`` (the checks of :func:`check_qwen3` but the pipeline's)
-    before touching anything. Use it as ``titan_models.llama3.parallelize_llama``."""
-    config = config or ParallelizeConfig()
-    cp_implementation = _check_layout(model.args, parallel_dims, config, seq_len)
+    """``titan_models.llama3.parallelize_llama`` for Qwen3, with expert parallel for MoE
+    flavors; raises ``ModelConfigError`` (:func:`check_qwen3`'s checks but the pipeline's)
+    before touching anything."""
     return parallelize_decoder(
-        model, parallel_dims, config, apply_tp=apply_tp_qwen3, cp_implementation=cp_implementation
+        model,
+        parallel_dims,
+        config,
+        seq_len=seq_len,
+        check_layout=_check_layout,
+        apply_tp=apply_tp_qwen3,
     )
 
 
