@@ -1,25 +1,17 @@
 """Local JSON-lines, parquet and text files read by data-parallel rank: a rank parses only its
-own rows.
+own rows (``datasets``' streaming readers parse every row and then drop other ranks').
 
-``datasets``' streaming readers parse every row of a file into Arrow tables and then drop
-other ranks' rows, so each rank parsed the whole corpus. These sources give the same
-documents in the same order and indices, while a rank touches other ranks' rows only as
-bytes:
+Same documents, order and indices as ``datasets``; other ranks' rows stay bytes:
+JSON lines are read in ~8 MB chunks cut at line ends, newlines found in one vectorized pass,
+only this rank's lines ``json.loads``-ed (blank lines are not rows, as in ``datasets``); text
+(``.txt``, ``.md``) is split into paragraphs on the bytes; parquet row groups without this
+rank's rows are skipped (row counts from the metadata), only the text column read. A resume
+counts earlier rows without parsing them. Hub copies are read so too (``open_hub_copy``);
+compressed files, non-line JSON and csv keep ``datasets``' reader (``None``).
 
-- JSON lines: ~8 MB chunks cut at line ends; one vectorized pass finds the newlines, and
-  only this rank's lines are ``json.loads``-ed. Blank lines are not rows, as in ``datasets``.
-- Text (``.txt``, ``.md``): paragraphs split on the bytes; only this rank's are decoded.
-- Parquet: row counts from the metadata, so row groups without this rank's rows are not
-  read; only the text column is read, only this rank's rows become strings.
-
-A resume at document ``i`` counts rows the same way instead of parsing them. A local copy
-of a hub dataset is read so too (``open_hub_copy``). Compressed files, JSON that is not one
-object per line and csv keep ``datasets``' reader (``open_local_files`` returns ``None``).
-
-Regions (``iter_region``, the ``contiguous`` shard layout): region ``s`` of ``S`` is the
-rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of the files' ``B`` bytes (JSON
-lines, text), or rows ``[s N / S, (s + 1) N / S)`` of the ``N`` rows (parquet), read from
-its own bytes (or row groups) alone.
+Region ``s`` of ``S`` (``iter_region``, the ``contiguous`` layout): the rows whose first byte
+lies in ``[s B / S, (s + 1) B / S)`` of the files' ``B`` bytes (JSON lines, text), or rows
+``[s N / S, (s + 1) N / S)`` of ``N`` (parquet), read from its own bytes alone.
 """
 
 from __future__ import annotations

@@ -1,42 +1,21 @@
 """``estimate_memory(config, world_size=..., rank=...)``: one rank's memory for a training run
 of any layout and world size, measured in this process without allocating it.
 
-The run is built the way ``titan-train`` builds it: ``preflight`` checks the configuration
-(the same errors, before any work), then ``titan_train.trainer.build``'s own model path makes the
-model on the meta device and parallelizes it (FSDP/HSDP, TP with sequence and loss
-parallel, CP, EP) or splits it into this rank's pipeline stages, all on a fake process group
-of ``world_size`` ranks seen from ``rank`` (``titan_dims.simulate.fake_process_group``).
-The parts are then allocated as fake tensors (``FakeTensorMode``: shapes and storages, no
-memory), the optimizers are built, their state made by one update on zero gradients, and
-one whole training step runs (forward, backward, the clip's norm, the update) under torch's
-``MemTracker``, which counts every storage the way an allocator would see it:
+The run is built as ``titan-train`` builds it (``preflight``'s checks and errors, then
+``titan_train.trainer.build``'s model path, parallelized on a fake process group of
+``world_size`` ranks seen from ``rank``), allocated as fake tensors, its optimizer state made
+by one update on zero gradients, and one whole step run under torch's ``MemTracker``:
+``parameters``, ``buffers``, ``gradients``, ``optimizer_state`` (kept between steps),
+``activations`` (the most the forward's tensors held at once) and ``peak`` (all together).
+Pipeline stages replay this rank's actions of the real schedule
+(``titan_train.estimate.pipeline``): its runtime exchanges metadata with other ranks.
 
-- ``parameters``, ``buffers``, ``gradients``, ``optimizer_state``: what this rank keeps
-  between steps (its shards);
-- ``activations``: the most the forward's tensors held at once (what the forward saves for
-  backward under the chosen activation checkpointing, the logits, FSDP's all-gathered
-  blocks in flight);
-- ``peak``: the most memory live at any moment of a step, all kinds together.
-
-Under pipeline parallelism the schedule's own runtime cannot run in one process (it agrees
-tensor metadata with the neighbouring stages by messages), so this rank's actions of the
-real schedule are replayed on its real stage modules (``titan_train.estimate.pipeline``).
-
-A model that sizes tensors from tensor values (an MoE's tokens per expert) cannot run its
-step on fake tensors: its resident state is still exact, and ``step_simulated`` is False.
-DDP (replicas without sharding) runs as one replica, since torch's DDP reducer needs real
-storage, plus the reducer's gradient buckets; fault tolerance, CPU offload and
-optimizer-in-backward are refused (``ConfigError``, exit 2 from the command).
-
-What runs out is more than ``peak`` (``titan_train.estimate.host``): the same recording of
-the step's allocations, replayed in a real run's order over its first two steps, gives
-
-- ``peak_resident`` (CPU): ``peak`` plus ``host_overhead``, the C library's heap retention
-  (glibc itself serving the allocations, with gloo's collective buffers in its worker
-  threads) and the runtime's own heap: the process's peak resident growth from before the
-  model is built;
-- ``peak_reserved`` (accelerators): a model of torch's CUDA caching allocator's reserved
-  peak, untested on a GPU; add the CUDA context and NCCL's buffers (a few GB).
+An MoE sizes tensors from token values, which fake tensors lack: its resident state is still
+exact and ``step_simulated`` is False. DDP runs as one replica (its reducer needs real
+storage) plus the reducer's buckets. What runs out (``titan_train.estimate.host``):
+``peak_resident`` on the CPU (``peak`` plus glibc's retention, gloo's buffers and the
+runtime's heap) and ``peak_reserved`` on an accelerator (a model of the CUDA caching
+allocator, untested on a GPU; add the CUDA context and NCCL's buffers).
 """
 
 from __future__ import annotations

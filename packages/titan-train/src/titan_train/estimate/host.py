@@ -1,41 +1,24 @@
-"""What runs out: a process's memory beyond the bytes its tensors hold at once.
+"""What runs out: a process's memory beyond the bytes its tensors hold at once (``peak``),
+modelled from the same recording of the step's allocations and frees, in order:
 
-The estimate's ``peak`` is the most bytes tensors hold at once (torch's allocator's live
-bytes). What a process needs is more, by mechanisms these functions model from the same
-recording of the step's allocations and frees, in order:
+- **glibc's heap (CPU).** c10 takes every CPU tensor from ``posix_memalign``, and
+  ``titan-train`` makes glibc keep freed blocks (``titan_train.trainer.host_memory``). A
+  freed block is reused only by a request that fits it (or it merged with free neighbours),
+  so where a step's allocations do not fit the holes earlier ones left, the heap grows.
+  ``glibc_high_water`` replays the allocations on glibc itself in a fresh small process
+  (reserved, not touched) in the order ``two_steps`` gives a real run's first two steps.
+- **gloo's collective buffers (CPU).** ``ProcessGroupGloo`` stages collectives in tensors
+  of its own: an all-gather gathers into a flat output in one of the group's 2 worker
+  threads, a reduce-scatter clones its input in the caller. ``gloo_buffers`` names them per
+  collective; a worker's blocks are replayed from a thread (so an arena) of its own. glibc
+  2.36 does not reuse a just-freed block for the same aligned size again: six 16 MiB
+  all-gathers on 2 ranks grow resident memory by ~an output each, in the replay too.
+- **The runtime's own heap (CPU).** ``RUNTIME_HEAP``, a measured constant.
+- **The CUDA caching allocator.** ``cuda_reserved_peak`` replays the recording on a model
+  of it (``torch.cuda.max_memory_reserved``); untested on a GPU.
 
-- **The C library's heap (CPU).** c10's CPU allocator takes every tensor from glibc's
-  ``posix_memalign``; the ``titan-train`` command makes glibc keep freed blocks for reuse
-  (``titan_train.trainer.host_memory``: every block under 32 MiB from one heap that is never
-  trimmed). A freed block is reused only by a request that fits in it or in it merged with
-  free neighbours: where a step's allocations do not fit the holes earlier ones left (the
-  first update's optimizer state lands in the holes of the first step's activations; the
-  second step's activations no longer fit there), the heap grows. ``glibc_high_water``
-  replays the allocations on glibc itself, in a fresh small process (reserved, not
-  touched: no memory used), and reads how far its heap grew; ``two_steps`` orders the
-  recording as a real run's first two steps make it.
-- **Collective buffers (gloo, CPU).** torch's ``ProcessGroupGloo`` stages collectives in
-  tensors of its own, from c10's allocator like any other: an all-gather gathers into a
-  flat tensor of the whole output in one of the group's worker threads (2 per group), then
-  copies it into the caller's output; a reduce-scatter clones its whole input in the
-  calling thread, all-reduces the clone (in place, in a worker) and copies this rank's
-  chunk out. ``gloo_buffers`` names them for each collective the simulated step issues;
-  the replay serves a worker's blocks from a thread of its own, so from an arena of its
-  own (glibc gives each thread one; the main thread's free blocks are never lent to it).
-  glibc's ``posix_memalign`` (2.36 measured) does not reuse a just-freed block for the same
-  size again (it asks for the size plus the alignment; 4 KiB less is served from it): six
-  all-gathers of 16 MiB on 2 gloo ranks, alone, grow a rank's resident memory by about an
-  output each, and the replay, being glibc, grows the same (192 MiB).
-- **The runtime's own heap (CPU).** ``RUNTIME_HEAP``: what a training process keeps
-  besides tensors (a constant of the runtime, measured; see its docstring).
-- **The caching allocator (accelerators).** ``cuda_reserved_peak`` replays the same
-  recording on a model of torch's CUDA caching allocator: ``torch.cuda.max_memory_reserved``
-  of the step. Untested on a GPU.
-
-Not modelled: the placement of the runtime's small allocations among the tensors' blocks
-(they keep some holes from merging: the measured heap is a few percent above the replay's),
-the arenas of a rank's OMP threads and gloo's own small transport buffers (a few MiB),
-NCCL's buffers, the CUDA context.
+Not modelled (a few percent, a few MiB): the runtime's small allocations keeping holes from
+merging, OMP threads' arenas, gloo's transport buffers; nor NCCL's buffers, the CUDA context.
 """
 
 from __future__ import annotations

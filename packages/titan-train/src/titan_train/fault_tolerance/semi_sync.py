@@ -1,20 +1,15 @@
 """Semi-synchronous training with torchft: LocalSGD and DiLoCo as fault-tolerance modes.
 
-With ``fault_tolerance.semi_sync_method`` set, each replica group's optimizer steps on its
-own gradients, and every ``sync_steps`` steps the groups meet in one torchft quorum (where
-a returning group heals):
-
-- ``local_sgd``: the groups' weights are averaged (arXiv:1805.09767);
-- ``diloco``: the pseudo-gradients (weights at the last sync minus now) are averaged and an
-  outer SGD (``outer_lr``, ``outer_momentum``, ``outer_nesterov``) steps the synced weights
-  (arXiv:2311.08105). ``num_fragments`` > 1 cuts the model into fragments of whole blocks
-  that sync in turn every ``sync_steps / num_fragments`` steps (arXiv:2501.18512).
-  With ``outer_lr = 1`` and ``outer_momentum = 0`` it equals LocalSGD.
-
-The keys are torchtitan's ``[fault_tolerance]`` ones (titan's outer-optimizer defaults are
-the values torchtitan fixes). torchft's ``LocalSGD`` / ``DiLoCo`` do the work, driven by the
-optimizer container's step hooks. Between syncs the groups' weights differ: the shared
-checkpoint holds the writer's (set ``checkpoint.interval`` to a multiple of ``sync_steps``).
+With ``fault_tolerance.semi_sync_method`` each replica group steps on its own gradients and
+every ``sync_steps`` steps the groups meet in one torchft quorum (where a returning group
+heals): ``local_sgd`` averages their weights (arXiv:1805.09767); ``diloco`` averages the
+pseudo-gradients (weights at the last sync minus now) and an outer SGD (``outer_lr``,
+``outer_momentum``, ``outer_nesterov``) steps the synced weights (arXiv:2311.08105; equal to
+LocalSGD at ``outer_lr = 1``, ``outer_momentum = 0``); ``num_fragments`` > 1 syncs fragments
+of whole blocks in turn (arXiv:2501.18512). The keys and outer defaults are torchtitan's;
+torchft's ``LocalSGD`` / ``DiLoCo`` do the work through the optimizer's step hooks. Between
+syncs the groups differ: the shared checkpoint holds the writer's (set
+``checkpoint.interval`` to a multiple of ``sync_steps``).
 """
 
 from __future__ import annotations
