@@ -1,15 +1,12 @@
 """``MixtureDataLoader``: training windows drawn from several weighted document sources.
 
 Global window ``g`` comes from source ``k = choose(g)``, from that source's virtual shard
-``g mod S``, packed as a single-source run packs it: rank ``r`` reads of every source only
-the shards a single-source run at that ``dp`` reads, so sharding, state and resharding are
-each source's, unchanged.
-
-``choose`` is counter-based (its state is ``g``): ``u = (offset(seed) + g * φ 2^64) mod
-2^64`` (a Weyl sequence), and ``k`` the source whose share of ``[0, 2^64)`` holds ``u``.
-Consecutive ``u`` are evenly spread: every run of ``n`` windows holds each source's share
-to within a few windows (an independent draw: ``~sqrt(n)``), so the mixture holds within
-any step. The state is ``g``, each source's windows so far and its shard positions.
+``g mod S``, packed as a single-source run packs it: sharding, state and resharding are each
+source's, unchanged. ``choose`` is counter-based: ``u = (offset(seed) + g * φ 2^64) mod
+2^64`` (a Weyl sequence) falls in source ``k``'s share of ``[0, 2^64)``; consecutive ``u``
+are evenly spread, so every run of ``n`` windows holds each share to within a few windows
+(an independent draw: ``~sqrt(n)``), within any step. The state is ``g``, each source's
+windows so far and its shard positions.
 """
 
 from __future__ import annotations

@@ -93,17 +93,14 @@ class MemoryEstimate:
     activations: int
     peak: int
     host_overhead: int = 0
-    """On the CPU, what the process needs beyond ``peak``: the host allocator's retention
-    (glibc's heap high water replaying the first two steps, gloo's collective buffers
-    included, less ``peak``) and the runtime's own heap (``titan_train.estimate.host``)."""
+    """On the CPU, beyond ``peak``: glibc's retention over the first two steps (gloo's
+    buffers included) and the runtime's own heap (``titan_train.estimate.host``)."""
     peak_resident: int = 0
-    """On the CPU, what runs out: the process's peak resident growth, ``peak`` plus
-    ``host_overhead`` (measured from just before the model is built; shared libraries and
-    what the process held before, e.g. torch's import, not included)."""
+    """On the CPU, what runs out: ``peak`` plus ``host_overhead``, the growth from just
+    before the model is built (shared libraries and torch's import not included)."""
     peak_reserved: int = 0
-    """On an accelerator, what runs out: the caching allocator's peak reserved bytes for the
-    same steps (a model of torch's CUDA allocator, untested on a GPU; without the CUDA
-    context and NCCL's buffers)."""
+    """On an accelerator, what runs out: a model of the CUDA caching allocator's reserved
+    peak (untested on a GPU; without the CUDA context and NCCL's buffers)."""
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     """What was live at the peak, by kind (torch's MemTracker categories)."""
     step_simulated: bool = True
@@ -136,10 +133,8 @@ def check_estimable(config: JobConfig) -> None:
 
 
 def _one_replica(config: JobConfig, plan: Plan) -> tuple[JobConfig, int, int, int]:
-    """For DDP (replicas, no sharding): one replica's config, world size and rank, and the
-    number of replicas. torch's DDP reducer needs real storage, so the estimate runs one
-    replica (the same parameters, optimizer state, batch and activations per rank) and adds
-    the reducer's buckets; any other layout comes back unchanged, with 1."""
+    """For DDP (replicas, no sharding), whose reducer needs real storage: one replica's
+    config, world size and rank, and the number of replicas; else unchanged, with 1."""
     dims, world = plan.parallel_dims, plan.world
     if dims.dp_replicate <= 1 or dims.fsdp_enabled:
         return config, world.world_size, world.rank, 1
@@ -169,12 +164,10 @@ def estimate_memory(
     vocab_size: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> MemoryEstimate:
-    """Estimate the memory of ``rank`` in a ``world_size``-rank run of ``config``.
-
-    Raises the configuration errors a real run's ``preflight`` raises (plus
-    ``check_estimable``'s), before any model is built. ``vocab_size`` overrides the
-    tokenizer's vocabulary (e.g. 128256 for Llama 3's tokenizer without having its file).
-    ``progress`` is told each phase as it starts (the command prints them)."""
+    """Estimate the memory of ``rank`` in a ``world_size``-rank run of ``config``; raises
+    ``preflight``'s and ``check_estimable``'s errors before any model is built.
+    ``vocab_size`` overrides the tokenizer's (128256: Llama 3's, without its file);
+    ``progress`` is told each phase as it starts."""
     say = progress or (lambda text: None)
     started = time.perf_counter()
     if world_size < 1:
@@ -283,10 +276,9 @@ _REDISTRIBUTE_LOGGER = logging.getLogger("torch.distributed.tensor._redistribute
 
 
 class _Tracker(MemTracker):
-    """torch's MemTracker, also keeping the most the activations held at any moment, and
-    blind to DTensor's sharding propagation: that runs each new op once on fake tensors of
-    the *global* shapes, in the active fake mode when there is one (ours), which the plain
-    tracker would count as memory of this rank (a whole unsharded weight per op)."""
+    """torch's MemTracker, also keeping the activations' maximum, and blind to DTensor's
+    sharding propagation (it runs each new op on fake tensors of the *global* shapes in our
+    fake mode, which would count as this rank's memory)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -342,12 +334,9 @@ class _Tracker(MemTracker):
                     self.events += [(key, nbytes), (key, 0)]
         return out
 
-    # The plain tracker keeps per-module snapshots (deep copies at every module boundary,
-    # a loop over all modules at every op): what makes it slow on an 80-block model, and
-    # what refuses a second forward of a module (microbatches, steps). Only what the
-    # global numbers need is kept: parameters and their gradient hooks, the first time a
-    # module runs; activation checkpointing's recomputation region (a module running
-    # forward again during backward).
+    # The plain tracker's per-module snapshots are slow on an 80-block model and refuse a
+    # module's second forward (microbatches): keep only a module's parameters and grad
+    # hooks on its first run, and AC's recomputation region (a forward during backward).
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module not in self._seen:
@@ -478,9 +467,8 @@ def _step(
     steps: int,
     dim: int,
 ) -> None:
-    """One training step's forward and backward passes over ``tokens`` (this rank's batch,
-    ``steps`` accumulation steps), and the clip's norm: as ``titan_train.trainer.step`` runs
-    them."""
+    """One step's forwards and backwards over ``tokens`` (``steps`` accumulation steps) and
+    the clip's norm, as ``titan_train.trainer.step`` runs them."""
     if pipeline is not None:
         dtype = getattr(torch, _compute_dtype(parts))
         replay_pipeline_step(pipeline, plan, tokens, tokens.clone(), dim=dim, dtype=dtype)
@@ -495,9 +483,8 @@ def _step(
 
 
 def _grad_norm(parts: list[nn.Module], dims: Any) -> None:
-    """The clip's global norm, as a real step computes it (its finiteness check reads a
-    value, which fake tensors have not; its scaling is in place, so costs nothing). A
-    function of its own: a list of the gradients held on to would outlive ``zero_grad``."""
+    """The clip's global norm as a real step computes it (its finiteness check and in-place
+    scaling left out); a function so that the gradients' list does not outlive ``zero_grad``."""
     pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
     grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
     global_grad_norm(grads, pp_group=pp_mesh)

@@ -1,16 +1,13 @@
 """Refuse a run that cannot fit in memory before anything is allocated or written.
 
-A floor, not an estimate: what a run's model state needs at the least (fp32 weights and
-gradients, the optimizer's moments, divided over the ranks that shard them; embeddings left
-out, since their size follows the tokenizer) plus, on the CPU, what each rank's process holds
-before it builds anything (this process's own resident memory, torch and titan imported,
-shared pages left out) and the runtime's heap a training process keeps (``RUNTIME_HEAP``).
-Activations and buffers only add to it, so a run refused here cannot fit however it is
-launched on this host; one that passes may still run out (``titan-train estimate`` predicts the
-rest). ``titan-train estimate`` takes seconds to minutes (it builds and steps the model on
-the meta device); this check is arithmetic on the model's arguments and a few reads from
-``/proc``, so it runs in preflight, in the launcher before any rank starts, as well as in
-each rank. ``training.memory_check = false`` (``--training.no_memory_check``) skips it.
+A floor, not an estimate: the least a run's model state needs (fp32 weights and gradients,
+the optimizer's moments, over the ranks that shard them; embeddings left out, their size
+follows the tokenizer) plus, on the CPU, what each rank's process holds before building
+(this process's resident memory, shared pages left out) and ``RUNTIME_HEAP``. Activations
+only add to it, so a run refused here cannot fit on this host however launched; one that
+passes may still run out (``titan-train estimate`` predicts the rest, in seconds to
+minutes). This is arithmetic and a few ``/proc`` reads, so it runs in preflight, in the
+launcher before any rank starts, and in each rank; ``--training.no_memory_check`` skips it.
 """
 
 from __future__ import annotations
