@@ -345,11 +345,9 @@ def destroy_group() -> None:
 
 
 def exit_rank(status: int) -> NoReturn:
-    """End a rank of a multi-process job with ``status``: flush, then leave without the
-    interpreter's finalization. torch's caches (DTensor sharding propagation, device
-    meshes) still hold the gloo group, whose threads, freed then, now and then abort a rank
-    whose work succeeded ("terminate called without an active exception";
-    pytorch/pytorch#179291)."""
+    """Flush and end a rank with ``status`` without the interpreter's finalization: freeing
+    the gloo group torch's caches still hold then sometimes aborts a rank that succeeded
+    ("terminate called without an active exception"; pytorch/pytorch#179291)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         # The reader may have gone away (a closed pipe), or the stream been closed.

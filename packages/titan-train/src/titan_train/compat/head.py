@@ -428,10 +428,8 @@ CONFIGS: Mapping[str, Mapping[str, HeadConfig]] = {
 
 
 def head_config(module: str, name: str) -> HeadConfig:
-    """The entry of ``--module module --config name``; ``module`` as torchtitan takes it
-    (``llama3``, ``torchtitan.models.llama3``, ``torchtitan.models.llama3.config_registry``).
-    Raises ``ConfigError`` for a module or function not in the table (listing those that
-    are) and for a function titan refuses (saying why)."""
+    """The entry of ``--module module --config name`` (``module`` as torchtitan takes it:
+    ``llama3``, ``torchtitan.models.llama3[.config_registry]``); ``ConfigError`` otherwise."""
     short = module.removeprefix("torchtitan.models.").removesuffix(".config_registry")
     functions = CONFIGS.get(short)
     if functions is None:

@@ -1,13 +1,9 @@
-"""Load a config dataclass tree from defaults, TOML files and the command line.
-
-Precedence: ``--section.key value`` on the command line > the TOML file (which may name a
-base file it extends, recursively) > the dataclasses' defaults. TOML is checked strictly
-against the dataclasses before anything runs: an unknown section or key, a value of the
-wrong type, a whole number outside 64 bits, or a value a section's own validation refuses is
-one ``ConfigError`` naming the file, the section, the key, the value and what is allowed. The
-command line goes through
-``tyro``, which gives ``--help`` with every option and its default (docstrings shown as
-plain text); list options also take one comma-separated value (``--x.names a,b``).
+"""Load a config dataclass tree: the command line over the TOML file (over the files it
+``extends``) over the defaults. TOML is checked strictly before anything runs: an unknown
+key, a wrong type, a number outside 64 bits or a value a section refuses is one
+``ConfigError`` naming file, key, value and what is allowed. The command line goes through
+``tyro`` (``--help`` with every option, docstrings as plain text); list options also take
+one comma-separated value (``--x.names a,b``).
 """
 
 from __future__ import annotations
@@ -74,10 +70,8 @@ def load_config(
     translate: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
     preset: tuple[str, Mapping[str, Any]] | None = None,
 ) -> T:
-    """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named
-    by ``config_file_flag`` (or ``preset``, ``(name, values)``, never both), passed through
-    ``translate(values, source)``, and the other ``--section.key value`` arguments. Bad TOML
-    raises ``ConfigError``; tyro exits 2 on a bad argument and prints ``--help``."""
+    """``cls`` from defaults, the TOML file of ``config_file_flag`` or ``preset`` ``(name,
+    values)`` through ``translate(values, source)``, then ``--section.key value`` options."""
     import tyro
 
     argv = list(sys.argv[1:] if argv is None else argv)

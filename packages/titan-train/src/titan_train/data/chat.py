@@ -1,19 +1,15 @@
 """Chat and instruction data: a row's conversation rendered with a chat template, tokenized,
 with the tokens the loss trains on marked.
 
-A row holds ``messages`` (OpenAI / Hugging Face convention; ``messages_column``) or one
-exchange in ``prompt_column`` and ``response_column``. The template renders it to text,
-tokenized once with special-token names read as special tokens: the ids
-``apply_chat_template`` gives. An EOS follows unless the text ends with it.
-
-``train_on``: ``all``, ``assistant`` (the assistant turns) or ``last_assistant``. Assistant
-turn ``i`` is found by rendering prefixes, for any template with an assistant header: it
-starts where ``messages[:i]`` rendered with ``add_generation_prompt`` ends and ends where
-``messages[:i + 1]`` rendered ends, trailing whitespace left out (so the end-of-turn token
-is trained, a newline after it not). A final turn rendered differently (Qwen3's
-``<think>``) is followed through its content. A token is trained when it starts inside a
-trained turn; the appended EOS when the token before it is. Untrained labels are
-``IGNORE_INDEX``.
+A row holds ``messages`` (``messages_column``) or one exchange (``prompt_column``,
+``response_column``). The rendered text is tokenized once with special-token names read as
+special tokens (``apply_chat_template``'s ids), then an EOS unless it ends with one.
+``train_on``: ``all``, ``assistant`` or ``last_assistant``. Assistant turn ``i`` spans from
+where ``messages[:i]`` rendered with ``add_generation_prompt`` ends to where
+``messages[:i + 1]`` rendered ends, less trailing whitespace (the end-of-turn token trained,
+a newline after it not); a final turn rendered differently (Qwen3's ``<think>``) is followed
+through its content. A token is trained when it starts inside a trained turn, the appended
+EOS when the token before it is; other labels are ``IGNORE_INDEX``.
 """
 
 from __future__ import annotations

@@ -58,10 +58,8 @@ def source_choices(seed: int, weights: list[float], first: int, count: int) -> l
 
 
 class MixtureDataLoader(TextDataLoader):
-    """``TextDataLoader``'s batches, each window from one of ``sources`` by ``weights``
-    (module docstring), the draw seeded by ``seed``; ``names`` key ``tokens_by_source``.
-    Training data only (infinite); the other arguments are ``TextDataLoader``'s, applied to
-    every source."""
+    """``TextDataLoader``'s infinite batches, each window from one of ``sources`` drawn by
+    ``weights`` and ``seed``; ``names`` key ``tokens_by_source``."""
 
     def __init__(
         self,

@@ -50,10 +50,10 @@ directory. Used when it exists there; else ``c4_test`` means C4 on the hub."""
 
 
 class DocumentSource(Protocol):
-    """Documents in a fixed order. The ``contiguous`` shard layout also needs
-    ``iter_region(region, regions, first)``: ``(k, text)`` of rows ``k = first, ...`` of the
-    ``region``-th of ``regions`` contiguous runs, read without the others (every source here
-    has it), and may use ``region_has_rows`` or ``check_regions`` to refuse early."""
+    """Documents in a fixed order; the ``contiguous`` layout also needs ``iter_region(region,
+    regions, first)`` (``(k, text)`` of rows ``k = first, ...`` of one of ``regions``
+    contiguous runs, the others unread), and may refuse early with ``region_has_rows`` or
+    ``check_regions``."""
 
     name: str
 
@@ -141,10 +141,9 @@ class _HFSource:
     def iter_region_states(
         self, region: int, regions: int, first: int, state: str = ""
     ) -> Iterator[tuple[int, str, str, str]]:
-        """``(k, text, before, after)``: ``iter_region``'s rows with ``datasets``' iteration
-        state (JSON) before and after each. Given the ``state`` saved with row ``first``
-        the region resumes there (``load_state_dict``; earlier files are not opened);
-        without one the first ``first`` rows are read past."""
+        """``iter_region``'s rows as ``(k, text, before, after)`` with ``datasets``' iteration
+        state around each; ``state`` (saved with row ``first``) resumes there without
+        opening earlier files, else the first ``first`` rows are read past."""
         part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
         if state:
             part.load_state_dict(json.loads(state))

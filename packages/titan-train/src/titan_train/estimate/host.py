@@ -161,10 +161,9 @@ def two_steps(
     update: list[tuple[int, int]],
     step: list[tuple[int, int]],
 ) -> list[tuple[int, int]]:
-    """A real run's allocations over its first two steps, from the estimate's recordings:
-    ``resident`` (parameters and buffers, as built), ``update`` (one optimizer step: its state,
-    created then, and its temporaries), ``step`` (a step's forward, backward and the clip's
-    norm, which leaves the gradients allocated). Keys of the second step are made distinct."""
+    """A real run's allocations over its first two steps from the recordings ``resident``
+    (as built), ``update`` (an optimizer step, creating its state) and ``step`` (forward,
+    backward, the clip's norm); the second step's keys made distinct."""
     update_kept = _left_allocated(update)
     temporaries = [(key, n) for key, n in update if key not in update_kept]
     grads = _left_allocated(step)

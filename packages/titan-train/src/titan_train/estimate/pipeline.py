@@ -83,11 +83,9 @@ def replay_pipeline_step(
 def _actions(
     schedule: Any, plan: Any, stage_ids: list[int], n_micro: int, num_stages: int
 ) -> list[tuple[str, tuple[int, int]]]:
-    """This rank's ``(kind, (stage, microbatch))`` actions of one step, in order. The
-    one-stage schedules' order is written out here as their runtime runs it (GPipe: every
-    forward, then every backward; 1F1B: ``num_stages - stage`` forwards first, then one
-    backward and one forward in turn): torch's ``pipeline_order`` for them is an
-    illustration, off by one microbatch on later stages."""
+    """This rank's ``(kind, (stage, microbatch))`` actions of one step, in order; for the
+    one-stage schedules as their runtime runs them (GPipe; 1F1B: ``num_stages - stage``
+    forwards, then alternating): torch's ``pipeline_order`` there is off by one microbatch."""
     if isinstance(schedule, PipelineScheduleSingle):
         stage = stage_ids[0]
         warm = n_micro if isinstance(schedule, ScheduleGPipe) else min(n_micro, num_stages - stage)

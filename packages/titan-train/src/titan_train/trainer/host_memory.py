@@ -34,10 +34,8 @@ _CAPPED_MMAP_THRESHOLD = 32 << 20
 
 
 def reuse_host_memory() -> bool:
-    """Make glibc's ``malloc`` keep freed blocks for reuse (see the module's docstring).
-    Returns whether it applied; ``False`` where the C library is not glibc or refuses, or
-    torch's huge-page allocation is on, with nothing changed. Process-wide and safe to
-    call more than once."""
+    """Make glibc's ``malloc`` keep freed blocks (process-wide, idempotent); ``False``, with
+    nothing changed, without glibc or under torch's huge-page allocation."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         logger.debug("host memory: not glibc; the system allocator's defaults stay")
         return False

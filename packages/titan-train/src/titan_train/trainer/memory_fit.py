@@ -101,10 +101,9 @@ def check_memory_fits(
     device: torch.device,
     started: bool,
 ) -> None:
-    """Raise ``ConfigError`` when ``local_ranks`` ranks on this host, each holding its
-    ``1/shards`` of the model state, cannot fit (see the module's docstring). ``n_params``:
-    the model's parameters without embeddings; ``started``: the ranks' processes exist already
-    (their memory is no longer available), as in a rank's own preflight, not the launcher's."""
+    """Raise ``ConfigError`` when ``local_ranks`` ranks here, each with ``1/shards`` of the
+    state of ``n_params`` (no embeddings), cannot fit; ``started``: the ranks' processes
+    exist (a rank's preflight, not the launcher's), their memory no longer available."""
     if not config.training.memory_check:
         return
     state = math.ceil(model_state_bytes(config, n_params) / shards)

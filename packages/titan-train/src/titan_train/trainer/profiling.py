@@ -61,10 +61,9 @@ class ProfilingConfig:
 
 
 class Profiler:
-    """Traces and snapshots for the loop: recording starts when it is built; call ``step()``
-    once per finished training step and ``close()`` at the end (or use it as a context
-    manager). Does nothing when both are off. ``step``: the step training starts after
-    (on resume), so windows stay aligned with step numbers."""
+    """Traces and snapshots for the loop, from when it is built: ``step()`` after each step,
+    ``close()`` at the end (or a ``with``). ``step``: the resume step, so windows stay
+    aligned with step numbers."""
 
     def __init__(
         self,

@@ -1,18 +1,15 @@
 """One training step, and the one forward path training and validation share.
 
-``train_step(run, batches)`` runs a whole optimizer step (zero_grad, which also starts
-torchft's quorum; forward and backward of every micro-batch; clipping; the non-finite guard;
-optimizer and LR steps) and returns a ``StepResult`` still on the device: the only host sync
-is the finiteness check of the gradient norm. Reducing the loss over the ranks happens only
-on reporting steps (``report_step``).
+``train_step(run, batches)`` runs a whole optimizer step (zero_grad, which starts torchft's
+quorum; every micro-batch's forward and backward; clipping; the non-finite guard; optimizer
+and LR steps) and returns a ``StepResult`` on the device: its one host sync is the gradient
+norm's finiteness. The loss is reduced over ranks only on reporting steps (``report_step``).
 
-The loss is normalized by trained tokens (labels other than ``IGNORE_INDEX``) over the whole
-global batch: each micro-batch backpropagates its summed loss times ``dp x cp / count``
-(``count``: the step's trained tokens, all-reduced over ``dp`` once per step), and the
-gradient averaging of FSDP or DDP over the ``dp x cp`` ranks leaves the gradient of the
-global per-token mean, whichever micro-batch or rank a long prompt lands on. Under pipeline
-parallelism the schedule averages its microbatches' mean losses, the same only when every
-token is trained (``preflight`` refuses chat data there).
+The loss is normalized by the global batch's trained tokens (labels not ``IGNORE_INDEX``):
+each micro-batch backpropagates its summed loss times ``dp x cp / count`` (``count``
+all-reduced once per step), and FSDP's or DDP's averaging leaves the gradient of the global
+per-token mean wherever a long prompt lands. A pipeline schedule averages its microbatches'
+mean losses, the same only when every token is trained (``preflight`` refuses chat data).
 """
 
 from __future__ import annotations
@@ -182,11 +179,10 @@ def batch_loss(
     loss_fn: LossFn = cross_entropy_sum,
     documents: DocumentMasking | None = None,
 ) -> torch.Tensor | None:
-    """The summed loss of one batch's trained tokens on this rank, inside the plan's step
-    context: plain and detached; ``None`` on a pipeline rank without the last stage.
-    ``scale`` also runs the backward of ``loss x scale`` (a pipeline's of its microbatches'
-    mean, the sum returned as mean x trained tokens); ``None`` evaluates only (under
-    ``torch.no_grad``). ``documents``: document masking's forward keywords from ``inputs``."""
+    """This rank's summed loss of a batch's trained tokens in the step context, detached
+    (``None`` on a pipeline rank without the last stage). ``scale``: also backward of ``loss
+    x scale`` (a pipeline's: of its microbatches' mean, returning mean x trained tokens;
+    ``None``: under ``no_grad``); ``documents``: masking keywords from ``inputs``."""
     with context(inputs, labels) as (inputs, labels):
         kwargs = {} if documents is None else documents.forward_kwargs(inputs)
         if pipeline is not None:

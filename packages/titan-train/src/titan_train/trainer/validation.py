@@ -56,10 +56,9 @@ class ValidationConfig(DataSource):
 
 
 class Validator:
-    """Computes the validation loss of a model (or of this rank's pipeline stages), its
-    data sharded over the data-parallel ranks of ``dims``. ``step_context``, ``loss_fn`` and
-    ``documents`` are the training run's (``step_context=None``: built from ``dims`` with
-    the default ``ParallelizeConfig``)."""
+    """The validation loss of a model (or this rank's pipeline stages), data sharded over
+    ``dims``' data-parallel ranks; ``step_context`` (``None``: from ``dims``), ``loss_fn`` and
+    ``documents`` are the training run's."""
 
     def __init__(
         self,
