@@ -135,9 +135,8 @@ class LaunchOptions:
         return args
 
     def torchrun_env(self) -> dict[str, str]:
-        """Environment for torch's agent: a fresh rendezvous store for every restart
-        (``SHARED_STORE_VARIABLE``), so that a restarted group does not hang on the keys
-        its killed predecessor left in a shared one."""
+        """Environment for torch's agent: a fresh rendezvous store per restart
+        (``SHARED_STORE_VARIABLE``)."""
         return {SHARED_STORE_VARIABLE: "1"}
 
     def check_rendezvous(self) -> None:

@@ -1,12 +1,9 @@
 """``preflight(config, world) -> Plan``: every check a config must pass before any work.
 
-The rules that can be decided from the config and the world alone (no process group, no
-model, no data), in the order a user meets them: seed checkpoint, supported converters,
-layout and batch plan, model and flavor, sequence lengths, the flavor against the layout,
-the checkpoint folder and start point, fault tolerance, optimizer-in-backward, memory, chat
-data, and the context-parallel implementation (resolved once into the plan's
-``StepContext``). Each failure is one ``ConfigError`` (or the owning package's config
-error) naming the key, the value and a fix; the CLI exits 2 on it.
+The rules decided from the config and the world alone (no process group, model or data), in
+the order a user meets them; each failure is one ``ConfigError`` (or its package's config
+error) naming the key, the value and a fix (exit 2). The context-parallel implementation is
+resolved once here, into the plan's ``StepContext``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The model's real arguments: built from the ``[model]`` section and the tokenizer through
-the spec's ``args_fn``, recorded with every checkpoint, and given to the HF adapter.
+"""The model's real arguments: built from ``[model]`` and the tokenizer through the spec's
+``args_fn``, recorded with every checkpoint, and given to the HF adapter.
 
-Model-agnostic: the trainer passes ``args_fn(flavor, **overrides)`` only what it knows
-(``vocab_size`` from the tokenizer, ``max_seq_len`` from the longest sequence it feeds, and
-``rope_scaling`` when ``model.rope_scaling`` is not ``"flavor"``); the model package
-interprets them. The record (``titan_ckpt.MODEL_RECORD`` in the commit manifest) holds the
-model name, flavor and the args as JSON, so ``titan-ckpt convert --to hf`` describes the
-model as trained (its vocabulary, its RoPE) without being told.
+Model-agnostic: ``args_fn(flavor, **overrides)`` gets only what the trainer knows
+(``vocab_size``, the longest ``max_seq_len`` fed, ``rope_scaling`` unless ``"flavor"``). The
+record (``titan_ckpt.MODEL_RECORD``: name, flavor, args as JSON) lets ``titan-ckpt convert
+--to hf`` describe the model as trained without being told.
 """
 
 from __future__ import annotations
@@ -62,10 +60,9 @@ def build_model_args(
 def _given_args(
     spec: ModelSpec, model: ModelSection, *, vocab_size: int | None, max_seq_len: int
 ) -> dict[str, Any]:
-    """``model.args`` checked against the family's args dataclass: every key one of its
-    fields (``rope_scaling`` is ``model.rope_scaling``'s), every value of the field's type,
-    ``vocab_size`` no smaller than the tokenizer's, ``max_seq_len`` no shorter than the
-    longest sequence trained."""
+    """``model.args`` checked against the family's args: known fields (not ``rope_scaling``,
+    ``model.rope_scaling``'s) of their types, ``vocab_size`` and ``max_seq_len`` no smaller
+    than the tokenizer's and the longest sequence."""
     defaults = spec.args_fn(model.flavor)
     if not dataclasses.is_dataclass(defaults):
         raise ConfigError(
@@ -185,10 +182,9 @@ _RUN_ARGS = ("max_seq_len",)
 def check_resumed_model(
     loaded: dict[str, Any] | None, metadata: dict[str, Any], *, source: str | None = None
 ) -> list[str]:
-    """Warn (one log line) when the loaded checkpoint recorded other model args than this
-    run's (e.g. ``rope_scaling``: the weights load but compute something else); returns the
-    differences as ``field: recorded -> now``. Only for a record of the same model and
-    flavor; a torchtitan checkpoint records none, so the RoPE applied is stated instead."""
+    """Warn once when the checkpoint of this model and flavor recorded other args (say
+    ``rope_scaling``: the weights load, compute something else); returns ``field: recorded
+    -> now``. A torchtitan checkpoint records none: the RoPE applied is stated instead."""
     if source == "torchtitan":
         line = torchtitan_rope_line(metadata)
         if line is not None:

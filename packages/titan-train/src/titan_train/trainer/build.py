@@ -1,11 +1,9 @@
 """``build(config, plan) -> TrainingRun``: every part of a training run, built and resumed.
 
-First the checkpoint folder's writer lock: a second run on the folder stops there, before
-anything is written. Then the order the parts depend on, which keeps runs reproducible:
-data, the model (meta device, parallelized or split into stages, allocated, initialized from
-``training.seed``), optimizers and LR schedules, the checkpointer (which resumes), metrics
-and the profiler. With fault tolerance the ``ReplicaGroup`` shards the data over all groups
-and drives the optimizer container; the loop only counts the step's participants.
+First the checkpoint folder's writer lock (a second run on the folder stops before writing),
+then the parts in the order they depend on, which keeps runs reproducible: data, the model
+(meta, parallelized or split, allocated, initialized from ``training.seed``), optimizers and
+LR schedules, the checkpointer (which resumes), metrics, the profiler.
 """
 
 from __future__ import annotations
@@ -456,9 +454,8 @@ def use_deterministic_algorithms() -> None:
 
 
 def close(run: TrainingRun) -> None:
-    """Close what holds files, threads or servers: profiler, checkpointer (waits for an
-    async save), metrics, the dataloader's prefetch thread, the torchft manager. Safe after
-    a failure."""
+    """Close what holds files, threads or servers (waiting for an async save); safe after a
+    failure."""
     try:
         run.dataloader.close()
         if run.profiler is not None:

@@ -1,14 +1,10 @@
 """The training run as four pieces: ``preflight`` -> ``build`` -> ``train_step`` -> the loop.
 
-run(config)
-  1. process group and device (titan-dims detects them: gloo on CPU, NCCL on CUDA)
-  2. preflight(config, world): every check before any work -> Plan
-  3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics -> TrainingRun
-  4. train(run): until the last step, train_step(run, batches), report, validate,
-     checkpoint, under the profiler; on SIGTERM, save the step and stop
-
-Fault tolerance changes nothing here: torchft's work happens at build time and inside the
-optimizer container, and semi-sync training wraps the loop (``titan_train.fault_tolerance``).
+``run(config)``: process group and device (gloo on CPU, NCCL on CUDA); ``preflight`` (every
+check) -> ``Plan``; ``build`` -> ``TrainingRun``; ``train``: steps, reports, validation and
+checkpoints under the profiler until the last step, or a SIGTERM (save, stop). Fault
+tolerance changes nothing here: torchft works at build time and in the optimizer container;
+semi-sync training wraps the loop.
 """
 
 from __future__ import annotations
