@@ -84,12 +84,11 @@ class _Shard:
 
 
 class ShardReader:
-    """The ``size``-token windows of one rank's shards (``shards``: their positions; this
-    rank reads documents ``i = c (mod stride)``, ``stride = gcd(dp, S)``), read from
-    ``documents`` in one pass per epoch. Each document is queued with its shard as text and
-    tokenized when the shard needs it; documents a saved position passed are dropped
-    untokenized. ``sources``: per shard, the source state saved with its position (the
-    contiguous layout resumes there); ``encode`` as ``TextDataLoader``'s.
+    """The ``size``-token windows of one rank's ``shards`` (their positions; documents
+    ``i = c (mod stride)``, ``stride = gcd(dp, S)``), one pass over ``documents`` per epoch, each document
+    tokenized only when its shard needs it (never those a saved position passed).
+    ``sources``: per shard, the contiguous layout's saved source state; ``encode`` as
+    ``TextDataLoader``'s.
     """
 
     def __init__(

@@ -56,15 +56,11 @@ class GlooBlock:
 
 
 def gloo_buffers(func: Any, args: tuple) -> tuple[str, int, int]:
-    """What torch's ``ProcessGroupGloo`` allocates for one collective op on CPU tensors, as
-    (group, bytes allocated in a worker thread, bytes allocated in the calling thread),
-    each freed when the call completes; ``("", 0, 0)`` for any other op. From
-    ``ProcessGroupGloo.cpp``: an all-gather (``_allgather_base``, ``allgather``, coalesced)
-    gathers into one flat tensor of the whole output, in the worker; a reduce-scatter
-    (``_reduce_scatter_base``, coalesced) clones its input in the caller, then all-reduces
-    the clone in place (gloo's ring all-reduce adds no block of that size: measured); an
-    all-reduce works in place. The functional collectives (``_c10d_functional``, TP's)
-    reach the same ops."""
+    """``(group, worker-thread bytes, caller bytes)`` that ``ProcessGroupGloo`` allocates and
+    frees within one collective on CPU tensors (``("", 0, 0)`` for other ops), per
+    ``ProcessGroupGloo.cpp``: all-gathers a flat output (worker), reduce-scatters a clone of
+    the input (caller; gloo's ring all-reduce of it adds no such block: measured);
+    all-reduce is in place. TP's functional collectives reach the same ops."""
     namespace = getattr(func, "namespace", "")
     if namespace not in ("c10d", "_c10d_functional"):
         return "", 0, 0
@@ -102,13 +98,10 @@ def _group_name(group: Any) -> str:
 
 
 def glibc_high_water(events: list[tuple[object, int]]) -> int | None:
-    """``heap_high_water`` measured on the C library itself: a fresh Python process serves
-    ``events`` with glibc's ``posix_memalign``/``free`` (c10's calls), under the thresholds
-    ``titan_train.trainer.host_memory`` sets, and reports how far its heap and mappings grew
-    (``mallinfo2``, all arenas; the pages are reserved, only their headers touched). Blocks
-    keyed by a ``GlooBlock`` of a worker thread are served from a thread of their own (a
-    gloo worker's arena).
-    ``None`` where this is not Linux with glibc 2.33+ or the process fails."""
+    """How far glibc's heap grows serving ``events`` with c10's ``posix_memalign``/``free``
+    under ``host_memory``'s thresholds, in a fresh process (``mallinfo2``, all arenas; pages
+    reserved, not touched), a ``GlooBlock`` worker's blocks from a thread of their own;
+    ``None`` without Linux glibc 2.33+ or when the process fails."""
     import platform
     import struct
     import subprocess
@@ -197,15 +190,11 @@ _ROUND_LARGE = 2 << 20
 
 
 def cuda_reserved_peak(events: Iterable[tuple[object, int]]) -> int:
-    """The most bytes torch's CUDA caching allocator would hold reserved (its segments)
-    serving ``events`` in order, with its default settings: blocks rounded to 512 bytes;
-    small (<= 1 MiB) and large pools; a request served best-fit from the pool's free
-    blocks, split when what is left is 512 bytes (small pool) or over 1 MiB (large pool);
-    else a new segment (2 MiB; 20 MiB for blocks under 10 MiB; else the block rounded to
-    2 MiB); freed blocks merge with free neighbours of their segment and stay reserved
-    (``torch.cuda.max_memory_reserved``). Not run on a GPU: a model of its documented
-    policy (no expandable segments, one stream; NCCL's and the CUDA context's memory are
-    the driver's, not counted)."""
+    """The most bytes torch's CUDA caching allocator would hold reserved serving ``events``,
+    by its documented default policy (512-byte rounding; small <= 1 MiB and large pools;
+    best fit, split when 512 bytes / over 1 MiB remain; new segments of 2 MiB, 20 MiB under
+    10 MiB, else rounded to 2 MiB; freed blocks merge and stay reserved). Not run on a GPU;
+    no expandable segments, one stream."""
     free = {True: _FreeBlocks(), False: _FreeBlocks()}
     events = [(k, n) for k, n in events if not isinstance(_unwrap(k), GlooBlock)]  # no gloo
     held: dict[object, tuple[int, int, bool]] = {}

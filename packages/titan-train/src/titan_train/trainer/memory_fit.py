@@ -36,12 +36,10 @@ logger = logging.getLogger("titan_train")
 GIB = 1 << 30
 
 RUNTIME_HEAP = 17 << 20
-"""What a training process keeps on its heap besides tensors once it has built the run and
-stepped: the data loader and tokenizer, the optimizer's and FSDP's Python state, the math
-library's packing buffers. Measured (glibc's bytes in use after two steps, less the tensors
-kept) at 17 MiB for the Llama 3 debug model and a ~100M one alike, torch 2.13 on the CPU:
-a cost of the runtime, not of the model's size. ``titan-train estimate`` counts it in its
-``host_overhead`` too."""
+"""A training process's heap besides tensors (data loader, tokenizer, optimizer and FSDP
+state, BLAS buffers): glibc's bytes in use after two steps less the tensors, 17 MiB for the
+Llama 3 debug model and a ~100M one alike (torch 2.13, CPU), so the runtime's, not the
+model's. ``titan-train estimate`` counts it in ``host_overhead`` too."""
 
 # Bytes per parameter of what an optimizer keeps (its moments), all in fp32.
 _OPTIMIZER_STATE_BYTES = {"Adam": 8, "AdamW": 8}
@@ -150,13 +148,10 @@ def check_memory_fits(
 def check_launch_fits(
     config: JobConfig, *, world_size: int, local_ranks: int, device: torch.device
 ) -> None:
-    """The launcher's second look, for many CPU ranks on one host: when the processes alone
-    (``local_ranks`` x what this one holds, and the runtime's heap) take more than half of
-    what the host can give, the floor of ``check_memory_fits`` says too little (a small model
-    on many ranks needs its activations and buffers many times over), so rank 0's whole step
-    is estimated (``titan-train estimate``'s ``peak_resident``: seconds, on fake tensors)
-    and the run refused with ``ConfigError`` when ``local_ranks`` of them cannot fit. Below
-    that the estimate's seconds are not spent: the floor and the ranks' own checks stand."""
+    """The launcher's second look: when ``local_ranks`` CPU processes alone take over half
+    the host, the floor says too little (activations count many times over), so rank 0's
+    step is estimated (``peak_resident``, seconds) and the run refused with ``ConfigError``
+    when ``local_ranks`` of them cannot fit."""
     if not config.training.memory_check or device.type != "cpu" or local_ranks < 2:
         return
     host = host_memory()
