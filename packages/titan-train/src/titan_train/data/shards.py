@@ -85,10 +85,10 @@ class _Shard:
 
 class ShardReader:
     """The ``size``-token windows of one rank's ``shards`` (their positions; documents
-    ``i = c (mod stride)``, ``stride = gcd(dp, S)``), one pass over ``documents`` per epoch, each document
-    tokenized only when its shard needs it (never those a saved position passed).
-    ``sources``: per shard, the contiguous layout's saved source state; ``encode`` as
-    ``TextDataLoader``'s.
+    ``i = c (mod stride)``, ``stride = gcd(dp, S)``), one pass over ``documents`` per
+    epoch, each document tokenized only when its shard needs it (never those a saved
+    position passed). ``sources``: per shard, the contiguous layout's saved source state;
+    ``encode`` as ``TextDataLoader``'s.
     """
 
     def __init__(
