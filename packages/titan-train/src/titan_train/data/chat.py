@@ -35,9 +35,8 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatEncoder:
-    """A row of chat data -> ``(ids, trained)``: the conversation's token ids and, per token,
-    whether the loss trains on it (module docstring). ``columns``: ``(messages,)`` or
-    ``(prompt, response)``; ``name`` and ``section`` are for errors."""
+    """A chat row -> ``(ids, trained)``, per token whether the loss trains on it; ``columns``:
+    ``(messages,)`` or ``(prompt, response)``; ``name``, ``section``: for errors."""
 
     def __init__(
         self,
@@ -154,9 +153,8 @@ def _from_json(value: Any) -> Any:
 def assistant_span(
     template: ChatTemplate, messages: list[dict], i: int, text: str, where: str
 ) -> tuple[int, int]:
-    """``[start, end)`` of assistant turn ``i`` in ``text`` (all of ``messages`` rendered),
-    found by rendering prefixes (the module docstring); ``DataError`` starting with
-    ``where`` when the template does not write the turn so that it can be found."""
+    """``[start, end)`` of assistant turn ``i`` in ``text`` (all ``messages`` rendered), found
+    by rendering prefixes; ``DataError`` (starting with ``where``) when it cannot be."""
     before = template.render(messages[:i], add_generation_prompt=True)
     plain = template.render(messages[:i])
     if before == plain or not text.startswith(before):
@@ -205,9 +203,8 @@ def _end_after_content(turn: str, text: str, start: int, content: Any) -> int | 
 
 
 def check_chat_template(template: ChatTemplate, train_on: str, key: str) -> None:
-    """Before any work: render a probe conversation and, unless every token is trained,
-    find its assistant turns; ``DataError`` in one line when the template fails or does not
-    mark assistant turns (``key`` names the setting)."""
+    """Before any work: a one-line ``DataError`` (naming ``key``) when the template fails on
+    a probe conversation or, unless every token is trained, hides its assistant turns."""
     where = f"{key} ({template.origin}) with train_on={train_on!r}"
     try:
         text = template.render(_PROBE)
@@ -226,9 +223,8 @@ def check_chat_template(template: ChatTemplate, train_on: str, key: str) -> None
 def chat_row(
     row: dict[str, Any], columns: tuple[str, ...], section: str, where: str
 ) -> dict[str, Any]:
-    """The chat ``columns`` of ``row`` (``where`` names it: ``row 3 of 'data' (in f.jsonl)``),
-    or the one-line ``DataError`` naming the row, the missing column, the row's columns and
-    the key to set."""
+    """The chat ``columns`` of ``row`` (``where``: ``row 3 of 'data' (in f.jsonl)``), or a
+    one-line ``DataError`` naming the row, the missing column, the row's and the key."""
     for k, column in enumerate(columns):
         if row.get(column) is None:
             key = ("prompt_column", "response_column")[k] if len(columns) > 1 else None

@@ -63,9 +63,8 @@ class DocumentSource(Protocol):
 
 
 def iter_strided(source: DocumentSource, start: int, stride: int) -> Iterator[tuple[int, str]]:
-    """``(i, text)`` of the documents ``i = start, start + stride, ...`` of ``source``: its
-    own ``iter_strided`` when it has one (skipping the others cheaply), else ``iter_from``
-    with the others dropped."""
+    """``(i, text)`` of documents ``i = start, start + stride, ...``: the source's own
+    ``iter_strided`` (skipping the others cheaply), else ``iter_from`` filtered."""
     own = getattr(source, "iter_strided", None)
     if own is not None:
         yield from own(start, stride)

@@ -165,9 +165,8 @@ def semi_sync_training(
     model_parts: list[nn.Module],
     optimizers: Optimizers,
 ) -> AbstractContextManager[Any]:
-    """The context the training loop runs in: torchft's ``LocalSGD`` or ``DiLoCo`` over the
-    model and optimizers when ``config.semi_sync_method`` is set (and ``replicas`` is this
-    process's replica group), else a no-op."""
+    """The training loop's context: torchft's ``LocalSGD`` or ``DiLoCo`` when
+    ``config.semi_sync_method`` is set, else a no-op."""
     if replicas is None or config.semi_sync_method is None:
         return contextlib.nullcontext()
     from torchft import local_sgd

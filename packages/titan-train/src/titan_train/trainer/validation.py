@@ -99,9 +99,8 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module], pipeline: Pipeline | None = None) -> float:
-        """The validation loss per trained token, the same on every rank. ``pipeline`` is
-        the ``titan_models`` Pipeline when the model is pipelined (``model_parts`` its
-        stages)."""
+        """The validation loss per trained token, the same on every rank; ``pipeline``: the
+        model's ``Pipeline`` (``model_parts`` its stages) when pipelined."""
         # Each part goes back to the mode it had, also when an evaluation fails (a caller that
         # catches the error keeps training, which must not go on in eval mode).
         modes = [part.training for part in model_parts]
