@@ -222,23 +222,29 @@ class TextDataLoader:
             if isinstance(source, Prefetcher):
                 source.close()
 
-    def _batches(
-        self, first: int, positions: dict[int, Position], sources: dict[int, str]
-    ) -> Iterator[_Item]:
-        """Batches from global window ``first``, with the state after each."""
-        contiguous = self.shard_layout == "contiguous" and self.num_shards > 1
-        reader = ShardReader(
-            self.documents,
+    def _reader(
+        self, documents: DocumentSource, positions: dict[int, Position], sources: dict[int, str]
+    ) -> ShardReader:
+        """A reader of this rank's shards of ``documents`` from ``positions`` (by shard)."""
+        return ShardReader(
+            documents,
             self.tokenizer,
             num_shards=self.num_shards,
             shards={s: positions[s] for s in self._own},
             stride=math.gcd(self.dp_degree, self.num_shards),
             infinite=self.infinite,
             size=self.seq_len + 1,
-            contiguous=contiguous,
+            contiguous=self.shard_layout == "contiguous" and self.num_shards > 1,
             sources={s: sources[s] for s in self._own if s in sources},
             encode=self.encode,
         )
+
+    def _batches(
+        self, first: int, positions: dict[int, Position], sources: dict[int, str]
+    ) -> Iterator[_Item]:
+        """Batches from global window ``first``, with the state after each."""
+        contiguous = self.shard_layout == "contiguous" and self.num_shards > 1
+        reader = self._reader(self.documents, positions, sources)
         masked = self.encode is not None
         per_step, window = self.local_batch_size * self.dp_degree, first
         while True:

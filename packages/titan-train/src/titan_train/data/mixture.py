@@ -20,7 +20,7 @@ import torch
 
 from titan_train.data.config import DataConfig, DataError, DatasetEntry
 from titan_train.data.dataloader import TextDataLoader, _check_regions, _Item
-from titan_train.data.shards import Position, ShardReader, check_first_documents
+from titan_train.data.shards import Position, check_first_documents
 from titan_train.data.sources import DocumentSource, open_documents
 from titan_train.tokenizer.base import Tokenizer
 
@@ -169,16 +169,10 @@ class MixtureDataLoader(TextDataLoader):
     ) -> Iterator[_Item]:
         contiguous = self.shard_layout == "contiguous" and self.num_shards > 1
         readers = [
-            ShardReader(
+            self._reader(
                 documents,
-                self.tokenizer,
-                num_shards=self.num_shards,
-                shards={s: positions[k, s] for s in self._own},
-                stride=math.gcd(self.dp_degree, self.num_shards),
-                infinite=True,
-                size=self.seq_len + 1,
-                contiguous=contiguous,
-                sources={s: sources[k, s] for s in self._own if (k, s) in sources},
+                {s: positions[k, s] for s in self._own},
+                {s: sources[k, s] for s in self._own if (k, s) in sources},
             )
             for k, documents in enumerate(self.sources)
         ]
