@@ -121,8 +121,7 @@ class LaunchOptions:
 
     def torchrun_args(self) -> list[str]:
         """The launcher half of the torchrun command line: standalone on one node without an
-        endpoint, else c10d rendezvous at the endpoint (hosted by node 0 when the node rank
-        is given)."""
+        endpoint, else c10d rendezvous there (hosted by node 0 given the node rank)."""
         args = ["--nproc-per-node", str(self.nproc_per_node)]
         if self.max_restarts:
             args += ["--max-restarts", str(self.max_restarts)]
@@ -181,9 +180,8 @@ class LaunchOptions:
 
 
 def check_restartable(environ: dict[str, str] | None = None) -> None:
-    """In a worker of torch's agent: raise ``ConfigError`` (exit 2, before any work) when the
-    agent may restart the workers (``--max-restarts`` > 0) but shares its rendezvous store
-    with them: the first restart would hang in the process group's start-up."""
+    """In a worker of torch's agent: ``ConfigError`` when ``--max-restarts`` > 0 with the
+    agent's rendezvous store shared: the first restart would hang at start-up."""
     env = os.environ if environ is None else environ
     restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
     shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -311,9 +309,8 @@ def _check_port_free(host: str, port: int, endpoint: str) -> None:
 
 
 def run_agent(command: list[str], env: dict[str, str]) -> int:
-    """Run torch's agent (``command``) to its end; its exit status, or ``PREEMPTED_EXIT``
-    once this process got SIGTERM, which it passes on (Kubernetes signals only a
-    container's first process)."""
+    """Run torch's agent to its end: its status, or ``PREEMPTED_EXIT`` once SIGTERM came here
+    and was passed on (Kubernetes signals only a container's first process)."""
     terminated = False
     with subprocess.Popen(command, env=env) as agent:
 

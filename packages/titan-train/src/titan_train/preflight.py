@@ -174,9 +174,8 @@ def check_muon_rules(config: JobConfig, spec: ModelSpec) -> None:
 
 
 def check_seed_checkpoint(config: JobConfig, world: World) -> None:
-    """Refuse ``checkpoint.create_seed_checkpoint`` in a world of several processes: the
-    seed is the whole unsharded model, written by one process (as torchtitan requires), so
-    that every layout starts from the same weights."""
+    """Refuse ``checkpoint.create_seed_checkpoint`` over several processes: the seed is the
+    whole unsharded model, written by one (as torchtitan requires)."""
     if config.checkpoint.create_seed_checkpoint and world.world_size > 1:
         raise ConfigError(
             "checkpoint.create_seed_checkpoint=true writes the seed from one process, but "

@@ -335,9 +335,8 @@ tokenizer, datasets) and ``training.seed`` (torchtitan: unset, titan: 0)."""
 
 
 def check_supported(model_converters: Sequence[str] | None, param_dtype: str) -> None:
-    """Raise ``ConfigError`` when a config that loaded asks for what titan cannot train:
-    torchtitan's model converters (``model.converters``), as torchtitan refuses float8 on a
-    device without it when the model is built, not when the file is read."""
+    """Raise ``ConfigError`` for torchtitan's model converters (float8/MX), after loading, as
+    torchtitan refuses them when the model is built, not when the file is read."""
     if not model_converters:
         return
     import torch
@@ -382,9 +381,8 @@ class Translation:
     over the file's: for ``torchtitan_head.resolve_batch`` once the config is loaded."""
 
     def log(self, source: str, *, only: Collection[str] | None = None) -> None:
-        """Say once, in the log, what was translated, ignored and defaulted; ``only``: just
-        the moved and ignored keys it names (e.g. the command line's, when the file is a
-        named configuration the log has introduced)."""
+        """Say once, in the log, what was translated, ignored and defaulted; ``only``: just the
+        moved and ignored keys it names (the command line's, after a named configuration)."""
         if only is not None:
             keep = set(only)
             moved = {k: v for k, v in self.moved.items() if k in keep}
@@ -423,9 +421,8 @@ def translate(
     source: str = "the command line",
     defaults: Mapping[str, Any] = TORCHTITAN_DEFAULTS,
 ) -> Translation:
-    """Translate a TOML dict and torchtitan command-line keys (``cli_values``, which win)
-    into titan's keys (``ConfigError`` for a refused key); a file using any key of ``KEYS``
-    gets ``defaults`` where neither sets the titan key."""
+    """A TOML dict and torchtitan command-line keys (``cli_values`` win) in titan's keys; a file
+    using any key of ``KEYS`` gets ``defaults`` where neither sets the key."""
     moved: dict[str, str] = {}
     ignored: dict[str, str] = {}
     batch: dict[str, Any] = {}

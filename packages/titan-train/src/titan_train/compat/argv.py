@@ -16,9 +16,8 @@ __all__ = ["pop_preset", "split_argv"]
 
 
 def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
-    """Take torchtitan keys out of a command line: ``(the rest, their values as a nested
-    dict)`` for ``translate``. Takes torchtitan's spellings: dashes or underscores, booleans
-    as ``--x.no-key`` or with a value, ``--key=value``, lists as several or comma values."""
+    """Take torchtitan keys, in any of its spellings (dashes, ``--x.no-key``, ``=value``, comma
+    lists), out of a command line: ``(the rest, their values as a nested dict)``."""
     args = list(argv)
     rest: list[str] = []
     found: dict[str, Any] = {}

@@ -452,9 +452,8 @@ def head_config(module: str, name: str) -> HeadConfig:
 
 
 def preset_values(module: str, name: str) -> tuple[dict[str, Any], list[str]]:
-    """The settings of ``--module module --config name`` as one flat dict (torchtitan's keys,
-    titan's where torchtitan has no flag, ``model.args.*`` for ``model_args``), and what is
-    not carried (one line each, for the log and for ``config import``)."""
+    """``--module module --config name`` as one flat dict (torchtitan's keys, titan's where it
+    has no flag, ``model.args.*``), and a line for each thing not carried."""
     entry = head_config(module, name)
     chain = [entry]
     while chain[-1].base:

@@ -177,9 +177,8 @@ def split_commas(argv: Sequence[str], flags: set[str]) -> list[str]:
 def pop_options(
     argv: Sequence[str], wanted: Callable[[str], bool], example: str
 ) -> tuple[list[str], list[tuple[str, str]]]:
-    """Take the options ``--name value`` / ``--name=value`` whose name (underscores for
-    dashes, without ``--``) ``wanted`` accepts out of ``argv``: ``(the rest, [(name,
-    value)])``. A missing value raises ``ConfigError`` showing ``example``."""
+    """Take ``--name value`` / ``--name=value`` options whose name ``wanted`` accepts out of
+    ``argv``: ``(the rest, [(name, value)])``; ``example`` shows a missing value's fix."""
     rest: list[str] = []
     found: list[tuple[str, str]] = []
     it = iter(argv)
@@ -236,9 +235,8 @@ def _plain_docstrings() -> Iterator[None]:
 def from_dict(
     cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "", base: T | None = None
 ) -> T:
-    """Instantiate dataclass ``cls`` from nested ``values``, checking every key and type. Keys
-    that ``values`` does not set keep their value in ``base`` when given (a section's default
-    as its parent declares it), else the dataclass's own default."""
+    """Dataclass ``cls`` from nested ``values``, every key and type checked; unset keys keep
+    ``base``'s value (a section's default as its parent declares it), else the class's."""
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
@@ -284,9 +282,8 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
-    """``value`` checked against the type ``hint`` (unions, ``Literal``, lists and tuples of
-    checked items, dataclass tables, ints as floats); raises ``ConfigError`` naming
-    ``source`` and ``where``."""
+    """``value`` checked against ``hint`` (unions, ``Literal``, lists, tuples, dataclass tables,
+    ints as floats); ``ConfigError`` naming ``source`` and ``where``."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):

@@ -37,9 +37,8 @@ logger = logging.getLogger("titan_train")
 def build_model_args(
     spec: ModelSpec, model: ModelSection, *, vocab_size: int | None, max_seq_len: int
 ) -> Any:
-    """``spec.args_fn(flavor, **overrides)`` for this run (``vocab_size=None``: the flavor's),
-    ``model.args`` applied last; ``ConfigError`` for a key the family's args lack or a
-    value they refuse."""
+    """``spec.args_fn(flavor, **overrides)`` for this run, ``model.args`` applied last;
+    ``ConfigError`` for a key the family's args lack or a value they refuse."""
     overrides: dict[str, Any] = {"max_seq_len": max_seq_len}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
@@ -147,9 +146,8 @@ def _as_json(args: Any) -> dict[str, Any] | None:
 def model_metadata(
     spec: ModelSpec, flavor: str, args: Any, *, tokenizer_path: str | None = None
 ) -> dict[str, Any]:
-    """``CheckpointManager(metadata=...)``: the model's name, flavor and real args, and the
-    run's tokenizer (an absolute path; absent for the shipped one, ``embedded_chat`` for the
-    shipped chat one), which ``titan-train generate`` loads by default."""
+    """``CheckpointManager(metadata=...)``: name, flavor, real args and the run's tokenizer (an
+    absolute path; absent or ``embedded_chat`` for shipped ones), for ``generate``."""
     record: dict[str, Any] = {"name": spec.name, "flavor": flavor}
     if tokenizer_path == "embedded_chat":  # the shipped chat tokenizer, by its name
         record["tokenizer_path"] = tokenizer_path

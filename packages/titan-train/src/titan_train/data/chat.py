@@ -185,9 +185,8 @@ def assistant_span(
 
 
 def _end_after_content(turn: str, text: str, start: int, content: Any) -> int | None:
-    """Where the turn ends in ``text``: after its content (found from ``start``; stripped, as
-    templates may trim it in one place and not the other) and what the template writes after
-    the content when the turn is rendered last (``turn``)."""
+    """Where the turn ends in ``text``: after its content (from ``start``, stripped: templates
+    may trim it in one place only) and what ``turn`` writes after it when rendered last."""
     if not isinstance(content, str) or not content.strip():
         return None
     content = content.strip()

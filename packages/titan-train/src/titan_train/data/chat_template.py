@@ -81,9 +81,8 @@ class ChatTemplate:
 
 
 def load_chat_template(name: str | None, tokenizer: Any, *, key: str) -> ChatTemplate:
-    """The chat template ``name`` means for ``tokenizer``: ``None`` the tokenizer folder's
-    (``chat_template.jinja``, else ``tokenizer_config.json``'s), a built-in name, or a Jinja
-    file; ``key`` is the setting errors name."""
+    """The template ``name`` means: ``None`` the tokenizer folder's (``chat_template.jinja``,
+    else ``tokenizer_config.json``'s), a built-in, or a Jinja file; ``key`` for errors."""
     folder = _tokenizer_folder(tokenizer)
     config = _tokenizer_config(folder) if folder else {}
     variables = _special_names(tokenizer, config)

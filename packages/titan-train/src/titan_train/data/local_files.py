@@ -84,9 +84,8 @@ def open_hub_copy(
     section: str,
     columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
-    """The rank-aware source of a local copy of a hub dataset (folder ``path``, config
-    ``subset``) whose ``train`` files, as ``datasets`` resolves them, are plain jsonl or
-    parquet; else ``None`` (``datasets``' reader stays)."""
+    """The rank-aware source of a local hub dataset copy whose ``train`` files (as ``datasets``
+    resolves them) are plain jsonl or parquet; else ``None``."""
     import datasets
 
     try:
@@ -224,9 +223,8 @@ class _RowSource:
 
 
 class JsonLinesSource(_RowSource):
-    """Local JSON-lines files, one document per non-blank line. A row without the text
-    column gives ``"None"`` when the column is in the first 10 MB (as ``datasets`` fills
-    it), else ``datasets``' error naming the columns."""
+    """Local JSON-lines files, a document per non-blank line; a row without the text column
+    gives ``"None"`` if the column is in the first 10 MB (as ``datasets``), else its error."""
 
     _columns: list[str] | None = None
     """The columns ``datasets`` would infer (``_first_columns``), once found."""
@@ -464,8 +462,7 @@ class ParquetSource(_RowSource):
 
 class TextSource(_RowSource):
     """Local text files, one document per non-empty paragraph (split at blank lines, any line
-    ends), as ``datasets``' ``sample_by="paragraph"`` splits them; only this rank's
-    paragraphs are decoded."""
+    ends), as ``datasets``' ``sample_by="paragraph"``; only this rank's are decoded."""
 
     def _file_rows(
         self, path: str, first: int, want: int, stride: int

@@ -268,9 +268,8 @@ class ShardReader:
 
 
 def check_first_documents(documents: DocumentSource, num_shards: int, own: list[int]) -> None:
-    """Before any training (interleaved layout): read, untokenized, the first document of
-    each shard in ``own``, so too few documents, or ones that do not decode, stop the run
-    before anything is written."""
+    """Before any training (interleaved layout): read each of ``own``'s first documents so that
+    too few documents, or undecodable ones, stop the run before anything is written."""
     stride = own[1] - own[0] if len(own) > 1 else num_shards
     firsts = itertools.islice(iter_strided(documents, own[0], stride), len(own))
     count = sum(1 for _ in firsts)

@@ -258,9 +258,8 @@ def _tokenizer_vocab(config: JobConfig) -> int:
 
 @contextmanager
 def _quiet_logs() -> Iterator[None]:
-    """The build's INFO lines describe a run that does not happen, and DTensor's advice on
-    redistributing the clip's norm is about torch's collectives, not the estimate: keep
-    warnings of ours, errors of DTensor's."""
+    """The build's INFO lines describe a run that does not happen, and DTensor's advice is about
+    torch's collectives: keep our warnings and DTensor's errors."""
     levels = {logger: logging.WARNING, _REDISTRIBUTE_LOGGER: logging.ERROR}
     saved = {log: log.level for log in levels}
     for log, level in levels.items():

@@ -47,9 +47,8 @@ GLOO_THREADS = 2
 
 @dataclass(frozen=True)
 class GlooBlock:
-    """The key of a block torch's gloo process group allocates for a collective (not the
-    caller's tensors): ``thread``, 0 for the calling (main) thread, 1 and up for a worker
-    thread; and a number of its own."""
+    """The key of a block gloo allocates for a collective: ``thread`` (0: the caller, 1 and up:
+    a worker), and a number of its own."""
 
     thread: int
     number: int

@@ -30,8 +30,7 @@ _BACKWARDS = ("B", "I")
 
 def stage_input_shape(plan: Any, dim: int, microbatch: int, seq_len: int) -> tuple[int, ...]:
     """The hidden state a non-first stage receives: ``(microbatch, seq, dim)``, the sequence
-    split over context-parallel ranks, and over tensor-parallel ranks (sequence parallel
-    keeps the residual stream sharded along the sequence between blocks)."""
+    split over CP ranks and (sequence parallel) over TP ranks."""
     dims = plan.parallel_dims
     return (microbatch, seq_len // dims.cp // dims.tp, dim)
 

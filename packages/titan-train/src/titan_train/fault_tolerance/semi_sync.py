@@ -145,9 +145,8 @@ def model_fragments(model: nn.Module, num_fragments: int) -> list[nn.Module]:
 
 
 class _TorchOptimizerHooks:
-    """titan's optimizer container as torchft's ``LocalSGD`` / ``DiLoCo`` drive an
-    optimizer: they register step hooks of torch's ``(optimizer, args, kwargs)`` shape,
-    the container calls ``hook(container)``."""
+    """titan's optimizer container as torchft's ``LocalSGD``/``DiLoCo`` drive an optimizer:
+    their hooks take ``(optimizer, args, kwargs)``, the container calls ``hook(container)``."""
 
     def __init__(self, optimizers: Optimizers) -> None:
         self._optimizers = optimizers

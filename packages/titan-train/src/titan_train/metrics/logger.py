@@ -224,9 +224,8 @@ class MetricsLogger:
         return record, memory_kind
 
     def _raise_peak(self, achieved: float) -> None:
-        """Raise the peak to ``achieved`` FLOP/s when above it (a slowed probe, another
-        variant's table row, a low ``metrics.peak_flops``): MFU over 100% would be false.
-        Warned once; later raises at debug level."""
+        """Raise the peak to ``achieved`` FLOP/s when above it (MFU over 100% would be false);
+        warned once, later at debug level."""
         if self.peak_flops is None or achieved <= self.peak_flops:
             return
         raised_before = self._peak_source == _REACHED

@@ -433,9 +433,8 @@ def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None
 def materialization_devices(
     config: JobConfig, device: torch.device
 ) -> tuple[torch.device, torch.device]:
-    """Where parameters and buffers are allocated: the run's device, except all on the host
-    for a seed checkpoint (the whole unsharded fp32 model, as torchtitan does) and the
-    parameters on the host under FSDP CPU offload."""
+    """Where parameters and buffers are allocated: the run's device, but all on the host for a
+    seed checkpoint (as torchtitan) and parameters on the host under CPU offload."""
     host = torch.device("cpu")
     if config.checkpoint.create_seed_checkpoint:
         return host, host

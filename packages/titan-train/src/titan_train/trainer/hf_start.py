@@ -116,9 +116,8 @@ def check_initial_hf_load(config: JobConfig, spec: ModelSpec, *, max_seq_len: in
 
 
 def _check_fields(storage: Any, path: str, spec: ModelSpec, adapter: Any, args: Any) -> None:
-    """The factory's field-by-field check of the run's args against the folder's tensors
-    (renamed by ``adapter``), where it can say e.g. ``dim (hidden_size): expected 256 ...,
-    found 64``."""
+    """The factory's field-by-field check of the run's args against the folder's tensors, e.g.
+    ``dim (hidden_size): expected 256 ..., found 64``."""
     from functools import partial
 
     from titan_ckpt.adapter import from_hf_items, plan_items, streams

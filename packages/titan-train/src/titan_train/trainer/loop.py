@@ -152,9 +152,8 @@ def summary(run: TrainingRun, first_step: int, seconds: float) -> str:
 
 
 def train(run: TrainingRun) -> None:
-    """Train ``run`` from its current step to ``training.steps`` (garbage collected every
-    ``training.gc_freq`` steps); ``PreemptedError`` after the step the ranks stop at on
-    SIGTERM."""
+    """Train ``run`` to ``training.steps`` (collecting garbage every ``training.gc_freq``
+    steps); ``PreemptedError`` after the step the ranks stop at on SIGTERM."""
     training = run.config.training
     fast_from = fail_fast_step(run.config)
     gc.disable()

@@ -64,9 +64,8 @@ class HostMemory:
 
 
 def host_memory() -> HostMemory | None:
-    """The host memory a new process can have: the kernel's ``MemAvailable``, capped by this
-    process's cgroup limit (v2 or v1) and by ``ulimit -v`` / ``-d``; ``None`` where none of
-    them can be read (not Linux)."""
+    """What a new process can have: ``MemAvailable`` capped by the cgroup limit (v2, v1) and
+    ``ulimit -v``/``-d``; ``None`` where none can be read (not Linux)."""
     limits: list[tuple[int, str]] = []
     meminfo = _read("/proc/meminfo")
     for line in (meminfo or "").splitlines():

@@ -215,9 +215,8 @@ def loss_share(dims: ParallelDims, count: torch.Tensor) -> torch.Tensor:
 def next_batches(
     batch_iter: Iterator[Batch], count: int, device: torch.device
 ) -> tuple[list[Batch], float]:
-    """The next ``count`` (inputs, labels) batches on ``device``, and seconds spent waiting.
-    To an accelerator they are copied from pinned memory without blocking (a pageable copy
-    makes the host wait at every micro-batch)."""
+    """The next ``count`` batches on ``device`` and the seconds waited; to an accelerator copied
+    from pinned memory without blocking (a pageable copy waits every micro-batch)."""
     started = time.perf_counter()
     accelerator = (
         torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -235,9 +234,8 @@ def next_batches(
 
 
 def train_step(run: StepRun, batches: list[Batch]) -> StepResult:
-    """One optimizer step of ``run`` over ``batches`` (its accumulation steps' micro-batches);
-    advances ``run.train_state``. Raises ``NonFiniteStepsError`` past the allowed run of
-    inf/nan gradient norms, before the step's update."""
+    """One optimizer step of ``run`` over ``batches``, advancing ``run.train_state``;
+    ``NonFiniteStepsError`` past the allowed inf/nan norms, before the update."""
     state = run.train_state
     state.step += 1
     run.optimizers.zero_grad()
