@@ -139,9 +139,8 @@ class LaunchOptions:
         return {SHARED_STORE_VARIABLE: "1"}
 
     def check_rendezvous(self) -> None:
-        """Raise ``ConfigError`` now, not after torch's long timeout, when this node cannot
-        take part in the rendezvous: the host does not resolve; node 0 is not the endpoint's
-        host or its port is taken; another node gets no answer within ``rdzv_timeout``."""
+        """``ConfigError`` now, not after torch's timeout, when this node cannot rendezvous: the
+        host does not resolve, node 0's port is taken, or no answer in ``rdzv_timeout``."""
         if self.rdzv_endpoint is None:
             return
         host, port = split_endpoint(self.rdzv_endpoint)

@@ -320,9 +320,8 @@ def check_optimizer_in_backward(config: JobConfig, dims: ParallelDims) -> None:
 
 
 def check_chat_data(config: JobConfig, dims: ParallelDims) -> None:
-    """Chat data: not under pipeline parallelism (its schedule averages microbatch means,
-    not the loss per trained token), and a template that renders and marks assistant turns.
-    Loads the tokenizer; no data is read."""
+    """Chat data: not under pipeline parallelism (its schedule averages microbatch means), and a
+    template that renders and marks assistant turns (loads the tokenizer, reads no data)."""
     sections = [config.training]
     if config.validation.enable:
         sections.append(config.validation)

@@ -26,9 +26,8 @@ _TITAN_BATCH = {
 def resolve_batch(
     config: Any, batch: Mapping[str, Any], *, cli: Sequence[str], follow_validation: bool
 ) -> Any:
-    """``config`` with ``Translation.batch``'s token counts over ``seq_len`` (per microbatch
-    times ``num_pp_microbatches`` under pipelining); a titan key in ``cli`` wins;
-    ``follow_validation``: validation takes training's length and batch, as torchtitan's."""
+    """``config`` with ``Translation.batch``'s token counts over ``seq_len`` (a titan key in
+    ``cli`` wins); ``follow_validation``: validation takes training's, as torchtitan's."""
     given = {_flag_key(arg) for arg in cli if arg.startswith("--")}
     training, pipeline = config.training, config.pipeline
     seq = training.seq_len

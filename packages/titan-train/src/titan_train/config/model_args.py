@@ -180,9 +180,8 @@ _RUN_ARGS = ("max_seq_len",)
 def check_resumed_model(
     loaded: dict[str, Any] | None, metadata: dict[str, Any], *, source: str | None = None
 ) -> list[str]:
-    """Warn once when the checkpoint of this model and flavor recorded other args (say
-    ``rope_scaling``: the weights load, compute something else); returns ``field: recorded
-    -> now``. A torchtitan checkpoint records none: the RoPE applied is stated instead."""
+    """Warn once when a checkpoint of this model and flavor recorded other args (``rope_scaling``
+    computes something else); returns ``field: recorded -> now``."""
     if source == "torchtitan":
         line = torchtitan_rope_line(metadata)
         if line is not None:
@@ -209,9 +208,8 @@ def check_resumed_model(
 
 
 def torchtitan_rope_line(metadata: dict[str, Any]) -> str | None:
-    """The RoPE a resumed torchtitan checkpoint now runs with, and the ``model.rope_scaling``
-    that chooses the other (torchtitan records none, and its Llama 3 went from plain RoPE to
-    Llama 3.1 scaling in October 2025); None for a model without ``rope_scaling``."""
+    """The RoPE a resumed torchtitan checkpoint runs with and the ``model.rope_scaling`` for the
+    other (its Llama 3 changed to 3.1 scaling in October 2025); None without rope_scaling."""
     args = metadata.get(MODEL_RECORD, {}).get("args")
     if not isinstance(args, dict) or "rope_scaling" not in args:
         return None

@@ -62,9 +62,8 @@ class ChatEncoder:
         self.section = section
 
     def messages(self, row: Any, index: int) -> list[dict[str, Any]]:
-        """The conversation of ``row`` (a mapping of the columns), checked, keys holding
-        ``None`` dropped (as transformers drops them: a parquet row has every field of the
-        struct), a message's reasoning under the names templates read."""
+        """The checked conversation of ``row``, ``None`` keys dropped (as transformers: parquet rows
+        hold every struct field), reasoning under the names templates read."""
         where = f"row {index} of {self.name!r}"
         if isinstance(row, dict):  # the columns are there (a local file's reader checked them)
             row = chat_row(row, self.columns, self.section, where)

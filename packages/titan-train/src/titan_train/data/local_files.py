@@ -173,9 +173,8 @@ class _RowSource:
         raise NotImplementedError
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, ...`` of region ``region`` of ``regions`` (module
-        docstring); earlier rows counted, not parsed; no other region's bytes read but the
-        ends of rows crossing its edges."""
+        """``(k, text)`` of rows ``k = first, ...`` of one of ``regions``: earlier rows counted, not
+        parsed; of other regions only the ends of rows crossing its edges read."""
         row = 0  # the region's next row
         for path, begin, end in self._byte_spans(region, regions):
             for rows in self._region_rows(path, begin, end, _REGION_CHUNK):

@@ -123,9 +123,8 @@ class _HFSource:
         return self._texts(rows)
 
     def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
-        """Rows ``start, start + stride, ...``: ``datasets``' own node splitting, by
-        examples (the "shards" strategy would hand out whole files, so which documents a
-        rank reads would change with the number of ranks)."""
+        """Rows ``start, start + stride, ...`` by ``datasets``' node splitting by examples (its
+        "shards" strategy hands out whole files: a rank's documents would follow dp)."""
         rows = self.dataset.skip(start) if start else self.dataset
         split = _split_by_examples(rows, stride) if stride > 1 else rows
         if split is None:  # no by-example split in this datasets version: drop rows here

@@ -275,9 +275,8 @@ _REDISTRIBUTE_LOGGER = logging.getLogger("torch.distributed.tensor._redistribute
 
 
 class _Tracker(MemTracker):
-    """torch's MemTracker, also keeping the activations' maximum, and blind to DTensor's
-    sharding propagation (it runs each new op on fake tensors of the *global* shapes in our
-    fake mode, which would count as this rank's memory)."""
+    """torch's MemTracker, keeping the activations' maximum, blind to DTensor's sharding
+    propagation (its ops on fake *global* shapes would count as this rank's memory)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -153,9 +153,8 @@ def two_steps(
     update: list[tuple[int, int]],
     step: list[tuple[int, int]],
 ) -> list[tuple[int, int]]:
-    """A real run's allocations over its first two steps from the recordings ``resident``
-    (as built), ``update`` (an optimizer step, creating its state) and ``step`` (forward,
-    backward, the clip's norm); the second step's keys made distinct."""
+    """A real run's first two steps of allocations from the recordings ``resident``, ``update``
+    (creating the optimizer state) and ``step``, the second step's keys made distinct."""
     update_kept = _left_allocated(update)
     temporaries = [(key, n) for key, n in update if key not in update_kept]
     grads = _left_allocated(step)

@@ -52,9 +52,8 @@ def memory_metrics(stats: Mapping[str, int | float]) -> dict[str, float]:
 
 
 def device_memory(device: torch.device | str | None = None) -> tuple[dict[str, float], str]:
-    """(numbers, what ``memory_gib`` measured): on an accelerator every ``MEMORY_KEYS``
-    entry, with ``memory_gib`` the peak reserved memory, and the peaks reset for the next
-    report; else ``{"memory_gib": resident set size}``."""
+    """(numbers, what ``memory_gib`` measured): every ``MEMORY_KEYS`` entry on an accelerator,
+    its peaks reset for the next report; else ``{"memory_gib": resident set size}``."""
     device = torch.device(device if device is not None else "cpu")
     module = accelerator_memory(device)
     if module is not None:

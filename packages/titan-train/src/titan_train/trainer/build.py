@@ -359,9 +359,8 @@ def _build_model(
     *,
     materialize: bool = True,
 ) -> tuple[Any, list[nn.Module], Pipeline | None]:
-    """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init by
-    ``training.seed`` and name, so every layout starts alike), and the pipeline.
-    ``materialize=False`` leaves the parts on the meta device (``estimate``)."""
+    """Model args, the parts (meta, parallelized or split, allocated, initialized by seed and
+    name) and the pipeline; ``materialize=False`` leaves them on meta (``estimate``)."""
     training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
     longest = max(training.seq_len, config.validation.seq_len if validating else 0)
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
@@ -416,9 +415,8 @@ def _build_model(
 
 
 def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None:
-    """Seed torch's generators (and DTensor's, over the stage's mesh) for a third-party model
-    whose ``init_weights`` draws from them: ``seed + pp rank``, since stages running the same
-    init ops would otherwise draw identical blocks (titan's own families draw by name)."""
+    """Seed torch's (and DTensor's) generators with ``seed + pp rank`` for a third-party model
+    whose ``init_weights`` draws from them, so stages do not draw identical blocks."""
     pp_rank = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
     torch.manual_seed(seed + pp_rank)
     if device.type == "cpu" or not dims.layout.names:

@@ -45,9 +45,8 @@ logger = logging.getLogger("titan_train")
 
 
 def run(config: JobConfig) -> TrainState:
-    """Train as ``config`` says; returns the final train state. The process group it starts
-    is destroyed on the way out; when training fails, only on gloo (an NCCL shutdown can
-    block on peers still in a collective: the process exit takes it down instead)."""
+    """Train as ``config`` says; the final train state. The process group is destroyed on the
+    way out, after a failure on gloo only (NCCL's shutdown can block on waiting peers)."""
     os.environ.update(flight_recorder_env(config, detect_device_type()))
     device = init_distributed(
         timeout=timedelta(seconds=config.comm.init_timeout_seconds),
@@ -100,9 +99,8 @@ def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
 
 
 def check_resume(config: JobConfig, plan: Plan) -> int | None:
-    """Before building anything: raise ``ConfigError`` when the step the run would resume
-    from records another model or flavor (loading would fail on missing keys); return its
-    number when it is ``training.steps`` or past (nothing to do), else ``None``."""
+    """Before building: ``ConfigError`` when the resume step records another model or flavor;
+    its number when it is ``training.steps`` or past (nothing to do), else ``None``."""
     cfg = plan.checkpoint
     if not cfg.enable or config.checkpoint.create_seed_checkpoint or config.fault_tolerance.enable:
         return None
@@ -238,9 +236,8 @@ def write_seed_checkpoint(run: TrainingRun) -> None:
 
 
 def flight_recorder_env(config: JobConfig, device_type: str) -> dict[str, str]:
-    """The variables that make NCCL's flight recorder keep each rank's last
-    ``comm.trace_buf_size`` collectives and dump them under ``comm.save_traces_folder`` on a
-    timeout (which rank waited where); the user's win; none on CPU or with a size of 0."""
+    """Variables making NCCL's flight recorder keep ``comm.trace_buf_size`` collectives and
+    dump them under ``comm.save_traces_folder`` on a timeout; the user's win; none on CPU."""
     comm = config.comm
     if device_type == "cpu" or comm.trace_buf_size == 0:
         return {}

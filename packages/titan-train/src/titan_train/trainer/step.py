@@ -68,9 +68,8 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy of the trained tokens of ``(batch, seq, vocab)``
-    logits (labels other than ``IGNORE_INDEX``), computed in fp32: the training loss,
-    divided by the global batch's trained tokens in the step (``trained_tokens``)."""
+    """Summed next-token cross entropy, in fp32, of the trained tokens (labels not
+    ``IGNORE_INDEX``) of ``(batch, seq, vocab)`` logits."""
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -206,9 +205,8 @@ def trained_tokens(labels: list[torch.Tensor], dims: ParallelDims) -> torch.Tens
 
 
 def loss_share(dims: ParallelDims, count: torch.Tensor) -> torch.Tensor:
-    """What a rank multiplies its summed loss by: ``dp x cp / count`` (the global batch's
-    trained tokens), so the gradient and ``reduce_loss`` averages over the ``dp x cp`` ranks
-    end as the per-token mean; ``count`` 0 gives 0."""
+    """What a rank multiplies its summed loss by, ``dp x cp / count`` (``count``: the global
+    batch's trained tokens; 0 gives 0), so averaging over ranks ends as the token mean."""
     return dims.dp_degree * dims.cp / count.clamp(min=1).to(torch.float32)
 
 
