@@ -399,9 +399,8 @@ def _measure(
     steps = plan.batches.accumulation_steps
     seq_len = config.training.seq_len
     with tracker:
-        # The optimizer state exists from the first step on: make it with one update on
-        # zero gradients (what a step's backward would leave, at a fraction of the cost),
-        # then measure one whole step.
+        # The optimizer state exists from the first step on: one update on zero gradients
+        # makes it cheaply, then one whole step is measured.
         for param in (p for part in parts for p in part.parameters()):
             param.grad = torch.zeros_like(param)
         marks.append(len(tracker.events))
@@ -416,9 +415,8 @@ def _measure(
         try:
             _step(config, plan, parts, pipeline, tokens, steps=steps, dim=dim)
         except DataDependentOutputException as error:
-            # A model that routes tokens by their values (an MoE's tokens per expert sizes
-            # its buffers) cannot run on fake tensors, which have none: what the rank keeps
-            # between steps is still exact; the step's activations are not known.
+            # A model sizing buffers from token values (MoE) cannot run on fake tensors: the
+            # resident state is still exact, the step's activations unknown.
             step_note = (
                 f"{plan.spec.name} decides tensor sizes from tensor values ({error.func}), "
                 "which fake tensors have not: parameters, gradients and optimizer state are "

@@ -138,10 +138,8 @@ def _rank_main(rank: int, nproc: int, port: int, argv: list[str], live: bool, ou
             out.put((rank, measure_real(config, live=live)))
     finally:
         destroy_group()
-    # A plain return would free the gloo group torch's caches still hold during the
-    # interpreter's finalization, which now and then aborts the process (see ``exit_rank``)
-    # and fails the spawn. The queue is a pipe written without a feeder thread: everything
-    # put has been written by now.
+    # A plain return's finalization can abort on the cached gloo group (``exit_rank``); the
+    # queue is a pipe written without a feeder thread, so everything put is written by now.
     exit_rank(0)
 
 

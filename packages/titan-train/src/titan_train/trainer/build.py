@@ -146,9 +146,8 @@ def build(config: JobConfig, plan: Plan) -> TrainingRun:
 def _build(
     config: JobConfig, plan: Plan, replicas: ReplicaGroup | None, lock: FolderLock
 ) -> TrainingRun:
-    # Over 60 lines on purpose: one straight sequence in the order the parts depend on
-    # (and the order that keeps runs reproducible), mostly constructor keywords; split up,
-    # the parts would only be passed around between the pieces.
+    # Long on purpose: one straight sequence in the order the parts depend on (which keeps
+    # runs reproducible); split up, the parts would only be passed between the pieces.
     dims, world = plan.parallel_dims, plan.world
     dump_file = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if dump_file and world.device.type != "cpu":

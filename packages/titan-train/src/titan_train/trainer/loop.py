@@ -57,9 +57,8 @@ def run(config: JobConfig) -> TrainState:
     try:
         state = _run_in_group(config, device)
     except BaseException:
-        # On NCCL, shutting communicators down while peers still wait in a collective can
-        # block until the watchdog fires, hiding the error: leave that to process exit (the
-        # launcher tears the job down). gloo's shutdown does not block.
+        # NCCL's shutdown can block on peers waiting in a collective until the watchdog
+        # fires, hiding the error: process exit takes it down. gloo's does not block.
         if dist.get_backend() == "gloo":
             destroy_group()
         raise
@@ -259,9 +258,8 @@ def fail_fast_step(config: JobConfig) -> int:
 
 
 def _start_fail_fast(run: TrainingRun, sigterm_group: dist.ProcessGroup | None) -> None:
-    # Start-up is over: from now on a hung rank should fail fast. Every rank must be past
-    # start-up first (a rank still finishing its first step would otherwise make its peers'
-    # next collective time out): a barrier, and the device's queued work done.
+    # Start-up is over: a hung rank should now fail fast, once every rank is past start-up
+    # (else a rank finishing its first step times its peers out): a barrier, queued work done.
     dist.barrier()
     if run.plan.world.device.type != "cpu":
         torch.accelerator.synchronize()

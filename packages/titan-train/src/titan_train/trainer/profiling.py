@@ -113,9 +113,8 @@ class Profiler:
             self._torch_profiler.start()
 
     def _action(self, profiler_step: int) -> torch.profiler.ProfilerAction:
-        # The profiler counts its own steps from 0; windows are defined on training steps
-        # (profiler step 0 is training step start + 1), so they end on multiples of
-        # profile_freq also after a resume.
+        # The profiler counts from 0 (training step start + 1): windows are on training
+        # steps so they end on multiples of profile_freq after a resume too.
         config = self.config
         position = (self._start_step + profiler_step) % config.profile_freq  # 0 .. freq-1
         last = config.profile_freq - 1
