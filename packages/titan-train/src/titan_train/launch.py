@@ -58,10 +58,9 @@ LAUNCH_FLAGS = (
 _PROBE_INTERVAL_S = 0.5
 
 SHARED_STORE_VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-"""Set to 1, torch's agent gives each rendezvous round (each restart) a new TCP store instead
-of sharing its own with the workers. With the shared one, the process group of a restarted
-group reads the addresses its killed predecessor left there and waits forever (torch
-issue 135712; seen with gloo on torch 2.13)."""
+"""Set to 1, torch's agent gives each rendezvous round (restart) a new TCP store: in a shared
+one a restarted group reads the addresses its killed predecessor left and waits forever
+(torch issue 135712; seen with gloo on torch 2.13)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -114,9 +114,8 @@ class StepResult:
     step: int
     """The step just taken (1-based)."""
     loss: torch.Tensor | None
-    """This rank's share of the step's loss (plain, detached; ``reduce_loss`` over the
-    ``dp x cp`` ranks gives the per-token loss); ``None`` on a pipeline rank without the
-    last stage."""
+    """This rank's share of the step's loss (plain, detached; ``reduce_loss`` over ``dp x cp``
+    gives the per-token loss); ``None`` on a pipeline rank without the last stage."""
     grad_norm: torch.Tensor | None
     """The global gradient norm before clipping; ``None`` with clipping off."""
     tokens: StepTokens
