@@ -54,7 +54,6 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
 from titan_train.errors import ConfigError
@@ -66,9 +65,6 @@ from titan_train.launch import (
     run_agent,
 )
 from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError
-
-if TYPE_CHECKING:
-    from titan_train.config import JobConfig
 
 __all__ = ["main"]
 
@@ -153,9 +149,8 @@ def _main(argv: list[str]) -> int:
 
 
 def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
-    """Run ``command``; when the reader of stdout goes away (``titan-train ... | head``),
-    stop quietly with status 141 (128 + SIGPIPE, as a program SIGPIPE ends), not with a
-    traceback."""
+    """Run ``command``; when stdout's reader goes away (``titan-train ... | head``), exit 141
+    (128 + SIGPIPE, as SIGPIPE would) without a traceback."""
     try:
         status = command()
         sys.stdout.flush()
@@ -168,9 +163,8 @@ def quiet_on_closed_pipe(command: Callable[[], int]) -> int:
 
 
 def _setup_logging() -> None:
-    """One log line per message on stderr, the trainer's format, warnings included: a
-    configuration warning (e.g. an LR schedule clamped to the run) is a line of the log, not
-    a Python warning with its source line. Rank 0 logs INFO, other ranks WARNING."""
+    """One log line per message on stderr, Python warnings included (a clamped LR schedule
+    is a line of the log, not a warning with its source line); INFO on rank 0 only."""
     rank = int(os.environ.get("RANK", "0") or 0)
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
@@ -206,11 +200,9 @@ def _help(text: str | None = None, prog: str = "titan-train") -> int:
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:
-    """The errors that mean "the configuration cannot work", raised before any work starts:
-    the configuration error of each of the five packages (titan-train's covers its data,
-    metrics, tokenizer and model-name errors), plus the two that are not about a setting but
-    are just as much the user's to fix: a launcher environment that is incomplete, and a
-    checkpoint whose pickles ask for code. Anything else is a bug and keeps its traceback."""
+    """The user's to fix, before any work (exit 2): each package's configuration error, an
+    incomplete launcher environment, a checkpoint whose pickles ask for code. Anything else
+    is a bug and keeps its traceback."""
     from titan_ckpt import CheckpointConfigError, UnsafeCheckpointError
     from titan_dims import DistributedEnvError, ParallelDimsError
     from titan_models import ModelConfigError
@@ -228,9 +220,8 @@ def _usage_errors() -> tuple[type[Exception], ...]:
 
 
 def _run_stops() -> tuple[type[Exception], ...]:
-    """Errors that stop a run, each with its whole story in the message (a checkpoint folder
-    another run holds, a full disk, a lost folder, training that diverged): no traceback
-    needed."""
+    """Errors that stop a run with the whole story in the message (a held or lost folder, a
+    full disk, divergence): no traceback."""
     from titan_ckpt import CheckpointLockError, CheckpointWriteError
     from titan_train.trainer.nonfinite import NonFiniteStepsError
 
@@ -238,11 +229,12 @@ def _run_stops() -> tuple[type[Exception], ...]:
 
 
 def _train(argv: list[str]) -> int:
+    from titan_train.compat import check_supported
     from titan_train.config import parse_job_config
     from titan_train.trainer.loop import run
 
     config = parse_job_config(argv)
-    _check_supported(config)
+    check_supported(config.model.converters, config.parallelize.param_dtype)
     check_restartable()  # under torchrun --max-restarts: a restart must not hang
     if config.training.reuse_host_memory:
         # A process-wide allocator setting: this command owns its process, a program that
@@ -267,12 +259,6 @@ def _generate(launch: LaunchOptions, argv: list[str]) -> int:
         launch.check_rendezvous()
         return _run_ranks(launch, ["generate", *argv])
     return run_generate(options)
-
-
-def _check_supported(config: JobConfig) -> None:
-    from titan_train.compat import check_supported
-
-    check_supported(config.model.converters, config.parallelize.param_dtype)
 
 
 def _print_config(argv: list[str]) -> int:
@@ -301,9 +287,8 @@ def _list_models() -> int:
 
 
 def _launch(launch: LaunchOptions, argv: list[str]) -> int:
-    # Validate here, in one process, so a bad config fails once and not once per rank: every
-    # check preflight makes for the world the ranks will form (it needs no process group).
-    # The ranks log what the config loading says (rank 0 only), so this process stays quiet.
+    # Preflight for the ranks' world here, so a bad config fails once, not once per rank;
+    # quietly: rank 0 logs the config's warnings once the ranks start.
     import torch
 
     from titan_dims import detect_device_type
@@ -311,11 +296,9 @@ def _launch(launch: LaunchOptions, argv: list[str]) -> int:
     from titan_train.preflight import World, preflight
     from titan_train.trainer.memory_fit import check_launch_fits
 
-    logging.disable(logging.WARNING)  # rank 0 logs the same warnings once the ranks start
+    logging.disable(logging.WARNING)
     try:
-        # What a rank imports before it builds anything: this process's memory then is the
-        # floor of each rank's that preflight's memory check counts
-        # (titan_train.trainer.memory_fit).
+        # What a rank imports before building: the floor memory_fit counts per rank.
         import titan_train.trainer.build  # noqa: F401
 
         config = parse_job_config(argv)

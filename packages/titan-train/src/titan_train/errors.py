@@ -36,9 +36,8 @@ class TrainError(Exception):
 
 
 class ConfigError(TrainError, ValueError):
-    """A configuration that cannot be used, with where it came from and how to fix it:
-    titan-train's configuration error. ``titan-train`` prints it and exits with status 2
-    before any work, as it does for the other packages' configuration errors."""
+    """titan-train's configuration error, saying where the value came from and the fix;
+    ``titan-train`` prints it and exits 2 before any work."""
 
 
 class DataError(ConfigError):
@@ -72,9 +71,8 @@ check_bool = partial(checks.check_bool, error=ConfigError)
 def check_duration(
     name: str, value: object, *, unit_s: float, hint: str = "", error: type[Exception] = ConfigError
 ) -> int:
-    """``check_int(minimum=1)``, and at most the longest ``datetime.timedelta`` in units of
-    ``unit_s`` seconds: torch takes its timeouts as one, and a longer one overflows there.
-    titan-train's own check (a timeout is a setting of the run, not of the other packages)."""
+    """``check_int(minimum=1)`` and at most the longest ``datetime.timedelta`` in ``unit_s``
+    seconds: torch takes timeouts as one, and a longer one overflows there."""
     check_int(name, value, minimum=1, hint=hint, error=error)
     longest = int(timedelta.max.days * 86400 / unit_s)
     if value > longest:  # type: ignore[operator]

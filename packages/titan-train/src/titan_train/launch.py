@@ -58,10 +58,9 @@ LAUNCH_FLAGS = (
 _PROBE_INTERVAL_S = 0.5
 
 SHARED_STORE_VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-"""Set to 1, torch's agent gives each rendezvous round (each restart) a new TCP store instead
-of sharing its own with the workers. With the shared one, the process group of a restarted
-group reads the addresses its killed predecessor left there and waits forever (torch
-issue 135712; seen with gloo on torch 2.13)."""
+"""Set to 1, torch's agent gives each rendezvous round (restart) a new TCP store: in a shared
+one a restarted group reads the addresses its killed predecessor left and waits forever
+(torch issue 135712; seen with gloo on torch 2.13)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,8 +120,7 @@ class LaunchOptions:
 
     def torchrun_args(self) -> list[str]:
         """The launcher half of the torchrun command line: standalone on one node without an
-        endpoint, else c10d rendezvous at the endpoint (hosted by node 0 when the node rank
-        is given)."""
+        endpoint, else c10d rendezvous there (hosted by node 0 given the node rank)."""
         args = ["--nproc-per-node", str(self.nproc_per_node)]
         if self.max_restarts:
             args += ["--max-restarts", str(self.max_restarts)]
@@ -135,15 +133,13 @@ class LaunchOptions:
         return args
 
     def torchrun_env(self) -> dict[str, str]:
-        """Environment for torch's agent: a fresh rendezvous store for every restart
-        (``SHARED_STORE_VARIABLE``), so that a restarted group does not hang on the keys
-        its killed predecessor left in a shared one."""
+        """Environment for torch's agent: a fresh rendezvous store per restart
+        (``SHARED_STORE_VARIABLE``)."""
         return {SHARED_STORE_VARIABLE: "1"}
 
     def check_rendezvous(self) -> None:
-        """Raise ``ConfigError`` now, not after torch's long timeout, when this node cannot
-        take part in the rendezvous: the host does not resolve; node 0 is not the endpoint's
-        host or its port is taken; another node gets no answer within ``rdzv_timeout``."""
+        """``ConfigError`` now, not after torch's timeout, when this node cannot rendezvous: the
+        host does not resolve, node 0's port is taken, or no answer in ``rdzv_timeout``."""
         if self.rdzv_endpoint is None:
             return
         host, port = split_endpoint(self.rdzv_endpoint)
@@ -182,9 +178,8 @@ class LaunchOptions:
 
 
 def check_restartable(environ: dict[str, str] | None = None) -> None:
-    """In a worker of torch's agent: raise ``ConfigError`` (exit 2, before any work) when the
-    agent may restart the workers (``--max-restarts`` > 0) but shares its rendezvous store
-    with them: the first restart would hang in the process group's start-up."""
+    """In a worker of torch's agent: ``ConfigError`` when ``--max-restarts`` > 0 with the
+    agent's rendezvous store shared: the first restart would hang at start-up."""
     env = os.environ if environ is None else environ
     restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
     shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -312,9 +307,8 @@ def _check_port_free(host: str, port: int, endpoint: str) -> None:
 
 
 def run_agent(command: list[str], env: dict[str, str]) -> int:
-    """Run torch's agent (``command``) to its end; its exit status, or ``PREEMPTED_EXIT``
-    once this process got SIGTERM, which it passes on (Kubernetes signals only a
-    container's first process)."""
+    """Run torch's agent to its end: its status, or ``PREEMPTED_EXIT`` once SIGTERM came here
+    and was passed on (Kubernetes signals only a container's first process)."""
     terminated = False
     with subprocess.Popen(command, env=env) as agent:
 
@@ -345,11 +339,9 @@ def destroy_group() -> None:
 
 
 def exit_rank(status: int) -> NoReturn:
-    """End a rank of a multi-process job with ``status``: flush, then leave without the
-    interpreter's finalization. torch's caches (DTensor sharding propagation, device
-    meshes) still hold the gloo group, whose threads, freed then, now and then abort a rank
-    whose work succeeded ("terminate called without an active exception";
-    pytorch/pytorch#179291)."""
+    """Flush and end a rank with ``status`` without the interpreter's finalization: freeing
+    the gloo group torch's caches still hold then sometimes aborts a rank that succeeded
+    ("terminate called without an active exception"; pytorch/pytorch#179291)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         # The reader may have gone away (a closed pipe), or the stream been closed.

@@ -1,12 +1,9 @@
 """``preflight(config, world) -> Plan``: every check a config must pass before any work.
 
-The rules that can be decided from the config and the world alone (no process group, no
-model, no data), in the order a user meets them: seed checkpoint, supported converters,
-layout and batch plan, model and flavor, sequence lengths, the flavor against the layout,
-the checkpoint folder and start point, fault tolerance, optimizer-in-backward, memory, chat
-data, and the context-parallel implementation (resolved once into the plan's
-``StepContext``). Each failure is one ``ConfigError`` (or the owning package's config
-error) naming the key, the value and a fix; the CLI exits 2 on it.
+The rules decided from the config and the world alone (no process group, model or data), in
+the order a user meets them; each failure is one ``ConfigError`` (or its package's config
+error) naming the key, the value and a fix (exit 2). The context-parallel implementation is
+resolved once here, into the plan's ``StepContext``.
 """
 
 from __future__ import annotations
@@ -177,9 +174,8 @@ def check_muon_rules(config: JobConfig, spec: ModelSpec) -> None:
 
 
 def check_seed_checkpoint(config: JobConfig, world: World) -> None:
-    """Refuse ``checkpoint.create_seed_checkpoint`` in a world of several processes: the
-    seed is the whole unsharded model, written by one process (as torchtitan requires), so
-    that every layout starts from the same weights."""
+    """Refuse ``checkpoint.create_seed_checkpoint`` over several processes: the seed is the
+    whole unsharded model, written by one (as torchtitan requires)."""
     if config.checkpoint.create_seed_checkpoint and world.world_size > 1:
         raise ConfigError(
             "checkpoint.create_seed_checkpoint=true writes the seed from one process, but "
@@ -324,9 +320,8 @@ def check_optimizer_in_backward(config: JobConfig, dims: ParallelDims) -> None:
 
 
 def check_chat_data(config: JobConfig, dims: ParallelDims) -> None:
-    """Chat data: not under pipeline parallelism (its schedule averages microbatch means,
-    not the loss per trained token), and a template that renders and marks assistant turns.
-    Loads the tokenizer; no data is read."""
+    """Chat data: not under pipeline parallelism (its schedule averages microbatch means), and a
+    template that renders and marks assistant turns (loads the tokenizer, reads no data)."""
     sections = [config.training]
     if config.validation.enable:
         sections.append(config.validation)

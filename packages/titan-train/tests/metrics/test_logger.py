@@ -12,7 +12,7 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from titan_train.metrics import MetricsConfig, MetricsError, MetricsLogger, memory_gib
+from titan_train.metrics import MetricsConfig, MetricsError, MetricsLogger, device_memory
 from titan_train.metrics import logger as logger_module
 
 PEAK = 1e12  # FLOP/s of the pretend device
@@ -161,7 +161,8 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_memory_of_a_cpu_process():
-    gib, kind = memory_gib("cpu")
+    numbers, kind = device_memory("cpu")
+    gib = numbers["memory_gib"]
     assert kind == "RSS"
     assert 0.05 < gib < 64  # torch alone is ~0.2 GiB resident
 

@@ -1,21 +1,15 @@
 """torchtitan's configuration keys in titan: where each one lives here, as a table.
 
-torchtitan (July 2025 ``config_manager.py``, later ``job_config.py`` names, and 2026's
+torchtitan (July 2025 ``config_manager.py``, later ``job_config.py`` names, 2026's
 ``Trainer.Config`` flags) keeps some settings in other sections, spells some differently,
-and has some titan lacks. Every key a user may set is in ``KEYS`` with one action:
-
-- ``move``: the value moves to its titan key, converted where spelled differently
-  (``checkpoint.enable_checkpoint`` is ``checkpoint.enable``; ``selective_ac_option = 2``
-  becomes ``"2"``).
-- ``noop``: changes nothing titan computes; accepted and named once in the log with why.
-- ``refuse``: asks for a feature titan lacks; an ``inert`` value is a no-op, any other stops
-  loading with one message saying what to use instead.
-- ``batch``: torchtitan 2026's token-counted batches, kept aside (``Translation.batch``)
-  and turned into sequences once ``training.seq_len`` is known (``compat.batch``).
-
-A TOML file using any key of the table is read as torchtitan's: torchtitan's defaults apply
-where it sets nothing (``TORCHTITAN_DEFAULTS``). The same keys work on the command line
-(``compat.argv``), where they override the file but never make it torchtitan's.
+and has some titan lacks. ``KEYS`` gives every key a user may set one action: ``move`` to
+its titan key (converted where spelled differently: ``selective_ac_option = 2`` becomes
+``"2"``); ``noop`` (changes nothing titan computes: accepted, named once in the log with
+why); ``refuse`` (a feature titan lacks: an ``inert`` value is a no-op, any other stops
+loading saying what to use instead); ``batch`` (2026's token-counted batches, turned into
+sequences once ``training.seq_len`` is known, ``compat.batch``). A TOML file using any key
+of the table is torchtitan's, with ``TORCHTITAN_DEFAULTS`` where it sets nothing; on the
+command line (``compat.argv``) the keys override the file but never make it torchtitan's.
 """
 
 from __future__ import annotations
@@ -106,17 +100,19 @@ _ENTRY_POINTS = (
     "that registers yours, then --model.name"
 )
 
+_NO_CONFIG_FILE = _refuse(
+    "titan writes no config file during a run: save `titan-train config --print ...` output "
+    "instead",
+    str,
+    inert=(None, ""),
+)
+
 KEYS: Mapping[str, Key] = {
     # [job]
     "job.print_args": _noop("titan-train config --print shows the merged config"),
     "job.print_config": _noop("titan-train config --print shows the merged config"),
     "job.use_for_integration_test": _noop("it marks torchtitan's own test suite"),
-    "job.save_config_file": _refuse(
-        "titan writes no config file during a run: save `titan-train config --print ...` "
-        "output instead",
-        str,
-        inert=(None, ""),
-    ),
+    "job.save_config_file": _NO_CONFIG_FILE,
     "job.custom_config_module": _refuse(_ENTRY_POINTS, str, inert=("",)),
     # [model]
     "model.hf_assets_path": _move("model.tokenizer_path"),
@@ -300,12 +296,7 @@ KEYS: Mapping[str, Key] = {
     "profiler.memory_snapshot_max_entries": _noop(_PROFILE_WINDOW, int),
     "debug.print_config": _noop("titan-train config --print shows the merged config"),
     "debug.enable_structured_logging": _noop("titan writes no structured trace log"),
-    "debug.save_config_file": _refuse(
-        "titan writes no config file during a run: save `titan-train config --print ...` "
-        "output instead",
-        str,
-        inert=(None, ""),
-    ),
+    "debug.save_config_file": _NO_CONFIG_FILE,
     "debug.spmd_typechecking": _refuse("titan has no SPMD type checking"),
     "debug.detect_anomaly": _refuse(
         "titan has no autograd anomaly mode; training.skip_nonfinite_steps stops a run at the "
@@ -344,9 +335,8 @@ tokenizer, datasets) and ``training.seed`` (torchtitan: unset, titan: 0)."""
 
 
 def check_supported(model_converters: Sequence[str] | None, param_dtype: str) -> None:
-    """Raise ``ConfigError`` when a config that loaded asks for what titan cannot train:
-    torchtitan's model converters (``model.converters``), as torchtitan refuses float8 on a
-    device without it when the model is built, not when the file is read."""
+    """Raise ``ConfigError`` for torchtitan's model converters (float8/MX), after loading, as
+    torchtitan refuses them when the model is built, not when the file is read."""
     if not model_converters:
         return
     import torch
@@ -391,9 +381,8 @@ class Translation:
     over the file's: for ``torchtitan_head.resolve_batch`` once the config is loaded."""
 
     def log(self, source: str, *, only: Collection[str] | None = None) -> None:
-        """Say once, in the log, what was translated, ignored and defaulted; ``only``: just
-        the moved and ignored keys it names (e.g. the command line's, when the file is a
-        named configuration the log has introduced)."""
+        """Say once, in the log, what was translated, ignored and defaulted; ``only``: just the
+        moved and ignored keys it names (the command line's, after a named configuration)."""
         if only is not None:
             keep = set(only)
             moved = {k: v for k, v in self.moved.items() if k in keep}
@@ -432,9 +421,8 @@ def translate(
     source: str = "the command line",
     defaults: Mapping[str, Any] = TORCHTITAN_DEFAULTS,
 ) -> Translation:
-    """Translate a TOML dict and torchtitan command-line keys (``cli_values``, which win)
-    into titan's keys (``ConfigError`` for a refused key); a file using any key of ``KEYS``
-    gets ``defaults`` where neither sets the titan key."""
+    """A TOML dict and torchtitan command-line keys (``cli_values`` win) in titan's keys; a file
+    using any key of ``KEYS`` gets ``defaults`` where neither sets the key."""
     moved: dict[str, str] = {}
     ignored: dict[str, str] = {}
     batch: dict[str, Any] = {}

@@ -16,9 +16,8 @@ __all__ = ["pop_preset", "split_argv"]
 
 
 def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
-    """Take torchtitan keys out of a command line: ``(the rest, their values as a nested
-    dict)`` for ``translate``. Takes torchtitan's spellings: dashes or underscores, booleans
-    as ``--x.no-key`` or with a value, ``--key=value``, lists as several or comma values."""
+    """Take torchtitan keys, in any of its spellings (dashes, ``--x.no-key``, ``=value``, comma
+    lists), out of a command line: ``(the rest, their values as a nested dict)``."""
     args = list(argv)
     rest: list[str] = []
     found: dict[str, Any] = {}
@@ -40,9 +39,8 @@ def split_argv(argv: Iterable[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def _takes(key: Key, arg: str, values: list[str]) -> bool:
-    """Whether ``arg``, after a torchtitan flag and its ``values`` so far, is one more value:
-    a list takes every word up to the next option, a boolean an explicit true or false, any
-    other key one word."""
+    """Whether ``arg`` is one more value of a torchtitan flag: a list takes words up to the
+    next option, a boolean an explicit true/false, other keys one word."""
     if arg.startswith("--"):
         return False
     if key.kind is list:
@@ -95,9 +93,8 @@ def _cli_value(arg: str, key: Key, values: list[str], negated: bool) -> Any:
 
 
 def pop_preset(argv: Sequence[str]) -> tuple[list[str], tuple[str, str] | None]:
-    """Take ``--module M --config F`` (or ``--module=M``, ``--config=F``) out of ``argv``:
-    ``(the rest, (M, F))``, or ``None`` when neither is given. One without the other is
-    refused, as torchtitan refuses it."""
+    """Take ``--module M --config F`` out of ``argv``: ``(the rest, (M, F) or None)``; one
+    without the other is refused, as torchtitan refuses it."""
     example = "--module llama3 --config llama3_debugmodel"
     rest, options = pop_options(argv, lambda key: key in ("module", "config"), example)
     found = dict(options)

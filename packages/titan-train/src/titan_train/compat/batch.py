@@ -1,9 +1,6 @@
-"""torchtitan 2026's token-counted batches in titan's sequences.
-
-torchtitan sizes a batch in tokens (``training.num_tokens_per_microbatch_per_dp_rank``,
-``training.num_tokens_per_train_step``) and ``parallelism.num_pp_microbatches``; titan in
-sequences of ``training.seq_len``. ``compat.translate`` keeps these keys aside
-(``Translation.batch``) and ``resolve_batch`` converts them once the config is loaded.
+"""torchtitan 2026's token-counted batches (``training.num_tokens_per_microbatch_per_dp_rank``,
+``training.num_tokens_per_train_step``, ``parallelism.num_pp_microbatches``) in titan's
+sequences of ``training.seq_len``, once the config is loaded (``resolve_batch``).
 """
 
 from __future__ import annotations
@@ -29,11 +26,8 @@ _TITAN_BATCH = {
 def resolve_batch(
     config: Any, batch: Mapping[str, Any], *, cli: Sequence[str], follow_validation: bool
 ) -> Any:
-    """``config`` with torchtitan's token-counted batch keys (``Translation.batch``) turned
-    into sequences once ``training.seq_len`` is known: tokens per microbatch (times
-    ``num_pp_microbatches`` under pipelining) and per step over ``seq_len``. A titan key in
-    ``cli`` wins over the torchtitan key that sets it; ``follow_validation``: validation
-    takes the training's length and batch, as torchtitan's validator does."""
+    """``config`` with ``Translation.batch``'s token counts over ``seq_len`` (a titan key in
+    ``cli`` wins); ``follow_validation``: validation takes training's, as torchtitan's."""
     given = {_flag_key(arg) for arg in cli if arg.startswith("--")}
     training, pipeline = config.training, config.pipeline
     seq = training.seq_len

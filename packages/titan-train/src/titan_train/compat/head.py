@@ -213,6 +213,20 @@ _QWEN3_BIG = {
 }
 _QWEN3_VOCAB = {"vocab_size": 151936}
 
+
+def _qwen3_big(flavor: str, hf: str, tokens: int | None = None) -> HeadConfig:
+    """qwen3_14b, qwen3_30b_a3b, qwen3_32b: full activation checkpointing, 3,000 steps."""
+    sets = {"lr_scheduler.warmup_steps": 600, "training.steps": 3000, **_AC_FULL}
+    if tokens is not None:
+        sets["training.num_tokens_per_microbatch_per_dp_rank"] = tokens
+    return HeadConfig(
+        model="qwen3",
+        flavor=flavor,
+        sets=_big(hf, 8e-4, **_QWEN3_BIG, **sets),
+        model_args=_QWEN3_VOCAB,
+    )
+
+
 CONFIGS: Mapping[str, Mapping[str, HeadConfig]] = {
     "llama3": {
         "llama3_debugmodel": HeadConfig(
@@ -399,50 +413,9 @@ CONFIGS: Mapping[str, Mapping[str, HeadConfig]] = {
             model_args=_QWEN3_VOCAB,
         ),
         "qwen3_8b_first_85_pct_layers_nvfp4": _refused(_CONVERTERS, "qwen3_14b"),
-        "qwen3_14b": HeadConfig(
-            model="qwen3",
-            flavor="14B",
-            sets=_big(
-                "Qwen3-14B",
-                8e-4,
-                **_QWEN3_BIG,
-                **_AC_FULL,
-                **{"lr_scheduler.warmup_steps": 600, "training.steps": 3000},
-            ),
-            model_args=_QWEN3_VOCAB,
-        ),
-        "qwen3_30b_a3b": HeadConfig(
-            model="qwen3",
-            flavor="30B-A3B",
-            sets=_big(
-                "Qwen3-30B-A3B",
-                8e-4,
-                **_QWEN3_BIG,
-                **_AC_FULL,
-                **{
-                    "lr_scheduler.warmup_steps": 600,
-                    "training.steps": 3000,
-                    "training.num_tokens_per_microbatch_per_dp_rank": 8192,
-                },
-            ),
-            model_args=_QWEN3_VOCAB,
-        ),
-        "qwen3_32b": HeadConfig(
-            model="qwen3",
-            flavor="32B",
-            sets=_big(
-                "Qwen3-32B",
-                8e-4,
-                **_QWEN3_BIG,
-                **_AC_FULL,
-                **{
-                    "lr_scheduler.warmup_steps": 600,
-                    "training.steps": 3000,
-                    "training.num_tokens_per_microbatch_per_dp_rank": 8192,
-                },
-            ),
-            model_args=_QWEN3_VOCAB,
-        ),
+        "qwen3_14b": _qwen3_big("14B", "Qwen3-14B"),
+        "qwen3_30b_a3b": _qwen3_big("30B-A3B", "Qwen3-30B-A3B", tokens=8192),
+        "qwen3_32b": _qwen3_big("32B", "Qwen3-32B", tokens=8192),
         "sft_qwen3_8b_math": _refused(
             "it fine-tunes on chat data (GSM8K question/answer messages) from Hugging Face "
             "weights, which titan's pretraining data path does not read",
@@ -455,10 +428,8 @@ CONFIGS: Mapping[str, Mapping[str, HeadConfig]] = {
 
 
 def head_config(module: str, name: str) -> HeadConfig:
-    """The entry of ``--module module --config name``; ``module`` as torchtitan takes it
-    (``llama3``, ``torchtitan.models.llama3``, ``torchtitan.models.llama3.config_registry``).
-    Raises ``ConfigError`` for a module or function not in the table (listing those that
-    are) and for a function titan refuses (saying why)."""
+    """The entry of ``--module module --config name`` (``module`` as torchtitan takes it:
+    ``llama3``, ``torchtitan.models.llama3[.config_registry]``); ``ConfigError`` otherwise."""
     short = module.removeprefix("torchtitan.models.").removesuffix(".config_registry")
     functions = CONFIGS.get(short)
     if functions is None:
@@ -481,9 +452,8 @@ def head_config(module: str, name: str) -> HeadConfig:
 
 
 def preset_values(module: str, name: str) -> tuple[dict[str, Any], list[str]]:
-    """The settings of ``--module module --config name`` as one flat dict (torchtitan's keys,
-    titan's where torchtitan has no flag, ``model.args.*`` for ``model_args``), and what is
-    not carried (one line each, for the log and for ``config import``)."""
+    """``--module module --config name`` as one flat dict (torchtitan's keys, titan's where it
+    has no flag, ``model.args.*``), and a line for each thing not carried."""
     entry = head_config(module, name)
     chain = [entry]
     while chain[-1].base:

@@ -1,13 +1,9 @@
-"""Load a config dataclass tree from defaults, TOML files and the command line.
-
-Precedence: ``--section.key value`` on the command line > the TOML file (which may name a
-base file it extends, recursively) > the dataclasses' defaults. TOML is checked strictly
-against the dataclasses before anything runs: an unknown section or key, a value of the
-wrong type, a whole number outside 64 bits, or a value a section's own validation refuses is
-one ``ConfigError`` naming the file, the section, the key, the value and what is allowed. The
-command line goes through
-``tyro``, which gives ``--help`` with every option and its default (docstrings shown as
-plain text); list options also take one comma-separated value (``--x.names a,b``).
+"""Load a config dataclass tree: the command line over the TOML file (over the files it
+``extends``) over the defaults. TOML is checked strictly before anything runs: an unknown
+key, a wrong type, a number outside 64 bits or a value a section refuses is one
+``ConfigError`` naming file, key, value and what is allowed. The command line goes through
+``tyro`` (``--help`` with every option, docstrings as plain text); list options also take
+one comma-separated value (``--x.names a,b``).
 """
 
 from __future__ import annotations
@@ -74,10 +70,8 @@ def load_config(
     translate: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
     preset: tuple[str, Mapping[str, Any]] | None = None,
 ) -> T:
-    """Build ``cls`` (a dataclass of section dataclasses) from defaults, the TOML file named
-    by ``config_file_flag`` (or ``preset``, ``(name, values)``, never both), passed through
-    ``translate(values, source)``, and the other ``--section.key value`` arguments. Bad TOML
-    raises ``ConfigError``; tyro exits 2 on a bad argument and prints ``--help``."""
+    """``cls`` from defaults, the TOML file of ``config_file_flag`` or ``preset`` ``(name,
+    values)`` through ``translate(values, source)``, then ``--section.key value`` options."""
     import tyro
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -183,9 +177,8 @@ def split_commas(argv: Sequence[str], flags: set[str]) -> list[str]:
 def pop_options(
     argv: Sequence[str], wanted: Callable[[str], bool], example: str
 ) -> tuple[list[str], list[tuple[str, str]]]:
-    """Take the options ``--name value`` / ``--name=value`` whose name (underscores for
-    dashes, without ``--``) ``wanted`` accepts out of ``argv``: ``(the rest, [(name,
-    value)])``. A missing value raises ``ConfigError`` showing ``example``."""
+    """Take ``--name value`` / ``--name=value`` options whose name ``wanted`` accepts out of
+    ``argv``: ``(the rest, [(name, value)])``; ``example`` shows a missing value's fix."""
     rest: list[str] = []
     found: list[tuple[str, str]] = []
     it = iter(argv)
@@ -242,9 +235,8 @@ def _plain_docstrings() -> Iterator[None]:
 def from_dict(
     cls: type[T], values: Mapping[str, Any], *, source: str, prefix: str = "", base: T | None = None
 ) -> T:
-    """Instantiate dataclass ``cls`` from nested ``values``, checking every key and type. Keys
-    that ``values`` does not set keep their value in ``base`` when given (a section's default
-    as its parent declares it), else the dataclass's own default."""
+    """Dataclass ``cls`` from nested ``values``, every key and type checked; unset keys keep
+    ``base``'s value (a section's default as its parent declares it), else the class's."""
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
@@ -290,9 +282,8 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def check_type(value: Any, hint: Any, *, source: str, where: str) -> Any:
-    """``value`` checked against the type ``hint`` (unions, ``Literal``, lists and tuples of
-    checked items, dataclass tables, ints as floats); raises ``ConfigError`` naming
-    ``source`` and ``where``."""
+    """``value`` checked against ``hint`` (unions, ``Literal``, lists, tuples, dataclass tables,
+    ints as floats); ``ConfigError`` naming ``source`` and ``where``."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):

@@ -1,12 +1,10 @@
-"""The model's real arguments: built from the ``[model]`` section and the tokenizer through
-the spec's ``args_fn``, recorded with every checkpoint, and given to the HF adapter.
+"""The model's real arguments: built from ``[model]`` and the tokenizer through the spec's
+``args_fn``, recorded with every checkpoint, and given to the HF adapter.
 
-Model-agnostic: the trainer passes ``args_fn(flavor, **overrides)`` only what it knows
-(``vocab_size`` from the tokenizer, ``max_seq_len`` from the longest sequence it feeds, and
-``rope_scaling`` when ``model.rope_scaling`` is not ``"flavor"``); the model package
-interprets them. The record (``titan_ckpt.MODEL_RECORD`` in the commit manifest) holds the
-model name, flavor and the args as JSON, so ``titan-ckpt convert --to hf`` describes the
-model as trained (its vocabulary, its RoPE) without being told.
+Model-agnostic: ``args_fn(flavor, **overrides)`` gets only what the trainer knows
+(``vocab_size``, the longest ``max_seq_len`` fed, ``rope_scaling`` unless ``"flavor"``). The
+record (``titan_ckpt.MODEL_RECORD``: name, flavor, args as JSON) lets ``titan-ckpt convert
+--to hf`` describe the model as trained without being told.
 """
 
 from __future__ import annotations
@@ -39,9 +37,8 @@ logger = logging.getLogger("titan_train")
 def build_model_args(
     spec: ModelSpec, model: ModelSection, *, vocab_size: int | None, max_seq_len: int
 ) -> Any:
-    """``spec.args_fn(flavor, **overrides)`` for this run (``vocab_size=None``: the flavor's),
-    ``model.args`` applied last; ``ConfigError`` for a key the family's args lack or a
-    value they refuse."""
+    """``spec.args_fn(flavor, **overrides)`` for this run, ``model.args`` applied last;
+    ``ConfigError`` for a key the family's args lack or a value they refuse."""
     overrides: dict[str, Any] = {"max_seq_len": max_seq_len}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
@@ -62,10 +59,9 @@ def build_model_args(
 def _given_args(
     spec: ModelSpec, model: ModelSection, *, vocab_size: int | None, max_seq_len: int
 ) -> dict[str, Any]:
-    """``model.args`` checked against the family's args dataclass: every key one of its
-    fields (``rope_scaling`` is ``model.rope_scaling``'s), every value of the field's type,
-    ``vocab_size`` no smaller than the tokenizer's, ``max_seq_len`` no shorter than the
-    longest sequence trained."""
+    """``model.args`` checked against the family's args: known fields (not ``rope_scaling``,
+    ``model.rope_scaling``'s) of their types, ``vocab_size`` and ``max_seq_len`` no smaller
+    than the tokenizer's and the longest sequence."""
     defaults = spec.args_fn(model.flavor)
     if not dataclasses.is_dataclass(defaults):
         raise ConfigError(
@@ -150,9 +146,8 @@ def _as_json(args: Any) -> dict[str, Any] | None:
 def model_metadata(
     spec: ModelSpec, flavor: str, args: Any, *, tokenizer_path: str | None = None
 ) -> dict[str, Any]:
-    """``CheckpointManager(metadata=...)``: the model's name, flavor and real args, and the
-    run's tokenizer (an absolute path; absent for the shipped one, ``embedded_chat`` for the
-    shipped chat one), which ``titan-train generate`` loads by default."""
+    """``CheckpointManager(metadata=...)``: name, flavor, real args and the run's tokenizer (an
+    absolute path; absent or ``embedded_chat`` for shipped ones), for ``generate``."""
     record: dict[str, Any] = {"name": spec.name, "flavor": flavor}
     if tokenizer_path == "embedded_chat":  # the shipped chat tokenizer, by its name
         record["tokenizer_path"] = tokenizer_path
@@ -185,10 +180,8 @@ _RUN_ARGS = ("max_seq_len",)
 def check_resumed_model(
     loaded: dict[str, Any] | None, metadata: dict[str, Any], *, source: str | None = None
 ) -> list[str]:
-    """Warn (one log line) when the loaded checkpoint recorded other model args than this
-    run's (e.g. ``rope_scaling``: the weights load but compute something else); returns the
-    differences as ``field: recorded -> now``. Only for a record of the same model and
-    flavor; a torchtitan checkpoint records none, so the RoPE applied is stated instead."""
+    """Warn once when a checkpoint of this model and flavor recorded other args (``rope_scaling``
+    computes something else); returns ``field: recorded -> now``."""
     if source == "torchtitan":
         line = torchtitan_rope_line(metadata)
         if line is not None:
@@ -215,9 +208,8 @@ def check_resumed_model(
 
 
 def torchtitan_rope_line(metadata: dict[str, Any]) -> str | None:
-    """The RoPE a resumed torchtitan checkpoint now runs with, and the ``model.rope_scaling``
-    that chooses the other (torchtitan records none, and its Llama 3 went from plain RoPE to
-    Llama 3.1 scaling in October 2025); None for a model without ``rope_scaling``."""
+    """The RoPE a resumed torchtitan checkpoint runs with and the ``model.rope_scaling`` for the
+    other (its Llama 3 changed to 3.1 scaling in October 2025); None without rope_scaling."""
     args = metadata.get(MODEL_RECORD, {}).get("args")
     if not isinstance(args, dict) or "rope_scaling" not in args:
         return None

@@ -1,19 +1,15 @@
 """Chat and instruction data: a row's conversation rendered with a chat template, tokenized,
 with the tokens the loss trains on marked.
 
-A row holds ``messages`` (OpenAI / Hugging Face convention; ``messages_column``) or one
-exchange in ``prompt_column`` and ``response_column``. The template renders it to text,
-tokenized once with special-token names read as special tokens: the ids
-``apply_chat_template`` gives. An EOS follows unless the text ends with it.
-
-``train_on``: ``all``, ``assistant`` (the assistant turns) or ``last_assistant``. Assistant
-turn ``i`` is found by rendering prefixes, for any template with an assistant header: it
-starts where ``messages[:i]`` rendered with ``add_generation_prompt`` ends and ends where
-``messages[:i + 1]`` rendered ends, trailing whitespace left out (so the end-of-turn token
-is trained, a newline after it not). A final turn rendered differently (Qwen3's
-``<think>``) is followed through its content. A token is trained when it starts inside a
-trained turn; the appended EOS when the token before it is. Untrained labels are
-``IGNORE_INDEX``.
+A row holds ``messages`` (``messages_column``) or one exchange (``prompt_column``,
+``response_column``). The rendered text is tokenized once with special-token names read as
+special tokens (``apply_chat_template``'s ids), then an EOS unless it ends with one.
+``train_on``: ``all``, ``assistant`` or ``last_assistant``. Assistant turn ``i`` spans from
+where ``messages[:i]`` rendered with ``add_generation_prompt`` ends to where
+``messages[:i + 1]`` rendered ends, less trailing whitespace (the end-of-turn token trained,
+a newline after it not); a final turn rendered differently (Qwen3's ``<think>``) is followed
+through its content. A token is trained when it starts inside a trained turn, the appended
+EOS when the token before it is; other labels are ``IGNORE_INDEX``.
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatEncoder:
-    """A row of chat data -> ``(ids, trained)``: the conversation's token ids and, per token,
-    whether the loss trains on it (module docstring). ``columns``: ``(messages,)`` or
-    ``(prompt, response)``; ``name`` and ``section`` are for errors."""
+    """A chat row -> ``(ids, trained)``, per token whether the loss trains on it; ``columns``:
+    ``(messages,)`` or ``(prompt, response)``; ``name``, ``section``: for errors."""
 
     def __init__(
         self,
@@ -67,9 +62,8 @@ class ChatEncoder:
         self.section = section
 
     def messages(self, row: Any, index: int) -> list[dict[str, Any]]:
-        """The conversation of ``row`` (a mapping of the columns), checked, keys holding
-        ``None`` dropped (as transformers drops them: a parquet row has every field of the
-        struct), a message's reasoning under the names templates read."""
+        """The checked conversation of ``row``, ``None`` keys dropped (as transformers: parquet rows
+        hold every struct field), reasoning under the names templates read."""
         where = f"row {index} of {self.name!r}"
         if isinstance(row, dict):  # the columns are there (a local file's reader checked them)
             row = chat_row(row, self.columns, self.section, where)
@@ -158,9 +152,8 @@ def _from_json(value: Any) -> Any:
 def assistant_span(
     template: ChatTemplate, messages: list[dict], i: int, text: str, where: str
 ) -> tuple[int, int]:
-    """``[start, end)`` of assistant turn ``i`` in ``text`` (all of ``messages`` rendered),
-    found by rendering prefixes (the module docstring); ``DataError`` starting with
-    ``where`` when the template does not write the turn so that it can be found."""
+    """``[start, end)`` of assistant turn ``i`` in ``text`` (all ``messages`` rendered), found
+    by rendering prefixes; ``DataError`` (starting with ``where``) when it cannot be."""
     before = template.render(messages[:i], add_generation_prompt=True)
     plain = template.render(messages[:i])
     if before == plain or not text.startswith(before):
@@ -191,9 +184,8 @@ def assistant_span(
 
 
 def _end_after_content(turn: str, text: str, start: int, content: Any) -> int | None:
-    """Where the turn ends in ``text``: after its content (found from ``start``; stripped, as
-    templates may trim it in one place and not the other) and what the template writes after
-    the content when the turn is rendered last (``turn``)."""
+    """Where the turn ends in ``text``: after its content (from ``start``, stripped: templates
+    may trim it in one place only) and what ``turn`` writes after it when rendered last."""
     if not isinstance(content, str) or not content.strip():
         return None
     content = content.strip()
@@ -209,9 +201,8 @@ def _end_after_content(turn: str, text: str, start: int, content: Any) -> int | 
 
 
 def check_chat_template(template: ChatTemplate, train_on: str, key: str) -> None:
-    """Before any work: render a probe conversation and, unless every token is trained,
-    find its assistant turns; ``DataError`` in one line when the template fails or does not
-    mark assistant turns (``key`` names the setting)."""
+    """Before any work: a one-line ``DataError`` (naming ``key``) when the template fails on
+    a probe conversation or, unless every token is trained, hides its assistant turns."""
     where = f"{key} ({template.origin}) with train_on={train_on!r}"
     try:
         text = template.render(_PROBE)
@@ -230,9 +221,8 @@ def check_chat_template(template: ChatTemplate, train_on: str, key: str) -> None
 def chat_row(
     row: dict[str, Any], columns: tuple[str, ...], section: str, where: str
 ) -> dict[str, Any]:
-    """The chat ``columns`` of ``row`` (``where`` names it: ``row 3 of 'data' (in f.jsonl)``),
-    or the one-line ``DataError`` naming the row, the missing column, the row's columns and
-    the key to set."""
+    """The chat ``columns`` of ``row`` (``where``: ``row 3 of 'data' (in f.jsonl)``), or a
+    one-line ``DataError`` naming the row, the missing column, the row's and the key."""
     for k, column in enumerate(columns):
         if row.get(column) is None:
             key = ("prompt_column", "response_column")[k] if len(columns) > 1 else None

@@ -1,11 +1,7 @@
-"""Chat templates: where a run's template comes from, and rendering it as transformers does.
-
-``load_chat_template`` finds a template: the tokenizer folder's ``chat_template.jinja`` or
-``tokenizer_config.json``'s ``chat_template``, a built-in (``BUILTIN_TEMPLATES``) or a
-``.jinja`` file. ``ChatTemplate.render`` renders it with transformers' Jinja options and
-the tokenizer's special-token names, so the text, tokenized with special tokens recognized,
-is what ``apply_chat_template`` gives. A template is untrusted code: it runs in Jinja's
-immutable sandbox, which refuses attribute access outside plain data.
+"""Chat templates: where a run's template comes from, and rendering it as transformers does
+(its Jinja options and the tokenizer's special-token names), so the text tokenized with
+special tokens recognized is what ``apply_chat_template`` gives. A template is untrusted
+code: it runs in Jinja's immutable sandbox, which refuses attribute access beyond plain data.
 """
 
 from __future__ import annotations
@@ -85,9 +81,8 @@ class ChatTemplate:
 
 
 def load_chat_template(name: str | None, tokenizer: Any, *, key: str) -> ChatTemplate:
-    """The chat template ``name`` means for ``tokenizer``: ``None`` the tokenizer folder's
-    (``chat_template.jinja``, else ``tokenizer_config.json``'s), a built-in name, or a Jinja
-    file; ``key`` is the setting errors name."""
+    """The template ``name`` means: ``None`` the tokenizer folder's (``chat_template.jinja``,
+    else ``tokenizer_config.json``'s), a built-in, or a Jinja file; ``key`` for errors."""
     folder = _tokenizer_folder(tokenizer)
     config = _tokenizer_config(folder) if folder else {}
     variables = _special_names(tokenizer, config)

@@ -1,14 +1,12 @@
 """``TextDataLoader``: packed, data-parallel-sharded, resumable batches of token windows.
 
-The documents go through virtual shards (``titan_train.data.shards``: the stream, which
-windows a rank keeps, and why a resume at any data-parallel degree repeats or skips none).
-A window gives ``inputs = w[:-1]`` and ``labels = w[1:]``. The state is the number of global
-windows consumed and the positions of the shards this rank reads (``regions`` instead of
-``shards`` for the contiguous layout, so one layout's checkpoint is never read as the
-other's). ``prefetch > 0`` packs that many batches ahead in a thread (``Prefetcher``).
-
-Chat data (``titan_train.data.chat``) carries per-token marks through packing: ``labels[t]``
-is ``inputs[t + 1]``, or ``IGNORE_INDEX`` where that token is not trained.
+The documents go through virtual shards (``titan_train.data.shards``: which windows a rank
+keeps, and why a resume at any data-parallel degree repeats or skips none); a window gives
+``inputs = w[:-1]``, ``labels = w[1:]``. The state is the global windows consumed and the
+positions of this rank's shards (``regions`` instead of ``shards`` for the contiguous
+layout, so one layout's checkpoint is never read as the other's). Chat data
+(``titan_train.data.chat``) carries per-token marks through packing: ``labels[t]`` is
+``IGNORE_INDEX`` where ``inputs[t + 1]`` is not trained.
 """
 
 from __future__ import annotations
@@ -51,15 +49,12 @@ _POSITIONS_KEY = {"interleaved": "shards", "contiguous": "regions"}
 class TextDataLoader:
     """Batches ``(inputs, labels)``, each ``local_batch_size x seq_len`` int64, for one rank.
 
-    Iterating starts where the last batch handed out ended (or where ``load_state_dict``
-    put it); a new iterator ends the previous one. ``state_dict()``, merged over the ranks
-    (as a distributed checkpoint does), loads at any ``dp_degree``.
-
-    ``infinite=False`` stops after the last complete step of all ranks (so every rank gets
-    as many batches) and needs ``num_shards = 1``. ``num_shards``, ``shard_layout``: the
-    virtual shards (``titan_train.data.shards``). ``prefetch``: batches made ahead in a
-    thread (0: on the caller's). ``encode``: ``(document, index) -> (ids, trained)`` (chat
-    data); default ``[BOS] text [EOS]``, every token trained.
+    Iterating starts where the last batch handed out ended (or ``load_state_dict`` put it); a
+    new iterator ends the previous one. ``state_dict()`` merged over the ranks loads at any
+    ``dp_degree``. ``infinite=False`` stops after the last step every rank completes (needs
+    ``num_shards = 1``). ``prefetch``: batches made ahead in a thread (``Prefetcher``).
+    ``encode``: ``(document, index) -> (ids, trained)`` (chat data); default ``[BOS] text
+    [EOS]``, every token trained.
     """
 
     supports_resharding = True
@@ -227,23 +222,29 @@ class TextDataLoader:
             if isinstance(source, Prefetcher):
                 source.close()
 
-    def _batches(
-        self, first: int, positions: dict[int, Position], sources: dict[int, str]
-    ) -> Iterator[_Item]:
-        """Batches from global window ``first``, with the state after each."""
-        contiguous = self.shard_layout == "contiguous" and self.num_shards > 1
-        reader = ShardReader(
-            self.documents,
+    def _reader(
+        self, documents: DocumentSource, positions: dict[int, Position], sources: dict[int, str]
+    ) -> ShardReader:
+        """A reader of this rank's shards of ``documents`` from ``positions`` (by shard)."""
+        return ShardReader(
+            documents,
             self.tokenizer,
             num_shards=self.num_shards,
             shards={s: positions[s] for s in self._own},
             stride=math.gcd(self.dp_degree, self.num_shards),
             infinite=self.infinite,
             size=self.seq_len + 1,
-            contiguous=contiguous,
+            contiguous=self.shard_layout == "contiguous" and self.num_shards > 1,
             sources={s: sources[s] for s in self._own if s in sources},
             encode=self.encode,
         )
+
+    def _batches(
+        self, first: int, positions: dict[int, Position], sources: dict[int, str]
+    ) -> Iterator[_Item]:
+        """Batches from global window ``first``, with the state after each."""
+        contiguous = self.shard_layout == "contiguous" and self.num_shards > 1
+        reader = self._reader(self.documents, positions, sources)
         masked = self.encode is not None
         per_step, window = self.local_batch_size * self.dp_degree, first
         while True:

@@ -1,25 +1,17 @@
 """Local JSON-lines, parquet and text files read by data-parallel rank: a rank parses only its
-own rows.
+own rows (``datasets``' streaming readers parse every row and then drop other ranks').
 
-``datasets``' streaming readers parse every row of a file into Arrow tables and then drop
-other ranks' rows, so each rank parsed the whole corpus. These sources give the same
-documents in the same order and indices, while a rank touches other ranks' rows only as
-bytes:
+Same documents, order and indices as ``datasets``; other ranks' rows stay bytes:
+JSON lines are read in ~8 MB chunks cut at line ends, newlines found in one vectorized pass,
+only this rank's lines ``json.loads``-ed (blank lines are not rows, as in ``datasets``); text
+(``.txt``, ``.md``) is split into paragraphs on the bytes; parquet row groups without this
+rank's rows are skipped (row counts from the metadata), only the text column read. A resume
+counts earlier rows without parsing them. Hub copies are read so too (``open_hub_copy``);
+compressed files, non-line JSON and csv keep ``datasets``' reader (``None``).
 
-- JSON lines: ~8 MB chunks cut at line ends; one vectorized pass finds the newlines, and
-  only this rank's lines are ``json.loads``-ed. Blank lines are not rows, as in ``datasets``.
-- Text (``.txt``, ``.md``): paragraphs split on the bytes; only this rank's are decoded.
-- Parquet: row counts from the metadata, so row groups without this rank's rows are not
-  read; only the text column is read, only this rank's rows become strings.
-
-A resume at document ``i`` counts rows the same way instead of parsing them. A local copy
-of a hub dataset is read so too (``open_hub_copy``). Compressed files, JSON that is not one
-object per line and csv keep ``datasets``' reader (``open_local_files`` returns ``None``).
-
-Regions (``iter_region``, the ``contiguous`` shard layout): region ``s`` of ``S`` is the
-rows whose first byte lies in ``[s B / S, (s + 1) B / S)`` of the files' ``B`` bytes (JSON
-lines, text), or rows ``[s N / S, (s + 1) N / S)`` of the ``N`` rows (parquet), read from
-its own bytes (or row groups) alone.
+Region ``s`` of ``S`` (``iter_region``, the ``contiguous`` layout): the rows whose first byte
+lies in ``[s B / S, (s + 1) B / S)`` of the files' ``B`` bytes (JSON lines, text), or rows
+``[s N / S, (s + 1) N / S)`` of ``N`` (parquet), read from its own bytes alone.
 """
 
 from __future__ import annotations
@@ -92,9 +84,8 @@ def open_hub_copy(
     section: str,
     columns: tuple[str, ...] = (),
 ) -> _RowSource | None:
-    """The rank-aware source of a local copy of a hub dataset (folder ``path``, config
-    ``subset``) whose ``train`` files, as ``datasets`` resolves them, are plain jsonl or
-    parquet; else ``None`` (``datasets``' reader stays)."""
+    """The rank-aware source of a local hub dataset copy whose ``train`` files (as ``datasets``
+    resolves them) are plain jsonl or parquet; else ``None``."""
     import datasets
 
     try:
@@ -182,9 +173,8 @@ class _RowSource:
         raise NotImplementedError
 
     def iter_region(self, region: int, regions: int, first: int) -> Iterator[tuple[int, str]]:
-        """``(k, text)`` of rows ``k = first, ...`` of region ``region`` of ``regions`` (module
-        docstring); earlier rows counted, not parsed; no other region's bytes read but the
-        ends of rows crossing its edges."""
+        """``(k, text)`` of rows ``k = first, ...`` of one of ``regions``: earlier rows counted, not
+        parsed; of other regions only the ends of rows crossing its edges read."""
         row = 0  # the region's next row
         for path, begin, end in self._byte_spans(region, regions):
             for rows in self._region_rows(path, begin, end, _REGION_CHUNK):
@@ -232,9 +222,8 @@ class _RowSource:
 
 
 class JsonLinesSource(_RowSource):
-    """Local JSON-lines files, one document per non-blank line. A row without the text
-    column gives ``"None"`` when the column is in the first 10 MB (as ``datasets`` fills
-    it), else ``datasets``' error naming the columns."""
+    """Local JSON-lines files, a document per non-blank line; a row without the text column
+    gives ``"None"`` if the column is in the first 10 MB (as ``datasets``), else its error."""
 
     _columns: list[str] | None = None
     """The columns ``datasets`` would infer (``_first_columns``), once found."""
@@ -472,8 +461,7 @@ class ParquetSource(_RowSource):
 
 class TextSource(_RowSource):
     """Local text files, one document per non-empty paragraph (split at blank lines, any line
-    ends), as ``datasets``' ``sample_by="paragraph"`` splits them; only this rank's
-    paragraphs are decoded."""
+    ends), as ``datasets``' ``sample_by="paragraph"``; only this rank's are decoded."""
 
     def _file_rows(
         self, path: str, first: int, want: int, stride: int

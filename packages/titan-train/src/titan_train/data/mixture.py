@@ -1,15 +1,12 @@
 """``MixtureDataLoader``: training windows drawn from several weighted document sources.
 
 Global window ``g`` comes from source ``k = choose(g)``, from that source's virtual shard
-``g mod S``, packed as a single-source run packs it: rank ``r`` reads of every source only
-the shards a single-source run at that ``dp`` reads, so sharding, state and resharding are
-each source's, unchanged.
-
-``choose`` is counter-based (its state is ``g``): ``u = (offset(seed) + g * φ 2^64) mod
-2^64`` (a Weyl sequence), and ``k`` the source whose share of ``[0, 2^64)`` holds ``u``.
-Consecutive ``u`` are evenly spread: every run of ``n`` windows holds each source's share
-to within a few windows (an independent draw: ``~sqrt(n)``), so the mixture holds within
-any step. The state is ``g``, each source's windows so far and its shard positions.
+``g mod S``, packed as a single-source run packs it: sharding, state and resharding are each
+source's, unchanged. ``choose`` is counter-based: ``u = (offset(seed) + g * φ 2^64) mod
+2^64`` (a Weyl sequence) falls in source ``k``'s share of ``[0, 2^64)``; consecutive ``u``
+are evenly spread, so every run of ``n`` windows holds each share to within a few windows
+(an independent draw: ``~sqrt(n)``), within any step. The state is ``g``, each source's
+windows so far and its shard positions.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import torch
 
 from titan_train.data.config import DataConfig, DataError, DatasetEntry
 from titan_train.data.dataloader import TextDataLoader, _check_regions, _Item
-from titan_train.data.shards import Position, ShardReader, check_first_documents
+from titan_train.data.shards import Position, check_first_documents
 from titan_train.data.sources import DocumentSource, open_documents
 from titan_train.tokenizer.base import Tokenizer
 
@@ -61,10 +58,8 @@ def source_choices(seed: int, weights: list[float], first: int, count: int) -> l
 
 
 class MixtureDataLoader(TextDataLoader):
-    """``TextDataLoader``'s batches, each window from one of ``sources`` by ``weights``
-    (module docstring), the draw seeded by ``seed``; ``names`` key ``tokens_by_source``.
-    Training data only (infinite); the other arguments are ``TextDataLoader``'s, applied to
-    every source."""
+    """``TextDataLoader``'s infinite batches, each window from one of ``sources`` drawn by
+    ``weights`` and ``seed``; ``names`` key ``tokens_by_source``."""
 
     def __init__(
         self,
@@ -174,16 +169,10 @@ class MixtureDataLoader(TextDataLoader):
     ) -> Iterator[_Item]:
         contiguous = self.shard_layout == "contiguous" and self.num_shards > 1
         readers = [
-            ShardReader(
+            self._reader(
                 documents,
-                self.tokenizer,
-                num_shards=self.num_shards,
-                shards={s: positions[k, s] for s in self._own},
-                stride=math.gcd(self.dp_degree, self.num_shards),
-                infinite=True,
-                size=self.seq_len + 1,
-                contiguous=contiguous,
-                sources={s: sources[k, s] for s in self._own if (k, s) in sources},
+                {s: positions[k, s] for s in self._own},
+                {s: sources[k, s] for s in self._own if (k, s) in sources},
             )
             for k, documents in enumerate(self.sources)
         ]

@@ -1,14 +1,10 @@
 """``Prefetcher``: run an iterator in a background thread, a bounded number of items ahead.
 
-The dataloader tokenizes and packs the next batches here while the training step runs, so
-the step finds its batch ready. A thread is enough: the tokenizers (tiktoken, Hugging Face
-``tokenizers``) and the training step's torch operations release the GIL while they work,
-and a thread shares the dataloader's state without copying it.
-
-Guarantees: at most ``depth`` items wait in the queue (memory is bounded); an exception in
-the producer is raised in the consumer, at the item where it happened, with its traceback;
-``close()`` (also reached when the consuming generator is dropped) stops the producer and
-joins it, so no thread outlives the iterator that started it.
+The dataloader tokenizes and packs the next batches here while the step runs. A thread is
+enough: the tokenizers and torch release the GIL while they work, and a thread shares the
+dataloader's state without copying it. At most ``depth`` items wait; a producer's exception
+is raised in the consumer at its item, with its traceback; ``close()`` (also reached when
+the consuming generator is dropped) stops and joins the producer.
 """
 
 from __future__ import annotations

@@ -1,27 +1,20 @@
 """Virtual data shards: each data-parallel rank reads and tokenizes only its share of the
 documents while the global batch stays the same at every data-parallel degree.
 
-The stream is cut into ``S`` virtual shards (``training.data_shards``): document ``i``
-belongs to shard ``i mod S``, each shard is tokenized (``[BOS] text [EOS]``) and packed into
-``seq_len + 1`` windows on its own, epoch after epoch, and global window ``g`` is the next
-window of shard ``g mod S``. Rank ``r`` of ``dp`` keeps the global windows ``g = r (mod dp)``.
+Document ``i`` belongs to shard ``i mod S`` (``training.data_shards``); each shard is
+tokenized (``[BOS] text [EOS]``) and packed into ``seq_len + 1`` windows on its own, epoch
+after epoch; global window ``g`` is the next of shard ``g mod S``, kept by rank ``g mod dp``.
+So the global stream depends on ``S`` and the data only; rank ``r`` reads only shards
+``s = r (mod gcd(dp, S))`` (``1/dp`` of the corpus when ``dp`` divides ``S``); a shard's
+position (epoch, document, token offset) is the same on every rank reading it and is what
+the checkpoint holds, so a run resumes at any ``dp`` with no window repeated or skipped.
+``S = 1`` is one stream every rank reads whole (the pre-shard checkpoint state).
 
-Invariants the dataloader relies on:
-
-- The global stream depends on ``S`` and the data only, never on ``dp``.
-- Rank ``r`` reads only shards ``s = r (mod gcd(dp, S))``, at any resume point: ``1/dp`` of
-  the corpus when ``dp`` divides ``S``; ranks sharing a shard each pack it and keep theirs.
-- A shard's position (epoch, document, token offset) after ``n`` global windows is the same
-  on every rank reading it; the checkpoint holds it per shard, so a run resumes at any
-  ``dp`` with no window repeated or skipped and no earlier document tokenized again.
-- ``S = 1`` is one packed stream every rank reads whole (the pre-shard checkpoint state).
-
-The ``contiguous`` layout (``training.data_shard_layout``) makes shard ``s`` the ``s``-th of
-``S`` contiguous runs of the corpus (the source's ``iter_region``: by bytes, rows or files),
-so a rank reads only its part of the files from storage; its ``k``-th document has index
-``k S + s``. The layout is part of the checkpoint state. A source with
-``iter_region_states`` (what ``datasets`` streams) gives its iteration state per document;
-the reader keeps the one at each shard's position (``source_states``) to resume there.
+The ``contiguous`` layout (``training.data_shard_layout``, kept in the checkpoint state)
+makes shard ``s`` the ``s``-th of ``S`` contiguous runs of the corpus (``iter_region``), so a
+rank reads only its part of the files; its ``k``-th document has index ``k S + s``. A source
+with ``iter_region_states`` (``datasets`` streams) gives its iteration state per document,
+kept at each shard's position (``source_states``) to resume there.
 """
 
 from __future__ import annotations
@@ -91,12 +84,11 @@ class _Shard:
 
 
 class ShardReader:
-    """The ``size``-token windows of one rank's shards (``shards``: their positions; this
-    rank reads documents ``i = c (mod stride)``, ``stride = gcd(dp, S)``), read from
-    ``documents`` in one pass per epoch. Each document is queued with its shard as text and
-    tokenized when the shard needs it; documents a saved position passed are dropped
-    untokenized. ``sources``: per shard, the source state saved with its position (the
-    contiguous layout resumes there); ``encode`` as ``TextDataLoader``'s.
+    """The ``size``-token windows of one rank's ``shards`` (their positions; documents
+    ``i = c (mod stride)``, ``stride = gcd(dp, S)``), one pass over ``documents`` per
+    epoch, each document tokenized only when its shard needs it (never those a saved
+    position passed). ``sources``: per shard, the contiguous layout's saved source state;
+    ``encode`` as ``TextDataLoader``'s.
     """
 
     def __init__(
@@ -276,9 +268,8 @@ class ShardReader:
 
 
 def check_first_documents(documents: DocumentSource, num_shards: int, own: list[int]) -> None:
-    """Before any training (interleaved layout): read, untokenized, the first document of
-    each shard in ``own``, so too few documents, or ones that do not decode, stop the run
-    before anything is written."""
+    """Before any training (interleaved layout): read each of ``own``'s first documents so that
+    too few documents, or undecodable ones, stop the run before anything is written."""
     stride = own[1] - own[0] if len(own) > 1 else num_shards
     firsts = itertools.islice(iter_strided(documents, own[0], stride), len(own))
     count = sum(1 for _ in firsts)

@@ -50,10 +50,10 @@ directory. Used when it exists there; else ``c4_test`` means C4 on the hub."""
 
 
 class DocumentSource(Protocol):
-    """Documents in a fixed order. The ``contiguous`` shard layout also needs
-    ``iter_region(region, regions, first)``: ``(k, text)`` of rows ``k = first, ...`` of the
-    ``region``-th of ``regions`` contiguous runs, read without the others (every source here
-    has it), and may use ``region_has_rows`` or ``check_regions`` to refuse early."""
+    """Documents in a fixed order; the ``contiguous`` layout also needs ``iter_region(region,
+    regions, first)`` (``(k, text)`` of rows ``k = first, ...`` of one of ``regions``
+    contiguous runs, the others unread), and may refuse early with ``region_has_rows`` or
+    ``check_regions``."""
 
     name: str
 
@@ -63,9 +63,8 @@ class DocumentSource(Protocol):
 
 
 def iter_strided(source: DocumentSource, start: int, stride: int) -> Iterator[tuple[int, str]]:
-    """``(i, text)`` of the documents ``i = start, start + stride, ...`` of ``source``: its
-    own ``iter_strided`` when it has one (skipping the others cheaply), else ``iter_from``
-    with the others dropped."""
+    """``(i, text)`` of documents ``i = start, start + stride, ...``: the source's own
+    ``iter_strided`` (skipping the others cheaply), else ``iter_from`` filtered."""
     own = getattr(source, "iter_strided", None)
     if own is not None:
         yield from own(start, stride)
@@ -124,9 +123,8 @@ class _HFSource:
         return self._texts(rows)
 
     def iter_strided(self, start: int, stride: int) -> Iterator[tuple[int, str]]:
-        """Rows ``start, start + stride, ...``: ``datasets``' own node splitting, by
-        examples (the "shards" strategy would hand out whole files, so which documents a
-        rank reads would change with the number of ranks)."""
+        """Rows ``start, start + stride, ...`` by ``datasets``' node splitting by examples (its
+        "shards" strategy hands out whole files: a rank's documents would follow dp)."""
         rows = self.dataset.skip(start) if start else self.dataset
         split = _split_by_examples(rows, stride) if stride > 1 else rows
         if split is None:  # no by-example split in this datasets version: drop rows here
@@ -141,10 +139,9 @@ class _HFSource:
     def iter_region_states(
         self, region: int, regions: int, first: int, state: str = ""
     ) -> Iterator[tuple[int, str, str, str]]:
-        """``(k, text, before, after)``: ``iter_region``'s rows with ``datasets``' iteration
-        state (JSON) before and after each. Given the ``state`` saved with row ``first``
-        the region resumes there (``load_state_dict``; earlier files are not opened);
-        without one the first ``first`` rows are read past."""
+        """``iter_region``'s rows as ``(k, text, before, after)`` with ``datasets``' iteration
+        state around each; ``state`` (saved with row ``first``) resumes there without
+        opening earlier files, else the first ``first`` rows are read past."""
         part = self.dataset.shard(num_shards=regions, index=region, contiguous=True)
         if state:
             part.load_state_dict(json.loads(state))

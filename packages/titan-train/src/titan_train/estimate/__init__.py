@@ -1,45 +1,23 @@
 """``estimate_memory(config, world_size=..., rank=...)``: one rank's memory for a training run
 of any layout and world size, measured in this process without allocating it.
 
-The run is built the way ``titan-train`` builds it: ``preflight`` checks the configuration
-(the same errors, before any work), then ``titan_train.trainer.build``'s own model path makes the
-model on the meta device and parallelizes it (FSDP/HSDP, TP with sequence and loss
-parallel, CP, EP) or splits it into this rank's pipeline stages, all on a fake process group
-of ``world_size`` ranks seen from ``rank`` (``titan_dims.simulate.fake_process_group``).
-The parts are then allocated as fake tensors (``FakeTensorMode``: shapes and storages, no
-memory), the optimizers are built, their state made by one update on zero gradients, and
-one whole training step runs (forward, backward, the clip's norm, the update) under torch's
-``MemTracker``, which counts every storage the way an allocator would see it:
+The run is built as ``titan-train`` builds it (``preflight``'s checks and errors, then
+``titan_train.trainer.build``'s model path, parallelized on a fake process group of
+``world_size`` ranks seen from ``rank``), allocated as fake tensors, its optimizer state made
+by one update on zero gradients, and one whole step run under torch's ``MemTracker``:
+``parameters``, ``buffers``, ``gradients``, ``optimizer_state`` (kept between steps),
+``activations`` (the most the forward's tensors held at once) and ``peak`` (all together).
+Pipeline stages replay this rank's actions of the real schedule
+(``titan_train.estimate.pipeline``): its runtime exchanges metadata with other ranks.
 
-- ``parameters``, ``buffers``, ``gradients``, ``optimizer_state``: what this rank keeps
-  between steps (its shards);
-- ``activations``: the most the forward's tensors held at once (what the forward saves for
-  backward under the chosen activation checkpointing, the logits, FSDP's all-gathered
-  blocks in flight);
-- ``peak``: the most memory live at any moment of a step, all kinds together.
-
-Under pipeline parallelism the schedule's own runtime cannot run in one process (it agrees
-tensor metadata with the neighbouring stages by messages), so this rank's actions of the
-real schedule are replayed on its real stage modules (``titan_train.estimate.pipeline``).
-
-Fake tensors have no values, so a mixture of experts' routing is taken as balanced (its
-experts and, under expert parallelism, its all-to-all splits see equal shares of the tokens:
-the balance its load balancing trains toward; the note says so). A model that sizes other
-tensors from tensor values cannot run its step on fake tensors: its resident state is still
-exact, and ``step_simulated`` is False.
-DDP (replicas without sharding) runs as one replica, since torch's DDP reducer needs real
-storage, plus the reducer's gradient buckets; fault tolerance, CPU offload and
-optimizer-in-backward are refused (``ConfigError``, exit 2 from the command).
-
-What runs out is more than ``peak`` (``titan_train.estimate.host``): the same recording of
-the step's allocations, replayed in a real run's order over its first two steps, gives
-
-- ``peak_resident`` (CPU): ``peak`` plus ``host_overhead``, the C library's heap retention
-  (glibc itself serving the allocations, with gloo's collective buffers in its worker
-  threads) and the runtime's own heap: the process's peak resident growth from before the
-  model is built;
-- ``peak_reserved`` (accelerators): a model of torch's CUDA caching allocator's reserved
-  peak, untested on a GPU; add the CUDA context and NCCL's buffers (a few GB).
+Fake tensors have no values: an MoE's routing is taken as balanced (equal tokens per expert
+and per expert-parallel rank, what load balancing trains toward; the note says so). A model
+sizing other tensors from tensor values keeps an exact resident state, ``step_simulated``
+False. DDP runs as one replica (its reducer needs real
+storage) plus the reducer's buckets. What runs out (``titan_train.estimate.host``):
+``peak_resident`` on the CPU (``peak`` plus glibc's retention, gloo's buffers and the
+runtime's heap) and ``peak_reserved`` on an accelerator (a model of the CUDA caching
+allocator, untested on a GPU; add the CUDA context and NCCL's buffers).
 """
 
 from __future__ import annotations
@@ -118,17 +96,14 @@ class MemoryEstimate:
     activations: int
     peak: int
     host_overhead: int = 0
-    """On the CPU, what the process needs beyond ``peak``: the host allocator's retention
-    (glibc's heap high water replaying the first two steps, gloo's collective buffers
-    included, less ``peak``) and the runtime's own heap (``titan_train.estimate.host``)."""
+    """On the CPU, beyond ``peak``: glibc's retention over the first two steps (gloo's
+    buffers included) and the runtime's own heap (``titan_train.estimate.host``)."""
     peak_resident: int = 0
-    """On the CPU, what runs out: the process's peak resident growth, ``peak`` plus
-    ``host_overhead`` (measured from just before the model is built; shared libraries and
-    what the process held before, e.g. torch's import, not included)."""
+    """On the CPU, what runs out: ``peak`` plus ``host_overhead``, the growth from just
+    before the model is built (shared libraries and torch's import not included)."""
     peak_reserved: int = 0
-    """On an accelerator, what runs out: the caching allocator's peak reserved bytes for the
-    same steps (a model of torch's CUDA allocator, untested on a GPU; without the CUDA
-    context and NCCL's buffers)."""
+    """On an accelerator, what runs out: a model of the CUDA caching allocator's reserved
+    peak (untested on a GPU; without the CUDA context and NCCL's buffers)."""
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     """What was live at the peak, by kind (torch's MemTracker categories)."""
     step_simulated: bool = True
@@ -161,10 +136,8 @@ def check_estimable(config: JobConfig) -> None:
 
 
 def _one_replica(config: JobConfig, plan: Plan) -> tuple[JobConfig, int, int, int]:
-    """For DDP (replicas, no sharding): one replica's config, world size and rank, and the
-    number of replicas. torch's DDP reducer needs real storage, so the estimate runs one
-    replica (the same parameters, optimizer state, batch and activations per rank) and adds
-    the reducer's buckets; any other layout comes back unchanged, with 1."""
+    """For DDP (replicas, no sharding), whose reducer needs real storage: one replica's
+    config, world size and rank, and the number of replicas; else unchanged, with 1."""
     dims, world = plan.parallel_dims, plan.world
     if dims.dp_replicate <= 1 or dims.fsdp_enabled:
         return config, world.world_size, world.rank, 1
@@ -194,12 +167,10 @@ def estimate_memory(
     vocab_size: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> MemoryEstimate:
-    """Estimate the memory of ``rank`` in a ``world_size``-rank run of ``config``.
-
-    Raises the configuration errors a real run's ``preflight`` raises (plus
-    ``check_estimable``'s), before any model is built. ``vocab_size`` overrides the
-    tokenizer's vocabulary (e.g. 128256 for Llama 3's tokenizer without having its file).
-    ``progress`` is told each phase as it starts (the command prints them)."""
+    """Estimate the memory of ``rank`` in a ``world_size``-rank run of ``config``; raises
+    ``preflight``'s and ``check_estimable``'s errors before any model is built.
+    ``vocab_size`` overrides the tokenizer's (128256: Llama 3's, without its file);
+    ``progress`` is told each phase as it starts."""
     say = progress or (lambda text: None)
     started = time.perf_counter()
     if world_size < 1:
@@ -290,9 +261,8 @@ def _tokenizer_vocab(config: JobConfig) -> int:
 
 @contextmanager
 def _quiet_logs() -> Iterator[None]:
-    """The build's INFO lines describe a run that does not happen, and DTensor's advice on
-    redistributing the clip's norm is about torch's collectives, not the estimate: keep
-    warnings of ours, errors of DTensor's."""
+    """The build's INFO lines describe a run that does not happen, and DTensor's advice is about
+    torch's collectives: keep our warnings and DTensor's errors."""
     levels = {logger: logging.WARNING, _REDISTRIBUTE_LOGGER: logging.ERROR}
     saved = {log: log.level for log in levels}
     for log, level in levels.items():
@@ -308,10 +278,8 @@ _REDISTRIBUTE_LOGGER = logging.getLogger("torch.distributed.tensor._redistribute
 
 
 class _Tracker(MemTracker):
-    """torch's MemTracker, also keeping the most the activations held at any moment, and
-    blind to DTensor's sharding propagation: that runs each new op once on fake tensors of
-    the *global* shapes, in the active fake mode when there is one (ours), which the plain
-    tracker would count as memory of this rank (a whole unsharded weight per op)."""
+    """torch's MemTracker, keeping the activations' maximum, blind to DTensor's sharding
+    propagation (its ops on fake *global* shapes would count as this rank's memory)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -367,12 +335,9 @@ class _Tracker(MemTracker):
                     self.events += [(key, nbytes), (key, 0)]
         return out
 
-    # The plain tracker keeps per-module snapshots (deep copies at every module boundary,
-    # a loop over all modules at every op): what makes it slow on an 80-block model, and
-    # what refuses a second forward of a module (microbatches, steps). Only what the
-    # global numbers need is kept: parameters and their gradient hooks, the first time a
-    # module runs; activation checkpointing's recomputation region (a module running
-    # forward again during backward).
+    # The plain tracker's per-module snapshots are slow on an 80-block model and refuse a
+    # module's second forward (microbatches): keep only a module's parameters and grad
+    # hooks on its first run, and AC's recomputation region (a forward during backward).
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module not in self._seen:
@@ -437,9 +402,8 @@ def _measure(
     steps = plan.batches.accumulation_steps
     seq_len = config.training.seq_len
     with tracker:
-        # The optimizer state exists from the first step on: make it with one update on
-        # zero gradients (what a step's backward would leave, at a fraction of the cost),
-        # then measure one whole step.
+        # The optimizer state exists from the first step on: one update on zero gradients
+        # makes it cheaply, then one whole step is measured.
         for param in (p for part in parts for p in part.parameters()):
             param.grad = torch.zeros_like(param)
         marks.append(len(tracker.events))
@@ -454,9 +418,8 @@ def _measure(
         try:
             _step(config, plan, parts, pipeline, tokens, steps=steps, dim=dim)
         except DataDependentOutputException as error:
-            # A model that routes tokens by their values (an MoE's tokens per expert sizes
-            # its buffers) cannot run on fake tensors, which have none: what the rank keeps
-            # between steps is still exact; the step's activations are not known.
+            # A model sizing buffers from token values (MoE) cannot run on fake tensors: the
+            # resident state is still exact, the step's activations unknown.
             step_note = (
                 f"{plan.spec.name} decides tensor sizes from tensor values ({error.func}), "
                 "which fake tensors have not: parameters, gradients and optimizer state are "
@@ -511,9 +474,8 @@ def _step(
     steps: int,
     dim: int,
 ) -> None:
-    """One training step's forward and backward passes over ``tokens`` (this rank's batch,
-    ``steps`` accumulation steps), and the clip's norm: as ``titan_train.trainer.step`` runs
-    them."""
+    """One step's forwards and backwards over ``tokens`` (``steps`` accumulation steps) and
+    the clip's norm, as ``titan_train.trainer.step`` runs them."""
     if pipeline is not None:
         dtype = getattr(torch, _compute_dtype(parts))
         replay_pipeline_step(pipeline, plan, tokens, tokens.clone(), dim=dim, dtype=dtype)
@@ -528,9 +490,8 @@ def _step(
 
 
 def _grad_norm(parts: list[nn.Module], dims: Any) -> None:
-    """The clip's global norm, as a real step computes it (its finiteness check reads a
-    value, which fake tensors have not; its scaling is in place, so costs nothing). A
-    function of its own: a list of the gradients held on to would outlive ``zero_grad``."""
+    """The clip's global norm as a real step computes it (its finiteness check and in-place
+    scaling left out); a function so that the gradients' list does not outlive ``zero_grad``."""
     pp_mesh = dims.get_mesh("pp") if dims.pp_enabled else None
     grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
     global_grad_norm(grads, pp_group=pp_mesh)

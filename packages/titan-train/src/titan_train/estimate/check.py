@@ -1,33 +1,22 @@
 """Measure what a real training run needs of memory, to check ``titan-train estimate``.
 
-``measure_real(config)`` runs in a process of a real, initialized process group (gloo on
-CPU): it builds the run with ``titan_train.trainer.build`` (real tensors, real
-initialization), trains two steps with ``titan_train.trainer.step.train_step`` and returns,
-in bytes:
+``measure_real(config)`` runs in a real initialized process group (gloo on CPU), builds the
+run with ``titan_train.trainer.build``, trains two steps with ``train_step`` and returns, in
+bytes:
 
-- ``resident``: the process's **peak resident growth** on the CPU, what runs out there.
-  Defined as ``VmHWM`` at the end (the kernel's high-water mark of resident pages, reset
-  with ``/proc/self/clear_refs`` just before the model is built) minus what of it is not
-  the process's own anonymous memory (``RssFile + RssShmem`` at the end: shared libraries
-  and mapped files, which every rank shares and the kernel may drop), minus ``RssAnon``
-  before the model is built. That is the most anonymous memory the run added at any moment
-  (torch's tensors, the C library's heap and its retained free blocks, thread stacks and
-  arenas, gloo's buffers, Python objects), from just before the model is built to the end
-  of step 2. File pages only grow during a run (libraries fault in), so the end's count
-  bounds the peak's. On an accelerator: ``torch.cuda.max_memory_reserved`` over the same
-  window (the caching allocator's reserved peak), untested here (no GPU on this machine).
-- ``live`` (only with ``live=True``): the most bytes c10's CPU allocator had live at once,
-  from torch's profiler (``profile_memory=True``: every allocation and free, signed
-  ``[memory]`` events), the number the estimate's ``peak`` models. The profiler's own
-  records add to ``resident`` then (a few MiB); leave it off to measure residency.
+- ``resident``: the peak resident growth, what runs out on the CPU: ``VmHWM`` at the end
+  (reset by ``/proc/self/clear_refs`` before the model is built) less the file and shared
+  pages at the end (libraries, which only grow during a run) less ``RssAnon`` before the
+  build. On an accelerator: ``torch.cuda.max_memory_reserved`` (untested, no GPU here).
+- ``live`` (``live=True``): the most bytes c10's CPU allocator had live at once, from the
+  profiler's memory events, the number ``peak`` models (the profiler adds a few MiB to
+  ``resident``).
 
-Like the ``titan-train`` command (``training.reuse_host_memory``), a CPU run first makes
-glibc keep freed blocks for reuse (``titan_train.trainer.host_memory``): what the command's
-processes do, so what is measured is what they need. Nothing is shared with the estimator.
-
-``spawn_real(argvs, nproc)`` runs each command line of ``argvs`` as its own job of ``nproc``
-gloo ranks on this machine (a fresh process per run: a heap grown by one run would hide the
-next one's growth) and returns each run's measurements per rank.
+As the command does, a CPU run first makes glibc keep freed blocks
+(``titan_train.trainer.host_memory``). Nothing is shared with the estimator.
+``spawn_real(argvs, nproc)`` runs each command line as its own ``nproc``-rank gloo job (a
+fresh process per run: one run's grown heap would hide the next's) and returns each run's
+measurements per rank.
 """
 
 from __future__ import annotations
@@ -149,10 +138,8 @@ def _rank_main(rank: int, nproc: int, port: int, argv: list[str], live: bool, ou
             out.put((rank, measure_real(config, live=live)))
     finally:
         destroy_group()
-    # A plain return would free the gloo group torch's caches still hold during the
-    # interpreter's finalization, which now and then aborts the process (see ``exit_rank``)
-    # and fails the spawn. The queue is a pipe written without a feeder thread: everything
-    # put has been written by now.
+    # A plain return's finalization can abort on the cached gloo group (``exit_rank``); the
+    # queue is a pipe written without a feeder thread, so everything put is written by now.
     exit_rank(0)
 
 

@@ -1,41 +1,24 @@
-"""What runs out: a process's memory beyond the bytes its tensors hold at once.
+"""What runs out: a process's memory beyond the bytes its tensors hold at once (``peak``),
+modelled from the same recording of the step's allocations and frees, in order:
 
-The estimate's ``peak`` is the most bytes tensors hold at once (torch's allocator's live
-bytes). What a process needs is more, by mechanisms these functions model from the same
-recording of the step's allocations and frees, in order:
+- **glibc's heap (CPU).** c10 takes every CPU tensor from ``posix_memalign``, and
+  ``titan-train`` makes glibc keep freed blocks (``titan_train.trainer.host_memory``). A
+  freed block is reused only by a request that fits it (or it merged with free neighbours),
+  so where a step's allocations do not fit the holes earlier ones left, the heap grows.
+  ``glibc_high_water`` replays the allocations on glibc itself in a fresh small process
+  (reserved, not touched) in the order ``two_steps`` gives a real run's first two steps.
+- **gloo's collective buffers (CPU).** ``ProcessGroupGloo`` stages collectives in tensors
+  of its own: an all-gather gathers into a flat output in one of the group's 2 worker
+  threads, a reduce-scatter clones its input in the caller. ``gloo_buffers`` names them per
+  collective; a worker's blocks are replayed from a thread (so an arena) of its own. glibc
+  2.36 does not reuse a just-freed block for the same aligned size again: six 16 MiB
+  all-gathers on 2 ranks grow resident memory by ~an output each, in the replay too.
+- **The runtime's own heap (CPU).** ``RUNTIME_HEAP``, a measured constant.
+- **The CUDA caching allocator.** ``cuda_reserved_peak`` replays the recording on a model
+  of it (``torch.cuda.max_memory_reserved``); untested on a GPU.
 
-- **The C library's heap (CPU).** c10's CPU allocator takes every tensor from glibc's
-  ``posix_memalign``; the ``titan-train`` command makes glibc keep freed blocks for reuse
-  (``titan_train.trainer.host_memory``: every block under 32 MiB from one heap that is never
-  trimmed). A freed block is reused only by a request that fits in it or in it merged with
-  free neighbours: where a step's allocations do not fit the holes earlier ones left (the
-  first update's optimizer state lands in the holes of the first step's activations; the
-  second step's activations no longer fit there), the heap grows. ``glibc_high_water``
-  replays the allocations on glibc itself, in a fresh small process (reserved, not
-  touched: no memory used), and reads how far its heap grew; ``two_steps`` orders the
-  recording as a real run's first two steps make it.
-- **Collective buffers (gloo, CPU).** torch's ``ProcessGroupGloo`` stages collectives in
-  tensors of its own, from c10's allocator like any other: an all-gather gathers into a
-  flat tensor of the whole output in one of the group's worker threads (2 per group), then
-  copies it into the caller's output; a reduce-scatter clones its whole input in the
-  calling thread, all-reduces the clone (in place, in a worker) and copies this rank's
-  chunk out. ``gloo_buffers`` names them for each collective the simulated step issues;
-  the replay serves a worker's blocks from a thread of its own, so from an arena of its
-  own (glibc gives each thread one; the main thread's free blocks are never lent to it).
-  glibc's ``posix_memalign`` (2.36 measured) does not reuse a just-freed block for the same
-  size again (it asks for the size plus the alignment; 4 KiB less is served from it): six
-  all-gathers of 16 MiB on 2 gloo ranks, alone, grow a rank's resident memory by about an
-  output each, and the replay, being glibc, grows the same (192 MiB).
-- **The runtime's own heap (CPU).** ``RUNTIME_HEAP``: what a training process keeps
-  besides tensors (a constant of the runtime, measured; see its docstring).
-- **The caching allocator (accelerators).** ``cuda_reserved_peak`` replays the same
-  recording on a model of torch's CUDA caching allocator: ``torch.cuda.max_memory_reserved``
-  of the step. Untested on a GPU.
-
-Not modelled: the placement of the runtime's small allocations among the tensors' blocks
-(they keep some holes from merging: the measured heap is a few percent above the replay's),
-the arenas of a rank's OMP threads and gloo's own small transport buffers (a few MiB),
-NCCL's buffers, the CUDA context.
+Not modelled (a few percent, a few MiB): the runtime's small allocations keeping holes from
+merging, OMP threads' arenas, gloo's transport buffers; nor NCCL's buffers, the CUDA context.
 """
 
 from __future__ import annotations
@@ -64,24 +47,19 @@ GLOO_THREADS = 2
 
 @dataclass(frozen=True)
 class GlooBlock:
-    """The key of a block torch's gloo process group allocates for a collective (not the
-    caller's tensors): ``thread``, 0 for the calling (main) thread, 1 and up for a worker
-    thread; and a number of its own."""
+    """The key of a block gloo allocates for a collective: ``thread`` (0: the caller, 1 and up:
+    a worker), and a number of its own."""
 
     thread: int
     number: int
 
 
 def gloo_buffers(func: Any, args: tuple) -> tuple[str, int, int]:
-    """What torch's ``ProcessGroupGloo`` allocates for one collective op on CPU tensors, as
-    (group, bytes allocated in a worker thread, bytes allocated in the calling thread),
-    each freed when the call completes; ``("", 0, 0)`` for any other op. From
-    ``ProcessGroupGloo.cpp``: an all-gather (``_allgather_base``, ``allgather``, coalesced)
-    gathers into one flat tensor of the whole output, in the worker; a reduce-scatter
-    (``_reduce_scatter_base``, coalesced) clones its input in the caller, then all-reduces
-    the clone in place (gloo's ring all-reduce adds no block of that size: measured); an
-    all-reduce works in place. The functional collectives (``_c10d_functional``, TP's)
-    reach the same ops."""
+    """``(group, worker-thread bytes, caller bytes)`` that ``ProcessGroupGloo`` allocates and
+    frees within one collective on CPU tensors (``("", 0, 0)`` for other ops), per
+    ``ProcessGroupGloo.cpp``: all-gathers a flat output (worker), reduce-scatters a clone of
+    the input (caller; gloo's ring all-reduce of it adds no such block: measured);
+    all-reduce is in place. TP's functional collectives reach the same ops."""
     namespace = getattr(func, "namespace", "")
     if namespace not in ("c10d", "_c10d_functional"):
         return "", 0, 0
@@ -119,13 +97,10 @@ def _group_name(group: Any) -> str:
 
 
 def glibc_high_water(events: list[tuple[object, int]]) -> int | None:
-    """``heap_high_water`` measured on the C library itself: a fresh Python process serves
-    ``events`` with glibc's ``posix_memalign``/``free`` (c10's calls), under the thresholds
-    ``titan_train.trainer.host_memory`` sets, and reports how far its heap and mappings grew
-    (``mallinfo2``, all arenas; the pages are reserved, only their headers touched). Blocks
-    keyed by a ``GlooBlock`` of a worker thread are served from a thread of their own (a
-    gloo worker's arena).
-    ``None`` where this is not Linux with glibc 2.33+ or the process fails."""
+    """How far glibc's heap grows serving ``events`` with c10's ``posix_memalign``/``free``
+    under ``host_memory``'s thresholds, in a fresh process (``mallinfo2``, all arenas; pages
+    reserved, not touched), a ``GlooBlock`` worker's blocks from a thread of their own;
+    ``None`` without Linux glibc 2.33+ or when the process fails."""
     import platform
     import struct
     import subprocess
@@ -178,10 +153,8 @@ def two_steps(
     update: list[tuple[int, int]],
     step: list[tuple[int, int]],
 ) -> list[tuple[int, int]]:
-    """A real run's allocations over its first two steps, from the estimate's recordings:
-    ``resident`` (parameters and buffers, as built), ``update`` (one optimizer step: its state,
-    created then, and its temporaries), ``step`` (a step's forward, backward and the clip's
-    norm, which leaves the gradients allocated). Keys of the second step are made distinct."""
+    """A real run's first two steps of allocations from the recordings ``resident``, ``update``
+    (creating the optimizer state) and ``step``, the second step's keys made distinct."""
     update_kept = _left_allocated(update)
     temporaries = [(key, n) for key, n in update if key not in update_kept]
     grads = _left_allocated(step)
@@ -215,15 +188,11 @@ _ROUND_LARGE = 2 << 20
 
 
 def cuda_reserved_peak(events: Iterable[tuple[object, int]]) -> int:
-    """The most bytes torch's CUDA caching allocator would hold reserved (its segments)
-    serving ``events`` in order, with its default settings: blocks rounded to 512 bytes;
-    small (<= 1 MiB) and large pools; a request served best-fit from the pool's free
-    blocks, split when what is left is 512 bytes (small pool) or over 1 MiB (large pool);
-    else a new segment (2 MiB; 20 MiB for blocks under 10 MiB; else the block rounded to
-    2 MiB); freed blocks merge with free neighbours of their segment and stay reserved
-    (``torch.cuda.max_memory_reserved``). Not run on a GPU: a model of its documented
-    policy (no expandable segments, one stream; NCCL's and the CUDA context's memory are
-    the driver's, not counted)."""
+    """The most bytes torch's CUDA caching allocator would hold reserved serving ``events``,
+    by its documented default policy (512-byte rounding; small <= 1 MiB and large pools;
+    best fit, split when 512 bytes / over 1 MiB remain; new segments of 2 MiB, 20 MiB under
+    10 MiB, else rounded to 2 MiB; freed blocks merge and stay reserved). Not run on a GPU;
+    no expandable segments, one stream."""
     free = {True: _FreeBlocks(), False: _FreeBlocks()}
     events = [(k, n) for k, n in events if not isinstance(_unwrap(k), GlooBlock)]  # no gloo
     held: dict[object, tuple[int, int, bool]] = {}

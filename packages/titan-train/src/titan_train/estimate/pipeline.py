@@ -1,24 +1,15 @@
 """Replay one rank's pipeline-schedule step on its real stage modules, for ``estimate``.
 
-torch's schedule runtime cannot run in one process on a fake process group: before its first
-step each stage agrees tensor metadata with its neighbours by messages, which a fake group
-never delivers. Its plan of work can: ``schedule.pipeline_order[pp_rank]`` lists this
-rank's actions in order (forward ``F``, full backward ``B``, backward-input ``I`` and
-backward-weight ``W``, per stage and microbatch). Replaying them on the real parallelized
-stage modules reproduces what the rank holds at each moment:
-
-- a forward keeps its microbatch's activations (the autograd graph) until that
-  microbatch's backward, as the schedule does: 1F1B holds at most ``pp - stage``
-  microbatches, GPipe all of them;
-- the last stage's forward ends in the loss (divided by the microbatch count, as the
-  schedule scales gradients); a backward of another stage starts from a gradient the size
-  of its output (the one it would receive);
-- torch allocates, at the first step and for good, a receive buffer per microbatch for a
-  stage's input (all but the first stage) and for its output's gradient (all but the
-  last): they are allocated here too.
-
-``I`` runs the whole backward and ``W`` nothing (the weight gradients come with ``I``): a
-zero-bubble schedule's deferred weight gradients are not modelled.
+torch's schedule runtime cannot run on a fake process group (its stages first agree tensor
+metadata with their neighbours by messages), but its plan can:
+``schedule.pipeline_order[pp_rank]`` lists this rank's ``F``, ``B``, ``I``, ``W`` actions per
+stage and microbatch. Replayed on the parallelized stages, a forward keeps its activations
+until that microbatch's backward (1F1B holds at most ``pp - stage``, GPipe all); the last
+stage ends in the loss divided by the microbatch count, another stage's backward starts from
+a gradient of its output's size; the receive buffers torch keeps per microbatch (inputs of
+all but the first stage, output gradients of all but the last) are allocated too. ``I`` runs
+the whole backward and ``W`` nothing: zero-bubble's deferred weight gradients are not
+modelled.
 """
 
 from __future__ import annotations
@@ -39,8 +30,7 @@ _BACKWARDS = ("B", "I")
 
 def stage_input_shape(plan: Any, dim: int, microbatch: int, seq_len: int) -> tuple[int, ...]:
     """The hidden state a non-first stage receives: ``(microbatch, seq, dim)``, the sequence
-    split over context-parallel ranks, and over tensor-parallel ranks (sequence parallel
-    keeps the residual stream sharded along the sequence between blocks)."""
+    split over CP ranks and (sequence parallel) over TP ranks."""
     dims = plan.parallel_dims
     return (microbatch, seq_len // dims.cp // dims.tp, dim)
 
@@ -92,11 +82,9 @@ def replay_pipeline_step(
 def _actions(
     schedule: Any, plan: Any, stage_ids: list[int], n_micro: int, num_stages: int
 ) -> list[tuple[str, tuple[int, int]]]:
-    """This rank's ``(kind, (stage, microbatch))`` actions of one step, in order. The
-    one-stage schedules' order is written out here as their runtime runs it (GPipe: every
-    forward, then every backward; 1F1B: ``num_stages - stage`` forwards first, then one
-    backward and one forward in turn): torch's ``pipeline_order`` for them is an
-    illustration, off by one microbatch on later stages."""
+    """This rank's ``(kind, (stage, microbatch))`` actions of one step, in order; for the
+    one-stage schedules as their runtime runs them (GPipe; 1F1B: ``num_stages - stage``
+    forwards, then alternating): torch's ``pipeline_order`` there is off by one microbatch."""
     if isinstance(schedule, PipelineScheduleSingle):
         stage = stage_ids[0]
         warm = n_micro if isinstance(schedule, ScheduleGPipe) else min(n_micro, num_stages - stage)

@@ -2,21 +2,16 @@
 job, and a failed group drops out (and heals from its peers on return) without stopping
 the others.
 
-Each replica group is an ordinary titan run (any layout but pipeline parallel) with the same
-config and its own ``fault_tolerance.replica_id``; a torchft lighthouse decides every step
-which groups take part. The run meets torchft at build time (``ReplicaGroup``) and, per step,
-only inside titan-optim's ``FTOptimizersContainer``:
-
-- ``zero_grad`` starts the step's quorum;
-- ``clip_grad_norm_`` (or ``step``, without clipping) first averages each gradient's local
-  tensor over the groups (same layout, so shards line up), in ``bucket_cap_mb`` buckets;
-- the optimizer steps only when the manager commits the step;
-- data is sharded over all groups (global dp rank ``replica_id x local dp + local rank``);
-- one group writes the shared checkpoint, each its own dataloader state and its metrics
-  under ``<dump_folder>/ft-replica-<replica_id>/``.
-
-With ``semi_sync_method`` none of the per-step work happens: ``fault_tolerance.semi_sync``
-syncs the groups every ``sync_steps`` steps. Needs ``pip install 'titan-train[torchft]'``.
+Each group is an ordinary titan run (any layout but pipeline parallel) with its own
+``fault_tolerance.replica_id``; a torchft lighthouse decides every step which groups take
+part. Per step torchft is met only in titan-optim's ``FTOptimizersContainer``: ``zero_grad``
+starts the quorum, ``clip_grad_norm_`` (or ``step``) first averages each gradient's local
+shard over the groups in ``bucket_cap_mb`` buckets, and the optimizer steps only when the
+manager commits. Data is sharded over all groups (global dp rank ``replica_id x local dp +
+local rank``); one group writes the shared checkpoint, each its own dataloader state and
+metrics under ``<dump_folder>/ft-replica-<replica_id>/``. With ``semi_sync_method`` the
+groups sync every ``sync_steps`` instead (``fault_tolerance.semi_sync``). Needs
+``pip install 'titan-train[torchft]'``.
 """
 
 from __future__ import annotations

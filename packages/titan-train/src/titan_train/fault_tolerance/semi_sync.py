@@ -1,20 +1,15 @@
 """Semi-synchronous training with torchft: LocalSGD and DiLoCo as fault-tolerance modes.
 
-With ``fault_tolerance.semi_sync_method`` set, each replica group's optimizer steps on its
-own gradients, and every ``sync_steps`` steps the groups meet in one torchft quorum (where
-a returning group heals):
-
-- ``local_sgd``: the groups' weights are averaged (arXiv:1805.09767);
-- ``diloco``: the pseudo-gradients (weights at the last sync minus now) are averaged and an
-  outer SGD (``outer_lr``, ``outer_momentum``, ``outer_nesterov``) steps the synced weights
-  (arXiv:2311.08105). ``num_fragments`` > 1 cuts the model into fragments of whole blocks
-  that sync in turn every ``sync_steps / num_fragments`` steps (arXiv:2501.18512).
-  With ``outer_lr = 1`` and ``outer_momentum = 0`` it equals LocalSGD.
-
-The keys are torchtitan's ``[fault_tolerance]`` ones (titan's outer-optimizer defaults are
-the values torchtitan fixes). torchft's ``LocalSGD`` / ``DiLoCo`` do the work, driven by the
-optimizer container's step hooks. Between syncs the groups' weights differ: the shared
-checkpoint holds the writer's (set ``checkpoint.interval`` to a multiple of ``sync_steps``).
+With ``fault_tolerance.semi_sync_method`` each replica group steps on its own gradients and
+every ``sync_steps`` steps the groups meet in one torchft quorum (where a returning group
+heals): ``local_sgd`` averages their weights (arXiv:1805.09767); ``diloco`` averages the
+pseudo-gradients (weights at the last sync minus now) and an outer SGD (``outer_lr``,
+``outer_momentum``, ``outer_nesterov``) steps the synced weights (arXiv:2311.08105; equal to
+LocalSGD at ``outer_lr = 1``, ``outer_momentum = 0``); ``num_fragments`` > 1 syncs fragments
+of whole blocks in turn (arXiv:2501.18512). The keys and outer defaults are torchtitan's;
+torchft's ``LocalSGD`` / ``DiLoCo`` do the work through the optimizer's step hooks. Between
+syncs the groups differ: the shared checkpoint holds the writer's (set
+``checkpoint.interval`` to a multiple of ``sync_steps``).
 """
 
 from __future__ import annotations
@@ -150,9 +145,8 @@ def model_fragments(model: nn.Module, num_fragments: int) -> list[nn.Module]:
 
 
 class _TorchOptimizerHooks:
-    """titan's optimizer container as torchft's ``LocalSGD`` / ``DiLoCo`` drive an
-    optimizer: they register step hooks of torch's ``(optimizer, args, kwargs)`` shape,
-    the container calls ``hook(container)``."""
+    """titan's optimizer container as torchft's ``LocalSGD``/``DiLoCo`` drive an optimizer:
+    their hooks take ``(optimizer, args, kwargs)``, the container calls ``hook(container)``."""
 
     def __init__(self, optimizers: Optimizers) -> None:
         self._optimizers = optimizers
@@ -170,9 +164,8 @@ def semi_sync_training(
     model_parts: list[nn.Module],
     optimizers: Optimizers,
 ) -> AbstractContextManager[Any]:
-    """The context the training loop runs in: torchft's ``LocalSGD`` or ``DiLoCo`` over the
-    model and optimizers when ``config.semi_sync_method`` is set (and ``replicas`` is this
-    process's replica group), else a no-op."""
+    """The training loop's context: torchft's ``LocalSGD`` or ``DiLoCo`` when
+    ``config.semi_sync_method`` is set, else a no-op."""
     if replicas is None or config.semi_sync_method is None:
         return contextlib.nullcontext()
     from torchft import local_sgd

@@ -105,9 +105,8 @@ def generate(
     on_token: TokenCallback | None = None,
     multiple: int = 1,
 ) -> list[list[int]]:
-    """The tokens generated after each prompt (end-of-text included when reached), sampled
-    below ``vocab_size``. Under tensor parallel every rank takes rank 0's token; ``multiple``
-    pads sequences to a multiple of it (sequence parallel; needs the KV cache)."""
+    """Each prompt's new tokens (end-of-text included when reached), below ``vocab_size``; under
+    TP every rank takes rank 0's; ``multiple`` pads lengths (sequence parallel)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("Every prompt needs at least one token.")
     generator = None

@@ -10,7 +10,7 @@ from titan_train.metrics.flops import (
     measure_cpu_matmul_flops,
     peak_flops,
 )
-from titan_train.metrics.logger import MetricsLogger, memory_gib
+from titan_train.metrics.logger import MetricsLogger
 from titan_train.metrics.memory import device_memory
 from titan_train.metrics.throughput import StepTokens, tokens_of_step
 
@@ -23,7 +23,6 @@ __all__ = [
     "device_memory",
     "gpu_peak_flops",
     "measure_cpu_matmul_flops",
-    "memory_gib",
     "peak_flops",
     "tokens_of_step",
 ]

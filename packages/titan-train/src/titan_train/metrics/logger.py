@@ -24,7 +24,7 @@ from titan_train.metrics.flops import peak_flops, peak_source
 from titan_train.metrics.memory import device_memory
 from titan_train.metrics.torchtitan_tags import torchtitan_run_folder, torchtitan_scalars
 
-__all__ = ["MetricsLogger", "memory_gib"]
+__all__ = ["MetricsLogger"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,6 @@ _COLORS = {"step": "\033[36m", "loss": "\033[32m", "tps": "\033[34m", "mfu": "\0
 _RESET = "\033[0m"
 _COLOR_TERMINAL = sys.stderr.isatty()
 """Whether the console line may use ANSI colors (logging writes to stderr)."""
-
-
-def memory_gib(device: torch.device | str | None = None) -> tuple[float, str]:
-    """(GiB, what): an accelerator's peak reserved memory since the last call, else RSS."""
-    numbers, kind = device_memory(device)
-    return numbers["memory_gib"], kind
 
 
 def _eta_text(seconds: float) -> str:
@@ -63,11 +57,10 @@ _REACHED = "the highest rate training reached"
 
 
 class MetricsLogger:
-    """Reports a training run's metrics every ``config.log_freq`` steps: every rank logs
-    the console line, only rank 0 writes files (under ``dump_folder``) unless
-    ``config.save_for_all_ranks``. ``flops_per_token`` 0 leaves TFLOPs and MFU out;
-    ``total_steps`` gives the ETA; ``heartbeat_s``: a short progress line between reports
-    once that long passed without one, so slow hardware is not silent."""
+    """Reports metrics every ``config.log_freq`` steps: every rank logs the line, rank 0
+    writes the files (every rank with ``save_for_all_ranks``). ``flops_per_token`` 0: no
+    TFLOPs/MFU; ``total_steps``: the ETA; ``heartbeat_s``: a progress line between reports
+    on slow hardware."""
 
     def __init__(
         self,
@@ -153,11 +146,10 @@ class MetricsLogger:
         lr: float | None = None,
         extra: Mapping[str, float] | None = None,
     ) -> dict[str, Any] | None:
-        """Account one optimizer step; on reporting steps write everywhere and return the
-        record (else ``None``). ``loss`` is read only on reporting steps (``should_log``:
-        pass ``None`` on the others, not waiting for the device). ``tokens``: the whole
-        step's (``tokens_of_step``), shared by ``devices``; ``step_seconds`` includes the
-        ``data_seconds`` spent waiting for batches; ``extra``: more scalars to record."""
+        """Account one step; on reporting steps (``should_log``; ``loss`` is ``None`` on
+        others, so the device is not waited for) write the record and return it.
+        ``tokens``: the step's (``tokens_of_step``) over ``devices``; ``step_seconds``
+        includes ``data_seconds``; ``extra``: more scalars."""
         window = self._window
         window["steps"] += 1
         window["tokens"] += tokens
@@ -232,9 +224,8 @@ class MetricsLogger:
         return record, memory_kind
 
     def _raise_peak(self, achieved: float) -> None:
-        """Raise the peak to ``achieved`` FLOP/s when above it (a slowed probe, another
-        variant's table row, a low ``metrics.peak_flops``): MFU over 100% would be false.
-        Warned once; later raises at debug level."""
+        """Raise the peak to ``achieved`` FLOP/s when above it (MFU over 100% would be false);
+        warned once, later at debug level."""
         if self.peak_flops is None or achieved <= self.peak_flops:
             return
         raised_before = self._peak_source == _REACHED

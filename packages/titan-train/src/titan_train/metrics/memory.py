@@ -1,10 +1,6 @@
-"""Device memory for the metrics: an accelerator's caching-allocator statistics, else the
-process's resident memory.
-
-On an accelerator (``torch.get_device_module``) each record holds the peaks since the last
-report of reserved (``memory_gib``), allocated and active memory, and the run's counts of
-allocation retries (the allocator freed its cache and tried again: fragmentation) and
-out-of-memory errors, as torchtitan's memory monitor does. On CPU: the resident set size.
+"""Device memory for the metrics: on an accelerator the caching allocator's peaks since the
+last report (reserved: ``memory_gib``; allocated; active) and the run's allocation retries
+(fragmentation) and OOMs, as torchtitan's memory monitor; on the CPU the resident set size.
 """
 
 from __future__ import annotations
@@ -56,9 +52,8 @@ def memory_metrics(stats: Mapping[str, int | float]) -> dict[str, float]:
 
 
 def device_memory(device: torch.device | str | None = None) -> tuple[dict[str, float], str]:
-    """(numbers, what ``memory_gib`` measured): on an accelerator every ``MEMORY_KEYS``
-    entry, with ``memory_gib`` the peak reserved memory, and the peaks reset for the next
-    report; else ``{"memory_gib": resident set size}``."""
+    """(numbers, what ``memory_gib`` measured): every ``MEMORY_KEYS`` entry on an accelerator,
+    its peaks reset for the next report; else ``{"memory_gib": resident set size}``."""
     device = torch.device(device if device is not None else "cpu")
     module = accelerator_memory(device)
     if module is not None:

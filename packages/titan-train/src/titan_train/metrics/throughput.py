@@ -1,12 +1,10 @@
 """How many tokens one training step processes, and over how many devices.
 
-Every rank of a data-parallel group loads the same local batch: its context-parallel
-ranks then split each sequence, its tensor-parallel ranks split each layer, its pipeline
-ranks split the layers into stages. So the step's tokens are the local batch's tokens
-times the data-parallel degree (times the torchft replica groups taking part), and they
-are spread over every device: ``world_size`` per replica group. Throughput per device is
-``global_tokens / step seconds / devices``, which is torchtitan's per-rank
-``local_tokens / (seconds * cp * tp * pp)``; MFU follows from it.
+Every rank of a data-parallel group loads the same local batch, which its CP, TP and PP
+ranks then split: a step's tokens are the local batch's times the data-parallel degree
+(times the torchft groups taking part), spread over ``world_size`` devices per group.
+Throughput per device, ``global_tokens / seconds / devices``, is torchtitan's per-rank
+``local_tokens / (seconds * cp * tp * pp)``.
 """
 
 from __future__ import annotations

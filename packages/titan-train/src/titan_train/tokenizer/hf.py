@@ -23,14 +23,8 @@ __all__ = ["HuggingFaceTokenizer"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]", "<|endoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[SEP]")
-_SPECIAL_KEYS = (
-    "bos_token",
-    "eos_token",
-    "pad_token",
-    "unk_token",
-    "sep_token",
-    "cls_token",
-    "mask_token",
+_SPECIAL_KEYS = tuple(
+    f"{name}_token" for name in ("bos", "eos", "pad", "unk", "sep", "cls", "mask")
 )
 
 

@@ -89,9 +89,8 @@ def write_tiktoken_bpe(ranks: Mapping[bytes, int], path: str | os.PathLike[str])
 
 
 class TiktokenTokenizer:
-    """A tiktoken BPE file with ``special_tokens`` (default Llama 3's 256, which must hold
-    ``<|begin_of_text|>`` and ``<|end_of_text|>``) given ids after its ranks; ``pattern``:
-    the pre-tokenization regex (default Llama 3's)."""
+    """A tiktoken BPE file, ``special_tokens`` (default Llama 3's 256, with BOS and EOS) given
+    ids after its ranks; ``pattern``: the pre-tokenization regex (Llama 3's)."""
 
     def __init__(
         self,

@@ -1,11 +1,9 @@
 """``build(config, plan) -> TrainingRun``: every part of a training run, built and resumed.
 
-First the checkpoint folder's writer lock: a second run on the folder stops there, before
-anything is written. Then the order the parts depend on, which keeps runs reproducible:
-data, the model (meta device, parallelized or split into stages, allocated, initialized from
-``training.seed``), optimizers and LR schedules, the checkpointer (which resumes), metrics
-and the profiler. With fault tolerance the ``ReplicaGroup`` shards the data over all groups
-and drives the optimizer container; the loop only counts the step's participants.
+First the checkpoint folder's writer lock (a second run on the folder stops before writing),
+then the parts in the order they depend on, which keeps runs reproducible: data, the model
+(meta, parallelized or split, allocated, initialized from ``training.seed``), optimizers and
+LR schedules, the checkpointer (which resumes), metrics, the profiler.
 """
 
 from __future__ import annotations
@@ -148,9 +146,8 @@ def build(config: JobConfig, plan: Plan) -> TrainingRun:
 def _build(
     config: JobConfig, plan: Plan, replicas: ReplicaGroup | None, lock: FolderLock
 ) -> TrainingRun:
-    # Over 60 lines on purpose: one straight sequence in the order the parts depend on
-    # (and the order that keeps runs reproducible), mostly constructor keywords; split up,
-    # the parts would only be passed around between the pieces.
+    # Long on purpose: one straight sequence in the order the parts depend on (which keeps
+    # runs reproducible); split up, the parts would only be passed between the pieces.
     dims, world = plan.parallel_dims, plan.world
     dump_file = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if dump_file and world.device.type != "cpu":
@@ -361,9 +358,8 @@ def _build_model(
     *,
     materialize: bool = True,
 ) -> tuple[Any, list[nn.Module], Pipeline | None]:
-    """Model args, the parts (meta -> parallelize or pipeline split -> allocate -> init by
-    ``training.seed`` and name, so every layout starts alike), and the pipeline.
-    ``materialize=False`` leaves the parts on the meta device (``estimate``)."""
+    """Model args, the parts (meta, parallelized or split, allocated, initialized by seed and
+    name) and the pipeline; ``materialize=False`` leaves them on meta (``estimate``)."""
     training, spec, dims, device = config.training, plan.spec, plan.parallel_dims, plan.world.device
     longest = max(training.seq_len, config.validation.seq_len if validating else 0)
     args = build_model_args(spec, config.model, vocab_size=vocab_size, max_seq_len=longest)
@@ -418,9 +414,8 @@ def _build_model(
 
 
 def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None:
-    """Seed torch's generators (and DTensor's, over the stage's mesh) for a third-party model
-    whose ``init_weights`` draws from them: ``seed + pp rank``, since stages running the same
-    init ops would otherwise draw identical blocks (titan's own families draw by name)."""
+    """Seed torch's (and DTensor's) generators with ``seed + pp rank`` for a third-party model
+    whose ``init_weights`` draws from them, so stages do not draw identical blocks."""
     pp_rank = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
     torch.manual_seed(seed + pp_rank)
     if device.type == "cpu" or not dims.layout.names:
@@ -435,9 +430,8 @@ def seed_model_init(seed: int, dims: ParallelDims, device: torch.device) -> None
 def materialization_devices(
     config: JobConfig, device: torch.device
 ) -> tuple[torch.device, torch.device]:
-    """Where parameters and buffers are allocated: the run's device, except all on the host
-    for a seed checkpoint (the whole unsharded fp32 model, as torchtitan does) and the
-    parameters on the host under FSDP CPU offload."""
+    """Where parameters and buffers are allocated: the run's device, but all on the host for a
+    seed checkpoint (as torchtitan) and parameters on the host under CPU offload."""
     host = torch.device("cpu")
     if config.checkpoint.create_seed_checkpoint:
         return host, host
@@ -456,9 +450,8 @@ def use_deterministic_algorithms() -> None:
 
 
 def close(run: TrainingRun) -> None:
-    """Close what holds files, threads or servers: profiler, checkpointer (waits for an
-    async save), metrics, the dataloader's prefetch thread, the torchft manager. Safe after
-    a failure."""
+    """Close what holds files, threads or servers (waiting for an async save); safe after a
+    failure."""
     try:
         run.dataloader.close()
         if run.profiler is not None:

@@ -1,15 +1,11 @@
 """Continue pretraining from Hugging Face weights: the check, before any work, that the
 folder ``checkpoint.initial_load_path`` (with ``checkpoint.initial_load_in_hf``) holds the
-model this run builds.
-
-Model-agnostic, through the spec's state-dict adapter factory: the folder's ``config.json``
-must describe the family, and its tensors, renamed by the adapter from their safetensors
-headers alone (no tensor data is read), must be this run's parameters with their shapes.
-Every failure is one ``CheckpointConfigError`` (exit 2) that starts with the folder.
-
+model this run builds: its ``config.json`` describes the family and its tensors, renamed by
+the spec's adapter from the safetensors headers alone, are this run's parameters with their
+shapes (one ``CheckpointConfigError``, exit 2, starting with the folder, otherwise).
 Published checkpoints often pad the embedding beyond the tokenizer (Qwen3: 151,936 rows for
-151,669 tokens), so the run builds the folder's ``vocab_size`` (:func:`run_vocab_size`); one
-smaller than the tokenizer's is refused.
+151,669 tokens), so the run builds the folder's ``vocab_size`` (:func:`run_vocab_size`); a
+smaller one than the tokenizer's is refused.
 """
 
 from __future__ import annotations
@@ -120,9 +116,8 @@ def check_initial_hf_load(config: JobConfig, spec: ModelSpec, *, max_seq_len: in
 
 
 def _check_fields(storage: Any, path: str, spec: ModelSpec, adapter: Any, args: Any) -> None:
-    """The factory's field-by-field check of the run's args against the folder's tensors
-    (renamed by ``adapter``), where it can say e.g. ``dim (hidden_size): expected 256 ...,
-    found 64``."""
+    """The factory's field-by-field check of the run's args against the folder's tensors, e.g.
+    ``dim (hidden_size): expected 256 ..., found 64``."""
     from functools import partial
 
     from titan_ckpt.adapter import from_hf_items, plan_items, streams

@@ -1,16 +1,13 @@
 """Keep freed host memory for reuse on CPU-only runs, instead of returning it to the system.
 
-glibc's ``malloc`` serves blocks above its mmap threshold (128 KiB, adapting up to 32 MiB)
-with a fresh ``mmap`` and unmaps them on ``free``, so each CPU training step the kernel maps,
-faults in and zeroes the same gigabytes again: on the Llama 3 debug model at batch 8 x 2048
-tokens, ~500,000-625,000 minor page faults per step, and a large matmul 25-35% slower than
-into mapped memory. Raised mmap and trim thresholds keep those blocks in the heap: ~33,000
-faults per step, the step 0.89x the time (``tools/bench/step_profile.py``), the peak
-resident memory about the same (3.4-3.6 GiB), held until the process exits.
-
-Only for a Linux glibc process training on the CPU; off with ``training.reuse_host_memory
-= false``, and left off under torch's ``THP_MEM_ALLOC_ENABLE=1`` (which avoids most faults
-already; together they made a large matmul ~10x slower here).
+glibc serves blocks above its mmap threshold (128 KiB, adapting up to 32 MiB) with a fresh
+``mmap`` and unmaps them on ``free``, so every CPU step the kernel maps, faults in and zeroes
+the same gigabytes again (Llama 3 debug, batch 8 x 2048: ~500,000-625,000 minor faults per
+step; a large matmul 25-35% slower into fresh memory). Raised mmap and trim thresholds keep
+the blocks: ~33,000 faults per step, the step 0.89x the time (``tools/bench/step_profile.py``),
+about the same peak resident memory (3.4-3.6 GiB), held until exit. Linux glibc CPU runs
+only; ``training.reuse_host_memory = false`` turns it off, and torch's
+``THP_MEM_ALLOC_ENABLE=1`` leaves it off (together: a large matmul ~10x slower here).
 """
 
 from __future__ import annotations
@@ -37,10 +34,8 @@ _CAPPED_MMAP_THRESHOLD = 32 << 20
 
 
 def reuse_host_memory() -> bool:
-    """Make glibc's ``malloc`` keep freed blocks for reuse (see the module's docstring).
-    Returns whether it applied; ``False`` where the C library is not glibc or refuses, or
-    torch's huge-page allocation is on, with nothing changed. Process-wide and safe to
-    call more than once."""
+    """Make glibc's ``malloc`` keep freed blocks (process-wide, idempotent); ``False``, with
+    nothing changed, without glibc or under torch's huge-page allocation."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         logger.debug("host memory: not glibc; the system allocator's defaults stay")
         return False

@@ -1,14 +1,10 @@
 """The training run as four pieces: ``preflight`` -> ``build`` -> ``train_step`` -> the loop.
 
-run(config)
-  1. process group and device (titan-dims detects them: gloo on CPU, NCCL on CUDA)
-  2. preflight(config, world): every check before any work -> Plan
-  3. build(config, plan): data, model, optimizers, checkpointer (resumed), metrics -> TrainingRun
-  4. train(run): until the last step, train_step(run, batches), report, validate,
-     checkpoint, under the profiler; on SIGTERM, save the step and stop
-
-Fault tolerance changes nothing here: torchft's work happens at build time and inside the
-optimizer container, and semi-sync training wraps the loop (``titan_train.fault_tolerance``).
+``run(config)``: process group and device (gloo on CPU, NCCL on CUDA); ``preflight`` (every
+check) -> ``Plan``; ``build`` -> ``TrainingRun``; ``train``: steps, reports, validation and
+checkpoints under the profiler until the last step, or a SIGTERM (save, stop). Fault
+tolerance changes nothing here: torchft works at build time and in the optimizer container;
+semi-sync training wraps the loop.
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ logger = logging.getLogger("titan_train")
 
 
 def run(config: JobConfig) -> TrainState:
-    """Train as ``config`` says; returns the final train state. The process group it starts
-    is destroyed on the way out; when training fails, only on gloo (an NCCL shutdown can
-    block on peers still in a collective: the process exit takes it down instead)."""
+    """Train as ``config`` says; the final train state. The process group is destroyed on the
+    way out, after a failure on gloo only (NCCL's shutdown can block on waiting peers)."""
     os.environ.update(flight_recorder_env(config, detect_device_type()))
     device = init_distributed(
         timeout=timedelta(seconds=config.comm.init_timeout_seconds),
@@ -62,9 +57,8 @@ def run(config: JobConfig) -> TrainState:
     try:
         state = _run_in_group(config, device)
     except BaseException:
-        # On NCCL, shutting communicators down while peers still wait in a collective can
-        # block until the watchdog fires, hiding the error: leave that to process exit (the
-        # launcher tears the job down). gloo's shutdown does not block.
+        # NCCL's shutdown can block on peers waiting in a collective until the watchdog
+        # fires, hiding the error: process exit takes it down. gloo's does not block.
         if dist.get_backend() == "gloo":
             destroy_group()
         raise
@@ -104,9 +98,8 @@ def _run_in_group(config: JobConfig, device: torch.device) -> TrainState:
 
 
 def check_resume(config: JobConfig, plan: Plan) -> int | None:
-    """Before building anything: raise ``ConfigError`` when the step the run would resume
-    from records another model or flavor (loading would fail on missing keys); return its
-    number when it is ``training.steps`` or past (nothing to do), else ``None``."""
+    """Before building: ``ConfigError`` when the resume step records another model or flavor;
+    its number when it is ``training.steps`` or past (nothing to do), else ``None``."""
     cfg = plan.checkpoint
     if not cfg.enable or config.checkpoint.create_seed_checkpoint or config.fault_tolerance.enable:
         return None
@@ -156,9 +149,8 @@ def summary(run: TrainingRun, first_step: int, seconds: float) -> str:
 
 
 def train(run: TrainingRun) -> None:
-    """Train ``run`` from its current step to ``training.steps`` (garbage collected every
-    ``training.gc_freq`` steps); ``PreemptedError`` after the step the ranks stop at on
-    SIGTERM."""
+    """Train ``run`` to ``training.steps`` (collecting garbage every ``training.gc_freq``
+    steps); ``PreemptedError`` after the step the ranks stop at on SIGTERM."""
     training = run.config.training
     fast_from = fail_fast_step(run.config)
     gc.disable()
@@ -243,9 +235,8 @@ def write_seed_checkpoint(run: TrainingRun) -> None:
 
 
 def flight_recorder_env(config: JobConfig, device_type: str) -> dict[str, str]:
-    """The variables that make NCCL's flight recorder keep each rank's last
-    ``comm.trace_buf_size`` collectives and dump them under ``comm.save_traces_folder`` on a
-    timeout (which rank waited where); the user's win; none on CPU or with a size of 0."""
+    """Variables making NCCL's flight recorder keep ``comm.trace_buf_size`` collectives and
+    dump them under ``comm.save_traces_folder`` on a timeout; the user's win; none on CPU."""
     comm = config.comm
     if device_type == "cpu" or comm.trace_buf_size == 0:
         return {}
@@ -267,9 +258,8 @@ def fail_fast_step(config: JobConfig) -> int:
 
 
 def _start_fail_fast(run: TrainingRun, sigterm_group: dist.ProcessGroup | None) -> None:
-    # Start-up is over: from now on a hung rank should fail fast. Every rank must be past
-    # start-up first (a rank still finishing its first step would otherwise make its peers'
-    # next collective time out): a barrier, and the device's queued work done.
+    # Start-up is over: a hung rank should now fail fast, once every rank is past start-up
+    # (else a rank finishing its first step times its peers out): a barrier, queued work done.
     dist.barrier()
     if run.plan.world.device.type != "cpu":
         torch.accelerator.synchronize()

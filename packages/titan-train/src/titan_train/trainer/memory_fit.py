@@ -1,16 +1,13 @@
 """Refuse a run that cannot fit in memory before anything is allocated or written.
 
-A floor, not an estimate: what a run's model state needs at the least (fp32 weights and
-gradients, the optimizer's moments, divided over the ranks that shard them; embeddings left
-out, since their size follows the tokenizer) plus, on the CPU, what each rank's process holds
-before it builds anything (this process's own resident memory, torch and titan imported,
-shared pages left out) and the runtime's heap a training process keeps (``RUNTIME_HEAP``).
-Activations and buffers only add to it, so a run refused here cannot fit however it is
-launched on this host; one that passes may still run out (``titan-train estimate`` predicts the
-rest). ``titan-train estimate`` takes seconds to minutes (it builds and steps the model on
-the meta device); this check is arithmetic on the model's arguments and a few reads from
-``/proc``, so it runs in preflight, in the launcher before any rank starts, as well as in
-each rank. ``training.memory_check = false`` (``--training.no_memory_check``) skips it.
+A floor, not an estimate: the least a run's model state needs (fp32 weights and gradients,
+the optimizer's moments, over the ranks that shard them; embeddings left out, their size
+follows the tokenizer) plus, on the CPU, what each rank's process holds before building
+(this process's resident memory, shared pages left out) and ``RUNTIME_HEAP``. Activations
+only add to it, so a run refused here cannot fit on this host however launched; one that
+passes may still run out (``titan-train estimate`` predicts the rest, in seconds to
+minutes). This is arithmetic and a few ``/proc`` reads, so it runs in preflight, in the
+launcher before any rank starts, and in each rank; ``--training.no_memory_check`` skips it.
 """
 
 from __future__ import annotations
@@ -39,12 +36,10 @@ logger = logging.getLogger("titan_train")
 GIB = 1 << 30
 
 RUNTIME_HEAP = 17 << 20
-"""What a training process keeps on its heap besides tensors once it has built the run and
-stepped: the data loader and tokenizer, the optimizer's and FSDP's Python state, the math
-library's packing buffers. Measured (glibc's bytes in use after two steps, less the tensors
-kept) at 17 MiB for the Llama 3 debug model and a ~100M one alike, torch 2.13 on the CPU:
-a cost of the runtime, not of the model's size. ``titan-train estimate`` counts it in its
-``host_overhead`` too."""
+"""A training process's heap besides tensors (data loader, tokenizer, optimizer and FSDP
+state, BLAS buffers): glibc's bytes in use after two steps less the tensors, 17 MiB for the
+Llama 3 debug model and a ~100M one alike (torch 2.13, CPU), so the runtime's, not the
+model's. ``titan-train estimate`` counts it in ``host_overhead`` too."""
 
 # Bytes per parameter of what an optimizer keeps (its moments), all in fp32.
 _OPTIMIZER_STATE_BYTES = {"Adam": 8, "AdamW": 8}
@@ -69,9 +64,8 @@ class HostMemory:
 
 
 def host_memory() -> HostMemory | None:
-    """The host memory a new process can have: the kernel's ``MemAvailable``, capped by this
-    process's cgroup limit (v2 or v1) and by ``ulimit -v`` / ``-d``; ``None`` where none of
-    them can be read (not Linux)."""
+    """What a new process can have: ``MemAvailable`` capped by the cgroup limit (v2, v1) and
+    ``ulimit -v``/``-d``; ``None`` where none can be read (not Linux)."""
     limits: list[tuple[int, str]] = []
     meminfo = _read("/proc/meminfo")
     for line in (meminfo or "").splitlines():
@@ -104,10 +98,9 @@ def check_memory_fits(
     device: torch.device,
     started: bool,
 ) -> None:
-    """Raise ``ConfigError`` when ``local_ranks`` ranks on this host, each holding its
-    ``1/shards`` of the model state, cannot fit (see the module's docstring). ``n_params``:
-    the model's parameters without embeddings; ``started``: the ranks' processes exist already
-    (their memory is no longer available), as in a rank's own preflight, not the launcher's."""
+    """Raise ``ConfigError`` when ``local_ranks`` ranks here, each with ``1/shards`` of the
+    state of ``n_params`` (no embeddings), cannot fit; ``started``: the ranks' processes
+    exist (a rank's preflight, not the launcher's), their memory no longer available."""
     if not config.training.memory_check:
         return
     state = math.ceil(model_state_bytes(config, n_params) / shards)
@@ -154,13 +147,10 @@ def check_memory_fits(
 def check_launch_fits(
     config: JobConfig, *, world_size: int, local_ranks: int, device: torch.device
 ) -> None:
-    """The launcher's second look, for many CPU ranks on one host: when the processes alone
-    (``local_ranks`` x what this one holds, and the runtime's heap) take more than half of
-    what the host can give, the floor of ``check_memory_fits`` says too little (a small model
-    on many ranks needs its activations and buffers many times over), so rank 0's whole step
-    is estimated (``titan-train estimate``'s ``peak_resident``: seconds, on fake tensors)
-    and the run refused with ``ConfigError`` when ``local_ranks`` of them cannot fit. Below
-    that the estimate's seconds are not spent: the floor and the ranks' own checks stand."""
+    """The launcher's second look: when ``local_ranks`` CPU processes alone take over half
+    the host, the floor says too little (activations count many times over), so rank 0's
+    step is estimated (``peak_resident``, seconds) and the run refused with ``ConfigError``
+    when ``local_ranks`` of them cannot fit."""
     if not config.training.memory_check or device.type != "cpu" or local_ranks < 2:
         return
     host = host_memory()

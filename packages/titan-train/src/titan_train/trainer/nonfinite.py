@@ -1,13 +1,12 @@
 """What a run does when the gradient norm is inf or nan: skip the update, a bounded number of
 times in a row, then stop.
 
-The optimizer container already skips the update of a step whose clipped gradient norm is
-not finite; without a bound that repeats silently forever once training diverged.
-``NonFiniteGuard`` allows ``training.skip_nonfinite_steps`` in a row (one warning each) and
-raises ``NonFiniteStepsError`` on the next, before that step's checkpoint, so the last
-committed step (finite weights) stays the resume point. The norm is clipping's, the same on
-every rank; the guard reads only whether it is finite (the one host sync per step that
-deciding to skip needs). With clipping off no norm exists and nothing is skipped.
+The optimizer container skips a step whose clipped gradient norm is not finite, which alone
+repeats silently forever once training diverged. ``NonFiniteGuard`` allows
+``training.skip_nonfinite_steps`` in a row (a warning each) and raises
+``NonFiniteStepsError`` on the next, before that step's checkpoint, so the last committed
+(finite) step stays the resume point. It reads only whether clipping's norm (the same on
+every rank) is finite; with clipping off nothing is skipped.
 """
 
 from __future__ import annotations

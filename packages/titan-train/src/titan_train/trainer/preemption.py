@@ -1,26 +1,18 @@
 """Stopping a run on SIGTERM, which SLURM and Kubernetes send some seconds before SIGKILL.
 
-``train`` runs its loop inside ``stop_on_sigterm``:
+Inside ``stop_on_sigterm`` a rank that gets SIGTERM notes it and trains on; after each step
+the ranks agree whether any got it (a MAX all-reduce of one int on a gloo group of their
+own: ~0.3 ms on 2 CPU ranks), so all stop after the same step. Rank 0 logs one line; with
+``checkpoint.save_on_sigterm`` every rank saves that step and waits for the commit; ``train``
+raises ``PreemptedError`` and ``titan-train`` exits 143 (128 + 15: stopped, not finished, so
+no 0 that says done nor 1 that a retry would not fix; Kubeflow's ``restartPolicy: ExitCode``
+restarts on 143). Before the loop SIGTERM keeps its default: no step would be saved.
 
-1. SIGTERM reaches every rank (torchrun's agent passes its own on, SLURM signals each
-   process); a rank notes it and trains on.
-2. After each step the ranks agree whether any got it: an all-reduce (MAX) of one int over
-   a gloo group of their own, on the host (~0.3 ms on 2 CPU ranks, measured over 2,000
-   calls), so all stop after the same step.
-3. Rank 0 logs one line; with ``checkpoint.save_on_sigterm`` every rank saves that step and
-   waits for the commit; ``train`` raises ``PreemptedError`` and ``titan-train`` exits 143.
-4. A SIGTERM ``REPEAT_WINDOW_S`` or more after the first ends the process at once, without
-   a save; one sooner is the same request delivered twice (SLURM and torchrun's agent).
-
-Before the loop SIGTERM keeps its default: no step has been trained that a save would keep.
-
-Why 143 (128 + 15, what shells, SLURM and Kubernetes report for a SIGTERM'd process): the
-run is stopped, not finished. 0 would tell a scheduler the work is done, 1 is an error a
-retry would not fix; Kubeflow's ``restartPolicy: ExitCode`` restarts on 143.
-
-The second SIGTERM is watched by a thread: Python runs a signal handler only when the main
-thread is back in the interpreter, which a hung collective may not be for minutes; the
-C-level handler writes the signal to a wakeup fd (``signal.set_wakeup_fd``) at once.
+A SIGTERM ``REPEAT_WINDOW_S`` or more after the first ends the process at once (one sooner is
+the same request delivered twice, by SLURM and torchrun's agent). A thread watches for it:
+Python runs a handler only when the main thread is back in the interpreter, which a hung
+collective may not be for minutes, while the wakeup fd (``signal.set_wakeup_fd``) is written
+at once.
 """
 
 from __future__ import annotations

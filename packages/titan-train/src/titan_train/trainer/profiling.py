@@ -61,10 +61,9 @@ class ProfilingConfig:
 
 
 class Profiler:
-    """Traces and snapshots for the loop: recording starts when it is built; call ``step()``
-    once per finished training step and ``close()`` at the end (or use it as a context
-    manager). Does nothing when both are off. ``step``: the step training starts after
-    (on resume), so windows stay aligned with step numbers."""
+    """Traces and snapshots for the loop, from when it is built: ``step()`` after each step,
+    ``close()`` at the end (or a ``with``). ``step``: the resume step, so windows stay
+    aligned with step numbers."""
 
     def __init__(
         self,
@@ -114,9 +113,8 @@ class Profiler:
             self._torch_profiler.start()
 
     def _action(self, profiler_step: int) -> torch.profiler.ProfilerAction:
-        # The profiler counts its own steps from 0; windows are defined on training steps
-        # (profiler step 0 is training step start + 1), so they end on multiples of
-        # profile_freq also after a resume.
+        # The profiler counts from 0 (training step start + 1): windows are on training
+        # steps so they end on multiples of profile_freq after a resume too.
         config = self.config
         position = (self._start_step + profiler_step) % config.profile_freq  # 0 .. freq-1
         last = config.profile_freq - 1

@@ -1,18 +1,15 @@
 """One training step, and the one forward path training and validation share.
 
-``train_step(run, batches)`` runs a whole optimizer step (zero_grad, which also starts
-torchft's quorum; forward and backward of every micro-batch; clipping; the non-finite guard;
-optimizer and LR steps) and returns a ``StepResult`` still on the device: the only host sync
-is the finiteness check of the gradient norm. Reducing the loss over the ranks happens only
-on reporting steps (``report_step``).
+``train_step(run, batches)`` runs a whole optimizer step (zero_grad, which starts torchft's
+quorum; every micro-batch's forward and backward; clipping; the non-finite guard; optimizer
+and LR steps) and returns a ``StepResult`` on the device: its one host sync is the gradient
+norm's finiteness. The loss is reduced over ranks only on reporting steps (``report_step``).
 
-The loss is normalized by trained tokens (labels other than ``IGNORE_INDEX``) over the whole
-global batch: each micro-batch backpropagates its summed loss times ``dp x cp / count``
-(``count``: the step's trained tokens, all-reduced over ``dp`` once per step), and the
-gradient averaging of FSDP or DDP over the ``dp x cp`` ranks leaves the gradient of the
-global per-token mean, whichever micro-batch or rank a long prompt lands on. Under pipeline
-parallelism the schedule averages its microbatches' mean losses, the same only when every
-token is trained (``preflight`` refuses chat data there).
+The loss is normalized by the global batch's trained tokens (labels not ``IGNORE_INDEX``):
+each micro-batch backpropagates its summed loss times ``dp x cp / count`` (``count``
+all-reduced once per step), and FSDP's or DDP's averaging leaves the gradient of the global
+per-token mean wherever a long prompt lands. A pipeline schedule averages its microbatches'
+mean losses, the same only when every token is trained (``preflight`` refuses chat data).
 """
 
 from __future__ import annotations
@@ -71,9 +68,8 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy of the trained tokens of ``(batch, seq, vocab)``
-    logits (labels other than ``IGNORE_INDEX``), computed in fp32: the training loss,
-    divided by the global batch's trained tokens in the step (``trained_tokens``)."""
+    """Summed next-token cross entropy, in fp32, of the trained tokens (labels not
+    ``IGNORE_INDEX``) of ``(batch, seq, vocab)`` logits."""
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -118,9 +114,8 @@ class StepResult:
     step: int
     """The step just taken (1-based)."""
     loss: torch.Tensor | None
-    """This rank's share of the step's loss (plain, detached; ``reduce_loss`` over the
-    ``dp x cp`` ranks gives the per-token loss); ``None`` on a pipeline rank without the
-    last stage."""
+    """This rank's share of the step's loss (plain, detached; ``reduce_loss`` over ``dp x cp``
+    gives the per-token loss); ``None`` on a pipeline rank without the last stage."""
     grad_norm: torch.Tensor | None
     """The global gradient norm before clipping; ``None`` with clipping off."""
     tokens: StepTokens
@@ -182,11 +177,10 @@ def batch_loss(
     loss_fn: LossFn = cross_entropy_sum,
     documents: DocumentMasking | None = None,
 ) -> torch.Tensor | None:
-    """The summed loss of one batch's trained tokens on this rank, inside the plan's step
-    context: plain and detached; ``None`` on a pipeline rank without the last stage.
-    ``scale`` also runs the backward of ``loss x scale`` (a pipeline's of its microbatches'
-    mean, the sum returned as mean x trained tokens); ``None`` evaluates only (under
-    ``torch.no_grad``). ``documents``: document masking's forward keywords from ``inputs``."""
+    """This rank's summed loss of a batch's trained tokens in the step context, detached
+    (``None`` on a pipeline rank without the last stage). ``scale``: also backward of ``loss
+    x scale`` (a pipeline's: of its microbatches' mean, returning mean x trained tokens;
+    ``None``: under ``no_grad``); ``documents``: masking keywords from ``inputs``."""
     with context(inputs, labels) as (inputs, labels):
         kwargs = {} if documents is None else documents.forward_kwargs(inputs)
         if pipeline is not None:
@@ -210,18 +204,16 @@ def trained_tokens(labels: list[torch.Tensor], dims: ParallelDims) -> torch.Tens
 
 
 def loss_share(dims: ParallelDims, count: torch.Tensor) -> torch.Tensor:
-    """What a rank multiplies its summed loss by: ``dp x cp / count`` (the global batch's
-    trained tokens), so the gradient and ``reduce_loss`` averages over the ``dp x cp`` ranks
-    end as the per-token mean; ``count`` 0 gives 0."""
+    """What a rank multiplies its summed loss by, ``dp x cp / count`` (``count``: the global
+    batch's trained tokens; 0 gives 0), so averaging over ranks ends as the token mean."""
     return dims.dp_degree * dims.cp / count.clamp(min=1).to(torch.float32)
 
 
 def next_batches(
     batch_iter: Iterator[Batch], count: int, device: torch.device
 ) -> tuple[list[Batch], float]:
-    """The next ``count`` (inputs, labels) batches on ``device``, and seconds spent waiting.
-    To an accelerator they are copied from pinned memory without blocking (a pageable copy
-    makes the host wait at every micro-batch)."""
+    """The next ``count`` batches on ``device`` and the seconds waited; to an accelerator copied
+    from pinned memory without blocking (a pageable copy waits every micro-batch)."""
     started = time.perf_counter()
     accelerator = (
         torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -239,9 +231,8 @@ def next_batches(
 
 
 def train_step(run: StepRun, batches: list[Batch]) -> StepResult:
-    """One optimizer step of ``run`` over ``batches`` (its accumulation steps' micro-batches);
-    advances ``run.train_state``. Raises ``NonFiniteStepsError`` past the allowed run of
-    inf/nan gradient norms, before the step's update."""
+    """One optimizer step of ``run`` over ``batches``, advancing ``run.train_state``;
+    ``NonFiniteStepsError`` past the allowed inf/nan norms, before the update."""
     state = run.train_state
     state.step += 1
     run.optimizers.zero_grad()

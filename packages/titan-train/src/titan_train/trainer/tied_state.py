@@ -20,9 +20,8 @@ _SECTIONS = ("state.", "param_groups.")
 
 
 class TiedOptimizerState:
-    """The ``"optimizer"`` entry of a checkpoint, with each tied copy's keys under the name
-    of the weight it repeats (``names``: ``(first stage's, last stage's)`` per tied weight;
-    the container's keys are ``"<state|param_groups>.<parameter name>.<key>"``)."""
+    """A checkpoint's ``"optimizer"`` entry with each tied copy's keys under the name of the
+    weight it repeats (``names``: ``(first stage's, last stage's)`` per tied weight)."""
 
     def __init__(self, optimizers: Any, names: Sequence[tuple[str, str]]) -> None:
         self.optimizers = optimizers

@@ -56,10 +56,9 @@ class ValidationConfig(DataSource):
 
 
 class Validator:
-    """Computes the validation loss of a model (or of this rank's pipeline stages), its
-    data sharded over the data-parallel ranks of ``dims``. ``step_context``, ``loss_fn`` and
-    ``documents`` are the training run's (``step_context=None``: built from ``dims`` with
-    the default ``ParallelizeConfig``)."""
+    """The validation loss of a model (or this rank's pipeline stages), data sharded over
+    ``dims``' data-parallel ranks; ``step_context`` (``None``: from ``dims``), ``loss_fn`` and
+    ``documents`` are the training run's."""
 
     def __init__(
         self,
@@ -100,9 +99,8 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module], pipeline: Pipeline | None = None) -> float:
-        """The validation loss per trained token, the same on every rank. ``pipeline`` is
-        the ``titan_models`` Pipeline when the model is pipelined (``model_parts`` its
-        stages)."""
+        """The validation loss per trained token, the same on every rank; ``pipeline``: the
+        model's ``Pipeline`` (``model_parts`` its stages) when pipelined."""
         # Each part goes back to the mode it had, also when an evaluation fails (a caller that
         # catches the error keeps training, which must not go on in eval mode).
         modes = [part.training for part in model_parts]
