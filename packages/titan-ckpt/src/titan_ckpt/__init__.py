@@ -41,10 +41,10 @@ from titan_ckpt.errors import (
     UnsafeCheckpointError,
 )
 from titan_ckpt.ft import FaultToleranceOptions
+from titan_ckpt.layout import MODEL_RECORD
 from titan_ckpt.load_plan import Loaded
 from titan_ckpt.lock import lock_checkpoint_folder
 from titan_ckpt.manager import CheckpointManager
-from titan_ckpt.model_record import MODEL_RECORD
 from titan_ckpt.preflight import check_folder_contents, check_folder_writable
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for
