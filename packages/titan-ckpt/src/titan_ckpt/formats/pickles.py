@@ -41,6 +41,7 @@ __all__ = [
     "RestrictedUnpickler",
     "load_metadata",
     "load_record",
+    "member_start",
     "refusal",
     "stored_member",
 ]
@@ -298,18 +299,24 @@ def stored_member(f: IO[bytes], info: zipfile.ZipInfo) -> bytes:
     ``ValueError`` for a compressed member or a damaged header; ``f``'s position moves."""
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"{info.filename} is compressed; torch.save stores its members")
-    f.seek(info.header_offset)
-    local = f.read(30)
-    if len(local) != 30 or local[:4] != b"PK\x03\x04":
-        raise ValueError(f"the zip header of {info.filename} is damaged")
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    start = info.header_offset + 30 + name_len + extra_len
+    start = member_start(f, info)
     # A damaged directory may claim any size: check it against the bytes there before
     # reading (a read allocates what it is asked for).
     if start + info.file_size > f.seek(0, io.SEEK_END):
         raise ValueError(f"{info.filename} ends early")
     f.seek(start)
     return f.read(info.file_size)
+
+
+def member_start(f: IO[bytes], info: zipfile.ZipInfo) -> int:
+    """Where the bytes of ``info``, a member of the zip in ``f``, begin (after its local
+    header); ``ValueError`` for a damaged header."""
+    f.seek(info.header_offset)
+    local = f.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"the zip header of {info.filename} is damaged")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def prescan_record(value: io.BytesIO) -> None:
