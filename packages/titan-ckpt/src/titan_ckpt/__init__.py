@@ -13,12 +13,8 @@ A step directory titan did not create is never deleted, overwritten or written i
 torchtitan checkpoints resume through ``TorchtitanCompat``. One run writes a folder at a
 time: ``lock_checkpoint_folder`` (``titan_ckpt.lock``), which a saving manager takes itself.
 
-The package has three layers: the runtime at the top level (``manager``, ``layout``,
-``storage``, ``hf``, ...), ``titan_ckpt.formats`` (DCP, safetensors, torch.save: readers and
-writers) and ``titan_ckpt.commands`` (inspect, verify, diff, convert and the ``titan-ckpt``
-command). Every error raised on purpose is a ``CheckpointError`` (``titan_ckpt.errors``).
-The on-disk layout (commit and owner markers, the manifest, scanning, classifying and
-verifying steps) is ``titan_ckpt.layout``'s face.
+Every error raised on purpose is a ``CheckpointError`` (``titan_ckpt.errors``). The layers
+(runtime, ``formats``, ``commands``) are described in the package's README.
 """
 
 from titan_ckpt.__about__ import __version__
@@ -41,10 +37,10 @@ from titan_ckpt.errors import (
     UnsafeCheckpointError,
 )
 from titan_ckpt.ft import FaultToleranceOptions
+from titan_ckpt.layout import MODEL_RECORD
 from titan_ckpt.load_plan import Loaded
 from titan_ckpt.lock import lock_checkpoint_folder
 from titan_ckpt.manager import CheckpointManager
-from titan_ckpt.model_record import MODEL_RECORD
 from titan_ckpt.preflight import check_folder_contents, check_folder_writable
 from titan_ckpt.states import ModelState, OptimizerState
 from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage, storage_for

@@ -16,7 +16,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -35,11 +37,13 @@ from titan_ckpt.torchtitan import is_torchtitan_checkpoint, read_state_keys
 
 __all__ = [
     "COMMIT_MARKER",
+    "MODEL_RECORD",
     "OWNER_MARKER",
     "STEP_KINDS",
     "STEP_RE",
     "CheckpointIntegrityError",
     "Manifest",
+    "Purger",
     "StepScan",
     "classify_step",
     "commit_step",
@@ -68,6 +72,9 @@ UNREADABLE_MARKER_MEANS = (
     "same step replaces it"
 )
 """What a commit marker that does not parse means, as ``verify`` and ``inspect`` say it."""
+MODEL_RECORD = "model"
+"""The key of the model's record in ``Manifest.metadata``: ``{"name", "flavor", "args"}``,
+which ``titan-ckpt convert`` hands to the state-dict adapter named ``name``."""
 STEP_KINDS = ("committed", "interrupted", "torchtitan", "foreign")
 _MARKERS = (COMMIT_MARKER, OWNER_MARKER)  # ours, not checkpoint data: not in the manifest
 FORMAT = "titan-ckpt/1"
@@ -468,3 +475,58 @@ def scan_steps(storage: Storage, folder: str, *, log: bool = True) -> StepScan:
             ", ".join(map(step_name, scan.uncommitted)),
         )
     return scan
+
+
+_STOP = object()
+
+
+class Purger:
+    """Retention: deletes committed steps beyond the newest ``keep_latest_k`` under one folder,
+    in a daemon thread (on one rank), only through ``remove_step``; a step it must leave is
+    not tried again, and a failed pass is logged while the next request carries on."""
+
+    def __init__(self, storage: Storage, folder: str, keep_latest_k: int) -> None:
+        if keep_latest_k < 2:
+            raise ValueError(f"keep_latest_k={keep_latest_k}: the purger keeps at least 2.")
+        self.storage, self.folder, self.keep = storage, folder, keep_latest_k
+        self.failures: list[str] = []
+        self.left: set[str] = set()
+        """Steps ``remove_step`` left in place (a link, files not ours): not tried again."""
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="titan-ckpt-purge", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Ask for a purge pass; returns at once."""
+        self._queue.put(None)
+
+    def close(self) -> None:
+        """Finish every pass already requested, then stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while self._queue.get() is not _STOP:
+            try:
+                self._purge_once()
+            except Exception as e:  # the thread must outlive any one failed pass
+                logger.exception("Checkpoint purge pass in %s failed", self.folder)
+                self.failures.append(f"{self.folder}: {e}")
+
+    def _purge_once(self) -> None:
+        # Only steps with our commit marker count and go: never torchtitan's, a foreign
+        # directory, or an interrupted save (see titan_ckpt.layout).
+        committed = committed_steps(self.storage, self.folder)
+        for step in committed[: max(0, len(committed) - self.keep)]:
+            directory = step_dir(self.storage, self.folder, step)
+            if directory in self.left:
+                continue
+            try:
+                if not remove_step(self.storage, directory):
+                    self.left.add(directory)
+                    continue
+                logger.info("Deleted checkpoint %s (keep_latest_k=%d)", directory, self.keep)
+            except Exception as e:
+                logger.warning("Could not delete checkpoint %s: %s", directory, e)
+                self.failures.append(f"{directory}: {e}")

@@ -32,19 +32,13 @@ from titan_ckpt.adapter import (
     streams,
     to_hf_items,
 )
-from titan_ckpt.commands.source import open_source
+from titan_ckpt.commands import open_source
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, TensorSpec, batches, dtype_name, group_of, select_keys
 from titan_ckpt.formats.dcp import save_dcp_streaming, unwrap_read_errors
 from titan_ckpt.formats.safetensors import encode_object, write_safetensors_shards
 from titan_ckpt.formats.torch_save import save_torch_streaming
-from titan_ckpt.layout import Manifest, commit_step, read_manifest
-from titan_ckpt.model_record import (
-    MODEL_RECORD,
-    adapter_record,
-    model_record,
-    model_tensor_shapes,
-)
+from titan_ckpt.layout import MODEL_RECORD, Manifest, commit_step, json_metadata, read_manifest
 from titan_ckpt.storage import LocalStorage
 
 __all__ = ["ConvertOptions", "convert", "read_hf_config"]
@@ -510,3 +504,47 @@ _WRITERS = {
     "dcp": _write_dcp,
     "torch": _write_torch,
 }
+
+
+def model_record(source: Source) -> dict[str, Any] | None:
+    """The model record of a titan DCP step (``{"name", "flavor", "args"}``), or ``None``
+    when the source is no committed titan step or records no model (an older titan,
+    torchtitan, a plain DCP directory, safetensors, torch.save)."""
+    if source.format != "dcp":
+        return None
+    try:
+        manifest = read_manifest(LocalStorage(), source.path)
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+    ):  # a foreign or damaged marker: as if none were recorded
+        return None
+    record = manifest.metadata.get(MODEL_RECORD) if manifest is not None else None
+    if not isinstance(record, dict) or not isinstance(record.get("args"), dict):
+        return None
+    return record
+
+
+def model_tensor_shapes(source: Source) -> dict[str, tuple[int, ...]]:
+    """Native key -> shape of every model tensor of ``source`` (what an adapter checks a
+    description against)."""
+    return {
+        key: tuple(entry.shape or ())
+        for key, entry in source.entries.items()
+        if entry.is_tensor and group_of(key) == "model"
+    }
+
+
+def adapter_record(adapter: Any, name: str, flavor: str | None) -> dict[str, Any] | None:
+    """The model record of a checkpoint converted from HF by ``adapter`` (registered as
+    ``name``), when the adapter tells its model's args (an optional ``model_args()`` method
+    returning a JSON object, e.g. as read from the HF ``config.json``); else ``None``."""
+    method = getattr(adapter, "model_args", None)
+    if not callable(method):
+        return None
+    try:
+        args = json_metadata(method())
+    except (TypeError, ValueError):  # not a JSON object: record nothing rather than fail
+        return None
+    return {"name": name, "flavor": flavor, "args": args}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from titan_ckpt.commands.source import open_source
+from titan_ckpt.commands import open_source
 from titan_ckpt.errors import CheckpointConfigError
 from titan_ckpt.formats.base import Source, batches, dtype_name, select_keys
 

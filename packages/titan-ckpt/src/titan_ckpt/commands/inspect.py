@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from titan_ckpt.commands.source import detect, open_source
+from titan_ckpt.commands import detect, open_source
 from titan_ckpt.formats.base import (
     STATE_GROUPS,
     Entry,

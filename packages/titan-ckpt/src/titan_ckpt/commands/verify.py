@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from titan_ckpt.commands.source import detect, open_source
+from titan_ckpt.commands import detect, open_source
 from titan_ckpt.errors import CheckpointIntegrityError, UnsafeCheckpointError
 from titan_ckpt.formats.base import Source, batches
 from titan_ckpt.formats.checksums import entry_algorithm

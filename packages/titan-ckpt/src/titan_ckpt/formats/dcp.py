@@ -15,7 +15,6 @@ import functools
 import io
 import os
 import re
-import struct
 import warnings
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
 from titan_ckpt.formats.hashing import records_without_crc32
-from titan_ckpt.formats.pickles import load_metadata, load_record, stored_member
+from titan_ckpt.formats.pickles import load_metadata, load_record, member_start, stored_member
 
 __all__ = [
     "DCP_METADATA",
@@ -457,14 +456,11 @@ def _load_contiguous_record(record: _FileSlice, e: Entry) -> torch.Tensor | None
             return None
         if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
             return None
-        info = data[0]
-        if info.file_size != e.nbytes:
+        if data[0].file_size != e.nbytes:
             return None
-        record.seek(info.header_offset)
-        local = record.read(30)
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        start = member_start(record, data[0])
     t = torch.empty(e.shape, dtype=e.dtype)
-    read_exactly(record, info.header_offset + 30 + name_len + extra_len, t, f"record of {e.key}")
+    read_exactly(record, start, t, f"record of {e.key}")
     return t
 
 

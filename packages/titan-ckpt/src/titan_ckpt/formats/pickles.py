@@ -41,6 +41,7 @@ __all__ = [
     "RestrictedUnpickler",
     "load_metadata",
     "load_record",
+    "member_start",
     "refusal",
     "stored_member",
 ]
@@ -203,59 +204,29 @@ def _describe(obj: Any) -> str:
     return f"{kind} {name}" if name else f"a {kind} it did not make"
 
 
-def _opcode_table() -> dict[int, tuple[int, int, int]]:
-    """opcode byte -> (argument size code as pickletools describes it, lines, role), where
-    role is 0 plain, 1 a memo index (binary), 2 a memo index (text), 3 FRAME, 4 STOP."""
-    roles = {"BINPUT": 1, "LONG_BINPUT": 1, "BINGET": 1, "LONG_BINGET": 1, "PUT": 2, "GET": 2}
-    roles.update(FRAME=3, STOP=4)
-    table = {}
-    for op in pickletools.opcodes:
-        n = op.arg.n if op.arg is not None else 0
-        lines = 2 if op.arg is not None and op.arg.name.endswith("_pair") else 1
-        table[ord(op.code)] = (n, lines, roles.get(op.name, 0))
-    return table
-
-
-_OPCODES = _opcode_table()
-# pickletools' codes for arguments whose length is read first: 1, 4 (signed), 4 or 8 bytes.
-_LENGTH_BYTES = {-2: 1, -3: 4, -4: 4, -5: 8}
+_BOUNDED = frozenset({"BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", "PUT", "GET", "FRAME"})
+"""Opcodes whose argument the C unpickler allocates for (a memo index, a frame) before it
+reads on: bounded here by the size of the pickle."""
 
 
 def prescan(data: bytes) -> None:
     """Walk the opcodes of ``data`` to its STOP without running them; ``ValueError`` for an
     unknown opcode, an argument running past the end, or a memo index or frame larger than
-    the pickle itself (see the module docstring). A lean walk: ``pickletools.genops`` would
-    be about three times slower on a large ``.metadata``."""
-    limit, pos, table, find = len(data), 0, _OPCODES, data.find
-    while pos < limit:
-        entry = table.get(data[pos])
-        if entry is None:
-            raise ValueError(f"byte {pos} is not a pickle opcode ({data[pos]:#04x})")
-        n, lines, role = entry
-        pos += 1
-        if n > 0:
-            if role in (1, 3) and int.from_bytes(data[pos : pos + n], "little") > limit:
+    the pickle itself (see the module docstring)."""
+    limit = len(data)
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            if op.name in _BOUNDED and int(arg) > limit:
                 raise ValueError(f"a memo index or frame at byte {pos} exceeds the pickle")
-            pos += n
-        elif n == -1:  # up to a newline (GLOBAL and INST: two lines)
-            for _ in range(lines):
-                end = find(b"\n", pos)
-                if end < 0:
-                    raise ValueError(f"an argument at byte {pos} has no end of line")
-                if role == 2 and int(data[pos:end] or b"0") > limit:
-                    raise ValueError(f"a memo index at byte {pos} exceeds the pickle")
-                pos = end + 1
-        elif n < -1:  # a length, then that many bytes
-            size = _LENGTH_BYTES[n]
-            length = int.from_bytes(data[pos : pos + size], "little", signed=n == -3)
-            if length < 0:
-                raise ValueError(f"a negative length at byte {pos}")
-            pos += size + length
-        if pos > limit:
-            raise ValueError(f"an argument runs past the end of the {limit}-byte pickle")
-        if role == 4:
-            return
-    raise ValueError(f"the {limit}-byte pickle ends before its STOP opcode")
+    except ValueError as error:
+        why = str(error)
+        if "exhausted before seeing STOP" in why:
+            why = f"the {limit}-byte pickle ends before its STOP opcode"
+        elif why.endswith("unknown"):
+            why = f"{why}: not a pickle opcode"
+        elif "remain" in why or "not enough data" in why or "no newline" in why:
+            why = f"an argument runs past the end of the {limit}-byte pickle ({why})"
+        raise ValueError(why) from None
 
 
 def load_metadata(stream: IO[bytes], file: str, *, trust: bool = False) -> Any:
@@ -328,18 +299,24 @@ def stored_member(f: IO[bytes], info: zipfile.ZipInfo) -> bytes:
     ``ValueError`` for a compressed member or a damaged header; ``f``'s position moves."""
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"{info.filename} is compressed; torch.save stores its members")
-    f.seek(info.header_offset)
-    local = f.read(30)
-    if len(local) != 30 or local[:4] != b"PK\x03\x04":
-        raise ValueError(f"the zip header of {info.filename} is damaged")
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    start = info.header_offset + 30 + name_len + extra_len
+    start = member_start(f, info)
     # A damaged directory may claim any size: check it against the bytes there before
     # reading (a read allocates what it is asked for).
     if start + info.file_size > f.seek(0, io.SEEK_END):
         raise ValueError(f"{info.filename} ends early")
     f.seek(start)
     return f.read(info.file_size)
+
+
+def member_start(f: IO[bytes], info: zipfile.ZipInfo) -> int:
+    """Where the bytes of ``info``, a member of the zip in ``f``, begin (after its local
+    header); ``ValueError`` for a damaged header."""
+    f.seek(info.header_offset)
+    local = f.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"the zip header of {info.filename} is damaged")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def prescan_record(value: io.BytesIO) -> None:

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
-from titan_ckpt.formats.pickles import refusal, stored_member
+from titan_ckpt.formats.pickles import member_start, refusal, stored_member
 
 __all__ = ["TorchSource", "save_torch_streaming"]
 
@@ -138,13 +138,7 @@ def _starts_as_torch_save(path: str) -> bool:
 
 
 def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(v) for v in value)
-    return False
+    return next(_tensors_in(value), None) is not None
 
 
 def _read_storage(f: Any, meta: torch.Tensor) -> torch.Tensor:
@@ -211,7 +205,7 @@ def save_torch_streaming(
     try:
         layout = torch.load(skeleton, map_location="meta", weights_only=True)
         with open(skeleton, "rb") as src, zipfile.ZipFile(src) as archive:
-            infos = {_data_offset(src, i): i for i in archive.infolist()}
+            infos = {member_start(src, i): i for i in archive.infolist()}
             by_key = {k: _record(infos, layout[k]) for k in specs}
             with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as out:
                 # data.pkl first: torch names the archive by it. No ``.format_version``: it
@@ -243,12 +237,6 @@ def save_torch_streaming(
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
     return os.path.getsize(path)
-
-
-def _data_offset(f: Any, info: zipfile.ZipInfo) -> int:
-    f.seek(info.header_offset + 26)
-    name_len, extra_len = struct.unpack("<HH", f.read(4))
-    return info.header_offset + 30 + name_len + extra_len
 
 
 def _record(infos: dict[int, zipfile.ZipInfo], meta: torch.Tensor) -> str:
