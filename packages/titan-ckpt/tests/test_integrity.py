@@ -27,6 +27,7 @@ from titan_ckpt import (
     LocalStorage,
     OptimizerState,
 )
+from titan_ckpt.formats import hashing
 from titan_ckpt.formats.hashing import HashingStream
 from titan_ckpt.formats.pickles import stored_member
 from titan_ckpt.formats.torch_save import TorchSource
@@ -160,20 +161,46 @@ def test_fsspec_save_hashes_while_writing(common, entry_of):
         fs.rm("memory://integrity-test", recursive=True)
 
 
+@pytest.mark.parametrize("helper", [True, False])
 @pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
-def test_hashing_stream_gives_no_digest_when_written_out_of_order(algorithm, entry_of):
+def test_hashing_stream_gives_no_digest_when_written_out_of_order(
+    algorithm, helper, entry_of, monkeypatch
+):
     if algorithm == "xxh3_128":
         pytest.importorskip("xxhash")
+    # Large writes are hashed in a helper thread where a core is spare, else inline.
+    monkeypatch.setattr(hashing, "_helper_has_a_core", lambda: helper)
     raw = io.BytesIO()
     stream = HashingStream(raw, algorithm)
-    big = bytes(range(256)) * 8192  # 2 MiB
+    big = bytes(range(256)) * 8192  # 2 MiB: hashed beside the write, in the helper thread
     stream.write(b"head")
     stream.write(big)
+    assert (stream._helper is not None) == helper
     assert stream.digest() == entry_of(b"head" + big, algorithm)
     assert raw.getvalue() == b"head" + big
     stream.seek(0)
     stream.write(b"HEAD")  # overwrites hashed bytes: the hash no longer says what is there
     assert stream.digest() is None
+
+
+@pytest.mark.parametrize(
+    ("cores", "local_world_size", "spare"),
+    [(4, "2", True), (4, "3", False), (2, "2", False), (2, None, True), (1, None, False),
+     (8, "not a number", True)],
+)  # fmt: skip
+def test_hashing_helper_only_where_each_rank_has_a_core_to_spare(
+    cores, local_world_size, spare, monkeypatch
+):
+    monkeypatch.setattr(hashing.os, "sched_getaffinity", lambda _: set(range(cores)))
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    hashing._helper_has_a_core.cache_clear()
+    try:
+        assert hashing._helper_has_a_core() is spare
+    finally:
+        hashing._helper_has_a_core.cache_clear()
 
 
 def test_commit_takes_digests_reads_the_rest_and_refuses_a_changed_file(tmp_path, entry_of):

@@ -14,9 +14,11 @@ process-wide while a writer runs (``records_without_crc32``).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,25 @@ __all__ = [
 ]
 
 _WRITTEN_ATTR = "_titan_written_files"
+_OVERLAP_MIN = 1 << 20
+"""Writes this large are hashed in a helper thread while the bytes go to storage (both
+release the GIL) where each rank has a spare core: 424 MiB in 4 MiB writes to tmpfs took
+0.132 s against 0.149 s inline (0.124 s unhashed); with every core busy it costs ~5%."""
+
+
+@functools.cache
+def _helper_has_a_core() -> bool:
+    """Whether each rank on this node has at least two cores: one for its own work, one for
+    the hashing helper. The node's ranks are torchrun's ``LOCAL_WORLD_SIZE`` (1 without)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return cores >= 2 * ranks
 
 
 class HashingStream:
@@ -52,13 +73,24 @@ class HashingStream:
         self._hash = new_hasher(algorithm)
         self._size = 0
         self._in_order = True
+        self._helper: ThreadPoolExecutor | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
-        self._hash.update(view)
-        n = self._raw.write(data)
+        if len(view) >= _OVERLAP_MIN and _helper_has_a_core():
+            # The caller may free ``data`` once write returns: the hash ends before it does.
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-hash")
+            hashed = self._helper.submit(self._hash.update, view)
+            try:
+                n = self._raw.write(data)
+            finally:
+                hashed.result()
+        else:
+            self._hash.update(view)
+            n = self._raw.write(data)
         if n is not None and n != len(view):
             self._in_order = False  # a short write: the hash covers bytes not written
         self._size += len(view)
@@ -88,6 +120,7 @@ class HashingStream:
         return self._raw.fileno()
 
     def close(self) -> None:
+        self._stop_helper()
         self._raw.close()
 
     @property
@@ -109,9 +142,15 @@ class HashingStream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _stop_helper(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
+
     def digest(self) -> dict[str, Any] | None:
         """{"size": bytes, <algorithm>: hex} of what was written, or None (written out of
         order)."""
+        self._stop_helper()
         if not self._in_order:
             return None
         return {"size": self._size, self._algorithm: self._hash.hexdigest()}
