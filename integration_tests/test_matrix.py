@@ -1,9 +1,11 @@
-"""CI's share of the integration matrix (``integration_tests/matrix.py``; ``hatch run
-integration`` runs all of it): the rows marked ``ci``, layouts and features that the other
-integration tests do not train through the real command (HSDP, an interleaved pipeline
+"""The integration matrix's share in the test suite (``integration_tests/matrix.py``; ``hatch
+run integration`` runs all of it): the rows marked ``ci``, layouts and features that the
+other integration tests do not train through the real command (HSDP, an interleaved pipeline
 schedule, gradient accumulation), each against one process's losses; and the SFT story end
 to end (``sft_chat_qwen3``: HF Qwen3 -> SFT with document masking on the chat sample -> HF
-export -> ``titan-train generate --chat`` -> transformers, the same greedy tokens)."""
+export -> ``titan-train generate --chat`` -> transformers, the same greedy tokens). CI runs
+gradient accumulation; the others are ``full`` (beside the marker, or in the root
+conftest.py, the CI test that keeps each one's promise)."""
 
 from __future__ import annotations
 

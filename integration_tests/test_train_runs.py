@@ -174,9 +174,10 @@ def runs(tmp_path_factory) -> Runs:
 
 
 # What CI keeps at this level is what the model level (titan-models' layout tests) cannot
-# show: the real command's files, resume, checkpoints resharding to another layout (FSDP and
-# pipeline stages into one process), validation and the profiler across layouts (pp_fsdp).
-# That each layout trains like one process is CI's in titan-models; here it is `full`.
+# show: the real command's files, resume, a checkpoint resharding to another layout (FSDP
+# ranks into one process), validation and the profiler across layouts (pp_fsdp). That each
+# layout trains like one process is CI's in titan-models; here it is `full` (the plain
+# pipeline's runs too: the root conftest.py lists them with the tests that keep their proof).
 FULL = pytest.mark.full  # the layout's model-level proof: tests/<family>/test_parallelize.py
 
 

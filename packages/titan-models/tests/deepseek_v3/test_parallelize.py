@@ -18,7 +18,7 @@ from titan_models.deepseek_v3 import DeepSeekV3Args, check_deepseek_v3
 
 TWO_RANKS = ("fsdp", "ep", "ep_ac", "tp", "cp", "pp")
 # Per-block compile runs in a launch of its own, `full`: compile on CPU costs ~25-50 s cold;
-# CI's compile proof is llama3's test_compile_compiles_each_block_and_matches_eager.
+# per-block compile is proven in llama3's test_compile_compiles_each_block_and_matches_eager.
 COMPILED = ("ep_compile",)
 FOUR_RANKS = ("ep_fsdp", "ep_tp", "ep_pp", "hsdp_ep")
 REFERENCES = ("single", "single_5")

@@ -112,7 +112,8 @@ TWO_RANKS = [
     "cp_ring",
 ]
 # Per-block compile under FSDP runs in a launch of its own, `full`: compile on CPU costs
-# ~25-50 s cold; CI's compile proof is test_compile_compiles_each_block_and_matches_eager.
+# ~25-50 s cold. CI compiles with inductor in titan-train's test_compiled_loss.py; per-block
+# compile (test_compile_compiles_each_block_and_matches_eager too) runs in `test-full`.
 COMPILED = ["fsdp_compile"]
 FOUR_RANKS = [
     "hsdp",

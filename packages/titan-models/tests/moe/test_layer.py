@@ -246,7 +246,7 @@ def test_init_weights_materializes_buffers_on_the_given_device():
     assert 0.015 < moe.experts.w1.std().item() < 0.025
 
 
-@pytest.mark.full  # compile on CPU (~30 s); CI compiles in llama3's test_compile_compiles_...
+@pytest.mark.full  # compile on CPU (~30 s); CI compiles in test_inductor_compiled_loss_equals...
 def test_compiled_layer_equals_eager():
     # torch.compile traces _grouped_mm through its meta kernel (bf16 only in torch 2.13), so
     # a compiled fp32 layer on CPU takes the fallback; results, gradients and counts agree.

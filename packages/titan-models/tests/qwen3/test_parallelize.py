@@ -24,7 +24,7 @@ TWO_RANKS = (
     "tp_moe",
 )  # fmt: skip
 # Per-block compile runs in a launch of its own, `full`: compile on CPU costs ~25-50 s cold;
-# CI's compile proof is llama3's test_compile_compiles_each_block_and_matches_eager.
+# per-block compile is proven in llama3's test_compile_compiles_each_block_and_matches_eager.
 COMPILED = ("fsdp_compile_tied",)
 FOUR_RANKS = (
     "hsdp_tied", "fsdp_tp_tied", "fsdp_tp_untied", "pp_fsdp_untied", "pp_fsdp_tied", "pp_tp_tied",
