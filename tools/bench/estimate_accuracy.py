@@ -13,10 +13,17 @@ process. The estimate's ``peak`` (the tensors' live bytes) is shown beside it.
     python tools/bench/estimate_accuracy.py                  # everything (~15 min, 2 cores)
     python tools/bench/estimate_accuracy.py --model debug --layouts "1 process" "2-rank FSDP"
     python tools/bench/estimate_accuracy.py --gloo-alone 16 4 1   # gloo's buffers, alone
+    python tools/bench/estimate_accuracy.py --model 100M --replay-real   # see below
 
 ``--gloo-alone MiB...``: six all-gathers of that many MiB per rank on 2 gloo ranks (glibc's
 thresholds as ``titan-train`` sets them), each rank's resident growth (``RssAnon``) against
 the estimate's replay of the same calls (``titan_train.estimate.host``).
+
+``--replay-real``: one process per model; its resident growth, the estimate, and the real
+run's own tensor allocations (the profiler's trace, paired by address) replayed on glibc the
+way the estimate replays its simulated ones. Where the replay of the real tensors falls as
+short as the estimate, what is missing is not in the tensors but in the heap's other
+allocations.
 """
 
 from __future__ import annotations
@@ -143,6 +150,110 @@ def gloo_alone(mib: float, calls: int = 6) -> dict:
     }
 
 
+def _traced_rank(rank: int, port: int, argv: list[str], out: object) -> None:
+    """One process of ``titan-train ARGV``: build and two steps under the profiler; puts the
+    tensors' allocations and frees, in order, as ``(address key, bytes)`` (0 bytes frees)."""
+    import gc
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_train.preflight import World, preflight
+    from titan_train.trainer.build import build, close
+    from titan_train.trainer.host_memory import reuse_host_memory
+    from titan_train.trainer.step import next_batches, train_step
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="1"
+    )
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as folder:
+        config = parse_job_config([*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"])
+        reuse_host_memory()
+        plan = preflight(config, World.current(torch.device("cpu")))
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run = build(config, plan)
+            for _ in range(2):
+                batches, _ = next_batches(run.batches, plan.batches.accumulation_steps, "cpu")
+                train_step(run, batches)
+                del batches
+            close(run)
+        trace = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            memory = [
+                e["args"]
+                for e in sorted(json.load(f)["traceEvents"], key=lambda e: e.get("ts", 0))
+                if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
+            ]
+    live: set[int] = set()
+    events = []
+    for args in memory:
+        address, nbytes = args["Addr"], args["Bytes"]
+        if nbytes > 0:
+            live.add(address)
+            events.append((address, nbytes))
+        elif address in live:  # a block made before the profiler started has no allocation
+            live.discard(address)
+            events.append((address, 0))
+    out.put(events)
+    dist.destroy_process_group()
+
+
+def replay_real(flavor: str, seq: int, batch: int) -> dict:
+    """One process of ``flavor``: its resident growth (a fresh run), the estimate, and the
+    real run's own tensor allocations (a second fresh run, traced) replayed on glibc as the
+    estimate replays its simulated ones: what the replay misses that is not in the tensors."""
+    import torch.multiprocessing as mp
+
+    from titan_train.estimate.host import glibc_high_water
+
+    argv = [
+        "--model.flavor", flavor, "--training.seq_len", str(seq),
+        "--training.local_batch_size", str(batch), "--training.steps", "2",
+        "--lr_scheduler.warmup_steps", "1", "--metrics.no_enable_tensorboard",
+    ]  # fmt: skip
+    measured = spawn_real([argv], 1)[0][0]["resident"]
+    estimate = estimate_memory(parse_job_config(argv), world_size=1, rank=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").SimpleQueue()
+    # Read before joining: the events outgrow the pipe's buffer, and a put blocks until read.
+    context = mp.start_processes(_traced_rank, args=(port, argv, out), nprocs=1, join=False)
+    events = out.get()
+    while not context.join():
+        pass
+    live = peak = 0
+    sizes: dict[int, int] = {}
+    for address, nbytes in events:
+        live += nbytes - sizes.pop(address, 0)
+        if nbytes:
+            sizes[address] = nbytes
+        peak = max(peak, live)
+    # Addresses are reused: number each allocation, as the replay's keys must be distinct.
+    keyed, current, count = [], {}, 0
+    for address, nbytes in events:
+        if nbytes:
+            count += 1
+            current[address] = count
+            keyed.append((count, nbytes))
+        else:
+            keyed.append((current.pop(address), 0))
+    replay = glibc_high_water(keyed)
+    mib = 2**20
+    return {
+        "model": flavor,
+        "measured_resident_mib": round(measured / mib, 1),
+        "estimate_mib": round(estimate.peak_resident / mib, 1),
+        "real_tensors_peak_mib": round(peak / mib, 1),
+        "real_tensors_replayed_mib": None if replay is None else round(replay / mib, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["debug", "100M", "both"], default="both")
@@ -150,7 +261,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--gloo-alone", nargs="+", type=float, metavar="MIB")
+    parser.add_argument("--replay-real", action="store_true")
     args = parser.parse_args()
+    if args.replay_real:
+        for flavor in {"debug": ["debugmodel"], "100M": [FLAVOR_100M]}.get(
+            args.model, ["debugmodel", FLAVOR_100M]
+        ):
+            print(json.dumps(replay_real(flavor, args.seq, args.batch)), flush=True)
+        return
     if args.gloo_alone:
         for mib in args.gloo_alone:
             print(json.dumps(gloo_alone(mib)), flush=True)
