@@ -151,19 +151,15 @@ def gloo_alone(mib: float, calls: int = 6) -> dict:
 
 
 def _traced_rank(rank: int, port: int, argv: list[str], out: object) -> None:
-    """One process of ``titan-train ARGV``: build and two steps under the profiler; puts the
-    tensors' allocations and frees, in order, as ``(address key, bytes)`` (0 bytes frees)."""
-    import gc
+    """One process of ``titan-train ARGV``: ``measure_real`` (build and two steps) under the
+    profiler; puts the tensors' allocations and frees in order, as ``(allocation number,
+    bytes)``, 0 bytes a free (addresses are reused: the replay needs a key per block)."""
     import tempfile
 
-    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from titan_train.preflight import World, preflight
-    from titan_train.trainer.build import build, close
-    from titan_train.trainer.host_memory import reuse_host_memory
-    from titan_train.trainer.step import next_batches, train_step
+    from titan_train.estimate.check import measure_real
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="1"
@@ -171,16 +167,9 @@ def _traced_rank(rank: int, port: int, argv: list[str], out: object) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as folder:
         config = parse_job_config([*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"])
-        reuse_host_memory()
-        plan = preflight(config, World.current(torch.device("cpu")))
-        gc.collect()
+        # The profiler's chrome trace is where its memory events carry their addresses.
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run = build(config, plan)
-            for _ in range(2):
-                batches, _ = next_batches(run.batches, plan.batches.accumulation_steps, "cpu")
-                train_step(run, batches)
-                del batches
-            close(run)
+            measure_real(config)
         trace = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(trace)
         with open(trace) as f:
@@ -189,16 +178,15 @@ def _traced_rank(rank: int, port: int, argv: list[str], out: object) -> None:
                 for e in sorted(json.load(f)["traceEvents"], key=lambda e: e.get("ts", 0))
                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
             ]
-    live: set[int] = set()
+    numbers: dict[int, int] = {}
     events = []
     for args in memory:
         address, nbytes = args["Addr"], args["Bytes"]
         if nbytes > 0:
-            live.add(address)
-            events.append((address, nbytes))
-        elif address in live:  # a block made before the profiler started has no allocation
-            live.discard(address)
-            events.append((address, 0))
+            numbers[address] = len(events)
+            events.append((len(events), nbytes))
+        elif address in numbers:  # a block made before the profiler started has no allocation
+            events.append((numbers.pop(address), 0))
     out.put(events)
     dist.destroy_process_group()
 
@@ -229,21 +217,11 @@ def replay_real(flavor: str, seq: int, batch: int) -> dict:
         pass
     live = peak = 0
     sizes: dict[int, int] = {}
-    for address, nbytes in events:
-        live += nbytes - sizes.pop(address, 0)
-        if nbytes:
-            sizes[address] = nbytes
+    for key, nbytes in events:
+        live += nbytes - sizes.pop(key, 0)
+        sizes[key] = nbytes
         peak = max(peak, live)
-    # Addresses are reused: number each allocation, as the replay's keys must be distinct.
-    keyed, current, count = [], {}, 0
-    for address, nbytes in events:
-        if nbytes:
-            count += 1
-            current[address] = count
-            keyed.append((count, nbytes))
-        else:
-            keyed.append((current.pop(address), 0))
-    replay = glibc_high_water(keyed)
+    replay = glibc_high_water(events)
     mib = 2**20
     return {
         "model": flavor,
