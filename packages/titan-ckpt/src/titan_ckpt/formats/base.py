@@ -30,6 +30,7 @@ __all__ = [
     "group_of",
     "read_exactly",
     "select_keys",
+    "size_groups",
 ]
 
 STATE_GROUPS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -127,9 +128,6 @@ class Source:
         """The data files, relative to ``path`` (or ``path`` itself for a single file)."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
-
     def largest_tensor_bytes(self) -> int:
         return max((e.nbytes for e in self.entries.values() if e.is_tensor), default=0)
 
@@ -140,10 +138,15 @@ def batches(source: Source, keys: Iterable[str], budget: int) -> Iterator[list[s
     Reading a group at a time amortizes DCP's per-load planning over many small tensors while
     holding at most ``budget`` bytes (callers pass about the largest tensor's size).
     """
+    return size_groups(((key, source.entries[key].nbytes) for key in keys), budget)
+
+
+def size_groups(sizes: Iterable[tuple[str, int]], budget: float) -> Iterator[list[str]]:
+    """The keys of ``sizes`` ((key, bytes) pairs) in order, in groups that together take at
+    most ``budget`` bytes, or one key that alone takes more."""
     group: list[str] = []
     size = 0
-    for key in keys:
-        n = source.entries[key].nbytes
+    for key, n in sizes:
         if group and size + n > budget:
             yield group
             group, size = [], 0

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import math
 import os
 import re
 import warnings
-import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,9 +39,10 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
-from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
+from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed
 from titan_ckpt.formats.hashing import records_without_crc32
-from titan_ckpt.formats.pickles import load_metadata, load_record, member_start, stored_member
+from titan_ckpt.formats.pickles import load_metadata, load_record
+from titan_ckpt.formats.torch_save import load_meta, read_storage
 
 __all__ = [
     "DCP_METADATA",
@@ -297,35 +298,15 @@ class DcpSource(Source):
         for key, md in self.metadata.state_dict_metadata.items():
             stored = by_fqn.get(key, [])
             if isinstance(md, TensorStorageMetadata):
-                dtype = md.properties.dtype
-                shape = tuple(md.size)
-                entry = Entry(key, shape, dtype, 0)
-                entry.nbytes = entry.numel * dtype.itemsize
+                shape, dtype = tuple(md.size), md.properties.dtype
+                entry = Entry(key, shape, dtype, math.prod(shape) * dtype.itemsize)
                 where = {tuple(i.offset): info for i, info in stored if i.offset is not None}
                 for chunk in md.chunks:
-                    info = where.get(tuple(chunk.offsets))
-                    entry.shards.append(
-                        {
-                            "offsets": list(chunk.offsets),
-                            "sizes": list(chunk.sizes),
-                            "file": info.relative_path if info else None,
-                            "rank": _rank(info.relative_path) if info else None,
-                            "offset": info.offset if info else None,
-                            "length": info.length if info else None,
-                            "transforms": list(info.transform_descriptors or ()) if info else [],
-                        }
-                    )
+                    shard = {"offsets": list(chunk.offsets), "sizes": list(chunk.sizes)}
+                    entry.shards.append(shard | _stored(where.get(tuple(chunk.offsets))))
             else:
                 entry = Entry(key, None, None, sum(info.length for _, info in stored))
-                entry.shards = [
-                    {
-                        "file": info.relative_path,
-                        "rank": _rank(info.relative_path),
-                        "offset": info.offset,
-                        "length": info.length,
-                    }
-                    for _, info in stored
-                ]
+                entry.shards = [_stored(info) for _, info in stored]
             self.entries[key] = entry
 
     def files(self) -> list[str]:
@@ -344,14 +325,17 @@ class DcpSource(Source):
 
     def _read_whole(self, key: str, s: dict[str, Any]) -> torch.Tensor:
         # DCP stores each chunk as a torch.save record at [offset, offset + length) of the
-        # file. Loading that record directly skips DCP's copy into a preallocated tensor, so
-        # a tensor costs its own bytes once instead of twice.
+        # file. Reading its bytes straight into a new tensor (torch_save.read_storage) skips
+        # DCP's copy into a preallocated tensor and torch.load's staging buffer (a file
+        # object's storage is read through a buffer of its size): the tensor's bytes, once.
         e = self.entries[key]
         try:
             with open(os.path.join(self.path, s["file"]), "rb") as f:
                 record = _FileSlice(f, s["offset"], s["length"])
-                t = _load_contiguous_record(record, e)
-                if t is None:
+                meta = load_meta(record)
+                if isinstance(meta, torch.Tensor):
+                    t = read_storage(record, meta, f"the record of {key}")
+                else:
                     record.seek(0)
                     t = torch.load(record, map_location="cpu", weights_only=True)
         except Exception as error:
@@ -379,9 +363,9 @@ class DcpSource(Source):
                 out[key] = self._read_whole(key, whole)
         if not rest:
             return out
-        keys = rest
-        state: dict[str, Any] = out
-        for key in keys:
+        # Only the rest: DCP would read the keys already in ``out`` again.
+        state: dict[str, Any] = {}
+        for key in rest:
             e = self.entries[key]
             state[key] = torch.empty(e.shape, dtype=e.dtype) if e.is_tensor else None
         with warnings.catch_warnings():
@@ -391,11 +375,11 @@ class DcpSource(Source):
                     dcp.load(state, storage_reader=self._reader, no_dist=True)
             except CheckpointException as error:  # a BaseException: make it an ordinary one
                 causes = [f"{type(e).__name__}: {e}" for e in _failures(error)]
-                shown = ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "")
+                shown = ", ".join(rest[:4]) + (" ..." if len(rest) > 4 else "")
                 raise CheckpointReadError(
                     f"{self.path}: DCP could not read {shown}: {'; '.join(causes)[:300]}"
                 ) from None
-        return state
+        return out | state
 
 
 class _FileSlice(io.RawIOBase):
@@ -429,44 +413,19 @@ class _FileSlice(io.RawIOBase):
         return got
 
 
-def _load_contiguous_record(record: _FileSlice, e: Entry) -> torch.Tensor | None:
-    """Read a torch.save record's tensor bytes straight into a new tensor, or None if the
-    record is not one plain little-endian contiguous tensor stored uncompressed.
-
-    ``torch.load`` from a file object stages the storage through a buffer of its own size, so
-    this halves the peak memory of reading a large tensor. The pickle is still parsed (to the
-    meta device, without data) to check shape, dtype and strides.
-    """
-    meta = torch.load(record, map_location="meta", weights_only=True)
-    if (
-        not isinstance(meta, torch.Tensor)
-        or tuple(meta.shape) != e.shape
-        or meta.dtype != e.dtype
-        or not meta.is_contiguous()
-        or meta.storage_offset() != 0
-        or e.nbytes == 0
-    ):
-        return None
-    record.seek(0)
-    with zipfile.ZipFile(record) as archive:
-        infos = archive.infolist()
-        data = [i for i in infos if re.search(r"/data/\d+$", i.filename)]
-        order = [i for i in infos if i.filename.endswith("/byteorder")]
-        if order and stored_member(record, order[0]).strip() != b"little":
-            return None
-        if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
-            return None
-        if data[0].file_size != e.nbytes:
-            return None
-        start = member_start(record, data[0])
-    t = torch.empty(e.shape, dtype=e.dtype)
-    read_exactly(record, start, t, f"record of {e.key}")
-    return t
-
-
-def _rank(file_name: str) -> int | None:
-    m = _RANK_RE.match(os.path.basename(file_name))
-    return int(m.group(1)) if m else None
+def _stored(info: _StorageInfo | None) -> dict[str, Any]:
+    """Where a shard is stored: its file (and the rank that wrote it, from the file's name),
+    byte range and transforms; all None for a chunk that ``.metadata`` stores nowhere."""
+    if info is None:
+        return {"file": None, "rank": None, "offset": None, "length": None, "transforms": []}
+    m = _RANK_RE.match(os.path.basename(info.relative_path))
+    return {
+        "file": info.relative_path,
+        "rank": int(m.group(1)) if m else None,
+        "offset": info.offset,
+        "length": info.length,
+        "transforms": list(info.transform_descriptors or ()),
+    }
 
 
 # --- streaming writer ----------------------------------------------------------------------

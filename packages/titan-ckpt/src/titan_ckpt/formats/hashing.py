@@ -234,7 +234,8 @@ class _HashingWriterMixin:
     fs: Any
     path: Any
 
-    def _wrap_fs(self, checksum: str) -> None:
+    def __init__(self, path: str | os.PathLike, *, checksum: str = "auto", **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)  # type: ignore[call-arg]
         self.fs = _HashingFileSystem(self.fs, resolve_checksum(checksum))
 
     def _written(self) -> dict[str, dict[str, Any]]:
@@ -278,10 +279,6 @@ class HashingFileSystemWriter(_HashingWriterMixin, FileSystemWriter):
     """DCP's ``FileSystemWriter`` that hashes every file as it writes it, with ``checksum``
     (``checkpoint.checksum``'s values; ``auto``: xxh3_128 if installed, else sha256)."""
 
-    def __init__(self, path: str | os.PathLike, *, checksum: str = "auto", **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
-        self._wrap_fs(checksum)
-
 
 def hashing_fsspec_writer(url: str, *, checksum: str = "auto", **kwargs: Any) -> FileSystemWriter:
     """DCP's ``FsspecWriter`` for ``url`` that hashes every file as it writes it."""
@@ -308,12 +305,6 @@ else:
 
     class HashingFsspecWriter(_HashingWriterMixin, FsspecWriter):  # type: ignore[no-redef]
         """DCP's ``FsspecWriter`` that hashes every file as it writes it."""
-
-        def __init__(
-            self, path: str | os.PathLike, *, checksum: str = "auto", **kwargs: Any
-        ) -> None:
-            super().__init__(path, **kwargs)
-            self._wrap_fs(checksum)
 
 
 def written_files(result: Any) -> dict[str, dict[str, Any]] | None:

@@ -319,7 +319,7 @@ def member_start(f: IO[bytes], info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def prescan_record(value: io.BytesIO) -> None:
+def prescan_record(value: IO[bytes]) -> None:
     """``prescan`` the pickle inside a ``torch.save`` zip record (a legacy, non-zip record
     is scanned whole: its pickles come first)."""
     start = value.tell()
@@ -328,10 +328,7 @@ def prescan_record(value: io.BytesIO) -> None:
             names = [n for n in archive.namelist() if n.endswith("data.pkl")]
             if len(names) != 1:
                 raise ValueError(f"a torch.save record holds {len(names)} data.pkl files")
-            info = archive.getinfo(names[0])
-            if info.file_size > len(value.getbuffer()):
-                raise ValueError("data.pkl is larger than its record")
-            prescan(stored_member(value, info))
+            prescan(stored_member(value, archive.getinfo(names[0])))
     except zipfile.BadZipFile:
         value.seek(start)
         prescan(value.read())  # the legacy format: several pickles in a row, scan the first

@@ -28,7 +28,14 @@ from typing import IO, Any
 import torch
 
 from titan_ckpt.errors import CheckpointReadError
-from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
+from titan_ckpt.formats.base import (
+    Entry,
+    Source,
+    TensorSpec,
+    check_streamed,
+    read_exactly,
+    size_groups,
+)
 from titan_ckpt.formats.pickles import refusal
 
 __all__ = [
@@ -107,7 +114,7 @@ def read_header(f: IO[bytes], file_size: int, name: str) -> StHeader:
     ``name`` in errors); ``CheckpointReadError`` saying what is wrong."""
     f.seek(0)
     raw = f.read(8)
-    if len(raw) != 8 or file_size < 8:
+    if len(raw) != 8:
         raise CheckpointReadError(f"{name} is too short ({file_size} bytes) to be safetensors.")
     (n,) = struct.unpack("<Q", raw)
     if n > file_size - 8 or n > MAX_HEADER_BYTES:
@@ -115,11 +122,8 @@ def read_header(f: IO[bytes], file_size: int, name: str) -> StHeader:
             f"{name}: its header claims {n} bytes, but the file holds {file_size} bytes (and "
             f"headers are at most {MAX_HEADER_BYTES}): a damaged or truncated safetensors file."
         )
-    text = f.read(n)
-    if len(text) != n:
-        raise CheckpointReadError(f"{name}: the header ends after {len(text)} of {n} bytes.")
     try:
-        parsed = json.loads(text)
+        parsed = json.loads(f.read(n))
     except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise CheckpointReadError(f"{name}: the header is not JSON ({error}).") from None
     if not isinstance(parsed, dict):
@@ -317,7 +321,9 @@ def write_safetensors_shards(
     (or one ``model.safetensors``). ``objects`` (text) go into the first file's
     ``__metadata__``. ``single`` names one file to write everything into instead. Returns
     the tensor bytes written."""
-    shards = _plan_shards(specs, max_shard_size=max_shard_size, single=single)
+    sizes = ((key, math.prod(shape) * dtype.itemsize) for key, (shape, dtype) in specs.items())
+    # A new shard where one would pass max_shard_size; one file for ``single``.
+    shards = list(size_groups(sizes, math.inf if single is not None else max_shard_size)) or [[]]
     if len(shards) == 1:
         names = [SINGLE_NAME]
     else:
@@ -344,25 +350,6 @@ def write_safetensors_shards(
             f.write(text.encode())
             _sync(f)
     return written
-
-
-def _plan_shards(
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    *,
-    max_shard_size: int,
-    single: str | None,
-) -> list[list[str]]:
-    """The keys of each shard, in file order: a new shard where one would pass the limit."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key, (shape, dtype) in specs.items():
-        n = math.prod(shape) * dtype.itemsize
-        if shards[-1] and size + n > max_shard_size and single is None:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += n
-    return shards
 
 
 def _shard_header(

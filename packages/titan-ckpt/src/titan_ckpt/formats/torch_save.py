@@ -7,7 +7,7 @@ import os
 import struct
 import zipfile
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -16,7 +16,7 @@ from titan_ckpt.errors import CheckpointFormatError, CheckpointReadError
 from titan_ckpt.formats.base import Entry, Source, TensorSpec, check_streamed, read_exactly
 from titan_ckpt.formats.pickles import member_start, refusal, stored_member
 
-__all__ = ["TorchSource", "save_torch_streaming"]
+__all__ = ["TorchSource", "load_meta", "read_storage", "save_torch_streaming"]
 
 
 class TorchSource(Source):
@@ -72,16 +72,10 @@ class TorchSource(Source):
     def _load_layout(path: str) -> Any:
         """The state dict with meta tensors whose storages know their file offsets, or None
         when that does not describe the file's data (then the caller maps it)."""
-        try:
-            with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
-                order = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
-                if order and stored_member(f, order[0]).strip() != b"little":
-                    return None
-        except (zipfile.BadZipFile, ValueError):
-            return None  # the legacy format, or a damaged zip: the caller maps it
-        obj = torch.load(path, map_location="meta", weights_only=True)
+        with open(path, "rb") as f:
+            obj = load_meta(f)
         if not isinstance(obj, dict):
-            return obj  # refused by the caller
+            return obj  # None, or refused by the caller
         flat: dict[str, Any] = {}
         _flatten(obj, "", flat)
         for value in flat.values():
@@ -106,7 +100,7 @@ class TorchSource(Source):
                     out[key] = value
                     continue
                 try:
-                    out[key] = _read_storage(f, value)
+                    out[key] = read_storage(f, value, self.path)
                 except CheckpointReadError:
                     raise
                 except Exception as error:  # a view that does not fit its storage
@@ -141,14 +135,30 @@ def _holds_tensor(value: Any) -> bool:
     return next(_tensors_in(value), None) is not None
 
 
-def _read_storage(f: Any, meta: torch.Tensor) -> torch.Tensor:
-    """The CPU tensor ``meta`` describes, read from its storage's bytes in the file ``f``."""
+def load_meta(f: IO[bytes]) -> Any:
+    """The ``torch.save`` data in the binary file ``f`` loaded to the meta device, where
+    every storage knows its offset in ``f`` (``read_storage`` reads it from there); None for
+    data those offsets do not describe: the legacy format, big-endian data, a damaged zip."""
+    try:
+        with zipfile.ZipFile(f) as archive:
+            order = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
+            if order and stored_member(f, order[0]).strip() != b"little":
+                return None
+    except (zipfile.BadZipFile, ValueError):
+        return None
+    f.seek(0)
+    return torch.load(f, map_location="meta", weights_only=True)
+
+
+def read_storage(f: IO[bytes], meta: torch.Tensor, name: str) -> torch.Tensor:
+    """The CPU tensor ``meta`` (from ``load_meta(f)``) describes, read from its storage's
+    bytes in ``f`` (``name`` in errors)."""
     storage = meta.untyped_storage()
     nbytes = storage.nbytes()
     end = storage._checkpoint_offset + nbytes
-    if end > os.fstat(f.fileno()).st_size:  # checked before allocating: a damaged file
+    if end > f.seek(0, os.SEEK_END):  # checked before allocating: a damaged file
         raise CheckpointReadError(
-            f"{f.name}: a {list(meta.shape)} {meta.dtype} tensor's storage ends at byte {end}, "
+            f"{name}: a {list(meta.shape)} {meta.dtype} tensor's storage ends at byte {end}, "
             "beyond the end of the file (a truncated or damaged file)."
         )
     whole = meta.is_contiguous() and meta.storage_offset() == 0 and meta.nbytes == nbytes
@@ -156,7 +166,7 @@ def _read_storage(f: Any, meta: torch.Tensor) -> torch.Tensor:
         out = torch.empty(meta.shape, dtype=meta.dtype)
     else:
         out = torch.empty(nbytes, dtype=torch.uint8)
-    what = f"{f.name}: the data of a {list(meta.shape)} {meta.dtype} tensor"
+    what = f"{name}: the data of a {list(meta.shape)} {meta.dtype} tensor"
     read_exactly(f, storage._checkpoint_offset, out, what)
     if whole:
         return out
