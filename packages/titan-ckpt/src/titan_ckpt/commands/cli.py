@@ -19,12 +19,12 @@ import re
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from titan_ckpt.__about__ import __version__
-from titan_ckpt.commands.convert import ConvertOptions, convert
+from titan_ckpt.commands.convert import ROPE_SCALINGS, TARGETS, ConvertOptions, convert
 from titan_ckpt.commands.diff import diff_paths, render_diff
 from titan_ckpt.commands.inspect import inspect_path, render
 from titan_ckpt.commands.verify import verify_path
@@ -38,15 +38,8 @@ from titan_ckpt.errors import (
 
 __all__ = ["flag_text", "main", "parse_size"]
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float64": torch.float64,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64")}
+_DTYPES |= {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 _EXAMPLES = [
@@ -65,15 +58,24 @@ def _add_command(
     commands: argparse._SubParsersAction, name: str, *, help: str, description: str
 ) -> argparse.ArgumentParser:
     """A subcommand whose ``--help`` shows its description (wrapped) and then its examples,
-    one a line: the lines of ``_EXAMPLES`` that start with ``titan-ckpt NAME``."""
+    one a line: the lines of ``_EXAMPLES`` that start with ``titan-ckpt NAME``. Every
+    subcommand reads checkpoints, so each takes ``--trust-pickles``."""
     examples = [line for line in _EXAMPLES if line.startswith(f"titan-ckpt {name} ")]
-    return commands.add_parser(
+    parser = commands.add_parser(
         name,
         help=help,
         description=textwrap.fill(description, width=88),
         epilog="examples:\n" + "\n".join(f"  {line}" for line in examples),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        help="unpickle DCP metadata and records without the allowlist (DCP types, torch "
+        "sizes/dtypes/tensors, plain containers): only for checkpoints you made yourself with "
+        "custom objects; a stranger's pickle can run code",
+    )
+    return parser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +108,6 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
         "metadata only unless --stats.",
     )
     inspect.add_argument("path", help="checkpoint folder, step directory or file")
-    _trust(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
     inspect.add_argument(
         "--stats", action="store_true", help="load tensors: min, max, mean, std, NaN/Inf counts"
@@ -126,7 +127,6 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         "manifest's sizes and checksums.",
     )
     verify.add_argument("path", help="step directory, checkpoint folder or file")
-    _trust(verify)
     verify.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
@@ -141,7 +141,6 @@ def _add_diff(commands: argparse._SubParsersAction) -> None:
     )
     diff.add_argument("a", help="first checkpoint")
     diff.add_argument("b", help="second checkpoint")
-    _trust(diff)
     diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     diff.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     _filters(diff)
@@ -159,10 +158,7 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
     )
     convert.add_argument("src", help="DCP step, safetensors file/folder, HF folder or torch file")
     convert.add_argument("dst", help="output directory (a file for torch and *.safetensors)")
-    _trust(convert)
-    convert.add_argument(
-        "--to", required=True, choices=["dcp", "torch", "safetensors", "hf"], help="output format"
-    )
+    convert.add_argument("--to", required=True, choices=TARGETS, help="output format")
     convert.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors")
     convert.add_argument(
         "--model-only",
@@ -190,7 +186,7 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
     )
     convert.add_argument(
         "--rope-scaling",
-        choices=["none", "llama3"],
+        choices=ROPE_SCALINGS,
         help="RoPE of the written config.json for a checkpoint that records no model args: "
         "none (plain RoPE, e.g. torchtitan's July 2025 Llama 3) or llama3 (Llama 3.1 "
         "scaling); default: the flavor's, with the assumption printed",
@@ -202,16 +198,6 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
     )
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     convert.add_argument("--json", action="store_true", help="print a JSON summary")
-
-
-def _trust(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--trust-pickles",
-        action="store_true",
-        help="unpickle DCP metadata and records without the allowlist (DCP types, torch "
-        "sizes/dtypes/tensors, plain containers): only for checkpoints you made yourself with "
-        "custom objects; a stranger's pickle can run code",
-    )
 
 
 def _filters(parser: argparse.ArgumentParser) -> None:
@@ -236,7 +222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _unmap_freed_buffers()
     try:
-        return _quiet_on_closed_pipe(_COMMANDS[args.command], args)
+        status = _COMMANDS[args.command](args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # The reader of stdout went away (``titan-ckpt inspect ... | head``): stop quietly
+        # with status 141 (128 + SIGPIPE, as a program SIGPIPE ends), not with a traceback.
+        # Point stdout at /dev/null so that the interpreter's final flush fails no more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (CheckpointFormatError, CheckpointConfigError, FileNotFoundError, LookupError) as error:
         print(f"titan-ckpt: error: {flag_text(str(error))}", file=sys.stderr)
         return 2
@@ -284,9 +278,6 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    if args.atol < 0 or args.rtol < 0:
-        print("titan-ckpt: error: --atol and --rtol must be >= 0.", file=sys.stderr)
-        return 2
     report = diff_paths(
         args.a,
         args.b,
@@ -389,23 +380,6 @@ class _Progress:
 
 
 _COMMANDS = {"inspect": _inspect, "verify": _verify, "diff": _diff, "convert": _convert}
-
-
-def _quiet_on_closed_pipe(
-    command: Callable[[argparse.Namespace], int], args: argparse.Namespace
-) -> int:
-    """Run ``command``; when the reader of stdout goes away (``titan-ckpt inspect ... | head``),
-    stop quietly with status 141 (128 + SIGPIPE, as a program SIGPIPE ends), not with a
-    traceback."""
-    try:
-        status = command(args)
-        sys.stdout.flush()
-        return status
-    except BrokenPipeError:
-        # Point stdout at /dev/null so that the interpreter's final flush fails no more.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
 
 
 if __name__ == "__main__":

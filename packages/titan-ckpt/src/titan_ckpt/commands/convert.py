@@ -112,25 +112,21 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
     _check_destination(dst, options.overwrite)
     started = time.perf_counter()
     source = open_source(src, trust_pickles=options.trust_pickles)
+    adapter = _adapter(source, options)
+    keys = _selected(source, options, hf_model=adapter is not None)
+    if not keys:
+        raise CheckpointConfigError(
+            f"No keys of {src} are left after options.model_only/options.include/options.exclude."
+        )
+    parent = os.path.dirname(os.path.abspath(dst))
+    made = _make_dirs(parent)
     try:
-        adapter = _adapter(source, options)
-        keys = _selected(source, options, hf_model=adapter is not None)
-        if not keys:
-            raise CheckpointConfigError(
-                f"No keys of {src} are left after "
-                "options.model_only/options.include/options.exclude."
-            )
-        parent = os.path.dirname(os.path.abspath(dst))
-        made = _make_dirs(parent)
-        try:
-            written = _write_beside(source, keys, dst, parent, options, adapter)
-        except BaseException:
-            for directory in reversed(made):  # ours, innermost first; left if not empty
-                with contextlib.suppress(OSError):
-                    os.rmdir(directory)
-            raise
-    finally:
-        source.close()
+        written = _write_beside(source, keys, dst, parent, options, adapter)
+    except BaseException:
+        for directory in made:  # ours, innermost first; left if not empty
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        raise
     return {
         "src": src,
         "dst": dst,
@@ -142,14 +138,14 @@ def convert(src: str, dst: str, options: ConvertOptions) -> dict[str, Any]:
 
 
 def _make_dirs(directory: str) -> list[str]:
-    """Create ``directory`` and its missing parents; returns those created, outermost first."""
+    """Create ``directory`` and its missing parents; returns those created, innermost first."""
     missing = []
-    while not os.path.isdir(directory) and directory != os.path.dirname(directory):
-        missing.append(directory)
-        directory = os.path.dirname(directory)
-    for directory in reversed(missing):
-        os.makedirs(directory, exist_ok=True)
-    return missing[::-1]
+    parent = directory
+    while not os.path.isdir(parent) and parent != os.path.dirname(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    os.makedirs(directory, exist_ok=True)
+    return missing
 
 
 def _write_beside(
@@ -173,9 +169,7 @@ def _write_beside(
 
 
 def _check_destination(dst: str, overwrite: bool) -> None:
-    if not os.path.exists(dst) or overwrite:
-        return
-    if os.path.isdir(dst) and not os.listdir(dst):
+    if overwrite or not os.path.exists(dst) or (os.path.isdir(dst) and not os.listdir(dst)):
         return
     raise CheckpointConfigError(
         f"{dst} exists and is not empty; pass options.overwrite=True to replace it."
@@ -286,8 +280,12 @@ def _descriptions(
     if options.rope_scaling is not None:
         kwargs["overrides"] = {"rope_scaling": options.rope_scaling}
         names.append(f"options.rope_scaling={options.rope_scaling!r}")
-    if options.to == "hf":
-        kwargs["tensor_shapes"] = model_tensor_shapes(source)
+    if options.to == "hf":  # every model tensor's shape, to check the description against
+        kwargs["tensor_shapes"] = {
+            key: tuple(entry.shape or ())
+            for key, entry in source.entries.items()
+            if entry.is_tensor and group_of(key) == "model"
+        }
     return " and ".join(names), kwargs
 
 
@@ -357,13 +355,63 @@ def _stream(source: Source, keys: list[str], options: ConvertOptions):
         report(total, total)
 
 
-def _out_dtype(source: Source, key: str, dtype: torch.dtype | None) -> torch.dtype:
-    stored = source.entries[key].dtype
-    assert stored is not None
-    return dtype if dtype is not None and stored.is_floating_point else stored
+def _spec(source: Source, key: str, dtype: torch.dtype | None) -> TensorSpec:
+    """The (shape, dtype) ``key`` is written with: floating-point tensors cast to ``dtype``."""
+    entry = source.entries[key]
+    assert entry.dtype is not None
+    cast = dtype is not None and entry.dtype.is_floating_point
+    return entry.shape or (), dtype if cast else entry.dtype
 
 
-# --- safetensors / HF ----------------------------------------------------------------------
+def _model_specs(
+    source: Source, keys: list[str], options: ConvertOptions
+) -> list[tuple[str, TensorSpec]]:
+    """(key, (shape, dtype)) of the model tensors an HF conversion reads, in stream order."""
+    others = [k for k in keys if not source.entries[k].is_tensor]
+    if others:
+        raise CheckpointConfigError(
+            f"{source.path} holds non-tensor model entries {others[:3]}, which a Hugging Face "
+            "model has no place for; drop them with options.exclude."
+        )
+    return [(k, _spec(source, k, options.dtype)) for k in keys]
+
+
+def _plan(
+    convert: Any, source: Source, keys: list[str], options: ConvertOptions
+) -> dict[str, TensorSpec]:
+    """The output layout of a streaming adapter, from a run over tensors without data."""
+    try:
+        return plan_items(convert, _model_specs(source, keys, options))
+    except (KeyError, ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+        raise CheckpointConfigError(
+            f"The {options.model!r} adapter cannot convert {source.path}: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+
+
+def _planned(
+    source: Source, keys: list[str], options: ConvertOptions, adapter: Any
+) -> tuple[dict[str, TensorSpec], dict[str, Any], Iterator[tuple[str, Any]]]:
+    """What a writer needs: every tensor's (shape, dtype) up front, the non-tensor values
+    (small), and the tensors as a bounded stream. Through ``adapter`` when given (to HF, or
+    from HF), whose output is tensors only; an adapter that does not stream converts the
+    whole dict at once (the model is held once)."""
+    if adapter is not None:
+        convert = partial(to_hf_items if options.to == "hf" else from_hf_items, adapter)
+        if streams(adapter):
+            specs = _plan(convert, source, keys, options)
+            return specs, {}, convert(_stream(source, keys, options))
+        _model_specs(source, keys, options)  # refuses non-tensor model entries
+        whole = dict(convert(_stream(source, keys, options)))
+        return {k: (tuple(v.shape), v.dtype) for k, v in whole.items()}, {}, iter(whole.items())
+    object_keys = [k for k in keys if not source.entries[k].is_tensor]
+    objects = source.read(object_keys) if object_keys else {}
+    tensor_keys = [k for k in keys if source.entries[k].is_tensor]
+    specs = {k: _spec(source, k, options.dtype) for k in tensor_keys}
+    return specs, objects, _stream(source, tensor_keys, options)
+
+
+# --- writers -------------------------------------------------------------------------------
 
 
 def _write_safetensors(
@@ -380,50 +428,10 @@ def _write_safetensors(
     )
 
 
-def _model_specs(
-    source: Source, keys: list[str], options: ConvertOptions
-) -> list[tuple[str, TensorSpec]]:
-    """(key, (shape, dtype)) of the model tensors an HF conversion reads, in stream order."""
-    others = [k for k in keys if not source.entries[k].is_tensor]
-    if others:
-        raise CheckpointConfigError(
-            f"{source.path} holds non-tensor model entries {others[:3]}, which a Hugging Face "
-            "model has no place for; drop them with options.exclude."
-        )
-    return [
-        (k, (source.entries[k].shape or (), _out_dtype(source, k, options.dtype))) for k in keys
-    ]
-
-
-def _plan(
-    convert: Any, source: Source, keys: list[str], options: ConvertOptions
-) -> dict[str, TensorSpec]:
-    """The output layout of a streaming adapter, from a run over tensors without data."""
-    try:
-        return plan_items(convert, _model_specs(source, keys, options))
-    except (KeyError, ValueError, TypeError, RuntimeError, NotImplementedError) as error:
-        raise CheckpointConfigError(
-            f"The {options.model!r} adapter cannot convert {source.path}: "
-            f"{type(error).__name__}: {error}"
-        ) from None
-
-
-def _converted(
-    convert: Any, adapter: Any, source: Source, keys: list[str], options: ConvertOptions
-) -> tuple[dict[str, TensorSpec], Iterator[tuple[str, Any]]]:
-    """The output layout and the stream of a model conversion; an adapter that does not
-    stream converts the whole dict at once (the model is held once)."""
-    if streams(adapter):
-        return _plan(convert, source, keys, options), convert(_stream(source, keys, options))
-    _model_specs(source, keys, options)
-    whole = dict(convert(_stream(source, keys, options)))
-    return {k: (tuple(v.shape), v.dtype) for k, v in whole.items()}, iter(whole.items())
-
-
 def _write_hf(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    specs, values = _converted(partial(to_hf_items, adapter), adapter, source, keys, options)
+    specs, _, values = _planned(source, keys, options, adapter)
     written = write_safetensors_shards(out, specs, values, max_shard_size=options.max_shard_size)
     with open(os.path.join(out, "config.json"), "w") as f:
         # From hf_config: its keys that the adapter does not set (token ids, ...) stay.
@@ -437,28 +445,6 @@ def _write_hf(
                 config["torch_dtype"] = dtype_name(dtypes.pop())
         json.dump(config, f, indent=2, sort_keys=True)
     return written
-
-
-# --- DCP / torch.save ----------------------------------------------------------------------
-
-
-def _planned(
-    source: Source, keys: list[str], options: ConvertOptions, adapter: Any
-) -> tuple[dict[str, TensorSpec], dict[str, Any], Iterator[tuple[str, Any]]]:
-    """What a DCP or torch.save writer needs: every tensor's (shape, dtype) up front, the
-    non-tensor values (small), and the tensors as a bounded stream."""
-    if adapter is not None:
-        convert = partial(from_hf_items, adapter)
-        specs, values = _converted(convert, adapter, source, keys, options)
-        return specs, {}, values
-    object_keys = [k for k in keys if not source.entries[k].is_tensor]
-    objects = source.read(object_keys) if object_keys else {}
-    tensor_keys = [k for k in keys if source.entries[k].is_tensor]
-    specs = {
-        k: (source.entries[k].shape or (), _out_dtype(source, k, options.dtype))
-        for k in tensor_keys
-    }
-    return specs, objects, _stream(source, tensor_keys, options)
 
 
 def _write_dcp(
@@ -513,27 +499,13 @@ def model_record(source: Source) -> dict[str, Any] | None:
     if source.format != "dcp":
         return None
     try:
-        manifest = read_manifest(LocalStorage(), source.path)
-    except (
-        OSError,
-        ValueError,
-        TypeError,
-    ):  # a foreign or damaged marker: as if none were recorded
+        manifest = read_manifest(LocalStorage(), source.path)  # None for a torn marker
+    except OSError:  # an unreadable marker: as if none were recorded
         return None
     record = manifest.metadata.get(MODEL_RECORD) if manifest is not None else None
     if not isinstance(record, dict) or not isinstance(record.get("args"), dict):
         return None
     return record
-
-
-def model_tensor_shapes(source: Source) -> dict[str, tuple[int, ...]]:
-    """Native key -> shape of every model tensor of ``source`` (what an adapter checks a
-    description against)."""
-    return {
-        key: tuple(entry.shape or ())
-        for key, entry in source.entries.items()
-        if entry.is_tensor and group_of(key) == "model"
-    }
 
 
 def adapter_record(adapter: Any, name: str, flavor: str | None) -> dict[str, Any] | None:

@@ -39,18 +39,11 @@ def inspect_path(path: str, *, stats: bool = False, trust_pickles: bool = False)
     ``open_source``)."""
     if detect(path) == "folder":
         return _inspect_folder(path)
-    source = open_source(path, trust_pickles=trust_pickles)
-    try:
-        return _inspect_source(source, stats=stats)
-    finally:
-        source.close()
+    return _inspect_source(open_source(path, trust_pickles=trust_pickles), stats=stats)
 
 
 def _dir_size(path: str) -> int:
-    total = 0
-    for root, _, names in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(root, n)) for n in names)
-    return total
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
 
 
 def _inspect_folder(path: str) -> dict[str, Any]:
@@ -91,8 +84,7 @@ def _inspect_source(source: Source, *, stats: bool) -> dict[str, Any]:
             report["marker_problem"] = marker_problem(LocalStorage(), source.path)
     if source.info:
         report["info"] = source.info
-    files = source.files()
-    report["files"] = files
+    report["files"] = source.files()
     objects = [k for k, e in source.entries.items() if not e.is_tensor]
     values = source.read(objects) if objects else {}
     tensor_stats: dict[str, dict[str, Any]] = {}
@@ -177,11 +169,11 @@ def tensor_statistics(t: torch.Tensor) -> dict[str, Any]:
 
 def human_bytes(n: int) -> str:
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{n} B"
+    return f"{value:.1f} TiB"
 
 
 def _age(seconds: float) -> str:
@@ -223,8 +215,6 @@ def render(report: dict[str, Any]) -> str:
             f"{manifest['world_size']}{', model only' if manifest['model_only'] else ''}"
         )
     lines.append(f"  {len(report['files'])} data file(s): {', '.join(report['files'][:8])}")
-    is_dcp = report["format"] == "dcp"
-    has_stats = any("stats" in t for g in report["groups"].values() for t in g["tensors"])
     for name, g in report["groups"].items():
         lines.append("")
         lines.append(
@@ -234,7 +224,7 @@ def render(report: dict[str, Any]) -> str:
         )
         width = max((len(t["key"]) for t in g["tensors"]), default=0)
         for t in g["tensors"]:
-            lines.append(_tensor_line(t, width, is_dcp=is_dcp, has_stats=has_stats))
+            lines.append(_tensor_line(t, width))
         for o in g["objects"]:
             lines.append(f"  {o['key']} = {o['value']}")
     total = report["total"]
@@ -249,7 +239,7 @@ def render(report: dict[str, Any]) -> str:
 def _render_folder(report: dict[str, Any]) -> str:
     lines = [f"checkpoint folder {report['path']}: {len(report['steps'])} step(s)"]
     for s in report["steps"]:
-        state = _KIND_LABELS[s.get("kind", "committed" if s["committed"] else "interrupted")]
+        state = _KIND_LABELS[s["kind"]]
         if s.get("marker_problem"):
             state = "UNCOMMITTED (commit marker unreadable: damaged, or torn by a crash)"
         extra = ""
@@ -262,13 +252,13 @@ def _render_folder(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tensor_line(t: dict[str, Any], width: int, *, is_dcp: bool, has_stats: bool) -> str:
+def _tensor_line(t: dict[str, Any], width: int) -> str:
     shape = "[" + ", ".join(map(str, t["shape"])) + "]"
     line = f"  {t['key']:<{width}}  {shape:<16} {t['dtype']:<10} {human_bytes(t['bytes']):>10}"
-    if is_dcp:
+    if "shards" in t:  # a DCP checkpoint's row
         ranks = ",".join(map(str, t["ranks"])) or "?"
         line += f"  {t['shards']} shard(s), rank(s) {ranks}"
-    if has_stats and "stats" in t:
+    if "stats" in t:
         s = t["stats"]
         if s["min"] is None:
             line += f"  (no finite values; nan={s['nan']} inf={s['inf']})"
