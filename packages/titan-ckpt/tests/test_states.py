@@ -161,26 +161,6 @@ def test_optimizer_state_is_torchs_flattened_state_dict_on_every_call(monkeypatc
         state.state_dict()
 
 
-def test_flatten_by_position_follows_torchs_order_and_nesting():
-    osd = {
-        "state": {0: {"step": 3, "inner": {"a": 1.0, "b": {"c": 2}}}, 1: {"step": 4}},
-        "param_groups": [
-            {"lr": 0.1, "params": [0]},
-            {"lr": 0.2, "betas": (0.9, 0.95), "params": [1]},
-        ],
-    }
-    assert states._flatten_by_position(osd) == {
-        "state.0.step": 3,
-        "state.0.inner.a": 1.0,
-        "state.0.inner.b.c": 2,
-        "state.1.step": 4,
-        "param_groups.0.lr": 0.1,
-        "param_groups.1.lr": 0.2,
-        "param_groups.1.betas": (0.9, 0.95),
-    }
-    assert states._flatten_by_position({"state": []}) is None
-
-
 class WithExtraState(nn.Module):
     """A module whose extra state (not a tensor) keeps the FQN renaming from being learned;
     counts its own ``state_dict()`` calls."""

@@ -61,16 +61,8 @@ class FaultTolerance:
         before_heal: Callable[[], None] | None = None,
     ) -> None:
         ft_manager, replica_id = options.manager, options.replica_id
-        register = getattr(ft_manager, "register_state_dict_fn", None)
-        legacy = getattr(ft_manager, "set_state_dict_fns", None)
-        missing = [
-            name
-            for name, ok in (
-                ("participating_rank", callable(getattr(ft_manager, "participating_rank", None))),
-                ("register_state_dict_fn", callable(register) or callable(legacy)),
-            )
-            if not ok
-        ]
+        needed = ("participating_rank", "register_state_dict_fn")  # torchft >= 0.2
+        missing = [name for name in needed if not callable(getattr(ft_manager, name, None))]
         if missing:
             raise TypeError(
                 f"FaultToleranceOptions.manager is a {type(ft_manager).__name__} without "
@@ -90,10 +82,7 @@ class FaultTolerance:
         self._before_heal = before_heal
         self.model = model
         self.states = states
-        if callable(register):  # torchft >= 0.2; set_state_dict_fns is deprecated there
-            register(FT_STATE_KEY, self.load_state_dict, self.state_dict)
-        else:
-            legacy(self.load_state_dict, self.state_dict)
+        ft_manager.register_state_dict_fn(FT_STATE_KEY, self.load_state_dict, self.state_dict)
 
     def is_writer(self) -> bool:
         """Whether this replica group writes the shared checkpoint."""
@@ -102,18 +91,6 @@ class FaultTolerance:
     def replica_folder(self, storage: Storage, folder: str) -> str:
         """This replica group's own folder under the checkpoint folder ``folder``."""
         return storage.join(folder, f"{REPLICA_PREFIX}{self.replica_id}")
-
-    def save_dataloader(
-        self,
-        storage: Storage,
-        folder: str,
-        step: int,
-        write: Callable[[str, dict[str, Any]], None],
-    ) -> None:
-        """Save this replica group's dataloader state at ``step`` in its own folder, through
-        ``write(directory, state)`` (the manager's synchronous write and commit)."""
-        directory = step_dir(storage, self.replica_folder(storage, folder), step)
-        write(directory, {DATALOADER: self.states[DATALOADER]})
 
     def loads_dataloader(self, kind: str, manifest: Manifest | None, excluded: list[str]) -> bool:
         """Whether resuming a ``kind`` load of the step ``manifest`` describes restores this
@@ -191,17 +168,17 @@ class FaultTolerance:
                     step,
                     own[0],
                 )
+            manifest = read_manifest(storage, own[1])
+            assert manifest is not None  # committed: found by scan_steps
+            verify_step(storage, own[1], manifest, checksums=checksums)
         others = []
-        for name in sorted(storage.list(folder)) if storage.exists(folder) else []:
+        for name in sorted(storage.list(folder)):
             if not name.startswith(REPLICA_PREFIX) or name == f"{REPLICA_PREFIX}{self.replica_id}":
                 continue
             directory = step_dir(storage, storage.join(folder, name), step)
-            if read_manifest(storage, directory) is not None:
+            if (manifest := read_manifest(storage, directory)) is not None:
+                verify_step(storage, directory, manifest, checksums=checksums)
                 others.append((name[len(REPLICA_PREFIX) :], directory))
-        for directory in ([own[1]] if own else []) + [d for _, d in others]:
-            manifest = read_manifest(storage, directory)
-            assert manifest is not None  # committed: found above
-            verify_step(storage, directory, manifest, checksums=checksums)
         return own, others
 
     def state_dict(self) -> dict[str, Any]:

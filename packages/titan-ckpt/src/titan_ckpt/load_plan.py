@@ -33,7 +33,7 @@ from titan_ckpt.states import ModelState
 from titan_ckpt.storage import Storage
 from titan_ckpt.torchtitan import TorchtitanCompat, is_torchtitan_checkpoint, read_state_keys
 
-__all__ = ["LoadPlan", "Loaded", "plan_load", "shares", "states_to_load", "verify_shared"]
+__all__ = ["LoadPlan", "Loaded", "plan_load", "shares", "verify_shared"]
 
 logger = logging.getLogger("titan_ckpt")
 
@@ -66,17 +66,21 @@ class LoadPlan:
     """"resume" (the run's folder), "initial" (initial_load_path) or "hf" (a HF folder)."""
     directory: str
     """The step directory or Hugging Face folder."""
-    manifest_json: bytes | None
+    manifest: Manifest | None
     """Its commit marker, if it has one."""
     source: str = "titan"
     """Who wrote it: "titan" (a commit marker), "torchtitan", or "dcp" (anything else)."""
     keys: frozenset[str] | None = None
     """Its DCP metadata keys, when it is not titan's."""
 
-    def state_entries(self, names: list[str], states: Mapping[str, Any]) -> dict[str, Any]:
-        """What DCP loads for ``states[name]``, name in ``names``: titan's states as they are;
-        a torchtitan checkpoint's through ``TorchtitanCompat``; from any other checkpoint only
-        states it holds (else one clear error)."""
+    def entries(
+        self, cfg: CheckpointConfig, states: Mapping[str, Any], data_parallel_degree: int
+    ) -> dict[str, Any]:
+        """What DCP loads for ``states`` (the shared checkpoint's), by name: none for a
+        model-only load; titan's states as they are, a torchtitan checkpoint's through
+        ``TorchtitanCompat``. ``CheckpointConfigError`` for a state the step lacks, or a
+        dataloader saved at another data-parallel degree that cannot reshard."""
+        names = self._names(cfg, states, data_parallel_degree)
         if self.source == "torchtitan" and self.keys is not None:
             return TorchtitanCompat(self.keys, self.directory).states_for_load(names, states)
         if self.source == "dcp" and self.keys is not None:
@@ -88,6 +92,46 @@ class LoadPlan:
                     f"take only the model, or add {missing} to checkpoint.exclude_from_loading."
                 )
         return {n: states[n] for n in names}
+
+    def _names(
+        self, cfg: CheckpointConfig, states: Mapping[str, Any], data_parallel_degree: int
+    ) -> list[str]:
+        manifest = self.manifest
+        if self.kind == "initial" and cfg.initial_load_model_only:
+            return []
+        if manifest is not None and manifest.model_only:
+            if self.kind == "resume" and manifest.step != 0:
+                logger.warning(
+                    "%s is a model-only checkpoint (a final export): resuming the model only; "
+                    "optimizer and other states start fresh",
+                    self.directory,
+                )
+            return []
+        names = [n for n in sorted(states) if n not in cfg.exclude_from_loading]
+        if manifest is None:
+            return names
+        missing = [n for n in names if n not in manifest.states]
+        if missing:
+            raise CheckpointConfigError(
+                f"{self.directory} holds no {missing} state (it has {manifest.states}); add "
+                f"{missing} to checkpoint.exclude_from_loading to start them fresh."
+            )
+        # The dataloader is sharded over data-parallel ranks, not over all ranks: a TP=2 world
+        # of 2 and a single process both read one data stream. Older markers lack the degree.
+        saved_dp = manifest.data_parallel_degree or manifest.world_size
+        if (
+            DATALOADER in names
+            and saved_dp != data_parallel_degree
+            and not getattr(states[DATALOADER], "supports_resharding", False)
+        ):
+            raise CheckpointConfigError(
+                f"{self.directory} was written with data-parallel degree {saved_dp}, this run has "
+                f"{data_parallel_degree}, and the dataloader "
+                f"({type(states[DATALOADER]).__name__}) does not declare "
+                "supports_resharding. Add 'dataloader' to checkpoint.exclude_from_loading to "
+                "restart the data stream, or resume at the original data-parallel degree."
+            )
+        return names
 
 
 def plan_load(
@@ -130,7 +174,7 @@ def _checked(
     if manifest is not None:
         verify_step(storage, directory, manifest, checksums=checksums)
         _check_model_matches(storage, model, directory, trust_pickles)
-        return LoadPlan(kind, directory, manifest.to_json())
+        return LoadPlan(kind, directory, manifest)
     keys = read_state_keys(storage, directory) or set()
     source = "torchtitan" if is_torchtitan_checkpoint(keys) else "dcp"
     if kind == "resume" and source != "torchtitan":
@@ -167,54 +211,6 @@ def _check_model_matches(
             f"{directory} does not hold this model: {', '.join(detail)}. Check that the "
             "model configuration matches the one that wrote the checkpoint."
         )
-
-
-def states_to_load(
-    cfg: CheckpointConfig,
-    kind: str,
-    directory: str,
-    manifest: Manifest | None,
-    states: Mapping[str, Any],
-    data_parallel_degree: int,
-) -> list[str]:
-    """The names of ``states`` (the shared checkpoint's) to load from the ``kind`` load of
-    ``directory``; ``CheckpointConfigError`` for one the step lacks, or a dataloader saved at
-    another data-parallel degree that cannot reshard."""
-    if kind == "initial" and cfg.initial_load_model_only:
-        return []
-    if manifest is not None and manifest.model_only:
-        if kind == "resume" and manifest.step != 0:
-            logger.warning(
-                "%s is a model-only checkpoint (a final export): resuming the model only; "
-                "optimizer and other states start fresh",
-                directory,
-            )
-        return []
-    names = [n for n in sorted(states) if n not in cfg.exclude_from_loading]
-    if manifest is None:
-        return names
-    missing = [n for n in names if n not in manifest.states]
-    if missing:
-        raise CheckpointConfigError(
-            f"{directory} holds no {missing} state (it has {manifest.states}); add "
-            f"{missing} to checkpoint.exclude_from_loading to start them fresh."
-        )
-    # The dataloader is sharded over data-parallel ranks, not over all ranks: a TP=2 world
-    # of 2 and a single process both read one data stream. Older markers lack the degree.
-    saved_dp = manifest.data_parallel_degree or manifest.world_size
-    if (
-        DATALOADER in names
-        and saved_dp != data_parallel_degree
-        and not getattr(states[DATALOADER], "supports_resharding", False)
-    ):
-        raise CheckpointConfigError(
-            f"{directory} was written with data-parallel degree {saved_dp}, this run has "
-            f"{data_parallel_degree}, and the dataloader "
-            f"({type(states[DATALOADER]).__name__}) does not declare "
-            "supports_resharding. Add 'dataloader' to checkpoint.exclude_from_loading to "
-            "restart the data stream, or resume at the original data-parallel degree."
-        )
-    return names
 
 
 def shares(files: Mapping[str, dict], world: int) -> list[dict[str, dict]]:

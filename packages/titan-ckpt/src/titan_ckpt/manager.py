@@ -47,7 +47,7 @@ from titan_ckpt.layout import (
     step_dir,
     step_of,
 )
-from titan_ckpt.load_plan import Loaded, plan_load, states_to_load, verify_shared
+from titan_ckpt.load_plan import Loaded, plan_load, verify_shared
 from titan_ckpt.lock import FolderLock, claim_step, lock_checkpoint_folder
 from titan_ckpt.preflight import check_folder_writable, open_storage, saves_step
 from titan_ckpt.space import WRITE_ERRORS, SaveWatch, state_bytes
@@ -300,8 +300,7 @@ class CheckpointManager:
         shared_states = self._shared_states()
         if self.ft is not None:
             if self.ft.dataloader_checkpoints and not model_only:
-                write = partial(self._write_replica, curr_step)
-                self.ft.save_dataloader(self.storage, self.folder, curr_step, write)
+                self._write_replica(curr_step)
             if not self.ft.is_writer():
                 return True  # another replica group writes the shared checkpoint
         directory = step_dir(self.storage, self.folder, curr_step)
@@ -349,9 +348,12 @@ class CheckpointManager:
         set_checksum(writer, self.checksum)
         return writer
 
-    def _write_replica(self, step: int, directory: str, state: dict[str, Any]) -> None:
-        """Write and commit this replica group's own dataloader state."""
-        manifest = self._manifest(step, list(state), model_only=False)
+    def _write_replica(self, step: int) -> None:
+        """Write and commit this replica group's own dataloader state in its own folder."""
+        assert self.ft is not None
+        directory = step_dir(self.storage, self.ft.replica_folder(self.storage, self.folder), step)
+        state = {DATALOADER: self.states[DATALOADER]}
+        manifest = self._manifest(step, [DATALOADER], model_only=False)
         self._write_sync(directory, state, manifest, self._ft_purger, needed=state_bytes(state))
 
     def _shared_states(self) -> dict[str, Any]:
@@ -403,41 +405,34 @@ class CheckpointManager:
         error = None
         try:
             written = written_files(result)
-            self._write_extras_and_commit(directory, manifest, purger, hf=hf, written=written)
+            if hf:
+                written = {**(written or {}), **self._export_hf(directory)}
+            # Every rank's writer hashed its files as it wrote them, and DCP brought the
+            # digests to rank 0 (its coordinator) with the write results: the commit reads
+            # nothing back.
+            if self._rank == 0:
+                self._commit(directory, manifest, purger, written=written)
         except WRITE_ERRORS as e:  # on rank 0 the commit; an HF export write on any rank
             error = e
         self._watch.settle(error, directory=directory, step=manifest.step, needed=needed)
         if error is not None:
             raise error
 
-    def _write_extras_and_commit(
-        self,
-        directory: str,
-        manifest: Manifest,
-        purger: Purger | None,
-        *,
-        hf: bool,
-        written: dict[str, dict] | None,
-    ) -> None:
-        if hf:
-            assert self.adapter is not None  # checked in _validate
-            hf_dir = self.storage.join(directory, HF_SUBDIR)
-            # Hashes the export as it is written.
-            recorder = RecordingStorage(self.storage, checksum=self.checksum)
-            save_hf(
-                recorder,
-                hf_dir,
-                self.model,
-                self.adapter,
-                self.config.export_torch_dtype,
-                max_shard_size=self.config.hf_max_shard_size,
-                writer=self._rank == 0,
-            )
-            written = {**(written or {}), **recorder.written_under(directory)}
-        # Every rank's writer hashed its files as it wrote them, and DCP brought the digests
-        # to rank 0 (its coordinator) with the write results: the commit reads nothing back.
-        if self._rank == 0:
-            self._commit(directory, manifest, purger, written=written)
+    def _export_hf(self, directory: str) -> dict[str, dict]:
+        """Write the Hugging Face export of the model under ``directory``; returns the sizes
+        and checksums of the files written (hashed as they were written), by relative path."""
+        assert self.adapter is not None  # checked in _validate
+        recorder = RecordingStorage(self.storage, checksum=self.checksum)
+        save_hf(
+            recorder,
+            self.storage.join(directory, HF_SUBDIR),
+            self.model,
+            self.adapter,
+            self.config.export_torch_dtype,
+            max_shard_size=self.config.hf_max_shard_size,
+            writer=self._rank == 0,
+        )
+        return recorder.written_under(directory)
 
     def _prepare_step(self, directory: str, step: int, needed: int | None = None) -> None:
         """Make ``directory`` ours and empty before writing step ``step`` into it: remove what
@@ -533,7 +528,7 @@ class CheckpointManager:
         if plan is None:
             logger.info("No checkpoint in %s and no initial_load_path: starting fresh", self.folder)
             return Loaded()
-        kind, directory, manifest_json = plan.kind, plan.directory, plan.manifest_json
+        kind, directory, manifest = plan.kind, plan.directory, plan.manifest
         begin = time.monotonic()
         self.loaded_source = "hf" if kind == "hf" else plan.source
         if kind == "hf":
@@ -543,13 +538,9 @@ class CheckpointManager:
                 dist.barrier(group=self.pg)
             logger.info("Loaded Hugging Face weights from %s", directory)
             return Loaded(directory, states=(MODEL,), kind=kind)
-        manifest = Manifest.from_json(manifest_json) if manifest_json else None
         if manifest is not None and shared:
             verify_shared(self.storage, directory, manifest, self.pg)
-        names = states_to_load(
-            cfg, kind, directory, manifest, self._shared_states(), self._data_parallel_degree()
-        )
-        entries = plan.state_entries(names, self.states)
+        entries = plan.entries(cfg, self._shared_states(), self._data_parallel_degree())
         names = list(entries)
         model_sd = self.model.state_dict()
         state = {**model_sd, **entries}

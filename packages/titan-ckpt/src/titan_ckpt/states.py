@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _flatten_optim_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -140,34 +141,6 @@ def _same_tensor(a: Any, b: Any) -> bool:
     )
 
 
-def _flatten_by_position(osd: dict[str, Any]) -> dict[str, Any] | None:
-    """An optimizer's ``state_dict()`` flattened in the order and shape torch flattens it,
-    keyed by parameter index instead of FQN (``state.<index>.<key>[.<key>...]``, then
-    ``param_groups.<index>.<key>`` per group, per parameter), or None if not that shape."""
-    state, groups = osd.get("state"), osd.get("param_groups")
-    if not isinstance(state, dict) or not isinstance(groups, list):
-        return None
-    flat: dict[str, Any] = {}
-
-    def nested(prefix: str, values: dict[Any, Any]) -> None:
-        for name, value in values.items():
-            if isinstance(value, dict):
-                nested(f"{prefix}.{name}", value)
-            else:
-                flat[f"{prefix}.{name}"] = value
-
-    for index, values in state.items():
-        if not isinstance(values, dict):
-            return None
-        nested(f"state.{index}", values)
-    for group in groups:
-        settings = [(name, value) for name, value in group.items() if name != "params"]
-        for index in group.get("params", ()):
-            for name, value in settings:
-                flat[f"param_groups.{index}.{name}"] = value
-    return flat
-
-
 def _same_values(flat: dict[str, Any], fqn_state: dict[str, Any]) -> bool:
     """Whether two flattened states hold the same objects in the same order."""
     return len(flat) == len(fqn_state) and all(
@@ -218,22 +191,23 @@ class OptimizerState:
         return merged
 
     def _pair_state_dict(self, part: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-        """``get_optimizer_state_dict(part, opt)`` (flattened), through ``opt.state_dict()`` with
-        keys renamed as learned from an earlier call (torch's renaming costs ~3 ms of an async
-        ``save()`` for 58 parameters). Reused only while the flattened keys and the model's and
+        """``get_optimizer_state_dict(part, opt)`` (flattened), through ``opt.state_dict()``
+        flattened by torch's own function (keyed by parameter index) with keys renamed as
+        learned from an earlier call (torch's renaming costs ~3 ms of an async ``save()`` for
+        58 parameters). Reused only while the flattened keys and the model's and
         optimizer's parameters are those it was learned for, and the optimizer has state."""
         key = (id(part), id(opt))
         learned = self._names.get(key)
         if learned is not None and opt.state and not _has_fsdp1(part):
-            flat = _flatten_by_position(opt.state_dict())
-            if flat is not None and learned[0] == (_parameters_of(part, opt), tuple(flat)):
+            flat = _flatten_optim_state_dict(opt.state_dict())
+            if learned[0] == (_parameters_of(part, opt), tuple(flat)):
                 return dict(zip(learned[1], flat.values(), strict=True))
         sd = get_optimizer_state_dict(part, opt, options=self._options)
         if opt.state and not _has_fsdp1(part) and (key not in self._names or learned):
             # Learned when there is no try yet, or to relearn keys that changed; a failed
             # try is not repeated (each costs the optimizer's state_dict()).
-            flat = _flatten_by_position(opt.state_dict())
-            if flat is not None and _same_values(flat, sd):
+            flat = _flatten_optim_state_dict(opt.state_dict())
+            if _same_values(flat, sd):
                 self._names[key] = ((_parameters_of(part, opt), tuple(flat)), tuple(sd))
             else:
                 self._names[key] = None
