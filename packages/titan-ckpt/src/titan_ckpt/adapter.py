@@ -154,10 +154,11 @@ def load_state_dict_adapter(
         "overrides": overrides,
         "tensor_shapes": tensor_shapes,
     }
-    kwargs = {k: v for k, v in given.items() if v is not None}
-    for key in OPTIONAL_FACTORY_ARGS:
-        if key in kwargs and not takes_keyword(factory, key):
-            del kwargs[key]
+    kwargs = {
+        k: v
+        for k, v in given.items()
+        if v is not None and (k not in OPTIONAL_FACTORY_ARGS or takes_keyword(factory, k))
+    }
     adapter = factory(**kwargs)
     if not isinstance(adapter, StateDictAdapter):
         raise TypeError(

@@ -10,7 +10,6 @@ depends on torch alone), raising ``CheckpointConfigError`` here.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 from titan_ckpt import _checks as checks
 
@@ -32,18 +31,11 @@ __all__ = [
 
 
 class CheckpointError(Exception):
-    """The root of every error titan-ckpt raises on purpose."""
+    """The root of every error titan-ckpt raises on purpose.
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Errors are broadcast between ranks: keep keyword attributes through pickling.
-        return (_rebuild, (type(self), self.args, self.__dict__))
-
-
-def _rebuild(cls: type, args: tuple, attrs: dict) -> BaseException:
-    error = cls.__new__(cls)
-    error.args = args
-    error.__dict__.update(attrs)
-    return error
+    Errors are broadcast between ranks by pickle; ``Exception``'s own pickling keeps the
+    keyword attributes (``path``, ``problems``, ...), as every ``__init__`` here takes the
+    message alone positionally."""
 
 
 class CheckpointConfigError(CheckpointError, ValueError):

@@ -79,35 +79,46 @@ def save_hf(
     local_specs = [
         (k, (tuple(v.shape), dtype if v.is_floating_point() else v.dtype)) for k, v in local.items()
     ]
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if writer is None:
-        writer = not dist.is_initialized() or dist.get_rank() == 0
+        writer = rank == 0
     # Which rank sends each parameter to the writer: None where the writer holds it.
     specs, senders, writer_rank = _owners(local_specs, writer)
     planned = None
     if streams(adapter):
         # On every rank, before the first gather: a bad adapter fails everywhere at once.
         planned = plan_items(partial(to_hf_items, adapter), specs)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     # The writer receives into memory on its model's device (the backend's device).
     recv_device = next(iter(local.values())).device if local else torch.device("cpu")
 
-    # Lazy: nothing is gathered until the generator is walked below.
-    gathered = _gathered(
-        specs,
-        local,
-        senders,
-        dtype,
-        writer=writer,
-        rank=rank,
-        writer_rank=writer_rank,
-        recv_device=recv_device,
-    )
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        """The full tensors, on the writer; on the other ranks, walking it does their part."""
+        # Every rank walks the same keys in the same order: each full_tensor() is one
+        # collective that all ranks of the parameter's mesh enter together, and each send
+        # meets the writer's receive for the same key.
+        for key, (shape, spec_dtype) in specs:
+            value = local.get(key)
+            if value is not None:
+                value = value.detach()
+                if value.is_floating_point():
+                    value = value.to(dtype)
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+            sender = senders[key]
+            if writer:
+                if sender is not None:  # another pipeline stage's
+                    value = torch.empty(shape, dtype=spec_dtype, device=recv_device)
+                    dist.recv(value, src=sender)
+                yield key, value.cpu()
+            elif sender == rank:
+                dist.send(value.contiguous(), dst=writer_rank)
+            del value  # before the next gather: one full tensor at a time
 
     if not writer:
-        for _ in gathered:
+        for _ in gathered():
             pass
         return
-    values = to_hf_items(adapter, gathered)
+    values = to_hf_items(adapter, gathered())
     if planned is None:  # the whole-dict fallback: rank 0 holds the model once
         hf = dict(values)
         planned = {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}
@@ -121,40 +132,6 @@ def save_hf(
     config["torch_dtype"] = dtype_name(dtype)
     text = json.dumps(config, indent=2, sort_keys=True).encode()
     storage.write_atomic(storage.join(directory, HF_CONFIG), text)
-
-
-def _gathered(
-    specs: list[tuple[str, TensorSpec]],
-    local: dict[str, torch.Tensor],
-    senders: dict[str, int | None],
-    dtype: torch.dtype,
-    *,
-    writer: bool,
-    rank: int,
-    writer_rank: int,
-    recv_device: torch.device,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full tensors, on the writer; on the other ranks, walking it does their part."""
-    # Every rank walks the same keys in the same order: each full_tensor() is one
-    # collective that all ranks of the parameter's mesh enter together, and each send
-    # meets the writer's receive for the same key.
-    for key, (shape, spec_dtype) in specs:
-        value = local.get(key)
-        if value is not None:
-            value = value.detach()
-            if value.is_floating_point():
-                value = value.to(dtype)
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-        sender = senders[key]
-        if writer:
-            if sender is not None:  # another pipeline stage's
-                value = torch.empty(shape, dtype=spec_dtype, device=recv_device)
-                dist.recv(value, src=sender)
-            yield key, value.cpu()
-        elif sender == rank:
-            dist.send(value.contiguous(), dst=writer_rank)
-        del value  # before the next gather: one full tensor at a time
 
 
 def _owners(
@@ -217,6 +194,7 @@ def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateD
     targets: dict[str, torch.Tensor] = {}
     for part in model.model_parts:
         targets.update(get_model_state_dict(part))
+    shapes = {k: tuple(v.shape) for k, v in targets.items()}
     # Under pipeline parallelism the other stages' parameters are in the folder too.
     model_keys = set(targets)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -225,12 +203,12 @@ def load_hf(storage: Storage, directory: str, model: ModelState, adapter: StateD
         model_keys = {key for keys in everyone for key in keys}
     if streams(adapter):
         planned = plan_items(partial(from_hf_items, adapter), source.specs.items())
-        _check_keys(directory, planned, targets, model_keys)
+        _check_keys(directory, planned, shapes, model_keys)
         native = from_hf_items(adapter, source.items())
     else:  # the whole-dict fallback: every rank holds the model once
         loaded = dict(from_hf_items(adapter, source.items()))
         found = {k: (tuple(v.shape), v.dtype) for k, v in loaded.items()}
-        _check_keys(directory, found, targets, model_keys)
+        _check_keys(directory, found, shapes, model_keys)
         native = iter(loaded.items())
         del loaded
     for key, value in native:
@@ -255,18 +233,19 @@ def check_hf_folder(
         return False
     source = hf_files(storage, directory)
     planned = plan_items(partial(from_hf_items, adapter), source.specs.items())
-    targets = {k: torch.empty(shape, device="meta") for k, shape in model_shapes.items()}
-    _check_keys(directory, planned, targets, set(targets))
+    _check_keys(directory, planned, model_shapes, set(model_shapes))
     return True
 
 
 def _check_keys(
     directory: str,
     native: dict[str, TensorSpec],
-    targets: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
     model_keys: set[str],
 ) -> None:
-    missing = [k for k in targets if k not in native]
+    """Refuse a conversion ``native`` that lacks a key of this rank's ``shapes``, has one no
+    rank's model holds (``model_keys``), or has another shape."""
+    missing = [k for k in shapes if k not in native]
     if missing:
         raise CheckpointConfigError(
             f"The Hugging Face checkpoint in {directory} lacks model keys {missing[:5]} "
@@ -279,9 +258,9 @@ def _check_keys(
             f"the adapter's conversion: {unused[:5]} (of {len(unused)})."
         )
     wrong = [
-        f"{k}: {list(native[k][0])} in the checkpoint, {list(v.shape)} in the model"
-        for k, v in targets.items()
-        if tuple(native[k][0]) != tuple(v.shape)
+        f"{k}: {list(native[k][0])} in the checkpoint, {list(shape)} in the model"
+        for k, shape in shapes.items()
+        if tuple(native[k][0]) != tuple(shape)
     ]
     if wrong:
         raise CheckpointConfigError(

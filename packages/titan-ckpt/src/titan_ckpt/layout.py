@@ -16,9 +16,7 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import re
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +39,6 @@ __all__ = [
     "OWNER_MARKER",
     "STEP_KINDS",
     "STEP_RE",
-    "CheckpointIntegrityError",
     "Manifest",
     "Purger",
     "StepScan",
@@ -187,16 +184,19 @@ def file_digest(storage: Storage, path: str, algorithm: str) -> str:
         return hashlib.file_digest(f, lambda: new_hasher(algorithm)).hexdigest()  # type: ignore[arg-type]
 
 
+def _temporary(rel: str) -> bool:
+    """Whether ``rel`` is the temporary file of an atomic write (``Storage.write_atomic``)."""
+    return rel.rsplit("/", 1)[-1].startswith(".tmp-")
+
+
 def _data_files(storage: Storage, directory: str, prefix: str = "") -> list[str]:
     """The checkpoint files of ``directory`` (relative paths), less our markers and
     temporary files, whose names start with ``prefix``."""
-    out = []
-    for rel in storage.walk_files(directory):
-        name = rel.rsplit("/", 1)[-1]
-        if rel in _MARKERS or name.startswith(".tmp-") or not rel.startswith(prefix):
-            continue
-        out.append(rel)
-    return out
+    return [
+        rel
+        for rel in storage.walk_files(directory)
+        if rel not in _MARKERS and not _temporary(rel) and rel.startswith(prefix)
+    ]
 
 
 def _file_entry(storage: Storage, path: str, algorithm: str) -> dict[str, Any]:
@@ -268,9 +268,8 @@ def _parse_marker(storage: Storage, directory: str) -> tuple[Manifest | None, st
         data = f.read()
     try:
         return Manifest.from_json(data), None
-    except (ValueError, TypeError, AttributeError, RecursionError) as error:
-        lines = str(error).strip().splitlines()
-        return None, (lines[-1][:200] if lines else "") or type(error).__name__
+    except (ValueError, RecursionError) as error:  # RecursionError: JSON nested too deep
+        return None, str(error).strip()[:200] or type(error).__name__
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest | None:
@@ -373,7 +372,7 @@ def _holds_no_data(storage: Storage, directory: str) -> bool:
     """Whether ``directory`` holds no file but our atomic writes' temporaries: a save killed
     while writing the owner marker, or a deletion (``remove_step``) killed after the marker
     went and before the directory did. Empty subdirectories do not count."""
-    return all(rel.rsplit("/", 1)[-1].startswith(".tmp-") for rel in storage.walk_files(directory))
+    return all(_temporary(rel) for rel in storage.walk_files(directory))
 
 
 def remove_step(storage: Storage, directory: str) -> bool:
@@ -398,7 +397,7 @@ def remove_step(storage: Storage, directory: str) -> bool:
     def ours(rel: str) -> bool:
         if rel in links:
             return False
-        if rel in _MARKERS or rel.rsplit("/", 1)[-1].startswith(".tmp-"):
+        if rel in _MARKERS or _temporary(rel):
             return True
         return manifest is None or rel in manifest.files
 
@@ -436,14 +435,15 @@ class StepScan:
     torchtitan: list[int] = field(default_factory=list)
     foreign: list[int] = field(default_factory=list)
 
+    @property
+    def loadable(self) -> list[int]:
+        """The steps a run can resume from (committed and torchtitan), in order."""
+        return sorted(self.committed + self.torchtitan)
+
 
 def _step_names(storage: Storage, folder: str) -> list[tuple[int, str]]:
-    out = []
-    for name in storage.list(folder):
-        step = step_of(name)
-        if step is not None:
-            out.append((step, name))
-    return sorted(out)
+    named = ((step_of(name), name) for name in storage.list(folder))
+    return sorted((step, name) for step, name in named if step is not None)
 
 
 def committed_steps(storage: Storage, folder: str) -> list[int]:
@@ -461,12 +461,7 @@ def scan_steps(storage: Storage, folder: str, *, log: bool = True) -> StepScan:
     scan = StepScan([], [])
     for step, name in _step_names(storage, folder):
         kind = classify_step(storage, storage.join(folder, name))
-        {
-            "committed": scan.committed,
-            "interrupted": scan.uncommitted,
-            "torchtitan": scan.torchtitan,
-            "foreign": scan.foreign,
-        }[kind].append(step)
+        getattr(scan, "uncommitted" if kind == "interrupted" else kind).append(step)
     if scan.uncommitted and log:
         logger.warning(
             "Ignoring uncommitted checkpoint directories in %s (interrupted or in-progress "
@@ -477,42 +472,32 @@ def scan_steps(storage: Storage, folder: str, *, log: bool = True) -> StepScan:
     return scan
 
 
-_STOP = object()
-
-
 class Purger:
     """Retention: deletes committed steps beyond the newest ``keep_latest_k`` under one folder,
-    in a daemon thread (on one rank), only through ``remove_step``; a step it must leave is
-    not tried again, and a failed pass is logged while the next request carries on."""
+    in a background thread (on one rank), only through ``remove_step``; a step it must leave
+    is not tried again, and a failed pass is logged while the next request carries on."""
 
     def __init__(self, storage: Storage, folder: str, keep_latest_k: int) -> None:
         if keep_latest_k < 2:
             raise ValueError(f"keep_latest_k={keep_latest_k}: the purger keeps at least 2.")
         self.storage, self.folder, self.keep = storage, folder, keep_latest_k
-        self.failures: list[str] = []
         self.left: set[str] = set()
         """Steps ``remove_step`` left in place (a link, files not ours): not tried again."""
-        self._queue: queue.Queue[object] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="titan-ckpt-purge", daemon=True)
-        self._thread.start()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-purge")
 
     def request(self) -> None:
         """Ask for a purge pass; returns at once."""
-        self._queue.put(None)
+        self._pool.submit(self._run)
 
     def close(self) -> None:
-        """Finish every pass already requested, then stop the thread."""
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join()
+        """Finish every pass already requested, then stop the thread (idempotent)."""
+        self._pool.shutdown(wait=True)
 
     def _run(self) -> None:
-        while self._queue.get() is not _STOP:
-            try:
-                self._purge_once()
-            except Exception as e:  # the thread must outlive any one failed pass
-                logger.exception("Checkpoint purge pass in %s failed", self.folder)
-                self.failures.append(f"{self.folder}: {e}")
+        try:
+            self._purge_once()
+        except Exception:  # the next pass must run even if this one failed
+            logger.exception("Checkpoint purge pass in %s failed", self.folder)
 
     def _purge_once(self) -> None:
         # Only steps with our commit marker count and go: never torchtitan's, a foreign
@@ -529,4 +514,3 @@ class Purger:
                 logger.info("Deleted checkpoint %s (keep_latest_k=%d)", directory, self.keep)
             except Exception as e:
                 logger.warning("Could not delete checkpoint %s: %s", directory, e)
-                self.failures.append(f"{directory}: {e}")

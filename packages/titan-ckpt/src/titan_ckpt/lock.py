@@ -11,7 +11,7 @@ no lock. With torchft each replica group locks its own ``ft-replica-<id>`` folde
   ``STALE_SECONDS`` is taken over. Best effort (object stores have no atomic create).
 
 A save also refuses to replace a step another writer committed after this manager started
-(``check_replaceable``).
+(``claim_step``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from titan_ckpt.config import CheckpointConfig
 from titan_ckpt.errors import CheckpointConfigError, CheckpointLockError, CheckpointWriteError
 from titan_ckpt.ft import REPLICA_PREFIX
 from titan_ckpt.layout import classify_step, read_manifest, remove_step, write_owner
-from titan_ckpt.preflight import _local_path, open_storage
+from titan_ckpt.preflight import local_path, open_storage
 from titan_ckpt.storage import Storage
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "STALE_SECONDS",
     "FolderLock",
     "acquire",
-    "check_replaceable",
+    "claim_step",
     "lock_checkpoint_folder",
 ]
 
@@ -71,10 +71,10 @@ def _parse(data: bytes) -> dict[str, Any] | None:
     """The holder a lock file records; None for an empty or unreadable one."""
     try:
         holder = json.loads(data)
-        str(holder["host"]), int(holder["pid"]), float(holder["since"])
+        str(holder["host"]), int(holder["pid"]), float(holder["since"])  # only a dict passes
     except (ValueError, TypeError, KeyError):
         return None
-    return holder if isinstance(holder, dict) else None
+    return holder
 
 
 def _describe(holder: dict[str, Any]) -> str:
@@ -105,8 +105,9 @@ class FolderLock:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         if holder is not None and file is None:
-            self._beat = threading.Thread(target=self._heartbeats, name="titan-ckpt-lock")
-            self._beat.daemon = True
+            self._beat = threading.Thread(
+                target=self._heartbeats, name="titan-ckpt-lock", daemon=True
+            )
             self._beat.start()
 
     @property
@@ -181,14 +182,15 @@ def _read(storage: Storage, path: str) -> dict[str, Any] | None:
 
 def _busy_error(folder: str, holder: dict[str, Any] | None) -> CheckpointLockError:
     """The one message for a folder another writer holds."""
-    who = _describe(holder) if holder else "another process (not yet named in the file)"
+    who = _describe(holder) if holder else ""
     return CheckpointLockError(
-        f"Checkpoint folder {folder} is in use by another run: {who} holds its lock "
+        f"Checkpoint folder {folder} is in use by another run: "
+        f"{who or 'another process (not yet named in the file)'} holds its lock "
         f"({LOCK_FILE}). Two runs saving into one folder replace and delete each other's "
         "checkpoints, so this one stops before any work. Wait for that run to end or stop it, "
         "point checkpoint.folder (or job.dump_folder) elsewhere, or read the folder without "
         f"saving: checkpoint.load_only=true, or titan-ckpt inspect {folder}.",
-        holder=_describe(holder) if holder else "",
+        holder=who,
     )
 
 
@@ -199,7 +201,7 @@ def _took_over(folder: str, previous: dict[str, Any], why: str) -> None:
 def acquire(storage: Storage, folder: str) -> FolderLock:
     """Take ``folder``'s writer lock for this process (creating the folder); raise
     ``CheckpointLockError`` naming the holder if another process holds it."""
-    local = _local_path(storage, folder)  # LocalStorage, or fsspec's file://
+    local = local_path(storage, folder)  # LocalStorage, or fsspec's file://
     if local is not None:
         created, path = [], os.path.abspath(local)
         while not os.path.exists(path):
@@ -288,16 +290,16 @@ def lock_checkpoint_folder(
         box: list[BaseException | None] = [error]
         dist.broadcast_object_list(box, group=group, group_src=0)
         error = box[0]
-    if error is not None:
-        lock.release()
+    if error is not None:  # then no rank holds the lock
         raise error
     return lock
 
 
 def claim_step(storage: Storage, directory: str, step: int, since: float, own: set[str]) -> None:
     """Make ``directory`` ours and empty before writing step ``step`` into it: remove what an
-    earlier save of ours left there (one committed since ``since`` only if we committed it,
-    ``own``: see ``check_replaceable``); refuse a directory someone else wrote."""
+    earlier save of ours left there; refuse a directory someone else wrote, and
+    (``CheckpointWriteError``) a step committed after ``since`` (this manager's start) that
+    this manager did not commit (``own``): another writer of the folder committed it."""
     if storage.exists(directory):
         kind = classify_step(storage, directory)
         if kind not in ("committed", "interrupted"):
@@ -307,7 +309,16 @@ def claim_step(storage: Storage, directory: str, step: int, since: float, own: s
                 "writes into it. Move it away, or use another checkpoint.folder."
             )
         if kind == "committed":
-            check_replaceable(storage, directory, step, since, own)
+            manifest = read_manifest(storage, directory)
+            if manifest is not None and directory not in own and manifest.created >= since:
+                raise CheckpointWriteError(
+                    f"Cannot save step {step}: {directory} was committed at "
+                    f"{_when(manifest.created)}, after this run started ({_when(since)}), so "
+                    "another run is writing this folder too; titan never replaces a step "
+                    "another writer committed, and wrote nothing. Stop one of the runs, or give "
+                    "each its own checkpoint.folder.",
+                    path=directory,
+                )
             logger.warning("Replacing committed checkpoint %s", directory)
         # Killed halfway, it stays "interrupted"; one it must leave (a link inside, files not
         # ours) is no place to write into.
@@ -317,21 +328,3 @@ def claim_step(storage: Storage, directory: str, step: int, since: float, own: s
                 "(see the warning). Move it away, or use another checkpoint.folder."
             )
     write_owner(storage, directory, step)
-
-
-def check_replaceable(
-    storage: Storage, directory: str, step: int, since: float, own: set[str]
-) -> None:
-    """Raise ``CheckpointWriteError`` unless the committed step in ``directory`` may be
-    replaced: it was committed before ``since`` (this manager's start) or by this manager
-    (``own``). One committed later came from another writer of the folder."""
-    manifest = read_manifest(storage, directory)
-    if manifest is None or directory in own or manifest.created < since:
-        return
-    raise CheckpointWriteError(
-        f"Cannot save step {step}: {directory} was committed at {_when(manifest.created)}, "
-        f"after this run started ({_when(since)}), so another run is writing this "
-        "folder too; titan never replaces a step another writer committed, and wrote nothing. "
-        "Stop one of the runs, or give each its own checkpoint.folder.",
-        path=directory,
-    )

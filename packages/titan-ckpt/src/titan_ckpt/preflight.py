@@ -57,7 +57,7 @@ def check_folder_writable(
         storage = open_storage(folder)
     if config.load_only:
         return storage
-    local = _local_path(storage, folder)
+    local = local_path(storage, folder)
     if local is not None:
         _check_local(folder, local)
     elif storage.exists(folder) and not storage.is_dir(folder):
@@ -65,7 +65,9 @@ def check_folder_writable(
     return storage
 
 
-def _local_path(storage: Storage, folder: str) -> str | None:
+def local_path(storage: Storage, folder: str) -> str | None:
+    """``folder`` as a local filesystem path (``LocalStorage``, or fsspec's ``file://``);
+    None on other storage."""
     if isinstance(storage, FsspecStorage):
         protocol = storage.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
@@ -73,11 +75,17 @@ def _local_path(storage: Storage, folder: str) -> str | None:
     return folder if isinstance(storage, LocalStorage) else None
 
 
+def nearest_existing(path: str) -> str:
+    """The absolute ``path`` (a local one) if it exists, else its nearest existing ancestor."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def _check_local(folder: str, path: str) -> None:
     path = os.path.abspath(path)
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(path)
     if not os.path.isdir(existing):
         what = "" if existing == path else f": {existing} is a file, not a directory"
         raise CheckpointConfigError(
@@ -139,8 +147,7 @@ def foreign_steps_error(storage: Storage, folder: str, steps: list[int]) -> Chec
 
 def _collisions(config: CheckpointConfig, scan: StepScan, final_step: int) -> list[int]:
     """torchtitan steps this run would save over."""
-    loadable = scan.committed + scan.torchtitan
-    start = config.load_step if config.load_step != -1 else max(loadable, default=0)
+    start = config.load_step if config.load_step != -1 else max(scan.loadable, default=0)
     return [
         s
         for s in scan.torchtitan
@@ -186,7 +193,7 @@ def resolve_start(
     ``("hf", folder)`` from ``config.initial_load_path``, or None for a fresh start. Raises
     ``CheckpointConfigError`` for a start point that does not exist. Reads no tensor and no
     model: a trainer runs it before any work, and ``CheckpointManager.load`` again."""
-    loadable = sorted(scan.committed + scan.torchtitan)
+    loadable = scan.loadable
     if loadable:
         if step == -1:
             step = loadable[-1]
@@ -218,8 +225,7 @@ def resolve_start(
     if config.initial_load_in_hf:
         return "hf", path
     if not storage.exists(storage.join(path, ".metadata")):
-        inner_scan = scan_steps(storage, path, log=False)
-        inner = sorted(inner_scan.committed + inner_scan.torchtitan)
+        inner = scan_steps(storage, path, log=False).loadable
         if not inner:
             raise CheckpointConfigError(
                 f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import pickle
 import shutil
 from collections.abc import Mapping
@@ -23,8 +22,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ckpt.errors import CheckpointWriteError, DiskFullError
+from titan_ckpt.formats.dcp import _failures
 from titan_ckpt.layout import committed_steps, remove_step
-from titan_ckpt.storage import FsspecStorage, LocalStorage, Storage
+from titan_ckpt.preflight import local_path, nearest_existing
+from titan_ckpt.storage import Storage
 
 __all__ = ["WRITE_ERRORS", "SaveWatch", "free_bytes", "human_bytes", "state_bytes"]
 
@@ -90,24 +91,13 @@ def free_bytes(storage: Storage, path: str) -> int | None:
     own = getattr(storage, "free_bytes", None)
     if callable(own):
         return own(path)
-    if isinstance(storage, LocalStorage):
-        probe = path
-    elif isinstance(storage, FsspecStorage) and "file" in _protocols(storage.fs):
-        probe = storage.fs._strip_protocol(path)
-    else:
+    local = local_path(storage, path)
+    if local is None:
         return None
-    probe = os.path.abspath(probe)
-    while not os.path.exists(probe) and probe != os.path.dirname(probe):
-        probe = os.path.dirname(probe)
     try:
-        return shutil.disk_usage(probe).free
+        return shutil.disk_usage(nearest_existing(local)).free
     except OSError:
         return None
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    protocol = getattr(fs, "protocol", ())
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def _errors_in(error: BaseException) -> list[BaseException]:
@@ -120,11 +110,9 @@ def _errors_in(error: BaseException) -> list[BaseException]:
             continue
         seen.append(e)
         todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-        failures = getattr(e, "failures", None)  # torch's CheckpointException
-        if isinstance(e, CheckpointException) and isinstance(failures, Mapping):
-            for failure in failures.values():
-                todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    return [e for e in seen if isinstance(e, BaseException)]
+        if isinstance(e, CheckpointException):
+            todo += _failures(e)
+    return seen
 
 
 def write_failure(
