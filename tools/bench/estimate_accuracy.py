@@ -19,11 +19,12 @@ process. The estimate's ``peak`` (the tensors' live bytes) is shown beside it.
 thresholds as ``titan-train`` sets them), each rank's resident growth (``RssAnon``) against
 the estimate's replay of the same calls (``titan_train.estimate.host``).
 
-``--replay-real``: one process per model; its resident growth, the estimate, and the real
-run's own tensor allocations (the profiler's trace, paired by address) replayed on glibc the
-way the estimate replays its simulated ones. Where the replay of the real tensors falls as
-short as the estimate, what is missing is not in the tensors but in the heap's other
-allocations.
+``--replay-real``: each one-process layout per model: its resident growth, the estimate,
+and a second run's every allocation from the build on (``malloc/trace.c``, preloaded,
+compiled here with ``cc``; Linux glibc only) replayed on glibc (``malloc/replay.c``), then
+its aligned allocations alone (c10's tensor blocks, what the estimate replays). Every
+allocation replayed lands near the measured growth; the tensor blocks alone fall as short
+as the estimate: what it misses is the runtime's small allocations between the blocks.
 """
 
 from __future__ import annotations
@@ -150,85 +151,89 @@ def gloo_alone(mib: float, calls: int = 6) -> dict:
     }
 
 
-def _traced_rank(rank: int, port: int, argv: list[str], out: object) -> None:
-    """One process of ``titan-train ARGV``: ``measure_real`` (build and two steps) under the
-    profiler; puts the tensors' allocations and frees in order, as ``(allocation number,
-    bytes)``, 0 bytes a free (addresses are reused: the replay needs a key per block)."""
+def _build_malloc_tracer(folder: str) -> tuple[str, str]:
+    """Compile ``malloc/trace.c`` (an LD_PRELOAD library) and ``malloc/replay.c`` into
+    ``folder`` with the system's C compiler; their paths."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).with_name("malloc")
+    shim, replayer = os.path.join(folder, "trace.so"), os.path.join(folder, "replay")
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", shim, here / "trace.c", "-lpthread"],
+                   check=True)  # fmt: skip
+    subprocess.run(["cc", "-O2", "-o", replayer, here / "replay.c"], check=True)
+    return shim, replayer
+
+
+def _traced_run(trace: str, argv: list[str]) -> None:
+    """``measure_real`` (build and two steps) of ``titan-train ARGV`` in this process, every
+    allocation from the build on recorded into ``trace`` by the preloaded ``trace.c``."""
+    import ctypes
     import tempfile
 
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
+    import titan_train.trainer.build as building
     from titan_train.estimate.check import measure_real
+    from titan_train.launch import destroy_group, exit_rank
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="1"
-    )
+    shim = ctypes.CDLL(os.environ["LD_PRELOAD"])
+    build = building.build
+
+    def traced_build(*args: object, **kwargs: object) -> object:
+        shim.trace_start(trace.encode())  # where measure_real's window opens
+        return build(*args, **kwargs)
+
+    building.build = traced_build
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as folder:
         config = parse_job_config([*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"])
-        # The profiler's chrome trace is where its memory events carry their addresses.
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            measure_real(config)
-        trace = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(trace)
-        with open(trace) as f:
-            memory = [
-                e["args"]
-                for e in sorted(json.load(f)["traceEvents"], key=lambda e: e.get("ts", 0))
-                if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
-            ]
-    numbers: dict[int, int] = {}
-    events = []
-    for args in memory:
-        address, nbytes = args["Addr"], args["Bytes"]
-        if nbytes > 0:
-            numbers[address] = len(events)
-            events.append((len(events), nbytes))
-        elif address in numbers:  # a block made before the profiler started has no allocation
-            events.append((numbers.pop(address), 0))
-    out.put(events)
-    dist.destroy_process_group()
+        measure_real(config)
+    shim.trace_stop()
+    destroy_group()
+    exit_rank(0)  # as check.spawn_real's ranks end: no abort on the cached gloo group
 
 
-def replay_real(flavor: str, seq: int, batch: int) -> dict:
-    """One process of ``flavor``: its resident growth (a fresh run), the estimate, and the
-    real run's own tensor allocations (a second fresh run, traced) replayed on glibc as the
-    estimate replays its simulated ones: what the replay misses that is not in the tensors."""
-    import torch.multiprocessing as mp
-
-    from titan_train.estimate.host import glibc_high_water
+def replay_real(flavor: str, seq: int, batch: int, layout: str) -> dict:
+    """One process of ``flavor`` and ``layout``: its resident growth (a fresh run), the
+    estimate, and a traced run's every allocation replayed on glibc, then its tensor blocks
+    alone (what the estimate replays): what the estimate misses that is not in the tensors."""
+    import subprocess
+    import sys
+    import tempfile
 
     argv = [
         "--model.flavor", flavor, "--training.seq_len", str(seq),
         "--training.local_batch_size", str(batch), "--training.steps", "2",
         "--lr_scheduler.warmup_steps", "1", "--metrics.no_enable_tensorboard",
+        *LAYOUTS[layout][1],
     ]  # fmt: skip
     measured = spawn_real([argv], 1)[0][0]["resident"]
     estimate = estimate_memory(parse_job_config(argv), world_size=1, rank=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.get_context("spawn").SimpleQueue()
-    # Read before joining: the events outgrow the pipe's buffer, and a put blocks until read.
-    context = mp.start_processes(_traced_rank, args=(port, argv, out), nprocs=1, join=False)
-    events = out.get()
-    while not context.join():
-        pass
-    live = peak = 0
-    sizes: dict[int, int] = {}
-    for key, nbytes in events:
-        live += nbytes - sizes.pop(key, 0)
-        sizes[key] = nbytes
-        peak = max(peak, live)
-    replay = glibc_high_water(events)
+    with tempfile.TemporaryDirectory() as folder:
+        shim, replayer = _build_malloc_tracer(folder)
+        trace = os.path.join(folder, "trace.bin")
+        subprocess.run(
+            [sys.executable, __file__, "--traced-run", trace, "--", *argv],
+            env={**os.environ, "LD_PRELOAD": shim}, check=True,
+        )  # fmt: skip
+        replayed = {
+            which: float(subprocess.run([replayer, trace, which], check=True,
+                                        capture_output=True, text=True).stdout)
+            for which in ("all", "aligned")
+        }  # fmt: skip
     mib = 2**20
     return {
         "model": flavor,
+        "layout": layout,
         "measured_resident_mib": round(measured / mib, 1),
         "estimate_mib": round(estimate.peak_resident / mib, 1),
-        "real_tensors_peak_mib": round(peak / mib, 1),
-        "real_tensors_replayed_mib": None if replay is None else round(replay / mib, 1),
+        "every_allocation_replayed_mib": replayed["all"],
+        "tensor_blocks_replayed_mib": replayed["aligned"],
     }
 
 
@@ -240,12 +245,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--gloo-alone", nargs="+", type=float, metavar="MIB")
     parser.add_argument("--replay-real", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--traced-run", help=argparse.SUPPRESS)  # replay_real's own child
+    args, rest = parser.parse_known_args()
+    if args.traced_run:
+        _traced_run(args.traced_run, rest[1:] if rest[:1] == ["--"] else rest)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.replay_real:
         for flavor in {"debug": ["debugmodel"], "100M": [FLAVOR_100M]}.get(
             args.model, ["debugmodel", FLAVOR_100M]
         ):
-            print(json.dumps(replay_real(flavor, args.seq, args.batch)), flush=True)
+            for layout in (name for name in args.layouts if LAYOUTS[name][0] == 1):
+                print(json.dumps(replay_real(flavor, args.seq, args.batch, layout)), flush=True)
         return
     if args.gloo_alone:
         for mib in args.gloo_alone:
