@@ -124,6 +124,13 @@ def test_dcp_hf_dcp_with_hf_config_is_bit_exact(tiny_llama, adapter_name, tmp_pa
     back = tmp_path / "back"
     code, _, err = titan_ckpt("convert", hf, back, "--to", "dcp", "--model", adapter_name)
     assert code == 0, err
+    # --to safetensors with --model converts too (it once kept the HF names).
+    native = tmp_path / "native.safetensors"
+    code, _, err = titan_ckpt("convert", hf, native, "--to", "safetensors", "--model", adapter_name)
+    assert code == 0, err
+    code, report, _ = titan_ckpt("diff", step, native, "--exclude", "train_state.*")
+    assert code == 0, report
+    assert "equal (atol=0, rtol=0; compared 21 tensors" in report
     bare = tmp_path / "bare.safetensors"
     (hf / "model.safetensors").rename(bare)
     back2 = tmp_path / "back2"

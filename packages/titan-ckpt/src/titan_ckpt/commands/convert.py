@@ -417,7 +417,8 @@ def _planned(
 def _write_safetensors(
     source: Source, keys: list[str], out: str, options: ConvertOptions, adapter: Any
 ) -> int:
-    specs, objects, values = _planned(source, keys, options, None)
+    # From an HF folder with options.model: the adapter's native keys, as --to dcp/torch.
+    specs, objects, values = _planned(source, keys, options, adapter)
     return write_safetensors_shards(
         out,
         specs,
