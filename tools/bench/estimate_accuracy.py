@@ -14,17 +14,19 @@ process. The estimate's ``peak`` (the tensors' live bytes) is shown beside it.
     python tools/bench/estimate_accuracy.py --model debug --layouts "1 process" "2-rank FSDP"
     python tools/bench/estimate_accuracy.py --gloo-alone 16 4 1   # gloo's buffers, alone
     python tools/bench/estimate_accuracy.py --model 100M --replay-real   # see below
+    python tools/bench/estimate_accuracy.py --replay-real --layouts "4-rank FSDP"
 
 ``--gloo-alone MiB...``: six all-gathers of that many MiB per rank on 2 gloo ranks (glibc's
 thresholds as ``titan-train`` sets them), each rank's resident growth (``RssAnon``) against
 the estimate's replay of the same calls (``titan_train.estimate.host``).
 
-``--replay-real``: each one-process layout per model: its resident growth, the estimate,
-and a second run's every allocation from the build on (``malloc/trace.c``, preloaded,
-compiled here with ``cc``; Linux glibc only) replayed on glibc (``malloc/replay.c``), then
-its aligned allocations alone (c10's tensor blocks, what the estimate replays). Every
-allocation replayed lands near the measured growth; the tensor blocks alone fall as short
-as the estimate: what it misses is the runtime's small allocations between the blocks.
+``--replay-real``: each rank of each layout (by default the one-process ones), traced: its
+resident growth, its every allocation from the build on (``malloc/trace.c``, preloaded,
+compiled here with ``cc``; Linux glibc only) replayed on glibc (``malloc/replay.c``, each
+traced thread from a thread of its own), then its aligned allocations alone (c10's tensor
+blocks, what the estimate replays), and the estimate. Where every allocation replayed lands
+near the measured growth and the tensor blocks alone fall as short as the estimate, what it
+misses is the runtime's small allocations between the blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import json
 import os
 import re
 import socket
+import sys
 
 from titan_models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan_train.config import parse_job_config
@@ -161,16 +164,18 @@ def _build_malloc_tracer(folder: str) -> tuple[str, str]:
     shim, replayer = os.path.join(folder, "trace.so"), os.path.join(folder, "replay")
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", shim, here / "trace.c", "-lpthread"],
                    check=True)  # fmt: skip
-    subprocess.run(["cc", "-O2", "-o", replayer, here / "replay.c"], check=True)
+    subprocess.run(["cc", "-O2", "-o", replayer, here / "replay.c", "-lpthread"], check=True)
     return shim, replayer
 
 
-def _traced_run(trace: str, argv: list[str]) -> None:
-    """``measure_real`` (build and two steps) of ``titan-train ARGV`` in this process, every
-    allocation from the build on recorded into ``trace`` by the preloaded ``trace.c``."""
+def _traced_rank(rank: int, nproc: int, port: int, argv: list[str], prefix: str, out) -> None:
+    """One rank of ``titan-train ARGV`` as ``check.spawn_real`` runs it (``measure_real``:
+    build and two steps), every allocation from the build on recorded into ``prefix.RANK`` by
+    the preloaded ``trace.c``; puts ``(rank, resident growth)``."""
     import ctypes
     import tempfile
 
+    import torch
     import torch.distributed as dist
 
     import titan_train.trainer.build as building
@@ -181,60 +186,81 @@ def _traced_run(trace: str, argv: list[str]) -> None:
     build = building.build
 
     def traced_build(*args: object, **kwargs: object) -> object:
-        shim.trace_start(trace.encode())  # where measure_real's window opens
+        shim.trace_start(f"{prefix}.{rank}".encode())  # where measure_real's window opens
         return build(*args, **kwargs)
 
     building.build = traced_build
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank))  # fmt: skip
+    if nproc > 1:
+        torch.set_num_threads(1)  # as check.spawn_real's ranks (and torchrun's)
+    dist.init_process_group("gloo", rank=rank, world_size=nproc)
     with tempfile.TemporaryDirectory() as folder:
         config = parse_job_config([*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"])
-        measure_real(config)
+        out.put((rank, measure_real(config)["resident"]))
     shim.trace_stop()
     destroy_group()
     exit_rank(0)  # as check.spawn_real's ranks end: no abort on the cached gloo group
 
 
-def replay_real(flavor: str, seq: int, batch: int, layout: str) -> dict:
-    """One process of ``flavor`` and ``layout``: its resident growth (a fresh run), the
-    estimate, and a traced run's every allocation replayed on glibc, then its tensor blocks
-    alone (what the estimate replays): what the estimate misses that is not in the tensors."""
+def replay_real(flavor: str, seq: int, batch: int, layout: str) -> list[dict]:
+    """Each rank of ``flavor`` in ``layout``, traced: its resident growth, every allocation
+    replayed on glibc (each traced thread from a thread of its own), its tensor blocks alone
+    (what the estimate replays), and the estimate: what the estimate misses that is not in
+    the tensors."""
     import subprocess
-    import sys
     import tempfile
 
+    import torch.multiprocessing as mp
+
+    world, extra = LAYOUTS[layout]
     argv = [
-        "--model.flavor", flavor, "--training.seq_len", str(seq),
-        "--training.local_batch_size", str(batch), "--training.steps", "2",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.no_enable_tensorboard",
-        *LAYOUTS[layout][1],
+        "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
+        "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+        "--metrics.no_enable_tensorboard", *extra,
     ]  # fmt: skip
-    measured = spawn_real([argv], 1)[0][0]["resident"]
-    estimate = estimate_memory(parse_job_config(argv), world_size=1, rank=0)
-    with tempfile.TemporaryDirectory() as folder:
+    if "--model.name" not in extra:
+        argv = ["--model.flavor", flavor, *argv]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder, socket.socket() as s:
         shim, replayer = _build_malloc_tracer(folder)
-        trace = os.path.join(folder, "trace.bin")
-        subprocess.run(
-            [sys.executable, __file__, "--traced-run", trace, "--", *argv],
-            env={**os.environ, "LD_PRELOAD": shim}, check=True,
-        )  # fmt: skip
-        replayed = {
-            which: float(subprocess.run([replayer, trace, which], check=True,
-                                        capture_output=True, text=True).stdout)
-            for which in ("all", "aligned")
-        }  # fmt: skip
-    mib = 2**20
-    return {
-        "model": flavor,
-        "layout": layout,
-        "measured_resident_mib": round(measured / mib, 1),
-        "estimate_mib": round(estimate.peak_resident / mib, 1),
-        "every_allocation_replayed_mib": replayed["all"],
-        "tensor_blocks_replayed_mib": replayed["aligned"],
-    }
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        out = mp.get_context("spawn").SimpleQueue()
+        prefix = os.path.join(folder, "trace")
+        before = os.environ.get("LD_PRELOAD")
+        os.environ["LD_PRELOAD"] = shim  # the ranks' processes only: this one is running
+        try:
+            mp.start_processes(_traced_rank, args=(world, port, argv, prefix, out),
+                               nprocs=world, start_method="spawn")  # fmt: skip
+        finally:
+            if before is None:
+                del os.environ["LD_PRELOAD"]
+            else:
+                os.environ["LD_PRELOAD"] = before
+        measured = dict(out.get() for _ in range(world))
+        mib = 2**20
+        for rank in range(world):
+            replayed = {
+                which: float(subprocess.run([replayer, f"{prefix}.{rank}", which], check=True,
+                                            capture_output=True, text=True).stdout)
+                for which in ("all", "aligned")
+            }  # fmt: skip
+            estimate = estimate_memory(parse_job_config(argv), world_size=world, rank=rank)
+            rows.append(
+                {
+                    "model": flavor if "--model.name" not in extra else "deepseek_v3 debug",
+                    "layout": layout,
+                    "rank": rank,
+                    "measured_resident_mib": round(measured[rank] / mib, 1),
+                    "every_allocation_replayed_mib": replayed["all"],
+                    "tensor_blocks_replayed_mib": replayed["aligned"],
+                    "estimate_mib": round(estimate.peak_resident / mib, 1),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -245,19 +271,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--gloo-alone", nargs="+", type=float, metavar="MIB")
     parser.add_argument("--replay-real", action="store_true")
-    parser.add_argument("--traced-run", help=argparse.SUPPRESS)  # replay_real's own child
-    args, rest = parser.parse_known_args()
-    if args.traced_run:
-        _traced_run(args.traced_run, rest[1:] if rest[:1] == ["--"] else rest)
-        return
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args()
     if args.replay_real:
+        layouts = args.layouts if "--layouts" in sys.argv else ["1 process", "1 process, full AC"]
         for flavor in {"debug": ["debugmodel"], "100M": [FLAVOR_100M]}.get(
             args.model, ["debugmodel", FLAVOR_100M]
         ):
-            for layout in (name for name in args.layouts if LAYOUTS[name][0] == 1):
-                print(json.dumps(replay_real(flavor, args.seq, args.batch, layout)), flush=True)
+            for layout in layouts:
+                if "--model.name" in LAYOUTS[layout][1] and flavor != "debugmodel":
+                    continue  # the MoE model's debug flavor only
+                replay_real(flavor, args.seq, args.batch, layout)
         return
     if args.gloo_alone:
         for mib in args.gloo_alone:

@@ -1,10 +1,12 @@
 /* replay TRACE all|aligned: serve a trace.c recording's allocations again, in order, in this
  * fresh process, with glibc's thresholds as titan-train sets them (mmap below 1 GiB off, no
- * trim), and print how far the heap grew at most (MiB, mallinfo2: arenas and mappings).
+ * trim), and print how far the heap grew at most (MiB, mallinfo2: all arenas and mappings).
  * "aligned" replays the aligned allocations alone (c10's tensor blocks: posix_memalign).
- * Every record is served from this one thread: the trace's other threads hold a few MiB. */
+ * The first record's thread is served from this one; every other traced thread (gloo's
+ * workers, OMP's) from a thread of its own, so from an arena of its own, as in the run. */
 #define _GNU_SOURCE
 #include <malloc.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,9 +37,73 @@ static int by_seq(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+static int aligned_only;
+
+static void serve(record_t *r) {
+  size_t size = r->size ? r->size : 1;
+  void *block;
+  if (r->op == 2) {
+    free(take(r->ptr));  /* a block from before the trace began: not ours, nothing */
+    return;
+  }
+  if (aligned_only && r->op != 4) return;
+  if (r->op == 4) {
+    if (posix_memalign(&block, 64, size)) block = NULL;
+  } else if (r->op == 3) {
+    void *old = r->old ? take(r->old) : NULL;
+    block = r->old && !old ? malloc(size) : realloc(old, size);
+  } else {
+    block = malloc(size);
+  }
+  put(r->ptr, block);
+}
+
+/* A traced thread's stand-in: serves one record at a time while the main loop waits. */
+typedef struct {
+  uint32_t tid;
+  record_t *job;
+  pthread_mutex_t lock;
+  pthread_cond_t changed;
+} worker_t;
+#define MAX_WORKERS 256
+static worker_t workers[MAX_WORKERS];
+static int nworkers;
+
+static void *work(void *arg) {
+  worker_t *w = arg;
+  pthread_mutex_lock(&w->lock);
+  for (;;) {
+    while (!w->job) pthread_cond_wait(&w->changed, &w->lock);
+    serve(w->job);
+    w->job = NULL;
+    pthread_cond_broadcast(&w->changed);
+  }
+  return NULL;
+}
+
+static void serve_on(uint32_t tid, record_t *r) {
+  worker_t *w = NULL;
+  for (int i = 0; i < nworkers && !w; i++)
+    if (workers[i].tid == tid) w = &workers[i];
+  if (!w) {
+    if (nworkers == MAX_WORKERS) return serve(r);
+    w = &workers[nworkers++];
+    w->tid = tid;
+    pthread_mutex_init(&w->lock, NULL);
+    pthread_cond_init(&w->changed, NULL);
+    pthread_t thread;
+    pthread_create(&thread, NULL, work, w);
+  }
+  pthread_mutex_lock(&w->lock);
+  w->job = r;
+  pthread_cond_broadcast(&w->changed);
+  while (w->job) pthread_cond_wait(&w->changed, &w->lock);
+  pthread_mutex_unlock(&w->lock);
+}
+
 int main(int argc, char **argv) {
   if (argc != 3) return fprintf(stderr, "usage: replay TRACE all|aligned\n"), 2;
-  int aligned_only = strcmp(argv[2], "aligned") == 0;
+  aligned_only = strcmp(argv[2], "aligned") == 0;
   if (!mallopt(M_MMAP_THRESHOLD, 1 << 30)) mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 0x7fffffff);
   FILE *f = fopen(argv[1], "rb");
@@ -54,22 +120,9 @@ int main(int argc, char **argv) {
   size_t high = start.arena + start.hblkhd;
   for (long i = 0; i < n; i++) {
     record_t *r = &records[i];
-    size_t size = r->size ? r->size : 1;
-    void *block;
-    if (r->op == 2) {
-      free(take(r->ptr));  /* a block from before the trace began: not ours, nothing */
-      continue;
-    }
-    if (aligned_only && r->op != 4) continue;
-    if (r->op == 4) {
-      if (posix_memalign(&block, 64, size)) block = NULL;
-    } else if (r->op == 3) {
-      void *old = r->old ? take(r->old) : NULL;
-      block = r->old && !old ? malloc(size) : realloc(old, size);
-    } else {
-      block = malloc(size);
-    }
-    put(r->ptr, block);
+    if (r->tid == records[0].tid) serve(r);
+    else serve_on(r->tid, r);
+    if (r->op == 2 || (aligned_only && r->op != 4)) continue;
     struct mallinfo2 now = mallinfo2();
     if (now.arena + now.hblkhd > high) high = now.arena + now.hblkhd;
   }
