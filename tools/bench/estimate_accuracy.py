@@ -69,21 +69,28 @@ def register_100m() -> None:
 register_100m()
 
 
+def command(flavor: str, seq: int, batch: int, layout: str) -> list[str] | None:
+    """``titan-train``'s arguments for ``flavor`` in ``layout`` (two steps); None where the
+    layout names its own model (the MoE one) and ``flavor`` is not the debug one."""
+    extra = LAYOUTS[layout][1]
+    if "--model.name" in extra and flavor != "debugmodel":
+        return None  # the MoE model's debug flavor only
+    flavor_args = [] if "--model.name" in extra else ["--model.flavor", flavor]
+    return [
+        *flavor_args, "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
+        "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+        "--metrics.no_enable_tensorboard", *extra,
+    ]  # fmt: skip
+
+
 def compare(flavor: str, seq: int, batch: int, layouts: list[str]) -> list[dict]:
     """Estimate and measured peak resident growth per layout and rank."""
-    base = [
-        "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-        "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
-        "--metrics.no_enable_tensorboard",
-    ]  # fmt: skip
     rows = []
     for name in layouts:
         world, extra = LAYOUTS[name]
-        argv = [*base, *extra]
-        if "--model.name" not in extra:
-            argv = ["--model.flavor", flavor, *argv]
-        elif flavor != "debugmodel":
-            continue  # the MoE model's debug flavor only
+        argv = command(flavor, seq, batch, name)
+        if argv is None:
+            continue
         real = spawn_real([argv], world)[0]
         for rank in range(world):
             estimate = estimate_memory(parse_job_config(argv), world_size=world, rank=rank)
@@ -169,38 +176,29 @@ def _build_malloc_tracer(folder: str) -> tuple[str, str]:
 
 
 def _traced_rank(rank: int, nproc: int, port: int, argv: list[str], prefix: str, out) -> None:
-    """One rank of ``titan-train ARGV`` as ``check.spawn_real`` runs it (``measure_real``:
-    build and two steps), every allocation from the build on recorded into ``prefix.RANK`` by
-    the preloaded ``trace.c``; puts ``(rank, resident growth)``."""
+    """``check.spawn_real``'s rank (``measure_real``: build, two steps, close), every
+    allocation from the build to the close recorded into ``prefix.RANK`` by the preloaded
+    ``trace.c``; puts ``(rank, {"resident": ...})``."""
     import ctypes
-    import tempfile
-
-    import torch
-    import torch.distributed as dist
 
     import titan_train.trainer.build as building
-    from titan_train.estimate.check import measure_real
-    from titan_train.launch import destroy_group, exit_rank
+    from titan_train.estimate import check
 
     shim = ctypes.CDLL(os.environ["LD_PRELOAD"])
-    build = building.build
+    build, close = building.build, building.close
 
     def traced_build(*args: object, **kwargs: object) -> object:
         shim.trace_start(f"{prefix}.{rank}".encode())  # where measure_real's window opens
         return build(*args, **kwargs)
 
-    building.build = traced_build
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank))  # fmt: skip
-    if nproc > 1:
-        torch.set_num_threads(1)  # as check.spawn_real's ranks (and torchrun's)
-    dist.init_process_group("gloo", rank=rank, world_size=nproc)
-    with tempfile.TemporaryDirectory() as folder:
-        config = parse_job_config([*argv, "--job.dump_folder", folder, "--checkpoint.no-enable"])
-        out.put((rank, measure_real(config)["resident"]))
-    shim.trace_stop()
-    destroy_group()
-    exit_rank(0)  # as check.spawn_real's ranks end: no abort on the cached gloo group
+    def traced_close(*args: object, **kwargs: object) -> object:
+        try:
+            return close(*args, **kwargs)
+        finally:
+            shim.trace_stop()  # before the rank exits: every thread's records written
+
+    building.build, building.close = traced_build, traced_close
+    check._rank_main(rank, nproc, port, argv, False, out)
 
 
 def replay_real(flavor: str, seq: int, batch: int, layout: str) -> list[dict]:
@@ -214,13 +212,8 @@ def replay_real(flavor: str, seq: int, batch: int, layout: str) -> list[dict]:
     import torch.multiprocessing as mp
 
     world, extra = LAYOUTS[layout]
-    argv = [
-        "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-        "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
-        "--metrics.no_enable_tensorboard", *extra,
-    ]  # fmt: skip
-    if "--model.name" not in extra:
-        argv = ["--model.flavor", flavor, *argv]
+    argv = command(flavor, seq, batch, layout)
+    assert argv is not None
     rows = []
     with tempfile.TemporaryDirectory() as folder, socket.socket() as s:
         shim, replayer = _build_malloc_tracer(folder)
@@ -239,7 +232,7 @@ def replay_real(flavor: str, seq: int, batch: int, layout: str) -> list[dict]:
                 del os.environ["LD_PRELOAD"]
             else:
                 os.environ["LD_PRELOAD"] = before
-        measured = dict(out.get() for _ in range(world))
+        measured = {rank: result["resident"] for rank, result in (out.get() for _ in range(world))}
         mib = 2**20
         for rank in range(world):
             replayed = {
@@ -278,9 +271,8 @@ def main() -> None:
             args.model, ["debugmodel", FLAVOR_100M]
         ):
             for layout in layouts:
-                if "--model.name" in LAYOUTS[layout][1] and flavor != "debugmodel":
-                    continue  # the MoE model's debug flavor only
-                replay_real(flavor, args.seq, args.batch, layout)
+                if command(flavor, args.seq, args.batch, layout) is not None:
+                    replay_real(flavor, args.seq, args.batch, layout)
         return
     if args.gloo_alone:
         for mib in args.gloo_alone:
