@@ -41,7 +41,8 @@ import sys
 from titan_models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan_train.config import parse_job_config
 from titan_train.estimate import estimate_memory
-from titan_train.estimate.check import spawn_real
+from titan_train.estimate.check import ranks_environment, spawn_real
+from titan_train.trainer.host_memory import allocator_environment
 
 FLAVOR_100M = "bench100M"
 _NO_FSDP = ["--parallelism.data_parallel_shard_degree", "1"]
@@ -149,7 +150,8 @@ def gloo_alone(mib: float, calls: int = 6) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_gloo_rank, args=(port, nbytes, calls, out), nprocs=2)
+    with ranks_environment([]):  # glibc's caches as titan-train's ranks start
+        mp.start_processes(_gloo_rank, args=(port, nbytes, calls, out), nprocs=2)
     measured = dict(out.get() for _ in range(2))
     blocks = [GlooBlock(1 + call % GLOO_THREADS, call) for call in range(calls)]
     replay = glibc_high_water([e for b in blocks for e in ((b, 2 * nbytes), (b, 0))])
@@ -222,22 +224,17 @@ def replay_real(flavor: str, seq: int, batch: int, layout: str) -> list[dict]:
         s.close()
         out = mp.get_context("spawn").SimpleQueue()
         prefix = os.path.join(folder, "trace")
-        before = os.environ.get("LD_PRELOAD")
-        os.environ["LD_PRELOAD"] = shim  # the ranks' processes only: this one is running
-        try:
+        with ranks_environment(argv):  # glibc's caches as titan-train's ranks start
+            os.environ["LD_PRELOAD"] = shim  # the ranks' processes only: this one is running
             mp.start_processes(_traced_rank, args=(world, port, argv, prefix, out),
                                nprocs=world, start_method="spawn")  # fmt: skip
-        finally:
-            if before is None:
-                del os.environ["LD_PRELOAD"]
-            else:
-                os.environ["LD_PRELOAD"] = before
         measured = {rank: result["resident"] for rank, result in (out.get() for _ in range(world))}
         mib = 2**20
         for rank in range(world):
             replayed = {
                 which: float(subprocess.run([replayer, f"{prefix}.{rank}", which], check=True,
-                                            capture_output=True, text=True).stdout)
+                                            capture_output=True, text=True,
+                                            env=allocator_environment()).stdout)
                 for which in ("all", "aligned")
             }  # fmt: skip
             estimate = estimate_memory(parse_job_config(argv), world_size=world, rank=rank)

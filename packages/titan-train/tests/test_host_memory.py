@@ -1,6 +1,7 @@
 """titan_train.trainer.host_memory: freed host blocks are reused, so a repeated large allocation no
-longer faults its pages in again. Each case runs in its own process (the setting is
-process-wide and cannot be undone)."""
+longer faults its pages in again; glibc's small-block caches are off in the command's
+process, which starts itself again for that (same process, same arguments). Each case runs
+in its own process (the settings are process-wide and cannot be undone)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from titan_train.config import parse_job_config
+from titan_train.trainer.host_memory import _DECIDED, allocator_environment, launch_environment
 
 glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -114,3 +116,102 @@ def test_a_program_calling_run_keeps_its_own_allocator(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     faults = json.loads(out.stdout.strip().splitlines()[-1])["faults"]
     assert min(faults) > 16_000, faults
+
+
+def test_the_small_block_caches_go_off_beside_what_the_environment_sets():
+    added = "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
+    assert allocator_environment({})["GLIBC_TUNABLES"] == added
+    theirs = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"}
+    assert allocator_environment(theirs) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{added}",
+        "HOME": "/h",
+    }
+    # A value the user chose for one of them stays; only the other is added.
+    chosen = allocator_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"})
+    assert chosen["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=7:glibc.malloc.mxfast=0"
+
+
+# Each start of this program prints a line; the restarts keep the process and its arguments.
+_STARTS = """
+import json, os, sys
+from titan_train.trainer import host_memory
+print(json.dumps({"pid": os.getpid(), "tunables": os.environ.get("GLIBC_TUNABLES")}))
+host_memory.restart_early()
+host_memory.settle(lambda: sys.argv[1] == "wanted")
+"""
+
+
+def _starts(wanted: str, **env: str) -> list[dict]:
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", _DECIDED)}
+    out = subprocess.run(
+        [sys.executable, "-c", _STARTS, wanted],
+        capture_output=True,
+        text=True,
+        check=True,
+        # TITAN_DEVICE=cpu: a CPU run, decided before torch is imported on any host.
+        env={**base, "TITAN_DEVICE": "cpu", **env},
+    )
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@glibc_only
+def test_a_cpu_run_starts_once_more_with_the_caches_off():
+    first, second = _starts("wanted")
+    assert first["pid"] == second["pid"]
+    assert first["tunables"] is None
+    assert second["tunables"] == "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
+
+
+@glibc_only
+def test_a_run_that_does_not_want_them_off_ends_with_the_environment_it_had():
+    # Turned off before the configuration is read, then back once it says no.
+    starts = _starts("not", GLIBC_TUNABLES="glibc.malloc.arena_max=2")
+    assert [s["tunables"] for s in starts] == [
+        "glibc.malloc.arena_max=2",
+        "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0",
+        "glibc.malloc.arena_max=2",
+    ]
+    assert len({s["pid"] for s in starts}) == 1
+
+
+@glibc_only
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"GLIBC_TUNABLES": "glibc.malloc.mxfast=64:glibc.malloc.tcache_count=7"},
+        {"THP_MEM_ALLOC_ENABLE": "1"},
+        {"TITAN_DEVICE": "cuda"},  # an accelerator run: settle asks, and it is not wanted
+    ],
+)
+def test_no_restart_where_the_user_decided_or_nothing_would_change(env):
+    assert len(_starts("not", **env)) == 1
+
+
+def test_the_launcher_starts_its_ranks_decided():
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", _DECIDED)}
+    wanted = launch_environment(True, base)
+    assert wanted["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
+    assert wanted[_DECIDED] == "off:"
+    assert launch_environment(False, base)[_DECIDED] == "kept"
+    assert "GLIBC_TUNABLES" not in launch_environment(False, base)
+    # A launcher that started itself with them off gives ranks that want them on what it found.
+    restarted = {**base, "GLIBC_TUNABLES": "a=1:" + wanted["GLIBC_TUNABLES"], _DECIDED: "off:a=1"}
+    assert launch_environment(False, restarted)["GLIBC_TUNABLES"] == "a=1"
+    assert launch_environment(True, restarted)[_DECIDED] == "off:a=1"
+
+
+@glibc_only
+def test_the_command_trains_with_the_caches_off_and_says_so_once(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", _DECIDED)}
+    env = {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    command = [
+        sys.executable, "-m", "titan_train.cli", "--training.steps", "1",
+        "--training.seq_len", "32", "--training.local_batch_size", "1",
+        "--checkpoint.no_enable", "--metrics.no_enable_tensorboard",
+        "--job.dump_folder", str(tmp_path),
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = out.stdout + out.stderr
+    assert said.count("small-block caches off (GLIBC_TUNABLES=glibc.malloc.tcache_count=0") == 1
+    assert said.count("llama3 debugmodel: 6,163,712 parameters") == 1, said  # logged once

@@ -54,17 +54,16 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from titan_train.__about__ import __version__
-from titan_train.errors import ConfigError
-from titan_train.launch import (
-    LaunchOptions,
-    check_restartable,
-    exit_rank,
-    pop_launch_options,
-    run_agent,
-)
-from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError
+from titan_train.trainer import host_memory
+
+if TYPE_CHECKING:
+    from titan_train.launch import LaunchOptions
+
+# Nothing that imports torch is imported before main() runs: a CPU run starts itself again
+# at once (host_memory.restart_early), so that start costs milliseconds, not the imports.
 
 __all__ = ["main"]
 
@@ -96,12 +95,15 @@ _LIST_MODELS_HELP = """titan-train list-models: the model families titan-train c
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``titan-train``; returns the exit status."""
+    owns_process = argv is None  # the command's own process, not a caller's
     argv = list(sys.argv[1:] if argv is None else argv)
+    if owns_process and (not argv or argv[0] == "train" or argv[0].startswith("-")):
+        host_memory.restart_early()
     _setup_logging()
-    return quiet_on_closed_pipe(lambda: _main(argv))
+    return quiet_on_closed_pipe(lambda: _main(argv, owns_process))
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], owns_process: bool = False) -> int:
     if argv and argv[0] in ("--version", "-V"):
         print(f"titan-train {__version__}")
         return 0
@@ -114,6 +116,9 @@ def _main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from titan_train.launch import pop_launch_options
+    from titan_train.trainer.preemption import PREEMPTED_EXIT, PreemptedError
+
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     asks_help = bool({"-h", "--help"} & set(argv))
     try:
@@ -135,7 +140,7 @@ def _main(argv: list[str]) -> int:
             return run_estimate(argv)
         if launch.launches:
             return _launch(launch, argv)
-        return _train(argv)
+        return _train(argv, owns_process)
     except _usage_errors() as error:
         print(f"titan-train: error: {error}", file=sys.stderr)
         return 2
@@ -207,6 +212,7 @@ def _usage_errors() -> tuple[type[Exception], ...]:
     from titan_dims import DistributedEnvError, ParallelDimsError
     from titan_models import ModelConfigError
     from titan_optim import OptimizerConfigError
+    from titan_train.errors import ConfigError
 
     return (
         ConfigError,
@@ -228,24 +234,45 @@ def _run_stops() -> tuple[type[Exception], ...]:
     return (CheckpointLockError, CheckpointWriteError, NonFiniteStepsError)
 
 
-def _train(argv: list[str]) -> int:
+def _train(argv: list[str], owns_process: bool = False) -> int:
     from titan_train.compat import check_supported
     from titan_train.config import parse_job_config
+    from titan_train.launch import check_restartable
     from titan_train.trainer.loop import run
 
+    if owns_process:
+        host_memory.settle(lambda: _wants_host_memory(argv))
     config = parse_job_config(argv)
     check_supported(config.model.converters, config.parallelize.param_dtype)
     check_restartable()  # under torchrun --max-restarts: a restart must not hang
-    if config.training.reuse_host_memory:
+    if config.training.reuse_host_memory and _on_cpu():
         # A process-wide allocator setting: this command owns its process, a program that
         # calls titan_train.run() owns its own and keeps its allocator as it set it.
-        from titan_dims import detect_device_type
-        from titan_train.trainer.host_memory import reuse_host_memory
-
-        if detect_device_type() == "cpu":
-            reuse_host_memory()
+        host_memory.reuse_host_memory()
     run(config)
     return 0
+
+
+def _on_cpu() -> bool:
+    from titan_dims import detect_device_type
+
+    return detect_device_type() == "cpu"
+
+
+def _wants_host_memory(argv: list[str]) -> bool:
+    """A CPU run with training.reuse_host_memory, read quietly (before a restart nothing may
+    be written; the run's own reading reports the configuration's warnings and errors)."""
+    from titan_train.config import parse_job_config
+
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return parse_job_config(argv).training.reuse_host_memory and _on_cpu()
+    except Exception:  # reported, once, by the run's own reading
+        return False
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _generate(launch: LaunchOptions, argv: list[str]) -> int:
@@ -322,19 +349,27 @@ def _launch(launch: LaunchOptions, argv: list[str]) -> int:
             launch.max_restarts,
         )
     launch.check_rendezvous()  # after the config: a bad config needs no waiting to report
-    return _run_ranks(launch, ["train", *argv])
+    wanted = device.type == "cpu" and config.training.reuse_host_memory
+    return _run_ranks(launch, ["train", *argv], host_memory.launch_environment(wanted))
 
 
-def _run_ranks(launch: LaunchOptions, argv: list[str]) -> int:
+def _run_ranks(
+    launch: LaunchOptions, argv: list[str], environ: dict[str, str] | None = None
+) -> int:
     """Run ``titan-train ARGV`` on this node's ranks through ``torch.distributed.run``
-    (torch's elastic agent: it starts, watches and restarts them)."""
+    (torch's elastic agent: it starts, watches and restarts them), in ``environ`` (default:
+    this process's)."""
+    from titan_train.launch import run_agent
+
     command = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args()]
-    env = {**launch.torchrun_env(), **os.environ}  # what the user set wins
-    return run_agent([*command, "-m", "titan_train.cli", *argv], env)
+    env = {**launch.torchrun_env(), **(os.environ if environ is None else environ)}
+    return run_agent([*command, "-m", "titan_train.cli", *argv], env)  # the user's env wins
 
 
 if __name__ == "__main__":
     status = main()
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        from titan_train.launch import exit_rank
+
         exit_rank(status)
     sys.exit(status)

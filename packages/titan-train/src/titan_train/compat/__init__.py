@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from titan_optim import OptimizerConfig
-from titan_train.config.loader import ConfigError
+from titan_train.errors import ConfigError
 
 __all__ = [
     "KEYS",

@@ -12,8 +12,9 @@ bytes:
   profiler's memory events, the number ``peak`` models (the profiler adds a few MiB to
   ``resident``).
 
-As the command does, a CPU run first makes glibc keep freed blocks
-(``titan_train.trainer.host_memory``). Nothing is shared with the estimator.
+As the command does, a CPU run's ranks start with glibc's small-block caches off and first
+make glibc keep freed blocks (``titan_train.trainer.host_memory``). Nothing is shared with
+the estimator.
 ``spawn_real(argvs, nproc)`` runs each command line as its own ``nproc``-rank gloo job (a
 fresh process per run: one run's grown heap would hide the next's) and returns each run's
 measurements per rank.
@@ -21,10 +22,12 @@ measurements per rank.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -143,6 +146,24 @@ def _rank_main(rank: int, nproc: int, port: int, argv: list[str], live: bool, ou
     exit_rank(0)
 
 
+@contextlib.contextmanager
+def ranks_environment(argv: list[str]) -> Iterator[None]:
+    """This process's environment, while it starts ranks, as ``titan-train``'s launcher gives
+    them for ``argv`` (glibc's small-block caches: ``host_memory.launch_environment``)."""
+    from titan_dims import detect_device_type
+    from titan_train.config import parse_job_config
+    from titan_train.trainer.host_memory import launch_environment
+
+    wanted = parse_job_config(argv).training.reuse_host_memory and detect_device_type() == "cpu"
+    before = dict(os.environ)
+    os.environ.update(launch_environment(wanted))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def spawn_real(
     argvs: list[list[str]], nproc: int, *, live: bool = False
 ) -> list[list[dict[str, int]]]:
@@ -155,9 +176,10 @@ def spawn_real(
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
         out = ctx.SimpleQueue()
-        mp.start_processes(
-            _rank_main, args=(nproc, port, argv, live, out), nprocs=nproc, start_method="spawn"
-        )
+        with ranks_environment(argv):
+            mp.start_processes(
+                _rank_main, args=(nproc, port, argv, live, out), nprocs=nproc, start_method="spawn"
+            )
         per_rank = dict(out.get() for _ in range(nproc))
         results.append([per_rank[r] for r in range(nproc)])
     return results

@@ -2,7 +2,8 @@
 modelled from the same recording of the step's allocations and frees, in order:
 
 - **glibc's heap (CPU).** c10 takes every CPU tensor from ``posix_memalign``, and
-  ``titan-train`` makes glibc keep freed blocks (``titan_train.trainer.host_memory``). A
+  ``titan-train`` makes glibc keep freed blocks, its small-block caches off
+  (``titan_train.trainer.host_memory``). A
   freed block is reused only by a request that fits it (or it merged with free neighbours),
   so where a step's allocations do not fit the holes earlier ones left, the heap grows.
   ``glibc_high_water`` replays the allocations on glibc itself in a fresh small process
@@ -18,10 +19,11 @@ modelled from the same recording of the step's allocations and frees, in order:
   of it (``torch.cuda.max_memory_reserved``); untested on a GPU.
 
 Not modelled: the runtime's small allocations (C++ tensor and autograd objects made between
-the tensors' blocks and outliving them), which split freed blocks: 6-29% of a one-process
-run's growth (``tools/bench/estimate_accuracy.py --replay-real`` replays a real run's every
-allocation); and, a few MiB each, OMP threads' arenas, gloo's transport buffers; nor NCCL's
-buffers, the CUDA context.
+the tensors' blocks). With glibc's small-block caches on they split freed blocks, 2-31% of a
+run's growth by no rule on the tensors (``tools/bench/estimate_accuracy.py --replay-real``
+replays a real run's every allocation); with them off, as ``titan-train`` runs, freed small
+blocks merge at once and the tensors' blocks alone land near the real growth. Nor, a few MiB
+each, OMP threads' arenas, gloo's transport buffers; nor NCCL's buffers, the CUDA context.
 """
 
 from __future__ import annotations
@@ -101,8 +103,9 @@ def _group_name(group: Any) -> str:
 
 def glibc_high_water(events: list[tuple[object, int]]) -> int | None:
     """How far glibc's heap grows serving ``events`` with c10's ``posix_memalign``/``free``
-    under ``host_memory``'s thresholds, in a fresh process (``mallinfo2``, all arenas; pages
-    reserved, not touched), a ``GlooBlock`` worker's blocks from a thread of their own;
+    under ``host_memory``'s thresholds and environment, in a fresh process (``mallinfo2``,
+    all arenas; pages reserved, not touched), a ``GlooBlock`` worker's blocks from a thread
+    of their own;
     ``None`` without Linux glibc 2.33+ or when the process fails."""
     import platform
     import struct
@@ -114,6 +117,7 @@ def glibc_high_water(events: list[tuple[object, int]]) -> int | None:
         _CAPPED_MMAP_THRESHOLD,
         MMAP_THRESHOLD,
         TRIM_THRESHOLD,
+        allocator_environment,
     )
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -128,6 +132,7 @@ def glibc_high_water(events: list[tuple[object, int]]) -> int | None:
             [sys.executable, "-I", "-S", str(Path(__file__).with_name("_replay.py")),
              str(MMAP_THRESHOLD), str(_CAPPED_MMAP_THRESHOLD), str(TRIM_THRESHOLD)],
             input=data, capture_output=True, check=True, timeout=300,
+            env=allocator_environment(),  # glibc's small-block caches as titan-train sets them
         )  # fmt: skip
         return int(done.stdout)
     except (OSError, subprocess.SubprocessError, ValueError):
