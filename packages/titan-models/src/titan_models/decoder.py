@@ -162,6 +162,13 @@ class Decoder(nn.Module):
         return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
+    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
+        """Compute the RoPE table again (on ``buffer_device``, by default where it already
+        lives): what ``init_weights`` does for the model's buffers, and all the memory that
+        takes beside the parameters (``titan-train estimate`` records it on fake tensors)."""
+        device = buffer_device if buffer_device is not None else self.rope.device
+        self.rope = self._rope_table(device)
+
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """Tie a tied output to the embedding again, initialize every parameter, the MoE
         blocks' expert-balance buffers and the RoPE table (on ``buffer_device``, by default
@@ -171,7 +178,7 @@ class Decoder(nn.Module):
         tied matrix gets that init, whichever end of the model a pipeline stage holds."""
         self.tie_weights()
         device = buffer_device if buffer_device is not None else self.rope.device
-        self.rope = self._rope_table(device)
+        self.init_buffers(device)
         std = self.args.dim**-0.5
         if self.tok_embeddings is not None:
             w = self.tok_embeddings.weight

@@ -64,6 +64,21 @@ def test_meta_construction_then_init_weights():
     assert abs(loss.item() - math.log(2048)) < 1.0
 
 
+def test_init_buffers_computes_the_rope_table_alone():
+    args = llama3_args("debugmodel", max_seq_len=64)
+    with torch.device("meta"):
+        model = Llama3(args)
+    model.to_empty(device="cpu")  # the table's values are garbage now, the weights too
+    before = [p.clone() for p in model.parameters()]
+    model.init_buffers()
+    torch.testing.assert_close(model.rope, rope_table(16, 64, 500000.0, args.rope_scaling))
+    # The weights are left as they were (compared as bytes: garbage may hold NaNs).
+    assert all(
+        torch.equal(a.view(torch.int32), b.view(torch.int32))
+        for a, b in zip(before, model.parameters(), strict=True)
+    )
+
+
 def test_rope_rotates_pairs_and_preserves_norms():
     table = rope_table(8, 5, 10000.0)
     x = torch.randn(1, 5, 2, 8)

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from titan_dims.simulate import fake_process_group
+from titan_models.decoder import Decoder
 from titan_models.moe import moe_layers
 from titan_optim import build_optimizers
 from titan_optim.clip import global_grad_norm
@@ -391,17 +392,23 @@ def _measure(
     """Allocate ``parts`` (fake), build the optimizers and run two steps under the tracker."""
     cpu = torch.device("cpu")
     for part in parts:
-        part.to_empty(device=cpu)  # fake storages; no init: values do not change memory
+        part.to_empty(device=cpu)  # fake storages; the weights' values do not change memory
         part.train()
     dims = plan.parallel_dims
     optimizers: Any = build_optimizers(parts, config.optimizer, pipeline_parallel=dims.pp_enabled)
     tracker = _Tracker()
     tracker.track_external(*parts)
-    marks = [len(tracker.events)]  # where the recording's phases start (host.two_steps)
     batch = plan.batches.local_batch_size
     steps = plan.batches.accumulation_steps
     seq_len = config.training.seq_len
     with tracker:
+        # The build's buffer init after the storages, as the build runs it: the RoPE table's
+        # float64 temporaries leave holes among the resident blocks (the weights' init on
+        # fake sharded tensors would need their values).
+        for part in parts:
+            if isinstance(part, Decoder):
+                part.init_buffers(cpu)
+        marks = [len(tracker.events)]  # where the recording's phases start (host.two_steps)
         # The optimizer state exists from the first step on: one update on zero gradients
         # makes it cheaply, then one whole step is measured.
         for param in (p for part in parts for p in part.parameters()):
