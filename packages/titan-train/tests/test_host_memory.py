@@ -215,3 +215,18 @@ def test_the_command_trains_with_the_caches_off_and_says_so_once(tmp_path):
     said = out.stdout + out.stderr
     assert said.count("small-block caches off (GLIBC_TUNABLES=glibc.malloc.tcache_count=0") == 1
     assert said.count("llama3 debugmodel: 6,163,712 parameters") == 1, said  # logged once
+
+
+def test_the_command_module_imports_without_torch_and_the_package_names_resolve():
+    # The restart costs an interpreter start only while nothing before it imports torch.
+    probe = (
+        "import sys, titan_train.cli; print('torch' in sys.modules); "
+        "import titan_train, titan_train.generate.cli, titan_train.preflight, types; "
+        "values = [getattr(titan_train, n) for n in titan_train.__all__]; "
+        "print(sorted(n for n, v in zip(titan_train.__all__, values) "
+        "if isinstance(v, types.ModuleType)), callable(titan_train.generate), "
+        "callable(titan_train.preflight))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    # Every exported name is its object, the functions named as their modules included.
+    assert out.stdout.split("\n")[:2] == ["False", "[] True True"]
