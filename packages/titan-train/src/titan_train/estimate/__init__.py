@@ -47,6 +47,7 @@ from titan_optim.clip import global_grad_norm
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.estimate.host import (
+    FSDP_FRAGMENTATION,
     GLOO_THREADS,
     RUNTIME_HEAP,
     GlooBlock,
@@ -98,7 +99,12 @@ class MemoryEstimate:
     peak: int
     host_overhead: int = 0
     """On the CPU, beyond ``peak``: glibc's retention over the first two steps (gloo's
-    buffers included) and the runtime's own heap (``titan_train.estimate.host``)."""
+    buffers included), ``fragmentation`` and the runtime's own heap
+    (``titan_train.estimate.host``)."""
+    fragmentation: int = 0
+    """On the CPU, where this rank shards parameters with FSDP: a measured share of the
+    replayed heap for the blocks the runtime's small allocations keep from reuse
+    (``titan_train.estimate.host.FSDP_FRAGMENTATION``); part of ``host_overhead``."""
     peak_resident: int = 0
     """On the CPU, what runs out: ``peak`` plus ``host_overhead``, the growth from just
     before the model is built (shared libraries and torch's import not included)."""
@@ -220,13 +226,17 @@ def estimate_memory(
         }
         ddp = f"DDP over {replicas} replicas: one simulated, plus the reducer's gradient buckets."
         measured["note"] = f"{measured['note']} {ddp}" if measured.get("note") else ddp
+    fragmentation = 0
     if heap is None:  # not glibc: the runtime's heap alone
         heap = measured["peak"]
         note = "The host allocator's retention was not modelled (not glibc)."
         measured["note"] = f"{measured['note']} {note}" if measured.get("note") else note
-    host_overhead = max(heap - measured["peak"], 0) + RUNTIME_HEAP
+    elif layout["dp_shard"] > 1:
+        fragmentation = int(heap * FSDP_FRAGMENTATION)
+    host_overhead = max(heap - measured["peak"], 0) + RUNTIME_HEAP + fragmentation
     return MemoryEstimate(
         host_overhead=host_overhead,
+        fragmentation=fragmentation,
         peak_resident=measured["peak"] + host_overhead,
         peak_reserved=max(reserved, measured["peak"]),
         model=plan.spec.name,

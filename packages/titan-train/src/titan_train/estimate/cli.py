@@ -155,6 +155,7 @@ def format_table(estimate: MemoryEstimate) -> str:
         ("activations (most at once)", e.activations if e.step_simulated else None),
         ("peak (one step)", e.peak),
         ("host allocator and runtime", e.host_overhead),
+        *([("  of it, FSDP fragmentation", e.fragmentation)] if e.fragmentation else []),
         ("peak resident (CPU process)", e.peak_resident),
         ("peak reserved (accelerator)", e.peak_reserved),
     ]

@@ -15,15 +15,18 @@ modelled from the same recording of the step's allocations and frees, in order:
   2.36 does not reuse a just-freed block for the same aligned size again: six 16 MiB
   all-gathers on 2 ranks grow resident memory by ~an output each, in the replay too.
 - **The runtime's own heap (CPU).** ``RUNTIME_HEAP``, a measured constant.
+- **FSDP's fragmentation (CPU).** ``FSDP_FRAGMENTATION``: a measured share of the replayed
+  heap, added where the rank shards parameters with FSDP.
 - **The CUDA caching allocator.** ``cuda_reserved_peak`` replays the recording on a model
   of it (``torch.cuda.max_memory_reserved``); untested on a GPU.
 
-Not modelled: the runtime's small allocations (C++ tensor and autograd objects made between
-the tensors' blocks). With glibc's small-block caches on they split freed blocks, 2-31% of a
-run's growth by no rule on the tensors (``tools/bench/estimate_accuracy.py --replay-real``
-replays a real run's every allocation); with them off, as ``titan-train`` runs, freed small
-blocks merge at once and the tensors' blocks alone land near the real growth. Nor, a few MiB
-each, OMP threads' arenas, gloo's transport buffers; nor NCCL's buffers, the CUDA context.
+Not modelled one by one: the runtime's small allocations (C++ tensor and autograd objects
+made between the tensors' blocks). With glibc's small-block caches on they split freed
+blocks, 2-31% of a run's growth by no rule on the tensors (``tools/bench/estimate_accuracy.py
+--replay-real`` replays a real run's every allocation); with them off, as ``titan-train``
+runs, freed small blocks merge at once and the tensors' blocks alone land near the real
+growth, except under FSDP (``FSDP_FRAGMENTATION``). Nor, a few MiB each, OMP threads'
+arenas, gloo's transport buffers; nor NCCL's buffers, the CUDA context.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 from titan_train.trainer.memory_fit import RUNTIME_HEAP
 
 __all__ = [
+    "FSDP_FRAGMENTATION",
     "GLOO_THREADS",
     "RUNTIME_HEAP",
     "GlooBlock",
@@ -48,6 +52,19 @@ __all__ = [
 
 GLOO_THREADS = 2
 """Worker threads of each torch ``ProcessGroupGloo`` (its ``Options.threads`` default)."""
+
+FSDP_FRAGMENTATION = 1 / 8
+"""What a CPU rank sharding parameters with FSDP holds beyond its tensors' replayed heap, as
+a share of that heap. Each of FSDP's gathers and reduce-scatters allocates and frees blocks
+of a whole layer's size (its output, gloo's flat buffer and copies), and the runtime's small
+allocations made between them keep freed blocks from serving the next one: a ~100M model's
+4-rank FSDP ranks, traced (``tools/bench/estimate_accuracy.py --replay-real``), replay to
+1508-1587 MiB with every allocation and to 1313-1418 with their tensor blocks alone, under
+10 MiB of small objects live at the peak. Which blocks they spoil follows the objects' exact
+sizes and order, not the tensors', so the estimate adds a measured share instead: the FSDP
+ranks of the debug and ~100M models, 2 and 4 per run, held 1-24% more than their tensors'
+replay (one process, full AC and TP: within 3%). One eighth was chosen on the README's
+accuracy rows, then checked on batch and sequence sizes it was not chosen on."""
 
 
 @dataclass(frozen=True)
