@@ -137,7 +137,7 @@ import json, os, sys
 from titan_train.trainer import host_memory
 print(json.dumps({"pid": os.getpid(), "tunables": os.environ.get("GLIBC_TUNABLES")}))
 host_memory.restart_early()
-host_memory.settle(lambda: sys.argv[1] == "wanted")
+host_memory.settle(lambda: {"wanted": True, "not": False}.get(sys.argv[1]))
 """
 
 
@@ -185,6 +185,43 @@ def test_a_run_that_does_not_want_them_off_ends_with_the_environment_it_had():
 )
 def test_no_restart_where_the_user_decided_or_nothing_would_change(env):
     assert len(_starts("not", **env)) == 1
+
+
+@glibc_only
+def test_a_configuration_that_does_not_read_causes_no_second_restart():
+    # Its error comes from the run's own reading, at once, with the caches as they are.
+    starts = _starts("unreadable")
+    assert len(starts) == 2
+    assert starts[1]["tunables"] == "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
+
+
+# A program of the user's own that calls the command's main() with its own arguments; its
+# first line runs again if anything starts the process again.
+_CALLER = """
+import sys
+print("program started", flush=True)
+from titan_train.cli import main
+sys.exit(main())
+"""
+
+
+@glibc_only
+def test_a_program_calling_main_is_never_started_again(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", _DECIDED)}
+    env = {k: v for k, v in env.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    program = tmp_path / "program.py"
+    program.write_text(_CALLER)
+    command = [
+        sys.executable, str(program), "--training.steps", "1", "--training.seq_len", "32",
+        "--training.local_batch_size", "1", "--checkpoint.no_enable",
+        "--metrics.no_enable_tensorboard", "--job.dump_folder", str(tmp_path / "out"),
+    ]  # fmt: skip
+    out = subprocess.run(
+        command, capture_output=True, text=True, env={**env, "TITAN_DEVICE": "cpu"}, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("program started") == 1
+    assert "small-block caches on" in out.stdout + out.stderr  # glibc as the program started
 
 
 def test_the_launcher_starts_its_ranks_decided():

@@ -95,12 +95,22 @@ _LIST_MODELS_HELP = """titan-train list-models: the model families titan-train c
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``titan-train``; returns the exit status."""
-    owns_process = argv is None  # the command's own process, not a caller's
+    # Only the command's own process is started again in place (host_memory): in a program
+    # that calls main() itself, a restart would run that whole program a second time.
+    owns_process = argv is None and _started_as_command()
     argv = list(sys.argv[1:] if argv is None else argv)
     if owns_process and (not argv or argv[0] == "train" or argv[0].startswith("-")):
         host_memory.restart_early()
     _setup_logging()
     return quiet_on_closed_pipe(lambda: _main(argv, owns_process))
+
+
+def _started_as_command() -> bool:
+    """Whether this process is the ``titan-train`` script or ``python -m titan_train.cli``."""
+    script = sys.argv[0] if sys.argv else ""
+    return os.path.basename(script) == "titan-train" or (
+        os.path.realpath(script) == os.path.realpath(__file__)
+    )
 
 
 def _main(argv: list[str], owns_process: bool = False) -> int:
@@ -259,9 +269,10 @@ def _on_cpu() -> bool:
     return detect_device_type() == "cpu"
 
 
-def _wants_host_memory(argv: list[str]) -> bool:
+def _wants_host_memory(argv: list[str]) -> bool | None:
     """A CPU run with training.reuse_host_memory, read quietly (before a restart nothing may
-    be written; the run's own reading reports the configuration's warnings and errors)."""
+    be written; the run's own reading reports the configuration's warnings and errors);
+    ``None`` where the configuration does not read: no restart before that error."""
     from titan_train.config import parse_job_config
 
     logging.disable(logging.WARNING)
@@ -270,7 +281,7 @@ def _wants_host_memory(argv: list[str]) -> bool:
             warnings.simplefilter("ignore")
             return parse_job_config(argv).training.reuse_host_memory and _on_cpu()
     except Exception:  # reported, once, by the run's own reading
-        return False
+        return None
     finally:
         logging.disable(logging.NOTSET)
 

@@ -152,21 +152,22 @@ def _decided(env: dict[str, str], off: bool) -> dict[str, str]:
     return {**allocator_environment(found), _DECIDED: "off:" + found.get("GLIBC_TUNABLES", "")}
 
 
-def settle(wanted: Callable[[], bool]) -> None:
+def settle(wanted: Callable[[], bool | None]) -> None:
     """Make glibc's small-block caches what the run wants (``wanted()``: a CPU run with
     ``training.reuse_host_memory``), starting the command again in its place where they are
     not: off where ``restart_early`` could not tell the device, or back as the environment had
     them where it turned them off and the run turns out not to want that. ``wanted()`` is
-    asked only where a restart could follow; call this before anything is written."""
+    asked only where a restart could follow, and ``None`` from it (not known: a configuration
+    that fails to read) leaves the process as it is; call this before anything is written."""
     decided = os.environ.get(_DECIDED)
     if decided == "kept" or not _can_change():
         return
     if decided is None:
         env = allocator_environment()
         if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES") or not wanted():
-            return  # the user's own values, or not wanted: glibc stays as started
-    elif wanted():
-        return  # off, as wanted
+            return  # the user's own values, or not wanted (or not known): glibc stays
+    elif wanted() is not False:
+        return  # off, as wanted (or not known)
     _restart(_decided(dict(os.environ), off=decided is None))
 
 
